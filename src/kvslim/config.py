@@ -1,0 +1,206 @@
+"""Cache configuration: one frozen, validated dataclass and its one-line spec syntax.
+
+The spec syntax is the same everywhere in the CLI (``eval --config``, ``bench --config``):
+``FORMAT[,key=value...]`` with keys ``k``, ``v`` (per-tensor formats), ``sink``, ``window``,
+``group``, ``residual``, ``v_group`` and ``mean_center`` (a bias file). Examples::
+
+    int4
+    q4_0,mean_center=bias.gguf
+    none,sink=4,window=1020
+    int2,group=32,residual=128
+    q8_0,k=q4_0            # K in q4_0, V in q8_0
+
+This module knows nothing about transformers or tensors beyond validation.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, fields, replace
+
+from .formats import format_names, get_format
+
+#: Formats whose zero point already absorbs a per-channel mean: mean-centering cannot help them.
+_ASYMMETRIC = ("int8", "int4", "int2", "q4_1", "q5_1")
+#: Formats mean-centering is enabled for (measured, see docs/mean-center.md). The PR gates to q4_0.
+MEAN_CENTER_FORMATS = ("q4_0", "q5_0", "q8_0")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Everything that defines a cache mode. Validated on construction.
+
+    kv_quantize: storage format of K and V unless overridden (``none`` = the model's dtype).
+    k_quantize / v_quantize: per-tensor overrides (None = ``kv_quantize``).
+    sink: StreamingLLM sink tokens kept forever (>= 0).
+    window: StreamingLLM window of most recent tokens (> 0), or None for an unbounded cache.
+    group_size: KIVI token group of per-channel K scales (and the unit in which tokens leave the
+        full-precision residual).
+    residual: KIVI full-precision residual: the most recent ``residual`` tokens are never quantized
+        (a multiple of ``group_size``; 0 quantizes every token as it arrives, as llama.cpp does).
+    v_group_size: channel group of per-token V scales for affine formats (None = whole head_dim).
+    mean_center: path to a K bias file (GGUF, see :mod:`kvslim.calibrate`), or None.
+    """
+
+    kv_quantize: str = "none"
+    k_quantize: str | None = None
+    v_quantize: str | None = None
+    sink: int = 0
+    window: int | None = None
+    group_size: int = 32
+    residual: int = 128
+    v_group_size: int | None = None
+    mean_center: str | None = None
+
+    def __post_init__(self):
+        for name in ("kv_quantize", "k_quantize", "v_quantize"):
+            value = getattr(self, name)
+            if value is None and name != "kv_quantize":
+                continue
+            if not isinstance(value, str):
+                raise ValueError(f"{name} must be a format name, got {value!r}")
+            get_format(value)  # raises with the legal names
+        _int_field("sink", self.sink, minimum=0)
+        if self.window is not None:
+            _int_field("window", self.window, minimum=1, hint="or None for an unbounded cache")
+        _int_field("group_size", self.group_size, minimum=1)
+        _int_field("residual", self.residual, minimum=0)
+        if self.residual % self.group_size:
+            raise ValueError(
+                f"residual={self.residual} is not a multiple of group_size={self.group_size}: tokens leave "
+                f"the full-precision residual one group at a time, so residual must be 0 or a multiple "
+                f"of group_size (e.g. {self.group_size * max(1, round(self.residual / self.group_size))})"
+            )
+        if self.v_group_size is not None:
+            _int_field("v_group_size", self.v_group_size, minimum=1, hint="or None for the whole head_dim")
+        if self.mean_center is not None:
+            if self.k_format not in MEAN_CENTER_FORMATS:
+                why = (
+                    "its zero point already absorbs a per-channel mean"
+                    if self.k_format in _ASYMMETRIC
+                    else "it does not quantize K with a symmetric (zero-point free) block format"
+                )
+                raise ValueError(
+                    f"mean_center does not apply to K format {self.k_format!r}: {why}; "
+                    f"it applies to {', '.join(MEAN_CENTER_FORMATS)}"
+                )
+
+    @property
+    def k_format(self) -> str:
+        return self.k_quantize or self.kv_quantize
+
+    @property
+    def v_format(self) -> str:
+        return self.v_quantize or self.kv_quantize
+
+    @property
+    def capacity(self) -> int | None:
+        """Tokens stored per layer at most (sink + window), or None when unbounded."""
+        return None if self.window is None else self.sink + self.window
+
+    @property
+    def is_identity(self) -> bool:
+        return self.k_format == "none" and self.v_format == "none" and self.window is None
+
+    def to_spec(self) -> str:
+        """The canonical one-line spec; ``parse_spec(c.to_spec()) == c``."""
+        parts = [self.kv_quantize]
+        if self.k_quantize is not None:
+            parts.append(f"k={self.k_quantize}")
+        if self.v_quantize is not None:
+            parts.append(f"v={self.v_quantize}")
+        if self.sink:
+            parts.append(f"sink={self.sink}")
+        if self.window is not None:
+            parts.append(f"window={self.window}")
+        if self.group_size != 32:
+            parts.append(f"group={self.group_size}")
+        if self.residual != 128:
+            parts.append(f"residual={self.residual}")
+        if self.v_group_size is not None:
+            parts.append(f"v_group={self.v_group_size}")
+        if self.mean_center is not None:
+            parts.append(f"mean_center={self.mean_center}")
+        return ",".join(parts)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def replace(self, **changes) -> CacheConfig:
+        return replace(self, **changes)
+
+    def describe(self) -> str:
+        """Human summary for banners: formats, sink/window, group/residual."""
+        if self.k_format == self.v_format:
+            fmt = f"KV {self.k_format}"
+        else:
+            fmt = f"K {self.k_format} / V {self.v_format}"
+        out = [fmt]
+        lossy = self.k_format != "none" or self.v_format != "none"
+        if lossy:
+            out.append(f"group {self.group_size}, residual {self.residual}")
+        if self.window is not None:
+            out.append(f"StreamingLLM sink {self.sink} + window {self.window}")
+        else:
+            out.append("unbounded")
+        if self.mean_center:
+            out.append(f"K mean-centered ({os.path.basename(self.mean_center)})")
+        return "; ".join(out)
+
+
+def _int_field(name: str, value, *, minimum: int, hint: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer >= {minimum}{', ' + hint if hint else ''}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}{' ' + hint if hint else ''}, got {value}")
+
+
+# spec key -> (dataclass field, parser)
+_SPEC_KEYS = {
+    "k": ("k_quantize", str),
+    "v": ("v_quantize", str),
+    "sink": ("sink", int),
+    "window": ("window", int),
+    "group": ("group_size", int),
+    "residual": ("residual", int),
+    "v_group": ("v_group_size", int),
+    "mean_center": ("mean_center", str),
+}
+
+
+def parse_spec(spec: str) -> CacheConfig:
+    """Parse ``FORMAT[,key=value...]`` into a validated :class:`CacheConfig`.
+
+    Raises ValueError naming the bad part and what is legal.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"empty cache spec; expected FORMAT[,key=value...], e.g. 'int4,sink=4,window=1020'")
+    head, *rest = [p.strip() for p in spec.split(",")]
+    if "=" in head:
+        raise ValueError(
+            f"cache spec {spec!r} must start with a format name (one of {', '.join(format_names())}), got {head!r}"
+        )
+    kwargs: dict = {"kv_quantize": head}
+    for part in rest:
+        if "=" not in part:
+            raise ValueError(f"cache spec {spec!r}: {part!r} is not key=value; keys: {', '.join(_SPEC_KEYS)}")
+        key, value = (s.strip() for s in part.split("=", 1))
+        if key not in _SPEC_KEYS:
+            raise ValueError(f"cache spec {spec!r}: unknown key {key!r}; keys: {', '.join(_SPEC_KEYS)}")
+        field_name, conv = _SPEC_KEYS[key]
+        if field_name in kwargs:
+            raise ValueError(f"cache spec {spec!r}: key {key!r} given twice")
+        if conv is int:
+            if value.lower() in ("none", "") and key in ("window", "v_group"):
+                kwargs[field_name] = None
+                continue
+            try:
+                kwargs[field_name] = int(value)
+            except ValueError:
+                raise ValueError(f"cache spec {spec!r}: {key} must be an integer, got {value!r}") from None
+        else:
+            kwargs[field_name] = value
+    return CacheConfig(**kwargs)
+
+
+CONFIG_FIELDS = tuple(f.name for f in fields(CacheConfig))

@@ -1,0 +1,100 @@
+"""Float formats: ``none`` (the model's dtype, as given), ``fp16``, ``bf16`` and ``fp8`` (e4m3).
+
+fp8 stores each token's vector as float8_e4m3fn after dividing by a per-token scale
+``absmax / 448`` (448 is e4m3's largest finite value), kept as fp32; with the scale, tokens of any
+magnitude use the format's full range instead of saturating or flushing to zero.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Codec, Encoded, Format, check_finite
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+class _CastCodec(Codec):
+    """Store as a plain dtype cast (fp16 / bf16), or unchanged (``none``)."""
+
+    def __init__(self, name: str, dtype: torch.dtype | None):
+        self.name = name
+        self.dtype = dtype
+        self.lossy = dtype is not None
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        if self.dtype is None:
+            return Encoded(token={"x": x})
+        if self.dtype == torch.float16:
+            check_finite(x)  # fp16 overflow would turn large finite values into inf as well
+        return Encoded(token={"x": x.to(self.dtype)})
+
+    def decode(self, enc: Encoded, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
+        return enc.token["x"].to(dtype)
+
+    def bits_per_element(self, head_dim: int) -> float:
+        # ``none`` depends on the model's dtype; report it for fp32 here, layers count real bytes.
+        return 32.0 if self.dtype is None else float(torch.finfo(self.dtype).bits)
+
+    def nbytes(self, batch: int, heads: int, tokens: int, head_dim: int) -> int:
+        return batch * heads * tokens * head_dim * int(self.bits_per_element(head_dim)) // 8
+
+
+class _Fp8Codec(Codec):
+    name = "fp8"
+    symmetric = True
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        check_finite(x)
+        xf = x.float()
+        amax = xf.abs().amax(dim=-1, keepdim=True)  # (B, H, T, 1)
+        scale = torch.clamp(amax / FP8_MAX, min=1e-12)
+        codes = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return Encoded(token={"codes": codes, "scale": scale})
+
+    def decode(self, enc: Encoded, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
+        return (enc.token["codes"].float() * enc.token["scale"]).to(dtype)
+
+    def bits_per_element(self, head_dim: int) -> float:
+        return 8.0 + 32.0 / head_dim
+
+    def nbytes(self, batch: int, heads: int, tokens: int, head_dim: int) -> int:
+        return batch * heads * tokens * (head_dim + 4)
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: (..., D) -> (codes float8_e4m3fn (..., D), scale fp32 (..., 1)). Pure function."""
+    enc = _Fp8Codec().encode(x.reshape(1, 1, -1, x.shape[-1]))
+    return enc.token["codes"].reshape(x.shape), enc.token["scale"].reshape(*x.shape[:-1], 1)
+
+
+def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (codes.float() * scale.float()).to(dtype)
+
+
+class NoneFormat(Format, name="none"):
+    summary = "no compression: the model's own dtype"
+
+    def codec(self, role, *, group_size=32, v_group_size=None):
+        return _CastCodec("none", None)
+
+
+class Fp16Format(Format, name="fp16"):
+    summary = "IEEE half precision"
+
+    def codec(self, role, *, group_size=32, v_group_size=None):
+        return _CastCodec("fp16", torch.float16)
+
+
+class Bf16Format(Format, name="bf16"):
+    summary = "bfloat16"
+
+    def codec(self, role, *, group_size=32, v_group_size=None):
+        return _CastCodec("bf16", torch.bfloat16)
+
+
+class Fp8Format(Format, name="fp8"):
+    summary = "float8 e4m3 with a per-token fp32 scale"
+
+    def codec(self, role, *, group_size=32, v_group_size=None):
+        return _Fp8Codec()
