@@ -63,6 +63,11 @@ class CacheConfig:
         _int_field("sink", self.sink, minimum=0)
         if self.window is not None:
             _int_field("window", self.window, minimum=1, hint="or None for an unbounded cache")
+        if self.sink and self.window is None:
+            raise ValueError(
+                f"sink={self.sink} needs a window: StreamingLLM keeps the sinks plus the last `window` tokens; "
+                f"set window (e.g. window=1020) or sink=0"
+            )
         _int_field("group_size", self.group_size, minimum=1)
         _int_field("residual", self.residual, minimum=0)
         if self.residual % self.group_size:

@@ -1,0 +1,282 @@
+"""SlimCache: the transformers adapter. The ONLY module that imports transformers' Cache API.
+
+Usage::
+
+    from kvslim import SlimCache
+    cache = SlimCache(kv_quantize="int4", sink=4, window=1020, config=model.config)
+    out = model.generate(**inputs, past_key_values=cache)      # or model(..., cache=cache)
+
+Everything about storage lives in :mod:`kvslim.layer`, everything about which tokens are kept in
+:mod:`kvslim.policy`, every format in :mod:`kvslim.formats`. This module maps transformers' per-layer
+contract (``update``, ``get_seq_length``, ``get_mask_sizes``, ``reorder_cache``, ``crop``, ...)
+onto them.
+
+Masking after eviction: a layer holding ``stored`` of ``seen`` tokens reports
+``get_mask_sizes(q) = (stored + q, seen - stored)``, i.e. its stored tokens are presented as if
+they were the ``stored`` positions just before the new ones. All of them precede every new query,
+so the causal mask shows them all and stays causal among the new tokens; and because of the
+sink rule in :mod:`kvslim.policy`, the padding mask read at those positions is exactly right for
+left-padded batches too.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .config import CacheConfig
+from .formats import make_codec
+from .layer import SlimLayer
+from .policy import KeepPolicy
+
+
+class SlimCacheLayer(CacheLayerMixin):
+    """transformers' per-layer contract over a :class:`~kvslim.layer.SlimLayer`."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, store_factory):
+        super().__init__()
+        self._factory = store_factory
+        self.store: SlimLayer = store_factory()
+
+    @property
+    def is_croppable(self) -> bool:
+        return self.store.stored == self.store.seen
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        # transformers passes the attention layer's kwargs as `kwargs=...`; position_ids tell left padding.
+        inner = kwargs.get("kwargs") or {}
+        position_ids = inner.get("position_ids", kwargs.get("position_ids"))
+        return self.store.append(key_states, value_states, position_ids)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        stored = self.store.stored
+        return stored + query_length, self.store.seen - stored
+
+    def get_seq_length(self) -> int:
+        return self.store.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.store = self._factory()
+        self.is_initialized = False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.store.seen:
+            self.store.map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        # transformers' convention (DynamicLayer): a negative value removes that many tokens.
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"crop({tokens_to_remove}): pass a negative number of tokens to remove, as with DynamicCache"
+            )
+        self.store.crop(-tokens_to_remove)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.store.seen:
+            self.store.map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.store.seen:
+            self.store.map_batch(lambda t: t[indices])
+
+    def offload(self):  # the store has no single keys/values tensors to move
+        pass
+
+    def prefetch(self):
+        pass
+
+
+class SlimCache(Cache):
+    """A bounded, compressed KV cache: StreamingLLM eviction x any storage format, per layer.
+
+    Args:
+        kv_quantize: storage of K and V: ``none`` (the model's dtype), ``fp16``, ``bf16``, ``fp8``,
+            ``int8``/``int4``/``int2`` (KIVI: K per channel in groups of ``group_size`` tokens, V per
+            token), ``q8_0``/``q4_0``/``q4_1``/``q5_0``/``q5_1`` (llama.cpp blocks of 32 channels).
+        k_quantize, v_quantize: per-tensor overrides.
+        sink, window: StreamingLLM; after every update each layer holds at most ``sink + window``
+            tokens: the first ``sink`` seen and the last ``window``. ``window=None``: unbounded.
+        group_size, residual: KIVI. The newest ``residual`` tokens stay at full precision; older ones
+            are encoded once (per-channel K in groups of ``group_size``). At most
+            ``residual + group_size - 1`` K tokens and ``residual`` V tokens are at full precision
+            (exactly ``residual`` for per-token formats).
+        v_group_size: channel group of per-token affine V (None: the whole head_dim).
+        mean_center: K mean-centering bias: a GGUF file path, a ``BiasSet``, or a list of per-layer
+            ``(H_kv, head_dim)`` tensors. Subtracted from every key before it is stored.
+        config: the model's config (recommended): checks the architecture, head_dim against the
+            formats, and the bias file against the model's shapes up front.
+
+    Sinks are stored in the model's dtype (a handful of tokens; they anchor softmax).
+    """
+
+    def __init__(
+        self,
+        *,
+        kv_quantize: str = "none",
+        k_quantize: str | None = None,
+        v_quantize: str | None = None,
+        sink: int = 0,
+        window: int | None = None,
+        group_size: int = 32,
+        residual: int = 128,
+        v_group_size: int | None = None,
+        mean_center=None,
+        config=None,
+        _mean_center_any_format: bool = False,
+    ):
+        path = os.fspath(mean_center) if isinstance(mean_center, (str, os.PathLike)) else None
+        self.cache_config = CacheConfig(
+            kv_quantize=kv_quantize,
+            k_quantize=k_quantize,
+            v_quantize=v_quantize,
+            sink=sink,
+            window=window,
+            group_size=group_size,
+            residual=residual,
+            v_group_size=v_group_size,
+            mean_center=None if _mean_center_any_format else path,
+        )
+        cfg = self.cache_config
+        if mean_center is not None and path is None and not _mean_center_any_format:
+            cfg.replace(mean_center="<tensors>")  # tensors given directly: the same format gate as for a file
+        self.policy = KeepPolicy(sink=cfg.sink, window=cfg.window)
+        self._codecs = {
+            "k": make_codec(cfg.k_format, "k", group_size=cfg.group_size, v_group_size=cfg.v_group_size),
+            "v": make_codec(cfg.v_format, "v", group_size=cfg.group_size, v_group_size=cfg.v_group_size),
+        }
+        self._biases: list[torch.Tensor] | None = None
+        self._shapes = None
+        if config is not None:
+            self._shapes = _model_shapes(config)
+            for role, codec in self._codecs.items():
+                try:
+                    codec.check_head_dim(self._shapes["head_dim"])
+                except ValueError as e:
+                    raise ValueError(f"{role}_quantize={codec.name!r} cannot store this model's KV: {e}") from None
+        if mean_center is not None:
+            if self._shapes is None:
+                raise ValueError("mean_center needs config=model.config to check the bias against the model's shapes")
+            from .calibrate import load_mean_center
+
+            self._biases = load_mean_center(
+                mean_center,
+                n_layers=self._shapes["n_layers"],
+                n_kv_heads=self._shapes["n_kv_heads"],
+                head_dim=self._shapes["head_dim"],
+            )
+        if self._shapes is not None:
+            layers = [SlimCacheLayer(functools.partial(self._new_store, i)) for i in range(self._shapes["n_layers"])]
+            super().__init__(layers=layers)
+        else:
+            super().__init__(layer_class_to_replicate=self._replicate)
+
+    @classmethod
+    def from_config(cls, cache_config: CacheConfig, *, config=None, **overrides) -> SlimCache:
+        """Build from a :class:`~kvslim.config.CacheConfig` (e.g. ``parse_spec("int4,sink=4,window=1020")``)."""
+        kwargs = cache_config.to_dict()
+        kwargs.update(overrides)
+        return cls(config=config, **kwargs)
+
+    # -- construction helpers ------------------------------------------------------------------
+    def _new_store(self, layer_idx: int) -> SlimLayer:
+        bias = None if self._biases is None else self._biases[layer_idx]
+        return SlimLayer(self.policy, self._codecs["k"], self._codecs["v"], self.cache_config.residual, k_bias=bias)
+
+    def _replicate(self) -> SlimCacheLayer:
+        idx = len(self.layers)
+        return SlimCacheLayer(functools.partial(self._new_store, idx))
+
+    # -- kvslim's own surface --------------------------------------------------------------------
+    def stores(self) -> list[SlimLayer]:
+        return [layer.store for layer in self.layers]
+
+    def nbytes(self) -> int:
+        """Every byte the cache holds: codes, scales, zeros, residual, sinks, biases (buffer slack included)."""
+        return sum(s.nbytes() for s in self.stores())
+
+    def live_nbytes(self) -> int:
+        """Bytes of the stored tokens alone, without preallocated buffer slack."""
+        return sum(s.live_nbytes() for s in self.stores())
+
+    def stored_tokens(self) -> int:
+        """Tokens held now. Every layer holds the same number (they see the same tokens and share the policy)."""
+        return self.layers[0].store.stored if self.layers else 0
+
+    def components(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in self.stores():
+            for name, n in s.components().items():
+                out[name] = out.get(name, 0) + n
+        return out
+
+    def fp16_full_cache_bytes(self, tokens: int | None = None) -> int:
+        """Bytes an fp16 cache without eviction would need for ``tokens`` (default: tokens seen)."""
+        tokens = self.get_seq_length() if tokens is None else tokens
+        total = 0
+        for s in self.stores():
+            if s.kv_shape is not None:
+                batch, heads, head_dim = s.kv_shape
+                total += 2 * batch * heads * tokens * head_dim * 2  # K and V, 2 bytes each
+        return total
+
+    def report(self) -> dict:
+        """Tokens seen and stored, bytes held (total and per component), and the fp16 full-cache bytes."""
+        seen = self.get_seq_length()
+        fp16 = self.fp16_full_cache_bytes(seen)
+        nbytes = self.nbytes()
+        return {
+            "tokens_seen": seen,
+            "tokens_stored": self.stored_tokens(),
+            "capacity": self.policy.capacity,
+            "cache_bytes": nbytes,
+            "live_bytes": self.live_nbytes(),
+            "fp16_full_cache_bytes": fp16,
+            "ratio_to_fp16_full": (nbytes / fp16) if fp16 else None,
+            "components": self.components(),
+            "config": self.cache_config.to_dict(),
+        }
+
+    def __repr__(self) -> str:
+        return f"SlimCache({self.cache_config.to_spec()!r}, layers={len(self.layers)})"
+
+
+def _model_shapes(config) -> dict:
+    """Layer count, KV heads and head_dim from a model config; a clear error for unsupported layouts."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    n_layers = getattr(text, "num_hidden_layers", None)
+    n_heads = getattr(text, "num_attention_heads", None)
+    if n_layers is None or n_heads is None:
+        raise ValueError(f"{type(config).__name__} has no num_hidden_layers/num_attention_heads: not a decoder LM config")
+    n_kv = getattr(text, "num_key_value_heads", None) or n_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // n_heads
+    try:
+        layer_types, _ = get_layer_types_and_kwargs(text)
+    except Exception:  # pragma: no cover - configs without per-layer info
+        layer_types = ["full_attention"] * n_layers
+    unsupported = sorted({t for t in layer_types if t != "full_attention"})
+    if unsupported:
+        raise ValueError(
+            f"{getattr(text, 'model_type', type(config).__name__)} has {', '.join(unsupported)} layers; SlimCache supports "
+            f"models whose every layer is full attention through the standard cache update (sliding-window, chunked, "
+            f"linear-attention and KV-sharing layers keep their own caches). For Mistral/Qwen2 set sliding_window=None "
+            f"/ use_sliding_window=False if the checkpoint allows it."
+        )
+    return {"n_layers": n_layers, "n_kv_heads": n_kv, "head_dim": head_dim, "n_heads": n_heads}
