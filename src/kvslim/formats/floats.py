@@ -25,8 +25,11 @@ class _CastCodec(Codec):
     def encode(self, x: torch.Tensor) -> Encoded:
         if self.dtype is None:
             return Encoded(token={"x": x})
-        if self.dtype == torch.float16:
-            check_finite(x)  # fp16 overflow would turn large finite values into inf as well
+        check_finite(x)
+        if self.dtype == torch.float16 and bool((x.abs() > torch.finfo(torch.float16).max).any()):
+            raise ValueError(
+                f"values up to {x.abs().max().item():.4g} overflow fp16 (max 65504); use bf16 or an 8/4-bit format"
+            )
         return Encoded(token={"x": x.to(self.dtype)})
 
     def decode(self, enc: Encoded, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
@@ -68,7 +71,9 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return enc.token["codes"].reshape(x.shape), enc.token["scale"].reshape(*x.shape[:-1], 1)
 
 
-def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_fp8(
+    codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     return (codes.float() * scale.float()).to(dtype)
 
 

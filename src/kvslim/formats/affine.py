@@ -1,0 +1,405 @@
+"""Affine (asymmetric) integer formats of KIVI: int8, int4 and int2 with real bit-packing.
+
+KIVI (Liu et al., 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache") quantizes
+K *per channel* (statistics over a group of ``G`` tokens, one scale/zero per channel and group:
+keys have a few outlier channels, and a per-channel range isolates them) and V *per token*
+(statistics over a group of channels of one token). For each slice::
+
+    scale = max(eps, (max - min) / (2^bits - 1)),  zero = min,  eps = 1e-5
+    code  = clamp(round((x - zero) / scale), 0, 2^bits - 1)
+    x'    = code * scale + zero
+
+Every piece of arithmetic runs in fp32 (fp16/bf16 inputs and stored fp16 scales are cast first);
+the dequantized output is returned in the caller's dtype.
+
+Deviation from KIVI's reference code, on purpose: scale and zero are *stored* in ``scale_dtype``
+(fp16 by default), and the codes are computed against the stored values. Rounding them to nearest
+could move ``zero`` above the slice's min (the min then clamps, with an error of up to half an fp16
+ulp of min, far above ``scale / 2`` for a channel with a large mean and a small spread). So zero is
+rounded toward -inf and scale toward +inf (from ``(max - zero) / levels``): the stored grid
+``[zero, zero + levels * scale]`` still covers ``[min, max]``, and for every element
+``|x - x'| <= scale / 2`` (+ fp32 rounding) holds against the stored scale. A constant slice whose
+value the storage dtype represents (every fp16 input; bf16 in fp16's normal range) reconstructs
+exactly, and ``scale >= eps`` means no division by zero. A slice whose min or range does not fit
+fp16 (``|min| > 65504`` or ``(max - min) / levels > 65504``) raises ValueError; pass
+``scale_dtype=torch.float32`` for such data.
+
+Packing: codes are packed along the last dimension, low bits first (int4: element ``2j`` in the low
+nibble of byte ``j``; int2: element ``4j + i`` in bits ``2i..2i+1``); int8 stores codes as they are.
+
+This module knows nothing about positions or caches: the codecs at the bottom only map
+``(B, H, T, D)`` blocks to stored tensors and back (see :mod:`.base`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .base import Codec, Encoded, Format, check_finite
+
+EPS = 1e-5
+BITS = (8, 4, 2)
+SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_bits(bits: int) -> int:
+    if bits not in BITS:
+        raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
+    return 8 // bits  # codes per byte
+
+
+def _check_group(group_size, what: str) -> int:
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"{what} must be a positive integer, got {group_size!r}")
+    return group_size
+
+
+def _check_packing(bits: int, dim: int) -> None:
+    per = 8 // bits
+    if dim < 1 or dim % per:
+        raise ValueError(
+            f"int{bits} packs {per} codes per byte: head dim must be a multiple of {per}, got {dim}"
+        )
+
+
+def _check_scale_dtype(scale_dtype: torch.dtype) -> None:
+    if scale_dtype not in SCALE_DTYPES:
+        raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {scale_dtype!r}")
+
+
+def _check_float(x: torch.Tensor, what: str = "x") -> None:
+    if not x.is_floating_point():
+        raise ValueError(f"{what} must be a floating point tensor, got dtype {x.dtype}")
+    if x.dim() < 2:
+        raise ValueError(f"{what} must have shape (..., T, D), got shape {tuple(x.shape)}")
+
+
+# --------------------------------------------------------------------------- bit packing
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes: uint8 (..., D) with values < 2^bits -> uint8 (..., D * bits // 8), low bits first.
+
+    D must be divisible by ``8 // bits``. int8 returns the codes unchanged.
+    """
+    _check_bits(bits)
+    if codes.dtype != torch.uint8:
+        raise ValueError(f"codes must be uint8, got {codes.dtype}")
+    _check_packing(bits, codes.shape[-1])
+    return _pack(codes, bits)
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """:func:`pack_bits` without validation, for codes of any integer dtype (..., D) -> uint8."""
+    per = 8 // bits
+    if per == 1:
+        return codes.to(torch.uint8)
+    # Strided slices and scalar shifts: several times faster on CPU than a broadcast shift tensor.
+    packed = codes[..., 0::per].clone()  # (..., D/per)
+    for i in range(1, per):
+        packed |= codes[..., i::per] << (bits * i)
+    return packed.to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """packed: uint8 (..., dim * bits // 8) -> codes uint8 (..., dim). Inverse of :func:`pack_bits`."""
+    per = _check_bits(bits)
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"packed codes must be uint8, got {packed.dtype}")
+    if dim % per or packed.shape[-1] * per != dim:
+        raise ValueError(
+            f"int{bits} packed codes of last dim {packed.shape[-1]} cannot hold {dim} codes "
+            f"(need dim = {per} * last dim)"
+        )
+    if per == 1:
+        return packed
+    mask = (1 << bits) - 1
+    codes = torch.stack([(packed >> (bits * i)) & mask for i in range(per)], dim=-1)  # (..., D/per, per)
+    return codes.reshape(*packed.shape[:-1], dim)
+
+
+# --------------------------------------------------------------------------- scale / zero / codes
+
+
+def _round_to(t: torch.Tensor, dtype: torch.dtype, direction: float) -> torch.Tensor:
+    """Cast fp32 ``t`` to ``dtype``, rounding toward ``direction`` (-inf: down, +inf: up).
+
+    Nearest rounding is off by at most half an ulp, so one ``nextafter`` step fixes it.
+    """
+    r = t.to(dtype)
+    if dtype == torch.float32:
+        return r
+    wrong = r.float() < t if direction > 0 else r.float() > t
+    return torch.where(wrong, torch.nextafter(r, torch.full_like(r, direction)), r)
+
+
+def _affine_params(
+    xf: torch.Tensor, dim: int, bits: int, scale_dtype: torch.dtype, what: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored (scale, zero) in ``scale_dtype`` of the fp32 slices of ``xf`` along ``dim`` (kept as a
+    size-1 dim); raises on non-finite input or on a range the storage dtype cannot hold."""
+    levels = (1 << bits) - 1
+    # amin + amax: on CPU each is an order of magnitude faster than aminmax. Both propagate NaN,
+    # and +-inf lands in one of them: checking the (small) scale and zero covers the input too,
+    # without a full isfinite pass over it.
+    mn, mx = xf.amin(dim, keepdim=True), xf.amax(dim, keepdim=True)
+    zero = _round_to(mn, scale_dtype, -math.inf)
+    scale = _round_to(torch.clamp((mx - zero.float()) / levels, min=EPS), scale_dtype, math.inf)
+    # One host sync for both checks; diagnose only on failure.
+    if not bool(torch.isfinite(scale).all() & torch.isfinite(zero).all() & torch.isfinite(mx).all()):
+        check_finite(xf, what)
+        lo, hi = float(xf.min()), float(xf.max())
+        top = torch.finfo(scale_dtype).max
+        raise ValueError(
+            f"{what}: int{bits} {scale_dtype} scale/zero cannot store values spanning [{lo:g}, {hi:g}]: "
+            f"a slice min must satisfy |min| <= {top:g} and (max - min) / {levels} <= {top:g}; "
+            f"pass scale_dtype=torch.float32 for data of this range"
+        )
+    return scale, zero
+
+
+def _codes(xf: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """fp32 x and broadcastable stored scale/zero -> int32 codes in [0, 2^bits - 1]."""
+    q = torch.round((xf - zero.float()) / scale.float())
+    return q.clamp_(0, (1 << bits) - 1).to(torch.int32)  # float -> int32 is far cheaper than -> uint8 on CPU
+
+
+def quantize_per_channel(
+    x: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype = torch.float16
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KIVI's K quantization: one scale/zero per channel for each group of ``group_size`` tokens.
+
+    x: (..., T, D) floating point, T a multiple of ``group_size`` G.
+    Returns (packed codes uint8 (..., T, D * bits // 8), scale (..., T // G, D), zero (..., T // G, D)),
+    scale and zero in ``scale_dtype``.
+    """
+    _check_float(x)
+    _check_bits(bits)
+    _check_scale_dtype(scale_dtype)
+    g = _check_group(group_size, "group_size")
+    *lead, t, d = x.shape
+    if t % g:
+        raise ValueError(f"per-channel quantization needs T a multiple of group_size={g}, got T={t}")
+    _check_packing(bits, d)
+    xg = x.float().reshape(*lead, t // g, g, d)  # (..., T/G, G, D)
+    scale, zero = _affine_params(
+        xg, -2, bits, scale_dtype, "per-channel quantization input"
+    )  # (..., T/G, 1, D)
+    codes = _codes(xg, scale, zero, bits).reshape(*lead, t, d)
+    return _pack(codes, bits), scale.squeeze(-2), zero.squeeze(-2)
+
+
+def quantize_per_token(
+    x: torch.Tensor, bits: int, group_size: int | None = None, scale_dtype: torch.dtype = torch.float16
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KIVI's V quantization: one scale/zero per token for each group of ``group_size`` channels.
+
+    x: (..., T, D) floating point; ``group_size`` g divides D (None: g = D).
+    Returns (packed codes uint8 (..., T, D * bits // 8), scale (..., T, D // g), zero (..., T, D // g)).
+    """
+    _check_float(x)
+    _check_bits(bits)
+    _check_scale_dtype(scale_dtype)
+    *lead, t, d = x.shape
+    g = d if group_size is None else _check_group(group_size, "group_size")
+    if d % g:
+        raise ValueError(f"per-token quantization needs head dim a multiple of group_size={g}, got {d}")
+    _check_packing(bits, d)
+    xg = x.float().reshape(*lead, t, d // g, g)  # (..., T, D/g, g)
+    scale, zero = _affine_params(
+        xg, -1, bits, scale_dtype, "per-token quantization input"
+    )  # (..., T, D/g, 1)
+    codes = _codes(xg, scale, zero, bits).reshape(*lead, t, d)
+    return _pack(codes, bits), scale.squeeze(-1), zero.squeeze(-1)
+
+
+def dequantize_per_channel(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    bits: int,
+    group_size: int,
+    dtype: torch.dtype = torch.float32,
+    offset: int = 0,
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_per_channel`, in fp32, returned as ``dtype``.
+
+    packed: (..., T, D * bits // 8); scale, zero: (..., n_groups, D). The T tokens start ``offset``
+    tokens into the first group (0 <= offset < G, the leading tokens of that group were evicted), so
+    n_groups must be ceil((offset + T) / G). Returns (..., T, D).
+    """
+    per = _check_bits(bits)
+    g = _check_group(group_size, "group_size")
+    if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < g:
+        raise ValueError(f"offset must be an integer in [0, {g}), got {offset!r}")
+    t, d = packed.shape[-2], packed.shape[-1] * per
+    n_groups = scale.shape[-2]
+    if scale.shape != zero.shape or scale.shape[-1] != d or n_groups != -(-(offset + t) // g):
+        raise ValueError(
+            f"per-channel scale/zero of shapes {tuple(scale.shape)}/{tuple(zero.shape)} do not match "
+            f"{t} tokens of dim {d} at offset {offset} with group_size {g} "
+            f"(expected (..., {-(-(offset + t) // g)}, {d}) for both)"
+        )
+    codes = unpack_bits(packed, bits, d).float()  # (..., T, D)
+    s, z = scale.float(), zero.float()
+    lead = codes.shape[:-2]
+    if offset == 0 and t == n_groups * g:
+        # Whole groups: broadcast the scales over each group's tokens without materializing them.
+        out = codes.reshape(*lead, n_groups, g, d) * s.unsqueeze(-2) + z.unsqueeze(-2)  # (..., n, G, D)
+        return out.reshape(*lead, t, d).to(dtype)
+    # Partly evicted first group: spread the scales to one row per token, then cut the window out.
+    rows = (*lead, n_groups * g, d)
+    s = s.unsqueeze(-2).expand(*s.shape[:-1], g, d).reshape(rows)[..., offset : offset + t, :]  # (..., T, D)
+    z = z.unsqueeze(-2).expand(*z.shape[:-1], g, d).reshape(rows)[..., offset : offset + t, :]
+    return (codes * s + z).to(dtype)
+
+
+def dequantize_per_token(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    bits: int,
+    group_size: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_per_token`, in fp32, returned as ``dtype``.
+
+    packed: (..., T, D * bits // 8); scale, zero: (..., T, D // g) with g = ``group_size``
+    (None: inferred from the scale's shape). Returns (..., T, D).
+    """
+    per = _check_bits(bits)
+    *lead, t, nbytes = packed.shape
+    d = nbytes * per
+    n = scale.shape[-1]
+    g = (d // n if n and d % n == 0 else 0) if group_size is None else _check_group(group_size, "group_size")
+    if scale.shape != zero.shape or g == 0 or d % g or tuple(scale.shape[-2:]) != (t, d // g):
+        raise ValueError(
+            f"per-token scale/zero of shapes {tuple(scale.shape)}/{tuple(zero.shape)} do not match "
+            f"{t} tokens of dim {d} with group_size {group_size}"
+        )
+    codes = unpack_bits(packed, bits, d).float().reshape(*lead, t, d // g, g)  # (..., T, D/g, g)
+    out = codes * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
+    return out.reshape(*lead, t, d).to(dtype)
+
+
+# --------------------------------------------------------------------------- codecs
+
+
+class _AffineKCodec(Codec):
+    """Per-channel K: ``token`` = {"codes"}, ``group`` = {"scale", "zero"} per ``group_size`` tokens."""
+
+    symmetric = False
+
+    def __init__(self, name: str, bits: int, group_size: int, scale_dtype: torch.dtype = torch.float16):
+        self.name = name
+        self.bits = bits
+        self.token_group = _check_group(group_size, "group_size")
+        self.scale_dtype = scale_dtype
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        codes, scale, zero = quantize_per_channel(x, self.bits, self.token_group, self.scale_dtype)
+        return Encoded(token={"codes": codes}, group={"scale": scale, "zero": zero})
+
+    def decode(self, enc: Encoded, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
+        return dequantize_per_channel(
+            enc.token["codes"],
+            enc.group["scale"],
+            enc.group["zero"],
+            self.bits,
+            self.token_group,
+            dtype,
+            offset,
+        )
+
+    def _meta_bits(self) -> int:
+        return 2 * torch.finfo(self.scale_dtype).bits  # scale + zero
+
+    def bits_per_element(self, head_dim: int) -> float:
+        return self.bits + self._meta_bits() / self.token_group
+
+    def nbytes(self, batch: int, heads: int, tokens: int, head_dim: int) -> int:
+        if tokens % self.token_group:
+            raise ValueError(
+                f"{self.name} K stores whole groups of {self.token_group} tokens, got {tokens} tokens"
+            )
+        codes = tokens * head_dim * self.bits // 8
+        meta = (tokens // self.token_group) * head_dim * self._meta_bits() // 8
+        return batch * heads * (codes + meta)
+
+    def check_head_dim(self, head_dim: int) -> None:
+        _check_packing(self.bits, head_dim)
+
+    def describe(self) -> str:
+        return f"{self.name} (per-channel, {self.token_group}-token groups)"
+
+
+class _AffineVCodec(Codec):
+    """Per-token V: ``token`` = {"codes", "scale", "zero"}, one scale/zero per ``group_size`` channels."""
+
+    symmetric = False
+    token_group = 1
+
+    def __init__(
+        self, name: str, bits: int, group_size: int | None, scale_dtype: torch.dtype = torch.float16
+    ):
+        self.name = name
+        self.bits = bits
+        self.group_size = None if group_size is None else _check_group(group_size, "v_group_size")
+        self.scale_dtype = scale_dtype
+
+    def _group(self, head_dim: int) -> int:
+        return head_dim if self.group_size is None else self.group_size
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        codes, scale, zero = quantize_per_token(x, self.bits, self.group_size, self.scale_dtype)
+        return Encoded(token={"codes": codes, "scale": scale, "zero": zero})
+
+    def decode(self, enc: Encoded, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
+        t = enc.token
+        return dequantize_per_token(t["codes"], t["scale"], t["zero"], self.bits, self.group_size, dtype)
+
+    def bits_per_element(self, head_dim: int) -> float:
+        return self.bits + 2 * torch.finfo(self.scale_dtype).bits / self._group(head_dim)
+
+    def nbytes(self, batch: int, heads: int, tokens: int, head_dim: int) -> int:
+        meta = (head_dim // self._group(head_dim)) * 2 * torch.finfo(self.scale_dtype).bits // 8
+        return batch * heads * tokens * (head_dim * self.bits // 8 + meta)
+
+    def check_head_dim(self, head_dim: int) -> None:
+        _check_packing(self.bits, head_dim)
+        if head_dim % self._group(head_dim):
+            raise ValueError(
+                f"{self.name} V group size {self.group_size} must divide head_dim, got head_dim {head_dim}"
+            )
+
+    def describe(self) -> str:
+        g = "head_dim" if self.group_size is None else str(self.group_size)
+        return f"{self.name} (per-token, {g}-channel groups)"
+
+
+class _AffineFormat(Format):
+    bits: int = 0
+
+    def codec(self, role: str, *, group_size: int = 32, v_group_size: int | None = None) -> Codec:
+        if role == "k":
+            return _AffineKCodec(self.name, self.bits, group_size)
+        if role == "v":
+            return _AffineVCodec(self.name, self.bits, v_group_size)
+        raise ValueError(f"role must be 'k' or 'v', got {role!r}")
+
+
+class Int8Format(_AffineFormat, name="int8"):
+    summary = "KIVI affine 8-bit: K per channel over token groups, V per token; fp16 scale+zero"
+    bits = 8
+
+
+class Int4Format(_AffineFormat, name="int4"):
+    summary = "KIVI affine 4-bit, 2 codes per byte: K per channel over token groups, V per token"
+    bits = 4
+
+
+class Int2Format(_AffineFormat, name="int2"):
+    summary = "KIVI affine 2-bit, 4 codes per byte: K per channel over token groups, V per token"
+    bits = 2

@@ -1,0 +1,317 @@
+"""llama.cpp's GGML block formats q8_0, q4_0, q4_1, q5_0 and q5_1, in torch (CPU and CUDA).
+
+Blocks of 32 consecutive elements along the last dimension, each stored as a few fp16 constants
+followed by the packed codes, in llama.cpp's byte layout (``block_q4_0`` etc. in ``ggml-common.h``):
+
+=====  =====  =================================  ============================================
+kind   bytes  layout                             value
+=====  =====  =================================  ============================================
+q8_0   34     d, qs[32] (int8)                   d * q
+q4_0   18     d, qs[16]                          d * (q - 8)
+q4_1   20     d, m, qs[16]                       d * q + m
+q5_0   22     d, qh[4], qs[16]                   d * (q - 16)
+q5_1   24     d, m, qh[4], qs[16]                d * q + m
+=====  =====  =================================  ============================================
+
+``d`` and ``m`` are little-endian fp16. ``qs[j]`` holds element ``j`` in its low nibble and
+element ``j + 16`` in its high nibble; q5's ``qh`` is a little-endian uint32 whose bit ``i`` is the
+fifth bit of element ``i``.
+
+The bytes are identical to ``gguf.quants.quantize`` (gguf-py, itself bit-exact with ggml's
+``quantize_row_*_ref``) on float32 input, so the quirks below are copied on purpose:
+
+- the inverse scale ``id`` is ``1 / d`` computed in fp32 from the *unrounded* fp32 ``d`` (``0``
+  when ``d == 0``), while the block stores ``d`` rounded to fp16 (nearest-even);
+- q8_0 rounds half away from zero (C's ``roundf``; gguf-py's ``np_roundf``), not half to even;
+- q4_0/q5_0 pick the element of largest magnitude *with its sign* (the first one on ties) and set
+  ``d = max / -8`` (``-16``), so that element maps to code 0; codes are ``trunc(x * id + 8.5)``
+  (``16.5``) clamped to the range, i.e. rounding half up after the offset;
+- q4_1/q5_1 use ``trunc((x - min) * id + 0.5)``.
+
+Divisions by 15, 31 and 127 divide by a device tensor, not a Python scalar: CUDA turns division
+by a CPU scalar into a multiplication by its reciprocal, which is not bit-exact.
+
+Like gguf, a block whose ``d`` or ``m`` overflows fp16 would store inf; here it raises ValueError
+(as does non-finite input). Blocks whose maximum is below fp32's normal range (~1e-38) follow
+ggml's own undefined path (``1 / d`` overflows) and are not guaranteed identical.
+
+This module knows nothing about positions or caches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .base import Codec, Encoded, Format, check_finite
+
+BLOCK = 32
+
+#: name -> (elements per block, bytes per block)
+GGML_KINDS: dict[str, tuple[int, int]] = {
+    "q8_0": (BLOCK, 34),
+    "q4_0": (BLOCK, 18),
+    "q4_1": (BLOCK, 20),
+    "q5_0": (BLOCK, 22),
+    "q5_1": (BLOCK, 24),
+}
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _fp16_bytes(v: torch.Tensor) -> torch.Tensor:
+    """fp32 (..., 1) -> its fp16 bytes uint8 (..., 2), little-endian (x86, ARM and CUDA hosts)."""
+    return v.to(torch.float16).view(torch.uint8)
+
+
+def _bytes_fp32(b: torch.Tensor) -> torch.Tensor:
+    """uint8 (..., 2) holding a little-endian fp16 -> fp32 (..., 1)."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def _inverse(d: torch.Tensor) -> torch.Tensor:
+    """gguf's ``id = np.where(d == 0, 0, 1 / d)`` in fp32."""
+    return torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+
+
+def _divide(v: torch.Tensor, by: float) -> torch.Tensor:
+    """Exact IEEE fp32 ``v / by`` on every device (a 0-dim device tensor, see the module docstring)."""
+    return v / torch.full((), by, dtype=v.dtype, device=v.device)
+
+
+def _abs_max_signed(blocks: torch.Tensor) -> torch.Tensor:
+    """(..., 32) -> (..., 1): the element of largest magnitude, sign kept, first one on ties."""
+    return blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))
+
+
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    """codes (..., 32) integer -> uint8 (..., 16): low nibble element j, high nibble element j + 16."""
+    lo, hi = q[..., :16] & 0x0F, q[..., 16:] & 0x0F
+    return (lo | (hi << 4)).to(torch.uint8)
+
+
+def _unnibble(qs: torch.Tensor) -> torch.Tensor:
+    """uint8 (..., 16) -> codes uint8 (..., 32)."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+def _high_bits(q: torch.Tensor) -> torch.Tensor:
+    """5-bit codes (..., 32) -> qh uint8 (..., 4): bit i of the little-endian uint32 is q[i] >> 4.
+
+    Same as gguf's ``np.packbits(q >> 4, bitorder="little")``.
+    """
+    bits = ((q >> 4) & 1).reshape(*q.shape[:-1], 4, 8)  # (..., byte, bit)
+    qh = bits[..., 0].clone()  # (..., 4); scalar shifts beat a broadcast shift tensor on CPU
+    for j in range(1, 8):
+        qh |= bits[..., j] << j
+    return qh.to(torch.uint8)
+
+
+def _unhigh_bits(qh: torch.Tensor) -> torch.Tensor:
+    """qh uint8 (..., 4) -> fifth bits uint8 (..., 32), element i = bit i."""
+    bits = torch.stack([(qh >> j) & 1 for j in range(8)], dim=-1)  # (..., byte, bit)
+    return bits.reshape(*qh.shape[:-1], BLOCK)
+
+
+def _trunc_codes(v: torch.Tensor, top: int) -> torch.Tensor:
+    """gguf's ``np.trunc(v).astype(np.uint8).clip(0, top)``, as int32.
+
+    Every caller has v > 0 (v >= 0.5 up to fp32 rounding), where trunc equals floor, and torch's
+    floor is vectorized on CPU while trunc is not (~15x slower).
+    """
+    return torch.floor(v).clamp_(0, top).to(torch.int32)
+
+
+# --------------------------------------------------------------------------- per-kind block codecs
+# quantizers: fp32 blocks (..., 32) -> (uint8 bytes (..., block_bytes), fp16-bound metadata (..., k))
+# dequantizers: uint8 (..., block_bytes) -> fp32 (..., 32)
+
+
+def _q8_0(b):
+    d = _divide(b.abs().amax(-1, keepdim=True), 127.0)
+    v = b * _inverse(d)
+    # np_roundf: half away from zero, as floor(a) + floor(2 * (a - floor(a))) (exact in fp32, unlike
+    # floor(a + 0.5), which rounds 0.49999997 up).
+    a = v.abs()
+    fl = torch.floor(a)
+    q = (torch.sign(v) * (fl + torch.floor(2 * (a - fl)))).to(torch.int8)
+    return torch.cat([_fp16_bytes(d), q.view(torch.uint8)], -1), d
+
+
+def _q8_0_dq(blk):
+    return _bytes_fp32(blk[..., :2]) * blk[..., 2:].view(torch.int8).float()
+
+
+def _q4_0(b):
+    d = _abs_max_signed(b) / -8  # power of two: exact everywhere
+    q = _trunc_codes(b * _inverse(d) + 8.5, 15)
+    return torch.cat([_fp16_bytes(d), _nibbles(q)], -1), d
+
+
+def _q4_0_dq(blk):
+    return _bytes_fp32(blk[..., :2]) * (_unnibble(blk[..., 2:]).float() - 8)
+
+
+def _q4_1(b):
+    mn, mx = b.amin(-1, keepdim=True), b.amax(-1, keepdim=True)  # faster than aminmax on CPU
+    d = _divide(mx - mn, 15.0)
+    q = _trunc_codes((b - mn) * _inverse(d) + 0.5, 15)
+    return torch.cat([_fp16_bytes(d), _fp16_bytes(mn), _nibbles(q)], -1), torch.cat([d, mn], -1)
+
+
+def _q4_1_dq(blk):
+    d, m = _bytes_fp32(blk[..., :2]), _bytes_fp32(blk[..., 2:4])
+    return d * _unnibble(blk[..., 4:]).float() + m
+
+
+def _q5_0(b):
+    d = _abs_max_signed(b) / -16
+    q = _trunc_codes(b * _inverse(d) + 16.5, 31)
+    return torch.cat([_fp16_bytes(d), _high_bits(q), _nibbles(q)], -1), d
+
+
+def _q5_0_dq(blk):
+    q = _unnibble(blk[..., 6:]) | (_unhigh_bits(blk[..., 2:6]) << 4)
+    return _bytes_fp32(blk[..., :2]) * (q.float() - 16)
+
+
+def _q5_1(b):
+    mn, mx = b.amin(-1, keepdim=True), b.amax(-1, keepdim=True)
+    d = _divide(mx - mn, 31.0)
+    q = _trunc_codes((b - mn) * _inverse(d) + 0.5, 31)
+    data = torch.cat([_fp16_bytes(d), _fp16_bytes(mn), _high_bits(q), _nibbles(q)], -1)
+    return data, torch.cat([d, mn], -1)
+
+
+def _q5_1_dq(blk):
+    d, m = _bytes_fp32(blk[..., :2]), _bytes_fp32(blk[..., 2:4])
+    q = _unnibble(blk[..., 8:]) | (_unhigh_bits(blk[..., 4:8]) << 4)
+    return d * q.float() + m
+
+
+_QUANT: dict[str, Callable] = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_1": _q4_1, "q5_0": _q5_0, "q5_1": _q5_1}
+_DEQUANT: dict[str, Callable] = {
+    "q8_0": _q8_0_dq,
+    "q4_0": _q4_0_dq,
+    "q4_1": _q4_1_dq,
+    "q5_0": _q5_0_dq,
+    "q5_1": _q5_1_dq,
+}
+
+
+def _kind(kind: str) -> tuple[int, int]:
+    try:
+        return GGML_KINDS[kind]
+    except KeyError:
+        raise ValueError(f"unknown GGML kind {kind!r}; expected one of: {', '.join(GGML_KINDS)}") from None
+
+
+# --------------------------------------------------------------------------- public functions
+
+
+def quantize_ggml(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """x: (..., K) floating point, K a multiple of 32 -> uint8 (..., K // 32 * block_bytes).
+
+    Bytes equal ``gguf.quants.quantize(x.float().numpy(), GGMLQuantizationType[kind.upper()])``.
+    """
+    size, nbytes = _kind(kind)
+    if not x.is_floating_point():
+        raise ValueError(f"{kind} quantizes floating point tensors, got dtype {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] % size:
+        raise ValueError(f"{kind} needs the last dim to be a multiple of {size}, got shape {tuple(x.shape)}")
+    *lead, k = x.shape
+    blocks = x.float().reshape(*lead, k // size, size)  # (..., n_blocks, 32)
+    data, meta = _QUANT[kind](blocks)  # (..., n_blocks, block_bytes), (..., n_blocks, 1 or 2)
+    # One host sync on the small fp16 metadata: it is non-finite for non-finite input (the block
+    # reductions behind d and m propagate NaN and inf; argmax picks a NaN) and on fp16 overflow of d
+    # or m (where gguf would store inf) -- no full isfinite pass over the input.
+    if not bool(torch.isfinite(meta.to(torch.float16)).all()):
+        check_finite(x, f"{kind} input")
+        raise ValueError(
+            f"{kind} cannot store values spanning [{float(x.min()):g}, {float(x.max()):g}]: a block's fp16 "
+            f"scale (or min) would overflow 65504"
+        )
+    return data.reshape(*lead, k // size * nbytes)
+
+
+def dequantize_ggml(data: torch.Tensor, kind: str) -> torch.Tensor:
+    """data: uint8 (..., n_blocks * block_bytes) -> float32 (..., n_blocks * 32).
+
+    Values equal ``gguf.quants.dequantize`` (to fp32 rounding).
+    """
+    size, nbytes = _kind(kind)
+    if data.dtype != torch.uint8:
+        raise ValueError(f"{kind} data must be uint8, got {data.dtype}")
+    if data.dim() < 1 or data.shape[-1] % nbytes:
+        raise ValueError(
+            f"{kind} data needs the last dim to be a multiple of {nbytes} bytes, got {tuple(data.shape)}"
+        )
+    *lead, n = data.shape
+    out = _DEQUANT[kind](data.reshape(*lead, n // nbytes, nbytes))  # (..., n_blocks, 32)
+    return out.reshape(*lead, n // nbytes * size)
+
+
+# --------------------------------------------------------------------------- codecs
+
+
+class _GGMLCodec(Codec):
+    """``token`` = {"blocks": uint8 (B, H, T, D // 32 * block_bytes)}: per-token, blocks along D."""
+
+    token_group = 1
+
+    def __init__(self, name: str, symmetric: bool):
+        self.name = name
+        self.symmetric = symmetric
+        self.block_bytes = GGML_KINDS[name][1]
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        return Encoded(token={"blocks": quantize_ggml(x, self.name)})
+
+    def decode(self, enc: Encoded, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
+        return dequantize_ggml(enc.token["blocks"], self.name).to(dtype)
+
+    def bits_per_element(self, head_dim: int) -> float:
+        return self.block_bytes * 8 / BLOCK
+
+    def nbytes(self, batch: int, heads: int, tokens: int, head_dim: int) -> int:
+        self.check_head_dim(head_dim)
+        return batch * heads * tokens * (head_dim // BLOCK) * self.block_bytes
+
+    def check_head_dim(self, head_dim: int) -> None:
+        if head_dim < 1 or head_dim % BLOCK:
+            raise ValueError(
+                f"{self.name} quantizes blocks: head_dim must be a multiple of {BLOCK}, got {head_dim}"
+            )
+
+
+class _GGMLFormat(Format):
+    symmetric: bool = True
+
+    def codec(self, role: str, *, group_size: int = 32, v_group_size: int | None = None) -> Codec:
+        if role not in ("k", "v"):
+            raise ValueError(f"role must be 'k' or 'v', got {role!r}")
+        return _GGMLCodec(self.name, self.symmetric)
+
+
+class Q8_0Format(_GGMLFormat, name="q8_0"):
+    summary = "llama.cpp q8_0: blocks of 32, int8 codes + fp16 scale (8.5 bits)"
+
+
+class Q4_0Format(_GGMLFormat, name="q4_0"):
+    summary = "llama.cpp q4_0: blocks of 32, 4-bit codes + fp16 scale (4.5 bits)"
+
+
+class Q4_1Format(_GGMLFormat, name="q4_1"):
+    summary = "llama.cpp q4_1: blocks of 32, 4-bit codes + fp16 scale and min (5 bits)"
+    symmetric = False
+
+
+class Q5_0Format(_GGMLFormat, name="q5_0"):
+    summary = "llama.cpp q5_0: blocks of 32, 5-bit codes + fp16 scale (5.5 bits)"
+
+
+class Q5_1Format(_GGMLFormat, name="q5_1"):
+    summary = "llama.cpp q5_1: blocks of 32, 5-bit codes + fp16 scale and min (6 bits)"
+    symmetric = False

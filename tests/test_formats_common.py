@@ -1,0 +1,186 @@
+"""Registry-wide contract of every format (floats, affine, GGML): honest bytes, shapes and dtypes,
+non-finite input, and the ``offset`` of a partly evicted token group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvslim.formats import FORMATS, Encoded, format_names, get_format, make_codec
+
+ALL = format_names()
+ROLES = ["k", "v"]
+B, H, D = 2, 3, 64
+
+
+def codecs():
+    return [pytest.param(name, role, id=f"{name}-{role}") for name in ALL for role in ROLES]
+
+
+def test_registry_holds_every_format():
+    assert ALL[:12] == [
+        "none",
+        "fp16",
+        "bf16",
+        "fp8",
+        "int8",
+        "int4",
+        "int2",
+        "q8_0",
+        "q4_0",
+        "q4_1",
+        "q5_0",
+        "q5_1",
+    ]
+    assert set(ALL) == set(FORMATS)
+    for name in ALL:
+        assert get_format(name).name == name and get_format(name).summary
+    with pytest.raises(ValueError, match="unknown KV format"):
+        get_format("int3")
+    with pytest.raises(ValueError, match="role"):
+        make_codec("int4", "q")
+
+
+def _tokens(codec, multiple: int = 2) -> int:
+    return codec.token_group * multiple
+
+
+@pytest.mark.parametrize("name,role", codecs())
+def test_nbytes_equals_real_tensor_bytes(name, role):
+    codec = make_codec(name, role, group_size=16)
+    codec.check_head_dim(D)
+    t = _tokens(codec, 3)
+    x = torch.randn(B, H, t, D)  # fp32: ``none`` stores it as given
+    enc = codec.encode(x)
+    real = sum(p.numel() * p.element_size() for p in (*enc.token.values(), *enc.group.values()))
+    assert enc.nbytes() == real == codec.nbytes(B, H, t, D)
+    # bits/element is the same cost per element, metadata included
+    assert codec.bits_per_element(D) * B * H * t * D / 8 == pytest.approx(real, rel=1e-12)
+
+
+@pytest.mark.parametrize("name,role", codecs())
+def test_group_parts_are_per_token_group(name, role):
+    codec = make_codec(name, role, group_size=8)
+    t = _tokens(codec, 2)
+    enc = codec.encode(torch.randn(B, H, t, D))
+    assert all(p.shape[:3] == (B, H, t) for p in enc.token.values())
+    assert all(p.shape[:3] == (B, H, t // codec.token_group) for p in enc.group.values())
+
+
+@pytest.mark.parametrize("name,role", codecs())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_round_trip_shape_and_dtype(name, role, dtype):
+    codec = make_codec(name, role, group_size=8)
+    x = torch.randn(B, H, _tokens(codec, 2), D).to(dtype)
+    for out_dtype in (dtype, torch.float32):
+        y = codec.decode(codec.encode(x), out_dtype)
+        assert y.shape == x.shape and y.dtype == out_dtype
+        assert torch.isfinite(y).all()
+        # every format keeps N(0, 1) data within a step of its coarsest grid (int2: range / 3)
+        assert (y.float() - x.float()).abs().max() < 2.5
+
+
+def _lossy():
+    out = []
+    for name in ALL:
+        if name == "none":
+            continue  # stores the model's tensor as given, by definition
+        out += [pytest.param(name, role, id=f"{name}-{role}") for role in ROLES]
+    return out
+
+
+@pytest.mark.parametrize("name,role", _lossy())
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_input_raises(name, role, bad):
+    codec = make_codec(name, role, group_size=8)
+    x = torch.randn(1, 2, _tokens(codec, 1), D)
+    x[0, 1, 0, 5] = bad
+    with pytest.raises(ValueError, match="non-finite"):
+        codec.encode(x)
+
+
+def _evict(enc: Encoded, k: int, group: int) -> Encoded:
+    """Drop the oldest ``k`` tokens the way a cache layer does: token parts lose ``k`` rows, group
+    parts lose only the groups with no surviving token."""
+    return Encoded(
+        token={n: p[:, :, k:] for n, p in enc.token.items()},
+        group={n: p[:, :, k // group :] for n, p in enc.group.items()},
+    )
+
+
+@pytest.mark.parametrize("name,role", codecs())
+def test_decode_offset_after_eviction(name, role):
+    codec = make_codec(name, role, group_size=8)
+    g = codec.token_group
+    t = 3 * g
+    x = torch.randn(B, H, t, D)
+    enc = codec.encode(x)
+    full = codec.decode(enc, torch.float32)
+    for k in range(0, t):
+        got = codec.decode(_evict(enc, k, g), torch.float32, offset=k % g)
+        assert torch.equal(got, full[:, :, k:]), f"evicted {k}"
+
+
+GROUPED = [(n, r) for n in ALL for r in ROLES if make_codec(n, r, group_size=8).token_group > 1]
+
+
+def test_affine_keys_are_the_grouped_codecs():
+    assert GROUPED == [("int8", "k"), ("int4", "k"), ("int2", "k")]
+
+
+@pytest.mark.parametrize("name,role", GROUPED)
+def test_encode_rejects_partial_token_groups(name, role):
+    codec = make_codec(name, role, group_size=8)
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        codec.encode(torch.randn(1, 1, codec.token_group + 1, D))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_check_head_dim_of_odd_sizes(name):
+    for role in ROLES:
+        codec = make_codec(name, role)
+        codec.check_head_dim(64)
+        codec.check_head_dim(128)
+        if name.startswith("q"):
+            with pytest.raises(ValueError, match="multiple of 32"):
+                codec.check_head_dim(80)
+        if name in ("int4", "int2"):
+            with pytest.raises(ValueError, match="multiple of"):
+                codec.check_head_dim(63)
+
+
+@pytest.mark.parametrize("name,role", codecs())
+def test_appended_chunks_decode_like_separate_chunks(name, role):
+    """A cache layer appends encoded chunks along dim 2; decoding the concatenation must equal
+    decoding each chunk."""
+    codec = make_codec(name, role, group_size=8)
+    a, b = torch.randn(B, H, _tokens(codec, 2), D), torch.randn(B, H, _tokens(codec, 1), D) * 5
+    ea, eb = codec.encode(a), codec.encode(b)
+    joined = Encoded(
+        token={n: torch.cat([ea.token[n], eb.token[n]], dim=2) for n in ea.token},
+        group={n: torch.cat([ea.group[n], eb.group[n]], dim=2) for n in ea.group},
+    )
+    want = torch.cat([codec.decode(ea, torch.float32), codec.decode(eb, torch.float32)], dim=2)
+    assert torch.equal(codec.decode(joined, torch.float32), want)
+    assert joined.nbytes() == codec.nbytes(B, H, a.shape[2] + b.shape[2], D)
+
+
+@pytest.mark.parametrize("name,role", codecs())
+def test_zero_tokens(name, role):
+    codec = make_codec(name, role, group_size=8)
+    enc = codec.encode(torch.randn(1, 2, 0, D))
+    assert codec.decode(enc, torch.float16).shape == (1, 2, 0, D)
+    assert enc.nbytes() == codec.nbytes(1, 2, 0, D) == 0
+
+
+def test_error_table_covers_every_format_and_role(capsys):
+    from kvslim.formats.report import format_error_table, main
+
+    rows = format_error_table(shape=(1, 2, 64, 64))
+    assert [(r["format"], r["role"]) for r in rows] == [(n, r) for n in ALL for r in ROLES]
+    by = {(r["format"], r["role"]): r for r in rows}
+    assert by[("none", "k")]["max_abs_err"] == 0
+    assert by[("int4", "k")]["bits_per_element"] == 5.0 and by[("q4_0", "v")]["bits_per_element"] == 4.5
+    assert 0 < by[("int8", "v")]["rmse"] < by[("int4", "v")]["rmse"] < by[("int2", "v")]["rmse"]
+    assert main(["--shape", "1", "1", "32", "64"]) == 0
+    assert "q5_1" in capsys.readouterr().out
