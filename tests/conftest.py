@@ -39,13 +39,16 @@ def tiny_config(arch: str = "llama", **overrides):
     if arch == "qwen2":
         return tf.Qwen2Config(use_sliding_window=False, **common)
     if arch == "qwen3":
-        return tf.Qwen3Config(use_sliding_window=False, head_dim=32, **common)
+        common.setdefault("head_dim", 32)
+        return tf.Qwen3Config(use_sliding_window=False, **common)
     if arch == "phi3":
         return tf.Phi3Config(**common)
     raise ValueError(arch)
 
 
-def tiny_model(arch: str = "llama", dtype=torch.float32, seed: int = 0, attn_implementation="sdpa", **overrides):
+def tiny_model(
+    arch: str = "llama", dtype=torch.float32, seed: int = 0, attn_implementation="sdpa", **overrides
+):
     import transformers as tf
 
     torch.manual_seed(seed)

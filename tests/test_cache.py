@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCHS, tiny_config, tiny_model
 from transformers import DynamicCache
 
+from conftest import ARCHS, tiny_config, tiny_model
 from kvslim import SlimCache
 from kvslim.formats import format_names
 
@@ -24,7 +24,9 @@ def _left_pad(ids: torch.Tensor, pads: list[int], pad_id: int = 0):
     for b, p in enumerate(pads):
         row = torch.cat([torch.full((p,), pad_id), ids[b, : ids.shape[1] - p]])
         rows.append(row)
-        masks.append(torch.cat([torch.zeros(p, dtype=torch.long), torch.ones(ids.shape[1] - p, dtype=torch.long)]))
+        masks.append(
+            torch.cat([torch.zeros(p, dtype=torch.long), torch.ones(ids.shape[1] - p, dtype=torch.long)])
+        )
     return torch.stack(rows), torch.stack(masks)
 
 
@@ -111,9 +113,11 @@ def test_window_longer_than_text_changes_nothing(arch):
     with torch.no_grad():
         full = model(ids).logits
         slim = SlimCache(sink=4, window=1000, config=model.config)
-        step = torch.cat([model(ids[:, :20], cache=slim).logits] + [
-            model(ids[:, t : t + 1], cache=slim).logits for t in range(20, 30)
-        ], dim=1)
+        step = torch.cat(
+            [model(ids[:, :20], cache=slim).logits]
+            + [model(ids[:, t : t + 1], cache=slim).logits for t in range(20, 30)],
+            dim=1,
+        )
     torch.testing.assert_close(step, full, atol=1e-5, rtol=0)
 
 
@@ -156,7 +160,9 @@ def test_streaming_matches_independent_reference(arch, chunk):
 def test_streaming_generate_bounded_and_flat():
     model = tiny_model("llama")
     sink, window = 4, 16
-    cache = SlimCache(kv_quantize="int4", sink=sink, window=window, group_size=4, residual=8, config=model.config)
+    cache = SlimCache(
+        kv_quantize="int4", sink=sink, window=window, group_size=4, residual=8, config=model.config
+    )
     ids = _prompt(length=6)
     sizes = []
     with torch.no_grad():
@@ -185,15 +191,24 @@ def test_streaming_left_padded_batch_rows_match_unpadded(fmt):
     new = 30
     with torch.no_grad():
         out = model.generate(
-            ids, attention_mask=mask, cache=SlimCache(config=model.config, **kw),
-            max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+            ids,
+            attention_mask=mask,
+            cache=SlimCache(config=model.config, **kw),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
         )
         for b, p in enumerate(pads):
             alone = model.generate(
-                ids[b : b + 1, p:], cache=SlimCache(config=model.config, **kw),
-                max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+                ids[b : b + 1, p:],
+                cache=SlimCache(config=model.config, **kw),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
             )
-            assert torch.equal(out[b, ids.shape[1]:], alone[0, ids.shape[1] - p :]), f"row {b} (pads {p})"
+            assert torch.equal(out[b, ids.shape[1] :], alone[0, ids.shape[1] - p :]), f"row {b} (pads {p})"
 
 
 def test_streaming_sinks_are_first_tokens_and_window_is_last():
@@ -231,8 +246,11 @@ def test_lossy_formats_stay_close(fmt):
     with torch.no_grad():
         full = model(ids).logits
         cache = SlimCache(kv_quantize=fmt, group_size=8, residual=8, config=model.config)
-        got = torch.cat([model(ids[:, :16], cache=cache).logits]
-                        + [model(ids[:, t : t + 1], cache=cache).logits for t in range(16, 48)], dim=1)
+        got = torch.cat(
+            [model(ids[:, :16], cache=cache).logits]
+            + [model(ids[:, t : t + 1], cache=cache).logits for t in range(16, 48)],
+            dim=1,
+        )
     kl = _kl(full, got)
     assert torch.isfinite(kl).all()
     bound = {"int2": 0.5, "q4_0": 0.05, "q4_1": 0.05, "int4": 0.05, "fp8": 0.02}.get(fmt, 0.005)
@@ -241,8 +259,9 @@ def test_lossy_formats_stay_close(fmt):
 
 def test_per_tensor_formats():
     model = tiny_model("llama")
-    cache = SlimCache(kv_quantize="int8", k_quantize="q4_0", v_quantize="fp8", residual=0, group_size=1,
-                      config=model.config)
+    cache = SlimCache(
+        kv_quantize="int8", k_quantize="q4_0", v_quantize="fp8", residual=0, group_size=1, config=model.config
+    )
     with torch.no_grad():
         model(_prompt(length=8), cache=cache)
     store = cache.layers[0].store
@@ -299,8 +318,9 @@ def _real_tensor_bytes(cache):
 def test_nbytes_equals_real_tensors(fmt):
     model = tiny_model("llama")
     bias = [torch.randn(2, 32) for _ in range(2)] if fmt == "q4_0" else None
-    cache = SlimCache(kv_quantize=fmt, sink=2, window=30, group_size=8, residual=8, mean_center=bias,
-                      config=model.config)
+    cache = SlimCache(
+        kv_quantize=fmt, sink=2, window=30, group_size=8, residual=8, mean_center=bias, config=model.config
+    )
     with torch.no_grad():
         model(_prompt(length=25), cache=cache)
         for t in range(20):
@@ -381,8 +401,13 @@ def test_sliding_window_models_get_a_clear_error():
     import transformers as tf
 
     cfg = tf.MistralConfig(
-        vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, sliding_window=16,
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        sliding_window=16,
     )
     with pytest.raises(ValueError, match="sliding_attention"):
         SlimCache(config=cfg)

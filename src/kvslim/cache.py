@@ -27,6 +27,7 @@ import os
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .attention import CompressedKV, wants_compressed
 from .config import CacheConfig
 from .formats import make_codec
 from .layer import SlimLayer
@@ -39,9 +40,10 @@ class SlimCacheLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, store_factory):
+    def __init__(self, store_factory, model_config=None):
         super().__init__()
         self._factory = store_factory
+        self._model_config = model_config  # the model's live config: its attention implementation
         self.store: SlimLayer = store_factory()
 
     @property
@@ -59,7 +61,13 @@ class SlimCacheLayer(CacheLayerMixin):
         # transformers passes the attention layer's kwargs as `kwargs=...`; position_ids tell left padding.
         inner = kwargs.get("kwargs") or {}
         position_ids = inner.get("position_ids", kwargs.get("position_ids"))
+        if wants_compressed(self._model_config, key_states.shape[2]):
+            kv = self.store.append(key_states, value_states, position_ids, reader=self._compressed)
+            return kv, kv  # kvslim_attention reads both from the one handle
         return self.store.append(key_states, value_states, position_ids)
+
+    def _compressed(self, store: SlimLayer) -> CompressedKV:
+        return CompressedKV(store, store.dtype)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         stored = self.store.stored
@@ -168,10 +176,14 @@ class SlimCache(Cache):
                 try:
                     codec.check_head_dim(self._shapes["head_dim"])
                 except ValueError as e:
-                    raise ValueError(f"{role}_quantize={codec.name!r} cannot store this model's KV: {e}") from None
+                    raise ValueError(
+                        f"{role}_quantize={codec.name!r} cannot store this model's KV: {e}"
+                    ) from None
         if mean_center is not None:
             if self._shapes is None:
-                raise ValueError("mean_center needs config=model.config to check the bias against the model's shapes")
+                raise ValueError(
+                    "mean_center needs config=model.config to check the bias against the model's shapes"
+                )
             from .calibrate import load_mean_center
 
             self._biases = load_mean_center(
@@ -181,7 +193,10 @@ class SlimCache(Cache):
                 head_dim=self._shapes["head_dim"],
             )
         if self._shapes is not None:
-            layers = [SlimCacheLayer(functools.partial(self._new_store, i)) for i in range(self._shapes["n_layers"])]
+            layers = [
+                SlimCacheLayer(functools.partial(self._new_store, i), config)
+                for i in range(self._shapes["n_layers"])
+            ]
             super().__init__(layers=layers)
         else:
             super().__init__(layer_class_to_replicate=self._replicate)
@@ -196,7 +211,9 @@ class SlimCache(Cache):
     # -- construction helpers ------------------------------------------------------------------
     def _new_store(self, layer_idx: int) -> SlimLayer:
         bias = None if self._biases is None else self._biases[layer_idx]
-        return SlimLayer(self.policy, self._codecs["k"], self._codecs["v"], self.cache_config.residual, k_bias=bias)
+        return SlimLayer(
+            self.policy, self._codecs["k"], self._codecs["v"], self.cache_config.residual, k_bias=bias
+        )
 
     def _replicate(self) -> SlimCacheLayer:
         idx = len(self.layers)
@@ -264,7 +281,9 @@ def _model_shapes(config) -> dict:
     n_layers = getattr(text, "num_hidden_layers", None)
     n_heads = getattr(text, "num_attention_heads", None)
     if n_layers is None or n_heads is None:
-        raise ValueError(f"{type(config).__name__} has no num_hidden_layers/num_attention_heads: not a decoder LM config")
+        raise ValueError(
+            f"{type(config).__name__} has no num_hidden_layers/num_attention_heads: not a decoder LM config"
+        )
     n_kv = getattr(text, "num_key_value_heads", None) or n_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // n_heads
     try:

@@ -78,17 +78,16 @@ class CacheConfig:
             )
         if self.v_group_size is not None:
             _int_field("v_group_size", self.v_group_size, minimum=1, hint="or None for the whole head_dim")
-        if self.mean_center is not None:
-            if self.k_format not in MEAN_CENTER_FORMATS:
-                why = (
-                    "its zero point already absorbs a per-channel mean"
-                    if self.k_format in _ASYMMETRIC
-                    else "it does not quantize K with a symmetric (zero-point free) block format"
-                )
-                raise ValueError(
-                    f"mean_center does not apply to K format {self.k_format!r}: {why}; "
-                    f"it applies to {', '.join(MEAN_CENTER_FORMATS)}"
-                )
+        if self.mean_center is not None and self.k_format not in MEAN_CENTER_FORMATS:
+            why = (
+                "its zero point already absorbs a per-channel mean"
+                if self.k_format in _ASYMMETRIC
+                else "it does not quantize K with a symmetric (zero-point free) block format"
+            )
+            raise ValueError(
+                f"mean_center does not apply to K format {self.k_format!r}: {why}; "
+                f"it applies to {', '.join(MEAN_CENTER_FORMATS)}"
+            )
 
     @property
     def k_format(self) -> str:
@@ -155,7 +154,9 @@ class CacheConfig:
 
 def _int_field(name: str, value, *, minimum: int, hint: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer >= {minimum}{', ' + hint if hint else ''}, got {value!r}")
+        raise ValueError(
+            f"{name} must be an integer >= {minimum}{', ' + hint if hint else ''}, got {value!r}"
+        )
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}{' ' + hint if hint else ''}, got {value}")
 
@@ -179,7 +180,7 @@ def parse_spec(spec: str) -> CacheConfig:
     Raises ValueError naming the bad part and what is legal.
     """
     if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"empty cache spec; expected FORMAT[,key=value...], e.g. 'int4,sink=4,window=1020'")
+        raise ValueError("empty cache spec; expected FORMAT[,key=value...], e.g. 'int4,sink=4,window=1020'")
     head, *rest = [p.strip() for p in spec.split(",")]
     if "=" in head:
         raise ValueError(

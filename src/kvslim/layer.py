@@ -260,11 +260,19 @@ class SlimLayer:
         return (keys.float() - bias[None, :, None, :]).to(keys.dtype)
 
     def append(
-        self, keys: torch.Tensor, values: torch.Tensor, position_ids: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, keys: torch.Tensor, values: torch.Tensor, position_ids: torch.Tensor | None = None, reader=None
+    ):
         """Append keys/values (B, H, C, D); return all stored keys/values before eviction
-        (B, H, stored + C, D), then evict down to the policy's capacity."""
-        if keys.ndim != 4 or keys.shape != values.shape[:3] + keys.shape[3:] or keys.shape[:3] != values.shape[:3]:
+        (B, H, stored + C, D), then evict down to the policy's capacity.
+
+        ``reader(layer)``, if given, replaces the materializing read (the compressed attention path
+        takes views of the stored segments instead).
+        """
+        if (
+            keys.ndim != 4
+            or keys.shape != values.shape[:3] + keys.shape[3:]
+            or keys.shape[:3] != values.shape[:3]
+        ):
             raise ValueError(
                 f"keys and values must be (B, H, T, D) with equal B, H, T; got {tuple(keys.shape)} and "
                 f"{tuple(values.shape)}"
@@ -287,9 +295,9 @@ class SlimLayer:
             self.k.append(keys)
             self.v.append(values)
 
-        out_k, out_v = self.read(self.dtype)
+        out = self.read(self.dtype) if reader is None else reader(self)
         self._evict()
-        return out_k, out_v
+        return out
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Every stored token, oldest first, materialized: (B, H, stored, D)."""
@@ -375,7 +383,9 @@ class SlimLayer:
         out = {**self.k.components("k"), **self.v.components("v")}
         out["k_sinks"] = 0 if self.sink_k is None else self.sink_k.numel() * self.sink_k.element_size()
         out["v_sinks"] = 0 if self.sink_v is None else self.sink_v.numel() * self.sink_v.element_size()
-        out["mean_center_bias"] = 0 if self.k_bias is None else self.k_bias.numel() * self.k_bias.element_size()
+        out["mean_center_bias"] = (
+            0 if self.k_bias is None else self.k_bias.numel() * self.k_bias.element_size()
+        )
         return out
 
     def nbytes(self) -> int:
@@ -384,4 +394,6 @@ class SlimLayer:
     def live_nbytes(self) -> int:
         """Bytes of the stored tokens alone (no buffer slack)."""
         c = self.components()
-        return self.k.live_nbytes() + self.v.live_nbytes() + c["k_sinks"] + c["v_sinks"] + c["mean_center_bias"]
+        return (
+            self.k.live_nbytes() + self.v.live_nbytes() + c["k_sinks"] + c["v_sinks"] + c["mean_center_bias"]
+        )

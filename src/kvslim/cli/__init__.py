@@ -17,7 +17,10 @@ from .common import UserError, fail
 SUBCOMMANDS = {
     "sample": ("kvslim.cli.sample", "stream text from a model through a compressed, bounded KV cache"),
     "calibrate": ("kvslim.cli.calibrate", "compute a K mean-centering bias file (GGUF) from text"),
-    "eval": ("kvslim.cli.eval", "measure the quality cost of cache modes (ppl, KLD, greedy, memory, passkey)"),
+    "eval": (
+        "kvslim.cli.eval",
+        "measure the quality cost of cache modes (ppl, KLD, greedy, memory, passkey)",
+    ),
     "bench": ("kvslim.cli.bench", "time decode and prefill of cache modes side by side with the peers"),
 }
 
@@ -31,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"kvslim {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module, help_) in SUBCOMMANDS.items():
+    for name, (_module, help_) in SUBCOMMANDS.items():
         # A placeholder parser; the real one is built lazily in main() once the command is known.
         sub.add_parser(name, help=help_, add_help=False)
     return parser

@@ -28,25 +28,48 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     parser.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype (default: float32)"
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="model dtype (default: float32)",
     )
 
 
 def add_cache_flags(parser: argparse.ArgumentParser) -> None:
     """The seed's flag surface for one cache mode."""
     names = format_names()
-    parser.add_argument("--streaming-llm-sink", type=int, default=0, metavar="N", help="keep the first N tokens forever")
     parser.add_argument(
-        "--streaming-llm-window", type=int, default=None, metavar="M", help="keep only the last M tokens beyond the sinks"
+        "--streaming-llm-sink", type=int, default=0, metavar="N", help="keep the first N tokens forever"
     )
-    parser.add_argument("--kv-quantize", default="none", choices=names, help="K and V storage format (default: none)")
-    parser.add_argument("--k-quantize", default=None, choices=names, help="K storage format (overrides --kv-quantize)")
-    parser.add_argument("--v-quantize", default=None, choices=names, help="V storage format (overrides --kv-quantize)")
-    parser.add_argument("--kv-group-size", type=int, default=32, metavar="G", help="KIVI token group (default: 32)")
     parser.add_argument(
-        "--kv-residual", type=int, default=128, metavar="R", help="recent tokens kept at full precision (default: 128)"
+        "--streaming-llm-window",
+        type=int,
+        default=None,
+        metavar="M",
+        help="keep only the last M tokens beyond the sinks",
     )
-    parser.add_argument("--kv-mean-center", default=None, metavar="FILE", help="K mean-centering bias file (GGUF)")
+    parser.add_argument(
+        "--kv-quantize", default="none", choices=names, help="K and V storage format (default: none)"
+    )
+    parser.add_argument(
+        "--k-quantize", default=None, choices=names, help="K storage format (overrides --kv-quantize)"
+    )
+    parser.add_argument(
+        "--v-quantize", default=None, choices=names, help="V storage format (overrides --kv-quantize)"
+    )
+    parser.add_argument(
+        "--kv-group-size", type=int, default=32, metavar="G", help="KIVI token group (default: 32)"
+    )
+    parser.add_argument(
+        "--kv-residual",
+        type=int,
+        default=128,
+        metavar="R",
+        help="recent tokens kept at full precision (default: 128)",
+    )
+    parser.add_argument(
+        "--kv-mean-center", default=None, metavar="FILE", help="K mean-centering bias file (GGUF)"
+    )
 
 
 def cache_config_from_args(args: argparse.Namespace) -> CacheConfig:
@@ -73,10 +96,14 @@ def format_table(headers: list[str], rows: list[list], floatfmt: str = ".4g") ->
 
     text = [[cell(v) for v in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in text)) if text else len(h) for i, h in enumerate(headers)]
-    numeric = [all(isinstance(r[i], (int, float)) for r in rows) if rows else False for i in range(len(headers))]
+    numeric = [
+        all(isinstance(r[i], (int, float)) for r in rows) if rows else False for i in range(len(headers))
+    ]
 
     def line(cells):
-        return "  ".join(c.rjust(w) if numeric[i] else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(
+            c.rjust(w) if numeric[i] else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        )
 
     out = [line(headers), "  ".join("-" * w for w in widths)]
     out += [line(r) for r in text]

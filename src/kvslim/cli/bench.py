@@ -1,0 +1,323 @@
+"""``kvslim bench``: decode and prefill speed and memory of cache modes, side by side with the plain
+transformers cache and the peers, in one process.
+
+Parsing and printing only; the work is :func:`kvslim.bench.run_bench`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .common import UserError, add_model_flags, format_table, write_json
+
+DEFAULT_CONFIGS = ["none", "int8", "int4", "q8_0", "q4_0", "none,sink=4,window=1020"]
+SMOKE_CONFIGS = ["int4", "q4_0,sink=4,window=28"]
+# --smoke: a seconds-long run for CI.
+SMOKE = dict(lengths=[16, 32], steps=2, warmup=1, append_lengths=[64, 256], append_reps=3, seen=[64, 256])
+
+
+def _int_list(flag: str):
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes comma-separated integers, got {text!r}") from None
+        if not values or min(values) < 1:
+            raise argparse.ArgumentTypeError(f"{flag} takes positive integers, got {text!r}")
+        return values
+
+    return parse
+
+
+def _all_or(parse):
+    def parse_all(text: str):
+        word = text.strip().lower()
+        return "all" if word == "all" else [] if word == "none" else parse(text)
+
+    return parse_all
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    add_model_flags(parser)
+    parser.add_argument(
+        "--config",
+        action="extend",
+        nargs="+",
+        default=None,
+        metavar="SPEC",
+        help="cache modes to bench, e.g. int4 'q4_0,sink=4,window=1020' (default: "
+        + " ".join(DEFAULT_CONFIGS)
+        + "); the plain DynamicCache is always included as 'dynamic'",
+    )
+    parser.add_argument(
+        "--lengths",
+        type=_int_list("--lengths"),
+        default=[512, 2048, 4096, 8192],
+        metavar="L,...",
+        help="context lengths (default: 512,2048,4096,8192)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=10, metavar="N", help="timed decode steps per mode (default: 10)"
+    )
+    parser.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed steps first (default: 2)")
+    parser.add_argument(
+        "--prefill-lengths",
+        type=_all_or(_int_list("--prefill-lengths")),
+        default="all",
+        metavar="L,...|all|none",
+        help="lengths at which every mode is built by a timed prefill; elsewhere only 'dynamic' is "
+        "prefilled and the others get its K/V through cache.update (default: all; none: only 'dynamic')",
+    )
+    parser.add_argument(
+        "--peers",
+        nargs="*",
+        default=None,
+        choices=["quanto", "hqq", "fp8"],
+        metavar="BACKEND",
+        help="add transformers' QuantizedCache with these backends (quanto, hqq, fp8; none named: all), "
+        "2 and 4 bits; a backend whose package is missing is reported, not an error",
+    )
+    parser.add_argument(
+        "--append-lengths",
+        type=_int_list("--append-lengths"),
+        default=[1024, 8192],
+        metavar="L,...",
+        help="history lengths of the append-cost measurement (default: 1024,8192)",
+    )
+    parser.add_argument(
+        "--append-reps", type=int, default=50, metavar="N", help="append repetitions (default: 50)"
+    )
+    parser.add_argument("--no-append", action="store_true", help="skip the append-cost measurement")
+    parser.add_argument(
+        "--seen",
+        type=_int_list("--seen"),
+        default=[1024, 4096, 16384, 65536],
+        metavar="N,...",
+        help="tokens-seen values of the StreamingLLM flatness measurement (default: 1024,4096,16384,65536)",
+    )
+    parser.add_argument(
+        "--seen-config",
+        action="extend",
+        nargs="+",
+        default=None,
+        metavar="SPEC",
+        help="windowed specs for the flatness measurement (default: the windowed --config specs)",
+    )
+    parser.add_argument("--no-seen", action="store_true", help="skip the StreamingLLM flatness measurement")
+    parser.add_argument(
+        "--threads", type=int, default=None, metavar="T", help="torch threads (default: torch's)"
+    )
+    parser.add_argument(
+        "--attn",
+        default="auto",
+        choices=["sdpa", "kvslim", "auto"],
+        help="attention implementation (auto: kvslim when registered, else sdpa)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random token sequences (default: 0)")
+    parser.add_argument("--json", default=None, metavar="FILE", help="also write every number as JSON")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a seconds-long run for CI: lengths 16,32, 2 steps, small append and tokens-seen "
+        "measurements (overrides those flags)",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+def run(args: argparse.Namespace) -> int:
+    for flag, value, minimum in (
+        ("--steps", args.steps, 1),
+        ("--warmup", args.warmup, 0),
+        ("--append-reps", args.append_reps, 1),
+        ("--threads", args.threads, 1),
+    ):
+        if value is not None and value < minimum:
+            raise UserError(f"{flag} must be an integer >= {minimum}, got {value}")
+    settings = dict(
+        lengths=args.lengths,
+        steps=args.steps,
+        warmup=args.warmup,
+        append_lengths=None if args.no_append else args.append_lengths,
+        append_reps=args.append_reps,
+        seen=None if args.no_seen else args.seen,
+    )
+    configs = args.config or DEFAULT_CONFIGS
+    bandwidth_bytes = 256 << 20
+    if args.smoke:
+        settings.update({k: v for k, v in SMOKE.items() if settings.get(k) is not None})
+        configs = args.config or SMOKE_CONFIGS
+        bandwidth_bytes = 16 << 20
+    prefill = None if args.prefill_lengths == "all" else args.prefill_lengths
+    if args.json:
+        out_dir = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(out_dir):
+            raise UserError(f"--json {args.json}: directory {out_dir} does not exist")
+
+    import torch
+
+    from ..bench import resolve_attn, run_bench
+    from ..models import load_model
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    attn = resolve_attn(args.attn)  # fails fast, before the model loads
+    model, _ = load_model(args.model, device=args.device, dtype=args.dtype)
+    result = run_bench(
+        model,
+        configs,
+        settings["lengths"],
+        settings["steps"],
+        peers=False if args.peers is None else (args.peers or True),
+        warmup=settings["warmup"],
+        seed=args.seed,
+        progress=not args.quiet,
+        attn=attn,
+        prefill_lengths=prefill,
+        append_lengths=settings["append_lengths"],
+        append_reps=settings["append_reps"],
+        seen=settings["seen"],
+        seen_configs=args.seen_config,
+        bandwidth_bytes=bandwidth_bytes,
+    )
+    print(render(result))
+    if args.json:
+        write_json(args.json, result.to_dict())
+        print(f"wrote {args.json}")
+    return 0
+
+
+def render(result) -> str:
+    """The report as text: settings, decode table, memory, peers at the same bits, append, flatness."""
+    s, m = result.settings, result.model
+    mb = 1 / (1 << 20)
+    out = [
+        f"model {m['name']} ({m['dtype']}, {m['n_layers']} layers, "
+        f"{m['n_kv_heads']} KV heads x {m['head_dim']}); "
+        f"{s['threads']} torch threads; attention {s['attn']}; device {s['device']}",
+        f"{s['steps']} timed decode steps per mode and length after {s['warmup']} warm-up, interleaved; "
+        f"seed {s['seed']}; prefill at lengths: {s['prefill_lengths']}",
+        f"memory bandwidth (copy, measured before each length's decode): "
+        f"{', '.join(sorted({f'{r.bandwidth_gb_s:.2f}' for r in result.decode}, key=float))} GB/s; "
+        f"weights read per step "
+        f"{m['weight_bytes_per_step'] * mb:.1f} MB",
+    ]
+    for backend, note in result.peers.items():
+        out.append(f"peer {backend}: {note}")
+    out.append("")
+    headers = [
+        "mode",
+        "length",
+        "ms/tok",
+        "IQR ms",
+        "tok/s",
+        "x dyn",
+        "prefill tok/s",
+        "x dyn pf",
+        "cache MB",
+        "peak MB",
+        "floor ms",
+        "x floor",
+    ]
+    rows = []
+    for r in result.decode:
+        rows.append(
+            [
+                r.mode,
+                r.length,
+                r.ms_median,
+                f"{r.ms_q1:.4g}-{r.ms_q3:.4g}",
+                r.tok_s,
+                r.ratio_to_dynamic,
+                _opt(r.prefill_tok_s),
+                _opt(r.prefill_ratio_to_dynamic),
+                r.cache_bytes * mb,
+                _opt(None if r.peak_bytes is None else r.peak_bytes * mb),
+                r.floor_ms,
+                r.ratio_to_floor,
+            ]
+        )
+    out.append(format_table(headers, rows))
+    out.append(
+        "\nx dyn: ratio of median ms/token to 'dynamic' (transformers DynamicCache) at the same length; "
+        "peak MB: RSS this mode adds at its decode peak (resident cache + largest in-step rise, "
+        f"{result.memory.get('method')}); floor: (weights + cache bytes read) / bandwidth"
+    )
+    mem_rows = [
+        [
+            r.mode,
+            r.length,
+            r.cache_bytes * mb,
+            _opt(r.resident_bytes, mb),
+            _opt(r.step_transient_bytes, mb),
+            r.one_layer_fp_bytes * mb,
+            _opt(r.peak_bytes, mb),
+            _opt(None if r.peak_bytes is None else r.peak_bytes / (r.cache_bytes + r.one_layer_fp_bytes)),
+        ]
+        for r in result.decode
+    ]
+    out += [
+        "\nmemory (MB)",
+        format_table(
+            [
+                "mode",
+                "length",
+                "nbytes",
+                "resident",
+                "step rise",
+                "1 layer fp K+V",
+                "peak",
+                "peak/(nbytes+layer)",
+            ],
+            mem_rows,
+        ),
+    ]
+    pairs = result.peer_ratios()
+    if pairs:
+        out += [
+            "\nkvslim vs peers at the same bits (ratio of median ms/token)",
+            format_table(
+                ["mode", "peer", "length", "ratio"],
+                [[p["mode"], p["peer"], p["length"], p["ratio"]] for p in pairs],
+            ),
+        ]
+    if result.append:
+        lengths = sorted({n for r in result.append for n in r.us})
+        out += [
+            f"\nappend cost: cache.update of one token on layer 0, median us "
+            f"({lengths[0]} vs {lengths[-1]} tokens)",
+            format_table(
+                ["mode", *[f"us @{n}" for n in lengths], f"x ({lengths[-1]}/{lengths[0]})"],
+                [[r.mode, *[r.us[n] for n in lengths], r.ratio] for r in result.append],
+            ),
+        ]
+    if result.streaming:
+        out += [
+            "\nStreamingLLM: decode step vs tokens seen",
+            format_table(
+                ["mode", "seen", "stored", "ms/tok", "IQR ms", "x first"],
+                [
+                    [
+                        r.mode,
+                        r.seen,
+                        r.tokens_stored,
+                        r.ms_median,
+                        f"{r.ms_q1:.4g}-{r.ms_q3:.4g}",
+                        r.ratio_to_first,
+                    ]
+                    for r in result.streaming
+                ],
+            ),
+        ]
+    return "\n".join(out)
+
+
+def _opt(value, scale: float = 1.0):
+    return "-" if value is None else value * scale
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from . import main
+
+    sys.exit(main(["bench", *sys.argv[1:]]))

@@ -1,0 +1,278 @@
+"""``kvslim eval``: the quality cost of cache modes, side by side with the reference, in one run.
+
+Subcommands ``ppl``, ``greedy``, ``memory`` and ``passkey``. Parsing and printing only; the work is
+:mod:`kvslim.evaluate` (``compare_perplexity``, ``greedy_prefix_match``, ``memory_table``,
+``passkey``). Every ``--config SPEC`` is one mode (``FORMAT[,key=value...]``, see
+:func:`kvslim.config.parse_spec`); the reference ``none`` is always run and reported first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+
+from .common import UserError, add_model_flags, format_table, write_json
+
+#: The modes measured when no --config is given.
+DEFAULT_CONFIGS = ("fp8", "int8", "int4", "int2", "q8_0", "q4_0", "q4_1")
+DEFAULT_LENGTHS = (1024, 4096, 32768, 131072)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="eval_command", metavar="WHAT", required=True)
+
+    def add(name: str, help_: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_, description=help_)
+        add_model_flags(p)
+        p.add_argument(
+            "--config", action="append", default=None, metavar="SPEC",
+            help="a cache mode FORMAT[,key=value...] (keys: k, v, sink, window, group, residual, v_group, "
+            "mean_center); repeatable; the reference 'none' is always included "
+            f"(default: {' '.join(DEFAULT_CONFIGS)})",
+        )  # fmt: skip
+        p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+        p.add_argument("--no-progress", action="store_true", help="no progress bars")
+        return p
+
+    p = add("ppl", "teacher-forced perplexity, KL divergence and top-1 agreement through the cache")
+    p.add_argument("--text", required=True, metavar="FILE", help="evaluation text (UTF-8)")
+    p.add_argument("--tokens", type=int, default=None, metavar="N", help="tokens of the text to use (default: 1024)")
+    p.add_argument(
+        "--prefill", type=int, default=None, metavar="P", help="tokens fed in one forward first (default: N // 4)"
+    )
+    p.add_argument(
+        "--chunk", type=int, default=1, metavar="C", help="tokens per forward after the prefill (default 1: decode steps)"
+    )
+    p.add_argument("--bucket", type=int, default=256, metavar="B", help="tokens per point of the ppl curve (256)")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="plot the ppl curves (needs matplotlib)")
+
+    p = add("greedy", "greedy prefix match against the reference's greedy continuation")
+    p.add_argument(
+        "--prompts", default=None, metavar="FILE",
+        help="one prompt per line ('chat:' prefix = chat template; \\n = newline); default: a built-in set",
+    )  # fmt: skip
+    p.add_argument("--tokens", type=int, default=64, metavar="N", help="tokens generated per prompt (64)")
+
+    p = add("memory", "bytes of each mode at each length, for the model's real shapes")
+    p.add_argument(
+        "--lengths", default=",".join(map(str, DEFAULT_LENGTHS)), metavar="N,N,...",
+        help=f"tokens seen (default: {','.join(map(str, DEFAULT_LENGTHS))})",
+    )  # fmt: skip
+
+    p = add("passkey", "retrieve a 5-digit key hidden in filler text at several depths")
+    p.add_argument("--lengths", default="1024", metavar="N,N,...", help="prompt lengths in tokens (1024)")
+    p.add_argument("--depths", default="0.1,0.5,0.9", metavar="D,D,...", help="relative key depths (0.1,0.5,0.9)")
+    p.add_argument("--trials", type=int, default=3, metavar="K", help="random keys per length and depth (3)")
+    p.add_argument("--chunk", type=int, default=64, metavar="C", help="prompt tokens per forward (64)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the keys (0)")
+
+
+def run(args: argparse.Namespace) -> int:
+    return {"ppl": _ppl, "greedy": _greedy, "memory": _memory, "passkey": _passkey}[args.eval_command](args)
+
+
+# --------------------------------------------------------------------------------------------
+def _specs(args) -> list[str]:
+    """The --config specs, validated now (before a model loads): ValueError names a bad one."""
+    from ..evaluate import resolve_modes
+
+    specs = list(args.config or DEFAULT_CONFIGS)
+    resolve_modes(specs)
+    return specs
+
+
+def _int_list(flag: str, text: str, minimum: int = 1) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not values or any(v < minimum for v in values):
+        raise UserError(f"{flag} must be comma-separated integers >= {minimum}, got {text!r}")
+    return values
+
+
+def _float_list(flag: str, text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"{flag} must be comma-separated numbers in [0, 1], got {text!r}") from None
+    if not values or any(not 0.0 <= v <= 1.0 for v in values):
+        raise UserError(f"{flag} must be comma-separated numbers in [0, 1], got {text!r}")
+    return values
+
+
+def _positive(flag: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise UserError(f"{flag} must be a positive integer, got {value}")
+
+
+def _check_out(flag: str, path: str | None) -> None:
+    if path is None:
+        return
+    out_dir = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(out_dir):
+        raise UserError(f"{flag} {path}: directory {out_dir} does not exist")
+
+
+def _read_text(path: str) -> str:
+    if not os.path.isfile(path):
+        raise UserError(f"--text {path}: no such file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise UserError(f"--text {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not text.strip():
+        raise UserError(f"--text {path}: the file is empty")
+    return text
+
+
+def _load(args):
+    from ..models import load_model
+
+    return load_model(args.model, device=args.device, dtype=args.dtype)
+
+
+def _model_name(args) -> str:
+    return args.model or "SmolLM2-135M-Instruct (embedded)"
+
+
+def _progress(args) -> bool:
+    return not args.no_progress and sys.stderr.isatty()
+
+
+def _out(obj, args) -> None:
+    if args.json:
+        write_json(args.json, obj)
+        print(f"wrote {args.json}", file=sys.stderr)
+
+
+# --------------------------------------------------------------------------------------------
+def _ppl(args) -> int:
+    text = _read_text(args.text)
+    for flag, value in (("--tokens", args.tokens), ("--prefill", args.prefill), ("--chunk", args.chunk),
+                        ("--bucket", args.bucket)):  # fmt: skip
+        _positive(flag, value)
+    _check_out("--json", args.json)
+    _check_out("--plot", args.plot)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise UserError("--plot needs matplotlib: pip install 'kvslim[plot]'")
+    specs = _specs(args)
+
+    from ..evaluate import compare_perplexity, plot_ppl_curves
+
+    model, tokenizer = _load(args)
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    available = ids.shape[1]
+    if args.tokens is not None and args.tokens > available:
+        raise UserError(f"--tokens {args.tokens} is more than the {available} tokens of {args.text}")
+    n = args.tokens if args.tokens is not None else min(1024, available)
+    if n < 2:
+        raise UserError(f"{args.text} has {available} token(s); perplexity needs at least 2")
+    prefill = args.prefill if args.prefill is not None else max(1, n // 4)
+    if prefill >= n:
+        raise UserError(f"--prefill {prefill} must be smaller than --tokens {n} (at least one token is scored)")
+    ids = ids[:, :n]
+
+    print(
+        f"{_model_name(args)}: {n} tokens of {args.text}, prefill {prefill}, then {n - 1 - prefill} tokens "
+        f"{'one per step' if args.chunk == 1 else f'{args.chunk} per forward'}; scoring {n - prefill} tokens",
+        file=sys.stderr,
+    )
+    report = compare_perplexity(
+        model, ids, specs, prefill=prefill, chunk=args.chunk, progress=_progress(args)
+    )
+    records = report.records(args.bucket)
+    rows = [
+        [r["config"], r["ppl"], r["ppl_stderr"], r["ppl_ratio"], r["kld_mean"], r["kld_p99"], r["kld_max"],
+         r["top1"]]  # fmt: skip
+        for r in records
+    ]
+    print(format_table(["config", "ppl", "±", "ppl ratio", "KLD mean", "KLD p99", "KLD max", "top-1"], rows))
+    _out({"model": _model_name(args), "tokens": n, "prefill": prefill, "chunk": args.chunk, "text": args.text,
+          "bucket": args.bucket, "results": records}, args)  # fmt: skip
+    if args.plot:
+        plot_ppl_curves(report, args.plot, bucket=args.bucket, title=f"{os.path.basename(args.text)}, {n} tokens")
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _greedy(args) -> int:
+    _positive("--tokens", args.tokens)
+    _check_out("--json", args.json)
+    if args.prompts is not None and not os.path.isfile(args.prompts):
+        raise UserError(f"--prompts {args.prompts}: no such file")
+    specs = _specs(args)
+
+    from ..evaluate import greedy_prefix_match, load_prompts
+
+    prompts = load_prompts(args.prompts) if args.prompts else None
+    model, tokenizer = _load(args)
+    report = greedy_prefix_match(
+        model, tokenizer, prompts, specs, tokens=args.tokens, progress=_progress(args)
+    )
+    names = [p.name for p in report.results[0].prompts]
+    rows = [[r.config, r.prefix_match_mean, *(p.prefix_match for p in r.prompts)] for r in report.results]
+    print(format_table(["config", "mean", *names], rows, floatfmt=".3f"))
+    ref_lens = ", ".join(f"{p.name} {p.reference_tokens}" for p in report.results[0].prompts)
+    print(f"reference continuation lengths (tokens): {ref_lens}")
+    _out({"model": _model_name(args), "tokens": args.tokens, "results": report.records()}, args)
+    return 0
+
+
+def _memory(args) -> int:
+    lengths = _int_list("--lengths", args.lengths, minimum=0)
+    _check_out("--json", args.json)
+    specs = _specs(args)
+
+    from ..evaluate import memory_records, memory_table
+    model, _ = _load(args)  # only its config and dtype are used
+    rows = memory_table(model.config, specs, lengths, dtype=model.dtype)
+    table = [
+        [r.config, r.seen, r.stored, _mib(r.bytes), r.bytes_per_token, r.ratio_fp16, r.ratio_fp32] for r in rows
+    ]
+    print(format_table(["config", "seen", "stored", "MiB", "B/stored tok", "x fp16", "x fp32"], table, floatfmt=".4g"))
+    print(
+        "bytes: every stored tensor (codes, scales, zeros, full-precision residual, sinks, bias), all layers, "
+        f"batch 1, model dtype {args.dtype}; x fp16 / x fp32: how many times smaller than an unbounded "
+        "fp16 / fp32 cache of the same tokens seen",
+        file=sys.stderr,
+    )
+    _out({"model": _model_name(args), "tokens": max(lengths), "lengths": lengths, "dtype": args.dtype,
+          "results": memory_records(rows)}, args)  # fmt: skip
+    return 0
+
+
+def _mib(n: int) -> float:
+    return n / 2**20
+
+
+def _passkey(args) -> int:
+    lengths = _int_list("--lengths", args.lengths)
+    depths = _float_list("--depths", args.depths)
+    _positive("--trials", args.trials)
+    _positive("--chunk", args.chunk)
+    _check_out("--json", args.json)
+    specs = _specs(args)
+
+    from ..evaluate import passkey
+
+    model, tokenizer = _load(args)
+    report = passkey(
+        model, tokenizer, specs, lengths, depths, args.trials,
+        seed=args.seed, chunk=args.chunk, progress=_progress(args),
+    )  # fmt: skip
+    cells = report.results[0].cells
+    headers = ["config", "all", *(f"{c.length}@{c.depth:g}" for c in cells)]
+    rows = [[r.config, r.accuracy, *(c.accuracy for c in r.cells)] for r in report.results]
+    print(format_table(headers, rows, floatfmt=".2f"))
+    print(
+        "columns: length@depth (prompt tokens @ relative key position); accuracy over "
+        f"{args.trials} random key(s) each; prompt fed {args.chunk} tokens per forward",
+        file=sys.stderr,
+    )
+    _out({"model": _model_name(args), "tokens": max(lengths), "lengths": lengths, "depths": depths,
+          "trials": args.trials, "results": report.records()}, args)  # fmt: skip
+    return 0

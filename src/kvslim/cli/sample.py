@@ -1,0 +1,324 @@
+"""``kvslim sample``: stream text from a model through a compressed, bounded KV cache.
+
+Parsing and printing only: the model comes from :func:`kvslim.models.load_model`, the cache from
+:meth:`kvslim.SlimCache.from_config`, the tokens from :func:`kvslim.generate.generate`.
+
+stdout gets the generated text and nothing else (flushed per token); stderr gets one banner line
+before and a report after, also after Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+from .common import UserError, add_cache_flags, add_model_flags, cache_config_from_args, write_json
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (embedded)"
+RSS_LOG_EVERY = 500
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    add_model_flags(parser)
+    parser.add_argument(
+        "--prompt", default=None, metavar="TEXT", help="the prompt (default: read from stdin)"
+    )
+    parser.add_argument(
+        "--tokens", type=int, default=128, metavar="N", help="tokens to generate (default: 128)"
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.7,
+        metavar="T",
+        help="sampling temperature, 0 = greedy (default: 0.7)",
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=0.95, metavar="P", help="nucleus sampling mass (default: 0.95)"
+    )
+    parser.add_argument("--seed", type=int, default=None, metavar="S", help="seed for reproducible sampling")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="keep generating past end-of-sequence tokens (exactly N tokens)",
+    )
+    add_cache_flags(parser)
+    parser.add_argument(
+        "--allow-beyond-context",
+        action="store_true",
+        help="without StreamingLLM, generate past the model's context length (a warning, not an error)",
+    )
+    parser.add_argument("--report-json", default=None, metavar="FILE", help="write the final report as JSON")
+    parser.add_argument(
+        "--rss-log",
+        default=None,
+        metavar="FILE",
+        help=f"write (step, rss_bytes) every {RSS_LOG_EVERY} tokens (CSV)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    cache_config = cache_config_from_args(args)  # ValueError -> one line, before any slow work
+    _check_args(args)
+    prompt = _read_prompt(args)
+
+    from .. import SlimCache
+    from ..generate import StreamDecoder, generate
+    from ..models import is_converted, load_model, model_shapes
+
+    if args.model is None and not is_converted():
+        print(
+            "kvslim: converting the embedded model once (about 25 s); later starts take seconds",
+            file=sys.stderr,
+        )
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    input_ids = _encode(tokenizer, prompt, args.chat).to(model.device)  # (1, T)
+    shapes = model_shapes(model.config)
+    _check_context(args, cache_config, input_ids.shape[1], shapes["max_position_embeddings"])
+
+    cache = SlimCache.from_config(cache_config, config=model.config)
+    print(_banner(args, cache_config, model, shapes["head_dim"]), file=sys.stderr, flush=True)
+
+    eos = None if args.ignore_eos else _eos_ids(model, tokenizer)
+    gen = generate(
+        model,
+        input_ids,
+        cache,
+        max_new_tokens=args.tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        eos_token_id=eos,
+    )
+    decoder = StreamDecoder(tokenizer, input_ids[0].tolist())
+    rss_log = open(args.rss_log, "w") if args.rss_log else None  # noqa: SIM115 (closed in finally)
+    interrupted = False
+    out = sys.stdout
+    try:
+        if rss_log:
+            rss_log.write("step,rss_bytes\n")
+        for event in gen:
+            piece = decoder.push(event.tokens[0])
+            if piece:
+                out.write(piece)
+                out.flush()
+            if rss_log and event.step % RSS_LOG_EVERY == 0:
+                rss_log.write(f"{event.step},{current_rss_bytes()}\n")
+                rss_log.flush()
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        gen.close()
+        if rss_log:
+            rss_log.write(f"{gen.stats.new_tokens},{current_rss_bytes()}\n")
+            rss_log.close()
+    out.write(decoder.flush() + "\n")
+    out.flush()
+
+    report = build_report(cache, gen.stats, args=args, interrupted=interrupted)
+    print(format_report(report), file=sys.stderr)
+    if args.report_json:
+        write_json(args.report_json, report)
+    return 130 if interrupted else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# checks and input
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Cheap checks of every flag and file, before the model loads."""
+    if args.tokens < 1:
+        raise UserError(f"--tokens must be >= 1, got {args.tokens}")
+    if not (args.temperature >= 0 and math.isfinite(args.temperature)):
+        raise UserError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.kv_mean_center is not None and not os.path.isfile(args.kv_mean_center):
+        raise UserError(
+            f"--kv-mean-center {args.kv_mean_center}: no such file (make one with `kvslim calibrate`)"
+        )
+    for flag, path in (("--report-json", args.report_json), ("--rss-log", args.rss_log)):
+        if path is not None:
+            parent = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(parent):
+                raise UserError(f"{flag} {path}: directory {parent} does not exist")
+    from ..models import resolve_spec
+
+    resolve_spec(args.model)  # a missing path or package: one line now, not after seconds of imports
+    import torch
+
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise UserError(
+            f"--device {args.device!r} is not a torch device (e.g. cpu, cuda, cuda:1, mps)"
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(
+            f"--device {args.device}: CUDA is not available in this torch build or on this machine"
+        )
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    if sys.stdin is None or sys.stdin.isatty():
+        raise UserError("no prompt: pass --prompt TEXT or pipe the prompt on stdin")
+    return sys.stdin.read()
+
+
+def _encode(tokenizer, prompt: str, chat: bool):
+    """The prompt as (1, T) ids; with ``chat``, wrapped in the tokenizer's chat template."""
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise UserError("--chat: this model's tokenizer has no chat template; drop --chat")
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    else:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+    if ids.shape[1] == 0:
+        bos = getattr(tokenizer, "bos_token_id", None)
+        if bos is None:
+            raise UserError(
+                "the prompt is empty and the tokenizer has no BOS token to start from; pass --prompt TEXT"
+            )
+        import torch
+
+        ids = torch.tensor([[bos]])
+    return ids
+
+
+def _check_context(args, cache_config, prompt_tokens: int, context: int | None) -> None:
+    """Without StreamingLLM, positions past the model's trained context are an error (or a warning
+    with --allow-beyond-context). With it, they are the point."""
+    if context is None or cache_config.window is not None:
+        return
+    needed = prompt_tokens + args.tokens
+    if needed <= context:
+        return
+    message = (
+        f"a {prompt_tokens}-token prompt plus --tokens {args.tokens} needs {needed} positions, beyond the "
+        f"model's context of {context}"
+    )
+    if not args.allow_beyond_context:
+        raise UserError(
+            f"{message}; bound the cache with --streaming-llm-window M (StreamingLLM), lower --tokens, "
+            f"or pass --allow-beyond-context to generate past it anyway"
+        )
+    print(f"kvslim: warning: {message}; quality degrades past it", file=sys.stderr)
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    ids = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return sorted(ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# banner and report
+
+
+def _bits_for(fmt: str, role: str, model, head_dim: int, cache_config) -> float:
+    import torch
+
+    from ..formats import make_codec
+
+    if fmt == "none":
+        return float(torch.finfo(model.dtype).bits)
+    codec = make_codec(fmt, role, group_size=cache_config.group_size, v_group_size=cache_config.v_group_size)
+    return codec.bits_per_element(head_dim)
+
+
+def _banner(args, cache_config, model, head_dim: int) -> str:
+    c = cache_config
+    k_bits = _bits_for(c.k_format, "k", model, head_dim, c)
+    v_bits = _bits_for(c.v_format, "v", model, head_dim, c)
+    parts = [f"K {c.k_format} ({k_bits:.2f} bits/elem), V {c.v_format} ({v_bits:.2f} bits/elem)"]
+    if c.k_format != "none" or c.v_format != "none":
+        parts.append(f"group {c.group_size}/residual {c.residual}")
+    parts.append("unbounded" if c.window is None else f"sink {c.sink}/window {c.window}")
+    if c.mean_center:
+        parts.append(f"K mean-centered ({os.path.basename(c.mean_center)})")
+    model_name = DEFAULT_MODEL_NAME if args.model is None else args.model
+    dtype = str(model.dtype).replace("torch.", "")
+    return f"kvslim sample | model {model_name} | cache {', '.join(parts)} | {model.device} {dtype}"
+
+
+def build_report(cache, stats, *, args=None, interrupted: bool = False) -> dict:
+    """The cache's report plus timings and peak RSS, as plain JSON-able values (NaN -> None)."""
+    report = dict(cache.report())
+    report.update(
+        prompt_tokens=stats.prompt_tokens,
+        new_tokens=stats.new_tokens,
+        prefill_s=stats.prefill_s,
+        decode_s=stats.decode_s,
+        prefill_tokens_per_s=stats.prefill_tokens_per_s,
+        decode_tokens_per_s=stats.decode_tokens_per_s,
+        peak_rss_bytes=peak_rss_bytes(),
+        interrupted=interrupted,
+    )
+    if args is not None:
+        report.update(
+            model=args.model or DEFAULT_MODEL_NAME,
+            device=args.device,
+            dtype=args.dtype,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+        )
+    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in report.items()}
+
+
+def format_report(r: dict) -> str:
+    stored = f"{r['tokens_stored']}"
+    if r.get("capacity") is not None:
+        cfg = r.get("config") or {}
+        stored += f" (cap sink+window = {cfg.get('sink', '?')}+{cfg.get('window', '?')} = {r['capacity']})"
+    fp16 = r["fp16_full_cache_bytes"]
+    ratio = f"{r['cache_bytes'] / fp16:.3f}x" if fp16 else "n/a"
+    lines = [
+        ("interrupted | " if r.get("interrupted") else "")
+        + f"tokens seen {r['tokens_seen']} | tokens stored {stored}",
+        f"cache {_mib(r['cache_bytes'])} | fp16 full cache {_mib(fp16)} | ratio {ratio}",
+        f"prefill {r['prompt_tokens']} tokens at {_rate(r['prefill_tokens_per_s'])} | "
+        f"decode {r['new_tokens']} tokens at {_rate(r['decode_tokens_per_s'])} | "
+        f"peak RSS {_mib(r['peak_rss_bytes'])}",
+    ]
+    return "\n".join("kvslim: " + line for line in lines)
+
+
+def _mib(n) -> str:
+    if n is None:
+        return "n/a"
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
+
+
+def _rate(x) -> str:
+    return "n/a tok/s" if x is None else f"{x:.1f} tok/s"
+
+
+def current_rss_bytes() -> int:
+    """Resident set size now (Linux /proc; elsewhere the peak, the best portable stand-in)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return peak_rss_bytes()
+
+
+def peak_rss_bytes() -> int:
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux

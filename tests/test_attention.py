@@ -1,0 +1,126 @@
+"""The compressed attention path ("kvslim") against the materializing path (sdpa) and against sdpa itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvslim  # noqa: F401  (registers the attention implementation)
+from conftest import tiny_model
+from kvslim import SlimCache
+from kvslim.attention import CompressedKV
+
+
+def _ids(length, seed=0, batch=1):
+    return torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _run(model, cache, ids, prefill, attention_mask=None):
+    """Prefill, then one token at a time; returns all logits (B, T, V)."""
+    out = [
+        model(
+            ids[:, :prefill],
+            cache=cache,
+            attention_mask=None if attention_mask is None else attention_mask[:, :prefill],
+        ).logits
+    ]
+    for t in range(prefill, ids.shape[1]):
+        am = None if attention_mask is None else attention_mask[:, : t + 1]
+        out.append(model(ids[:, t : t + 1], cache=cache, attention_mask=am).logits)
+    return torch.cat(out, dim=1)
+
+
+def test_kvslim_attention_with_other_caches_is_sdpa():
+    model = tiny_model("llama")
+    ids = _ids(20)
+    with torch.no_grad():
+        ref = _run(model, DynamicCache(config=model.config), ids, 12)
+        model.set_attn_implementation("kvslim")
+        got = _run(model, DynamicCache(config=model.config), ids, 12)
+    torch.testing.assert_close(got, ref, atol=0, rtol=0)
+
+
+SPECS = [
+    dict(kv_quantize="none"),
+    dict(kv_quantize="int8", group_size=4, residual=8),
+    dict(kv_quantize="int4", group_size=8, residual=0),
+    dict(kv_quantize="int2", group_size=4, residual=4),
+    dict(kv_quantize="q8_0", residual=0, group_size=1),
+    dict(kv_quantize="q4_0", residual=4, group_size=4),
+    dict(kv_quantize="q4_1", residual=0, group_size=1),
+    dict(kv_quantize="q5_0", residual=0, group_size=1),
+    dict(kv_quantize="q5_1", residual=0, group_size=1),
+    dict(kv_quantize="fp8", residual=0, group_size=1),
+    dict(kv_quantize="fp16", residual=0, group_size=1),
+    dict(kv_quantize="bf16", residual=0, group_size=1),
+    dict(kv_quantize="int4", k_quantize="q4_0", residual=0, group_size=1),
+    dict(kv_quantize="int4", sink=2, window=9, group_size=4, residual=4),
+    dict(kv_quantize="q4_0", sink=3, window=12, residual=0, group_size=1),
+]
+
+
+CASES = [("llama", s) for s in SPECS] + [("qwen3", SPECS[i]) for i in (0, 2, 5, 13)]
+
+
+@pytest.mark.parametrize(
+    "arch,spec", CASES, ids=[f"{a}-" + ",".join(f"{k}={v}" for k, v in s.items()) for a, s in CASES]
+)
+def test_compressed_path_equals_materializing_path(arch, spec):
+    model = tiny_model(arch, head_dim=32)
+    ids = _ids(40, seed=1)
+    with torch.no_grad():
+        ref = _run(model, SlimCache(config=model.config, **spec), ids, 17)
+        model.set_attn_implementation("kvslim")
+        got = _run(model, SlimCache(config=model.config, **spec), ids, 17)
+    # fp32 summation order differs; in lossy formats a 1e-7 change in a deeper layer's K can flip a code
+    # at a rounding tie, so the bound is a little above fp32 rounding (a wrong mask or segment is O(0.1)).
+    torch.testing.assert_close(got, ref, atol=5e-4, rtol=1e-4)
+
+
+def test_compressed_path_is_taken():
+    model = tiny_model("llama", attn_implementation="kvslim")
+    cache = SlimCache(kv_quantize="int4", group_size=4, residual=0, config=model.config)
+    seen = []
+    from kvslim import attention
+
+    orig = attention.compressed_attention
+
+    def spy(query, kv, mask, scaling):
+        seen.append(isinstance(kv, CompressedKV))
+        return orig(query, kv, mask, scaling)
+
+    attention.compressed_attention = spy
+    try:
+        with torch.no_grad():
+            _run(model, cache, _ids(24), 20)  # a 20-token prefill (> FAST_MAX_QUERY) then 4 decode steps
+    finally:
+        attention.compressed_attention = orig
+    assert seen and all(seen)
+    assert len(seen) == 4 * model.config.num_hidden_layers  # 4 decode steps; the prefill took sdpa
+
+
+def test_compressed_generate_left_padded_batch_matches_sdpa():
+    model = tiny_model("llama")
+    ids = _ids(12, seed=2, batch=3)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    mask[2, :6] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    kw = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0, attention_mask=mask)
+    spec = dict(kv_quantize="q8_0", sink=2, window=10, residual=0, group_size=1)
+    ref = model.generate(ids, cache=SlimCache(config=model.config, **spec), **kw)
+    model.set_attn_implementation("kvslim")
+    got = model.generate(ids, cache=SlimCache(config=model.config, **spec), **kw)
+    assert torch.equal(got, ref)
+
+
+def test_bf16_model_compressed_path():
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    ids = _ids(24)
+    spec = dict(kv_quantize="int8", group_size=4, residual=4)
+    with torch.no_grad():
+        ref = _run(model, SlimCache(config=model.config, **spec), ids, 16).float()
+        model.set_attn_implementation("kvslim")
+        got = _run(model, SlimCache(config=model.config, **spec), ids, 16).float()
+    assert (got - ref).abs().max() < 0.1 * ref.abs().max()
