@@ -411,3 +411,36 @@ def test_sliding_window_models_get_a_clear_error():
     )
     with pytest.raises(ValueError, match="sliding_attention"):
         SlimCache(config=cfg)
+
+
+# -- dtypes -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_models(dtype):
+    model = tiny_model("llama", dtype=dtype)
+    ids = _prompt(length=24)
+    with torch.no_grad():
+        ref = DynamicCache(config=model.config)
+        same = SlimCache(config=model.config)
+        lossy = SlimCache(
+            kv_quantize="int4", sink=2, window=12, group_size=4, residual=4, config=model.config
+        )
+        a = torch.cat(
+            [model(ids[:, :16], cache=ref).logits]
+            + [model(ids[:, t : t + 1], cache=ref).logits for t in range(16, 24)],
+            1,
+        )
+        b = torch.cat(
+            [model(ids[:, :16], cache=same).logits]
+            + [model(ids[:, t : t + 1], cache=same).logits for t in range(16, 24)],
+            1,
+        )
+        c = torch.cat(
+            [model(ids[:, :16], cache=lossy).logits]
+            + [model(ids[:, t : t + 1], cache=lossy).logits for t in range(16, 24)],
+            1,
+        )
+    assert torch.equal(a, b)
+    assert c.dtype == dtype and torch.isfinite(c).all()
+    assert lossy.layers[0].store.k.fp.data.dtype == dtype  # the residual keeps the model's dtype
