@@ -28,21 +28,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-try:
-    from . import kernels
-
-    kernels.k_scores  # noqa: B018
-except (ImportError, AttributeError):  # TEMP until kvslim.kernels lands
-
-    class kernels:  # noqa: N801
-        @staticmethod
-        def k_scores(q, codec, enc, offset):
-            return q @ codec.decode(enc, torch.float32, offset).transpose(-1, -2)
-
-        @staticmethod
-        def v_weighted(p, codec, enc, offset):
-            return p @ codec.decode(enc, torch.float32, offset)
-
+from . import kernels
 
 NAME = "kvslim"
 #: Forwards with more new tokens than this (prefill chunks) materialize and run sdpa: their cost is

@@ -1,0 +1,233 @@
+"""Attention kernels on the encoded KV store: K scores and attention-weighted V sums, no fp copy.
+
+Two functions, one per matmul of attention, over the *encoded* body of a stream (see
+:mod:`kvslim.layer`: the sinks and the fp residual are plain tensors the caller handles itself)::
+
+    k_scores(q, codec, enc, offset)   -> (B, H, M, T)   q @ K^T,  K = codec.decode(enc, fp32, offset)
+    v_weighted(p, codec, enc, offset) -> (B, H, M, D)   p @ V,    V = codec.decode(enc, fp32, offset)
+
+``q``: (B, H_kv, M, D) fp32 (the GQA group of each KV head folded into M, softmax scale applied);
+``p``: (B, H_kv, M, T) fp32 probabilities. Both need a contiguous last dim only: slices of bigger
+tensors are fine. ``enc`` holds views narrowed along dim 2 of the cache's buffers; ``offset`` is how
+many tokens of the first per-channel K group were already evicted (0 for per-token formats).
+
+Backends, chosen per call by a registry keyed by (backend, codec family):
+
+- ``torch`` (:mod:`.reference`): decode + matmul, any device, any codec; the semantics.
+- ``cpu`` (:mod:`.cpu`): C kernels built on first use, for CPU tensors of the formats they cover and
+  query axes up to :data:`.cpu.MAX_M`; they read each code once and never write an fp32 copy.
+
+``set_backend("auto" | "torch" | "cpu")`` or ``$KVSLIM_KERNELS`` picks: ``auto`` tries the
+backends of :data:`PREFERENCE` in order, ``cpu`` the C kernels then the reference, ``torch`` the
+reference only. A kernel that does not cover a call (CUDA tensor, long query axis, failed build)
+passes it to the next backend, ending at the reference. A GPU backend (Triton) slots in with
+:func:`register` and a place in :data:`PREFERENCE`, and runs under the same tests.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..formats import Codec, Encoded
+from ..formats.affine import _AffineKCodec, _AffineVCodec
+from ..formats.floats import _CastCodec, _Fp8Codec
+from ..formats.ggml import _GGMLCodec
+from . import cpu, reference
+
+BACKENDS = ("auto", "torch", "cpu")
+#: Order in which "auto" tries backends (the reference last, as it covers everything).
+PREFERENCE = ["cpu", "torch"]
+
+KernelFn = Callable[[torch.Tensor, Codec, Encoded, int], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One backend's pair of kernels for one codec family.
+
+    ``supports(x, codec, enc)`` (x: the query or the probabilities) says whether this kernel takes a
+    call; a False passes it on to the next backend.
+    """
+
+    k_scores: KernelFn
+    v_weighted: KernelFn
+    supports: Callable[[torch.Tensor, Codec, Encoded], bool] = lambda x, codec, enc: True
+
+
+#: (backend, family) -> Kernel
+REGISTRY: dict[tuple[str, str], Kernel] = {}
+#: backend -> () -> (usable, why); checked (and, for cpu, built) lazily on first use.
+AVAILABILITY: dict[str, Callable[[], tuple[bool, str]]] = {}
+
+#: codec class -> family name; codecs of other classes are the "generic" family (reference only).
+FAMILIES: dict[type, str] = {
+    _AffineKCodec: "affine_k",  # KIVI per-channel K
+    _AffineVCodec: "affine_v",  # KIVI per-token V
+    _GGMLCodec: "ggml",
+    _Fp8Codec: "fp8",
+    _CastCodec: "cast",  # none / fp16 / bf16
+}
+
+
+def register(backend: str, family: str, kernel: Kernel, availability=None) -> None:
+    """Add (or replace) the kernel of ``backend`` for codecs of ``family``."""
+    REGISTRY[(backend, family)] = kernel
+    if availability is not None:
+        AVAILABILITY[backend] = availability
+
+
+def codec_family(codec: Codec) -> str:
+    return FAMILIES.get(type(codec), "generic")
+
+
+# --------------------------------------------------------------------------- backend choice
+
+_chosen: str | None = None  # set_backend(); None = $KVSLIM_KERNELS or "auto"
+
+
+def set_backend(name: str | None) -> None:
+    """Pick the kernels: "auto", "torch" (the reference) or "cpu"; None returns to $KVSLIM_KERNELS."""
+    global _chosen
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"kernel backend must be one of {BACKENDS}, got {name!r}")
+    _chosen = name
+
+
+def get_backend() -> str:
+    """The requested backend: set_backend's, else $KVSLIM_KERNELS, else "auto"."""
+    if _chosen is not None:
+        return _chosen
+    env = os.environ.get("KVSLIM_KERNELS", "auto").strip().lower() or "auto"
+    if env not in BACKENDS:
+        raise ValueError(f"$KVSLIM_KERNELS must be one of {BACKENDS}, got {env!r}")
+    return env
+
+
+def _usable(backend: str) -> bool:
+    check = AVAILABILITY.get(backend)
+    return check is None or check()[0]
+
+
+def select(x: torch.Tensor, codec: Codec, enc: Encoded) -> tuple[str, Kernel]:
+    """(backend, kernel) that serves a call with query/probabilities ``x``."""
+    wanted = get_backend()
+    order = {"torch": ["torch"], "cpu": ["cpu", "torch"]}.get(wanted, PREFERENCE)
+    family = codec_family(codec)
+    for backend in order:
+        kernel = REGISTRY.get((backend, family)) or REGISTRY.get((backend, "generic"))
+        if kernel is not None and kernel.supports(x, codec, enc) and _usable(backend):
+            return backend, kernel
+    raise ValueError(f"no kernel for codec {codec.name!r} (family {family}) on {x.device}")
+
+
+def available() -> dict:
+    """Which backend is requested, each backend's state and why (builds the C kernels if needed)."""
+    info = {"requested": get_backend(), "preference": list(PREFERENCE), "backends": {}}
+    for backend in dict.fromkeys([*PREFERENCE, "torch"]):
+        check = AVAILABILITY.get(backend)
+        ok, why = check() if check else (True, "always available")
+        fams = sorted(f for (b, f) in REGISTRY if b == backend)
+        info["backends"][backend] = {"available": ok, "reason": why, "families": fams}
+    cpu_ok = info["backends"]["cpu"]["available"]
+    if info["requested"] == "torch":
+        info["active"] = "torch"
+        info["why"] = "requested"
+    elif cpu_ok:
+        info["active"] = "cpu"
+        info["why"] = (
+            f"C kernels for CPU tensors of {', '.join(info['backends']['cpu']['families'])} "
+            f"with M <= {cpu.MAX_M}; the torch reference otherwise"
+        )
+    else:
+        info["active"] = "torch"
+        info["why"] = f"C kernels unavailable: {info['backends']['cpu']['reason']}"
+    return info
+
+
+# --------------------------------------------------------------------------- the API
+
+
+def _tokens(enc: Encoded) -> int:
+    if not enc.token:
+        raise ValueError("encoded body has no token parts")
+    return next(iter(enc.token.values())).shape[2]
+
+
+def _as_input(x: torch.Tensor, what: str, shape_doc: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{what} must be a floating point tensor {shape_doc}, got {got}")
+    if x.dtype != torch.float32:
+        x = x.float()
+    if x.shape[-1] > 1 and x.stride(-1) != 1:
+        x = x.contiguous()
+    return x
+
+
+def _check_heads(x: torch.Tensor, enc: Encoded, what: str) -> None:
+    ref = next(iter(enc.token.values()))
+    if tuple(x.shape[:2]) != tuple(ref.shape[:2]):
+        raise ValueError(
+            f"{what} has batch x heads {tuple(x.shape[:2])} but the encoded body has {tuple(ref.shape[:2])}"
+        )
+
+
+def k_scores(q: torch.Tensor, codec: Codec, enc: Encoded, offset: int = 0) -> torch.Tensor:
+    """Scores of the queries against the encoded keys: (B, H, M, D) -> (B, H, M, T) fp32."""
+    q = _as_input(q, "q", "(B, H_kv, M, D)")
+    t = _tokens(enc)
+    _check_heads(q, enc, "q")
+    if t == 0:
+        return q.new_zeros((*q.shape[:3], 0))
+    _, kernel = select(q, codec, enc)
+    return kernel.k_scores(q, codec, enc, offset)
+
+
+def v_weighted(p: torch.Tensor, codec: Codec, enc: Encoded, offset: int = 0) -> torch.Tensor:
+    """Probability-weighted sum of the encoded values: (B, H, M, T) -> (B, H, M, D) fp32."""
+    p = _as_input(p, "p", "(B, H_kv, M, T)")
+    t = _tokens(enc)
+    _check_heads(p, enc, "p")
+    if p.shape[-1] != t:
+        raise ValueError(f"p has {p.shape[-1]} tokens along its last dim, the encoded body {t}")
+    _, kernel = select(p, codec, enc)
+    return kernel.v_weighted(p, codec, enc, offset)
+
+
+# --------------------------------------------------------------------------- registrations
+
+register(
+    "torch", "generic", Kernel(reference.k_scores, reference.v_weighted), lambda: (True, "always available")
+)
+
+
+def _cpu_ok(extra=None):
+    def supports(x: torch.Tensor, codec: Codec, enc: Encoded) -> bool:
+        if x.device.type != "cpu" or x.shape[2] > cpu.MAX_M:
+            return False
+        return extra is None or extra(codec, enc)
+
+    return supports
+
+
+register("cpu", "affine_k", Kernel(cpu.k_affine, reference.v_weighted, _cpu_ok()), cpu.status)
+register("cpu", "affine_v", Kernel(reference.k_scores, cpu.v_affine, _cpu_ok(cpu.affine_v_supported)))
+for _family in ("ggml", "fp8", "cast"):
+    register("cpu", _family, Kernel(cpu.k_rows, cpu.v_rows, _cpu_ok(cpu.rows_supported)))
+
+__all__ = [
+    "BACKENDS",
+    "Kernel",
+    "available",
+    "codec_family",
+    "get_backend",
+    "k_scores",
+    "register",
+    "select",
+    "set_backend",
+    "v_weighted",
+]

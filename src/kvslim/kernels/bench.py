@@ -1,0 +1,209 @@
+"""Time the attention kernels on one decode step's shapes: ``python -m kvslim.kernels.bench``.
+
+For each format and history length it times, per layer, ``k_scores`` + ``v_weighted`` over the
+encoded body with
+
+- ``ref``:  the PyTorch reference (decode to fp32, then matmul),
+- ``c``:    the C kernels (on the encoded bytes, no fp32 copy),
+- ``fp32``: plain ``q @ K^T`` and ``p @ V`` on already materialized fp32 K/V — what the plain cache
+  pays per layer (without its torch.cat),
+
+over ``--layers`` distinct layers per step, cycled, so the working set is a real step's (KV of
+every layer: hundreds of MB at 4K tokens, far beyond the last-level cache) rather than one layer
+that stays in cache. Modes are interleaved within each repeat so that a noisy, shared machine
+slows them alike; the table shows medians (and the spread) of microseconds per layer.
+
+Shapes default to SmolLM2-135M's decode step: B=1, 3 KV heads, M=3 queries per KV head (its GQA
+group), head dim 64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from ..formats import Encoded, make_codec
+from . import cpu, reference
+
+FORMATS = ("int8", "int4", "int2", "q8_0", "q4_0")
+
+
+def _narrowed(enc: Encoded, t: int, group_size: int) -> Encoded:
+    """Views of the first ``t`` tokens and their groups (as a cache's TimeBuffer hands them out)."""
+    n = -(-t // group_size)
+    return Encoded(
+        token={k: v[:, :, :t] for k, v in enc.token.items()},
+        group={k: v[:, :, :n] for k, v in enc.group.items()},
+    )
+
+
+def _layer_bodies(name: str, role: str, x: torch.Tensor, layers: int, group_size: int):
+    """``layers`` distinct copies of x encoded with ``name``, as views with slack after the body."""
+    codec = make_codec(name, role, group_size=group_size)
+    t = x.shape[2]
+    slack = torch.zeros(*x.shape[:2], group_size, x.shape[3])
+    enc = codec.encode(torch.cat([x, slack], dim=2))  # (B, H, T + slack, ...): the buffer's spare room
+    bodies = []
+    for _ in range(layers):
+        e = Encoded(
+            token={k: v.clone() for k, v in enc.token.items()},
+            group={k: v.clone() for k, v in enc.group.items()},
+        )
+        bodies.append(_narrowed(e, t, codec.token_group))
+    return codec, bodies
+
+
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def _time(fn, layers: int, clock) -> float:
+    """Microseconds per layer of one pass over every layer."""
+    t0 = clock()
+    for i in range(layers):
+        fn(i)
+    return (clock() - t0) * 1e6 / layers
+
+
+def _modes(q, p, kc, kb, vc, vb, k32, v32) -> dict:
+    """mode -> fn(layer index) running one layer's K scores + V weighted sum."""
+    from . import select
+
+    kk, vk = select(q, kc, kb[0])[1], select(p, vc, vb[0])[1]  # the kernels "auto" picks (C when built)
+    modes = {
+        "ref": lambda i: (reference.k_scores(q, kc, kb[i]), reference.v_weighted(p, vc, vb[i])),
+        "c": lambda i: (kk.k_scores(q, kc, kb[i], 0), vk.v_weighted(p, vc, vb[i], 0)),
+        "fp32": lambda i: (q @ k32[i].transpose(-1, -2), p @ v32[i]),
+    }
+    return modes
+
+
+def bench(
+    formats=FORMATS,
+    lengths=(4096, 8192),
+    batch: int = 1,
+    heads: int = 3,
+    queries: int = 3,
+    head_dim: int = 64,
+    layers: int = 30,
+    repeats: int = 7,
+    group_size: int = 32,
+    clock: str = "wall",
+    seed: int = 0,
+) -> list[dict]:
+    """Rows {format, tokens, mode, us_per_layer (median), spread (min, max), bytes_per_layer}.
+
+    ``clock``: "wall" (perf_counter) or "cpu" (process CPU time: on a shared machine, with one
+    thread, the time the work itself took, whoever else was running).
+    """
+    ok, why = cpu.status()
+    if not ok:
+        raise RuntimeError(f"the C kernels are unavailable: {why}")
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {clock!r}")
+    tick = CLOCKS[clock]
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for t in lengths:
+        shape = (batch, heads, t, head_dim)
+        mean = torch.randn(1, heads, 1, head_dim, generator=gen) * 2  # keys have per-channel means
+        k = torch.randn(shape, generator=gen) + mean
+        v = torch.randn(shape, generator=gen)
+        q = torch.randn(batch, heads, queries, head_dim, generator=gen) * head_dim**-0.5
+        p = torch.softmax(torch.randn(batch, heads, queries, t, generator=gen), dim=-1)
+        k32 = [k.clone() for _ in range(layers)]
+        v32 = [v.clone() for _ in range(layers)]
+        for name in formats:
+            kc, kb = _layer_bodies(name, "k", k, layers, group_size)
+            vc, vb = _layer_bodies(name, "v", v, layers, group_size)
+            nbytes = {"fp32": 2 * k.numel() * 4}
+            modes = _modes(q, p, kc, kb, vc, vb, k32, v32)
+            for fn in modes.values():  # warm-up
+                _time(fn, 2, tick)
+            times = {m: [] for m in modes}
+            for _ in range(repeats):
+                for mode, fn in modes.items():
+                    times[mode].append(_time(fn, layers, tick))
+            for mode, ts in times.items():
+                rows.append(
+                    {
+                        "format": name,
+                        "tokens": t,
+                        "mode": mode,
+                        "us_per_layer": statistics.median(ts),
+                        "spread": (min(ts), max(ts)),
+                        "bytes_per_layer": nbytes.get(mode, kb[0].nbytes() + vb[0].nbytes()),
+                    }
+                )
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    """One line per (format, tokens): the modes side by side and c / fp32."""
+    by = {}
+    for r in rows:
+        by.setdefault((r["format"], r["tokens"]), {})[r["mode"]] = r
+    extra = sorted({r["mode"] for r in rows} - {"ref", "c", "fp32"})
+    head = f"{'format':7} {'tokens':>6} {'KV MB':>6} {'ref us':>8} {'c us':>8} {'fp32 us':>8} {'c/fp32':>7} {'c/ref':>6}"
+    head += "".join(f" {m + ' us':>12}" for m in extra)
+    lines = [head]
+    for (name, t), m in by.items():
+        c, f, ref = m["c"]["us_per_layer"], m["fp32"]["us_per_layer"], m["ref"]["us_per_layer"]
+        line = (
+            f"{name:7} {t:6d} {m['c']['bytes_per_layer'] / 1e6:6.2f} {ref:8.0f} {c:8.0f} {f:8.0f} "
+            f"{c / f:7.2f} {c / ref:6.2f}"
+        )
+        line += "".join(f" {m[x]['us_per_layer']:12.0f}" for x in extra if x in m)
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvslim.kernels.bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--formats", default=",".join(FORMATS), help="comma-separated format names")
+    ap.add_argument("--lengths", default="4096,8192", help="comma-separated history lengths (tokens)")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=3, help="KV heads")
+    ap.add_argument("--queries", type=int, default=3, help="queries per KV head (GQA group x new tokens)")
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=30, help="distinct layers per step (cycled)")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="wall time, or process CPU time (steadier on a shared machine with --threads 1)",
+    )
+    ap.add_argument("--json", default=None, help="write the rows to this file")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = bench(
+        formats=[f.strip() for f in args.formats.split(",") if f.strip()],
+        lengths=[int(x) for x in args.lengths.split(",")],
+        batch=args.batch,
+        heads=args.heads,
+        queries=args.queries,
+        head_dim=args.head_dim,
+        layers=args.layers,
+        repeats=args.repeats,
+        clock=args.clock,
+    )
+    print(f"threads {torch.get_num_threads()}; {cpu.status()[1]}")
+    print(
+        f"{args.clock} microseconds per layer (K scores + V weighted sum), median of {args.repeats} passes "
+        f"over {args.layers} layers; B={args.batch} H_kv={args.heads} M={args.queries} D={args.head_dim}"
+    )
+    print(format_rows(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

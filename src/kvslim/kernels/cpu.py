@@ -1,0 +1,418 @@
+"""The C kernels (``csrc/*.c``): built on first use with the system C compiler, loaded with ctypes.
+
+Build: ``$CC`` (or the first of cc, gcc, clang on PATH) compiles the sources with
+``-O3 -march=native -fopenmp -shared -fPIC -std=c11 -ffp-contract=fast`` (falling back to fewer flags
+when one is refused) into ``<cache>/kernels/<hash>.so``, where ``<cache>`` is ``$KVSLIM_CACHE_DIR``,
+``$XDG_CACHE_HOME/kvslim`` or ``~/.cache/kvslim`` and the hash covers the sources, the flags, the
+compiler's version and the machine (``-march=native`` code is only reused on the CPU it was built for).
+The file is written under a temporary name and renamed into place, so processes building at the same
+time never load a half-written library. A build takes a second or two.
+
+Any failure to build or load warns once and leaves :func:`status` False: the dispatcher in
+:mod:`kvslim.kernels` then uses the PyTorch reference. Nothing here raises at import.
+
+The wrappers below validate every shape against the codec before handing raw pointers to C (a wrong
+shape there would read out of bounds, not raise). Tensors are passed as (pointer, element strides of
+dims 0..2); a last dim that is not contiguous is copied first.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..formats import Codec, Encoded
+
+ABI_VERSION = 1
+SOURCES = Path(__file__).parent / "csrc"
+BASE_FLAGS = ["-O3", "-shared", "-fPIC", "-std=c11", "-ffp-contract=fast"]
+#: Tried in order; the first set the compiler accepts is used.
+FLAG_VARIANTS = [
+    ["-march=native", "-fopenmp"],
+    ["-fopenmp"],
+    ["-march=native", "-fopenmp-simd"],
+    ["-fopenmp-simd"],
+    [],
+]
+#: Longest query axis (GQA group x new tokens) the C kernels take: they loop over queries per token,
+#: which beats decode + GEMM only while M is small (measured crossover on AVX-512: M ~ 64).
+MAX_M = 64
+
+_DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.uint8: 4}
+_GGML_FMT = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q5_0": 3, "q5_1": 4}
+_ROW_FMT = {torch.float32: 5, torch.float16: 6, torch.bfloat16: 7}
+_FP8_FMT = 8
+_GGML_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24}
+
+
+class _Part(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("s0", ctypes.c_int64),
+        ("s1", ctypes.c_int64),
+        ("s2", ctypes.c_int64),
+        ("dtype", ctypes.c_int32),
+        ("unused", ctypes.c_int32),
+    ]
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int32) for n in ("B", "H", "M", "T", "D", "nthreads")]
+
+
+_P = ctypes.POINTER(_Part)
+_DP = ctypes.POINTER(_Dims)
+_I = ctypes.c_int
+
+
+# --------------------------------------------------------------------------- build and load
+
+
+def cache_dir() -> Path:
+    """Where built libraries live: $KVSLIM_CACHE_DIR, $XDG_CACHE_HOME/kvslim or ~/.cache/kvslim, + /kernels."""
+    root = os.environ.get("KVSLIM_CACHE_DIR")
+    if not root:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        root = (
+            os.path.join(xdg, "kvslim") if xdg else os.path.join(os.path.expanduser("~"), ".cache", "kvslim")
+        )
+    return Path(root) / "kernels"
+
+
+def find_compiler() -> list[str] | None:
+    """The C compiler command: $CC (may carry flags) or the first of cc, gcc, clang on PATH."""
+    cc = os.environ.get("CC")
+    if cc:
+        return shlex.split(cc)
+    for name in ("cc", "gcc", "clang"):
+        path = shutil.which(name)
+        if path:
+            return [path]
+    return None
+
+
+def _machine_id() -> str:
+    """The CPU the -march=native code is for: architecture + /proc/cpuinfo's model and flags (Linux)."""
+    ident = [platform.machine(), platform.system()]
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("model name", "flags", "Features", "CPU part")):
+                    ident.append(line.strip())
+                if line.strip() == "":  # first processor only
+                    break
+    except OSError:
+        ident.append(platform.processor())
+    return "\n".join(ident)
+
+
+def _sources() -> list[Path]:
+    return sorted(SOURCES.glob("*.c"))
+
+
+def _build_key(compiler: list[str], version: str) -> str:
+    h = hashlib.sha256()
+    for src in _sources():
+        h.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
+    h.update(repr((compiler, version, BASE_FLAGS, FLAG_VARIANTS, ABI_VERSION, _machine_id())).encode())
+    return h.hexdigest()[:24]
+
+
+def _compiler_version(compiler: list[str]) -> str:
+    out = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=60)
+    return out.stdout.strip() or out.stderr.strip()
+
+
+def build(force: bool = False) -> tuple[Path, str]:
+    """Compile the kernels unless an up-to-date build is cached. Returns (path, flags used).
+
+    Raises RuntimeError with the compiler's message when no flag set compiles.
+    """
+    compiler = find_compiler()
+    if compiler is None:
+        raise RuntimeError("no C compiler found (set $CC, or install cc/gcc/clang)")
+    key = _build_key(compiler, _compiler_version(compiler))
+    out_dir = cache_dir()
+    target = out_dir / f"{key}.so"
+    flags_file = out_dir / f"{key}.flags"
+    if target.exists() and not force:
+        flags = flags_file.read_text() if flags_file.exists() else "?"
+        return target, flags
+    out_dir.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for variant in FLAG_VARIANTS:
+        fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".so", dir=out_dir)
+        os.close(fd)
+        cmd = [*compiler, *BASE_FLAGS, *variant, "-o", tmp, *map(str, _sources())]
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            if res.returncode == 0:
+                flags = " ".join(BASE_FLAGS + variant)
+                _atomic_write_text(flags_file, flags)
+                os.replace(tmp, target)  # atomic: a concurrent build replaces an identical file
+                return target, flags
+            errors.append(f"{' '.join(variant) or '(no extra flags)'}: {res.stderr.strip()[-400:]}")
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    raise RuntimeError(f"{compiler[0]} failed to build the kvslim kernels:\n" + "\n".join(errors))
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.kv_abi_version.restype = _I
+    lib.kv_has_openmp.restype = _I
+    lib.kv_test_half_to_float.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, _I]
+    lib.kv_test_half_to_float.restype = None
+    lib.kv_k_rows.argtypes = [_I, _P, _P, _P, _P, _DP]
+    lib.kv_v_rows.argtypes = [_I, _P, _P, _P, _P, _DP]
+    lib.kv_k_affine.argtypes = [_I, _I, _I, _P, _P, _P, _P, _P, _DP]
+    lib.kv_v_affine.argtypes = [_I, _I, _P, _P, _P, _P, _P, _DP]
+    for fn in (lib.kv_k_rows, lib.kv_v_rows, lib.kv_k_affine, lib.kv_v_affine):
+        fn.restype = _I
+
+
+_lock = threading.Lock()
+_state: dict = {}  # "lib", "ok", "reason", "path", "flags" once tried
+
+
+def _load() -> None:
+    if sys.byteorder != "little":
+        raise RuntimeError(
+            "the C kernels read GGML's little-endian fp16 fields and need a little-endian host"
+        )
+    path, flags = build()
+    lib = ctypes.CDLL(str(path))
+    _declare(lib)
+    if lib.kv_abi_version() != ABI_VERSION:
+        raise RuntimeError(f"{path} has ABI {lib.kv_abi_version()}, expected {ABI_VERSION}")
+    openmp = bool(lib.kv_has_openmp())
+    _state.update(
+        lib=lib,
+        ok=True,
+        path=str(path),
+        flags=flags,
+        openmp=openmp,
+        reason=f"built with {flags} ({'OpenMP' if openmp else 'single-threaded: no OpenMP'})",
+    )
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, building them on first use; None (after one warning) if that failed."""
+    if "ok" not in _state:
+        with _lock:
+            if "ok" not in _state:
+                try:
+                    _load()
+                except Exception as e:  # any failure: warn once, fall back to the reference
+                    _state.update(lib=None, ok=False, reason=f"{type(e).__name__}: {e}")
+                    warnings.warn(
+                        f"kvslim: C kernels unavailable, using the PyTorch reference ({_state['reason']})",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+    return _state["lib"]
+
+
+def status() -> tuple[bool, str]:
+    """(usable, why): builds/loads on first call."""
+    library()
+    return _state["ok"], _state["reason"]
+
+
+def _reset_for_tests() -> None:
+    with _lock:
+        _state.clear()
+
+
+# --------------------------------------------------------------------------- argument marshalling
+
+
+def _part(t: torch.Tensor) -> _Part:
+    """A (B, H, N, ...) tensor as (pointer, element strides of dims 0..2, dtype); last dims contiguous."""
+    s = t.stride()
+    return _Part(t.data_ptr(), s[0], s[1], s[2], _DT[t.dtype], 0)
+
+
+def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """Make everything after dim 2 contiguous (dims 0..2 may keep any strides)."""
+    if t.dim() == 4 and (t.shape[3] <= 1 or t.stride(3) == 1):
+        return t
+    return t.contiguous()
+
+
+def _dims(b: int, h: int, m: int, t: int, d: int) -> _Dims:
+    return _Dims(b, h, m, t, d, torch.get_num_threads())
+
+
+def _check(rc: int, what: str) -> None:
+    if rc == 1:
+        raise MemoryError(f"kvslim C kernel {what}: out of memory for its scratch buffers")
+    if rc:
+        raise ValueError(f"kvslim C kernel {what} rejected its arguments (code {rc})")
+
+
+def _expect(t: torch.Tensor, shape: tuple, dtypes, what: str) -> None:
+    if tuple(t.shape) != shape or t.dtype not in dtypes:
+        raise ValueError(
+            f"{what} has shape {tuple(t.shape)} and dtype {t.dtype}; expected shape {shape} "
+            f"and dtype in {[str(d) for d in dtypes]}"
+        )
+
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# --------------------------------------------------------------------------- KIVI per-channel K
+
+
+def _affine_k_parts(codec: Codec, enc: Encoded, b: int, h: int, t: int, d: int, offset: int):
+    per = 8 // codec.bits
+    g = codec.token_group
+    if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < g:
+        raise ValueError(f"offset must be an integer in [0, {g}), got {offset!r}")
+    codes = _rows_contiguous(enc.token["codes"])
+    _expect(codes, (b, h, t, d // per), (torch.uint8,), f"{codec.name} K codes")
+    n = -(-(offset + t) // g)
+    scale, zero = (_rows_contiguous(enc.group[k]) for k in ("scale", "zero"))
+    for name, s in (("scale", scale), ("zero", zero)):
+        _expect(s, (b, h, n, d), _FLOATS, f"{codec.name} K {name}")
+    return codes, scale, zero
+
+
+def k_affine(q: torch.Tensor, codec: Codec, enc: Encoded, offset: int) -> torch.Tensor:
+    """Per-channel affine K scores: q (B, H, M, D) fp32 -> (B, H, M, T)."""
+    b, h, m, d = q.shape
+    t = enc.token["codes"].shape[2]
+    codes, scale, zero = _affine_k_parts(codec, enc, b, h, t, d, offset)
+    out = q.new_empty((b, h, m, t))
+    rc = library().kv_k_affine(
+        codec.bits,
+        codec.token_group,
+        offset,
+        _part(q),
+        _part(codes),
+        _part(scale),
+        _part(zero),
+        _part(out),
+        _dims(b, h, m, t, d),
+    )
+    _check(rc, "k_affine")
+    return out
+
+
+# --------------------------------------------------------------------------- KIVI per-token V
+
+
+def _v_group(codec: Codec, d: int) -> int:
+    return d if codec.group_size is None else codec.group_size
+
+
+def affine_v_supported(codec: Codec, enc: Encoded) -> bool:
+    """The C kernel needs each channel group to be whole bytes of codes (g a multiple of 8 // bits)."""
+    d = enc.token["codes"].shape[-1] * (8 // codec.bits)
+    g = _v_group(codec, d)
+    return d % g == 0 and g % (8 // codec.bits) == 0
+
+
+def v_affine(p: torch.Tensor, codec: Codec, enc: Encoded, offset: int) -> torch.Tensor:
+    """Per-token affine V weighted sum: p (B, H, M, T) fp32 -> (B, H, M, D)."""
+    b, h, m, t = p.shape
+    per = 8 // codec.bits
+    codes = _rows_contiguous(enc.token["codes"])
+    d = codes.shape[-1] * per
+    g = _v_group(codec, d)
+    _expect(codes, (b, h, t, d // per), (torch.uint8,), f"{codec.name} V codes")
+    scale, zero = (_rows_contiguous(enc.token[k]) for k in ("scale", "zero"))
+    for name, s in (("scale", scale), ("zero", zero)):
+        _expect(s, (b, h, t, d // g), _FLOATS, f"{codec.name} V {name}")
+    out = p.new_empty((b, h, m, d))
+    rc = library().kv_v_affine(
+        codec.bits, g, _part(p), _part(codes), _part(scale), _part(zero), _part(out), _dims(b, h, m, t, d)
+    )
+    _check(rc, "v_affine")
+    return out
+
+
+# --------------------------------------------------------------------------- per-token rows
+
+
+def _row_parts(codec: Codec, enc: Encoded, b: int, h: int, t: int, d: int | None):
+    """(format code, row tensor, fp8 scale or a dummy, D) of a GGML / float / fp8 body."""
+    if codec.name in _GGML_FMT:
+        blocks = _rows_contiguous(enc.token["blocks"])
+        nb = _GGML_BYTES[codec.name]
+        if d is None:
+            d = blocks.shape[-1] // nb * 32
+        _expect(blocks, (b, h, t, d // 32 * nb), (torch.uint8,), f"{codec.name} blocks")
+        if d % 32:
+            raise ValueError(f"{codec.name} needs a head dim that is a multiple of 32, got {d}")
+        return _GGML_FMT[codec.name], blocks, blocks, d
+    if "scale" in enc.token:  # fp8
+        codes = _rows_contiguous(enc.token["codes"])
+        d = codes.shape[-1] if d is None else d
+        _expect(codes, (b, h, t, d), (torch.float8_e4m3fn,), "fp8 codes")
+        scale = enc.token["scale"]
+        _expect(scale, (b, h, t, 1), (torch.float32,), "fp8 scale")
+        return _FP8_FMT, codes, scale, d
+    x = _rows_contiguous(enc.token["x"])
+    d = x.shape[-1] if d is None else d
+    _expect(x, (b, h, t, d), tuple(_ROW_FMT), f"{codec.name} tokens")
+    return _ROW_FMT[x.dtype], x, x, d
+
+
+def rows_supported(codec: Codec, enc: Encoded) -> bool:
+    if codec.name in _GGML_FMT or "scale" in enc.token:
+        return True
+    x = enc.token.get("x")
+    return x is not None and x.dtype in _ROW_FMT
+
+
+def k_rows(q: torch.Tensor, codec: Codec, enc: Encoded, offset: int) -> torch.Tensor:
+    """Per-token formats (GGML, fp8, fp16/bf16/fp32): q (B, H, M, D) fp32 -> (B, H, M, T)."""
+    b, h, m, d = q.shape
+    t = next(iter(enc.token.values())).shape[2]
+    fmt, x, xs, d = _row_parts(codec, enc, b, h, t, d)
+    out = q.new_empty((b, h, m, t))
+    _check(
+        library().kv_k_rows(fmt, _part(q), _part(x), _part(xs), _part(out), _dims(b, h, m, t, d)), "k_rows"
+    )
+    return out
+
+
+def v_rows(p: torch.Tensor, codec: Codec, enc: Encoded, offset: int) -> torch.Tensor:
+    """Per-token formats: p (B, H, M, T) fp32 -> (B, H, M, D)."""
+    b, h, m, t = p.shape
+    fmt, x, xs, d = _row_parts(codec, enc, b, h, t, None)
+    out = p.new_empty((b, h, m, d))
+    _check(
+        library().kv_v_rows(fmt, _part(p), _part(x), _part(xs), _part(out), _dims(b, h, m, t, d)), "v_rows"
+    )
+    return out
+
+
+def half_to_float(bits: torch.Tensor, portable: bool = False) -> torch.Tensor:
+    """The C side's fp16 -> fp32 conversion (F16C when built for it, else bit arithmetic; ``portable``
+    forces the latter) of uint16/int16 bit patterns, for the tests."""
+    src = bits.to(torch.int16).contiguous()
+    dst = torch.empty(src.shape, dtype=torch.float32)
+    library().kv_test_half_to_float(src.data_ptr(), dst.data_ptr(), src.numel(), int(portable))
+    return dst

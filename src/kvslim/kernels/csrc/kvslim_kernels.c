@@ -1,0 +1,706 @@
+/* kvslim CPU kernels: attention scores and weighted value sums on the encoded KV store.
+ *
+ * Plain C11 (no torch headers: compiles in about a second), built on first use by kvslim/kernels/cpu.py
+ * and called through ctypes. Every entry point takes kv_part descriptors (a data pointer and element
+ * strides of dims 0..2 = batch, head, token/group; the last dim contiguous) so the encoded tensors can be
+ * views narrowed out of the cache's bigger buffers.
+ *
+ *   K scores:   out[b,h,m,t] = sum_d q[b,h,m,d] * K[b,h,t,d]          q (B,H,M,D) fp32, out (B,H,M,T) fp32
+ *   V weighted: out[b,h,m,d] = sum_t p[b,h,m,t] * V[b,h,t,d]          p (B,H,M,T) fp32, out (B,H,M,D) fp32
+ *
+ * K/V are never written out in fp32: each token's codes are read once and turned into floats in a
+ * D-float row that stays in L1 (a few registers' worth for D = 64), used by all M queries, and dropped.
+ * Accumulation is fp32.
+ *
+ * Formats:
+ *   - KIVI per-channel K (int8/int4/int2, one scale/zero per channel and token group of G): folded into
+ *     the query once per group, q'_d = q_d * scale_d and c = sum_d q_d * zero_d, so a token costs
+ *     score = sum_d q'_d * code_d + c. Packed codes are read plane by plane (int4: all low nibbles, then
+ *     all high nibbles), so q' is stored permuted the same way and every inner loop is contiguous.
+ *   - KIVI per-token V (scale/zero per token and channel group of g, g a multiple of the codes per
+ *     byte): the row is decoded in the same plane order, and the sum is un-permuted once at the end.
+ *   - GGML q8_0/q4_0/q4_1/q5_0/q5_1 (per token, blocks of 32 along D, byte layout of ggml-common.h),
+ *     fp32, fp16, bf16, fp8 e4m3 with a per-token fp32 scale: a row decoder per format.
+ *
+ * Parallelism: OpenMP over (batch, head, token chunk) tasks, with the caller's thread count. V sums are
+ * reduced over the chunks of a (batch, head) at the end. Without OpenMP everything runs on one thread.
+ */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__F16C__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define KV_ABI_VERSION 1
+
+#if defined(__GNUC__) || defined(__clang__)
+#define KV_INLINE static inline __attribute__((always_inline))
+#else
+#define KV_INLINE static inline
+#endif
+
+#if defined(_OPENMP)
+#define KV_SIMD_SUM _Pragma("omp simd reduction(+:s)")
+#define KV_SIMD _Pragma("omp simd")
+#else
+#define KV_SIMD_SUM
+#define KV_SIMD
+#endif
+
+enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2, DT_F8E4M3 = 3, DT_U8 = 4 };
+
+/* Per-token row formats (GGML kinds first, in kvslim.formats.ggml order, then the float formats). */
+enum { R_Q8_0 = 0, R_Q4_0 = 1, R_Q4_1 = 2, R_Q5_0 = 3, R_Q5_1 = 4, R_F32 = 5, R_F16 = 6, R_BF16 = 7, R_FP8 = 8 };
+
+typedef struct {
+    const void *data;
+    int64_t s0, s1, s2; /* element strides of dims 0 (batch), 1 (head), 2 (token or group) */
+    int32_t dtype;      /* DT_* */
+    int32_t unused;
+} kv_part;
+
+typedef struct {
+    int32_t B, H, M, T, D;
+    int32_t nthreads;
+} kv_dims;
+
+enum { KV_OK = 0, KV_ENOMEM = 1, KV_EARG = 2 };
+
+/* --------------------------------------------------------------------------------- scalars */
+
+KV_INLINE float f32_from_bits(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+KV_INLINE uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+/* IEEE half -> float, exact for every input (subnormals, inf, NaN with its payload). */
+static float half_to_float_portable(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    if (e == 0) { /* zero or subnormal: m * 2^-24, exact in fp32 */
+        float f = (float)m * 0x1p-24f;
+        return sign ? -f : f;
+    }
+    if (e == 31) return f32_from_bits(sign | 0x7f800000u | (m << 13));
+    return f32_from_bits(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+KV_INLINE float h2f(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    return half_to_float_portable(h);
+#endif
+}
+
+KV_INLINE uint16_t ld_u16(const uint8_t *p) { /* little-endian host (checked by the loader) */
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+KV_INLINE uint32_t ld_u32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* Element i of a fp32/fp16/bf16 vector. */
+KV_INLINE float ldf(const uint8_t *base, int i, int dt) {
+    if (dt == DT_F16) return h2f(((const uint16_t *)base)[i]);
+    if (dt == DT_BF16) return f32_from_bits((uint32_t)((const uint16_t *)base)[i] << 16);
+    return ((const float *)base)[i];
+}
+
+static int dtype_size(int dt) {
+    switch (dt) {
+    case DT_F32: return 4;
+    case DT_F16:
+    case DT_BF16: return 2;
+    default: return 1;
+    }
+}
+
+/* Address of element [b, h, i, 0] of a part. */
+KV_INLINE const uint8_t *at(const kv_part *p, int b, int h, int64_t i) {
+    return (const uint8_t *)p->data + (int64_t)dtype_size(p->dtype) * (b * p->s0 + h * p->s1 + i * p->s2);
+}
+
+/* n floats of a fp32/fp16/bf16 vector -> dst. */
+static void load_floats(const uint8_t *src, int dt, float *restrict dst, int n) {
+    if (dt == DT_F32) {
+        memcpy(dst, src, (size_t)n * 4);
+    } else if (dt == DT_BF16) {
+        const uint16_t *s = (const uint16_t *)src;
+        KV_SIMD
+        for (int i = 0; i < n; i++) dst[i] = f32_from_bits((uint32_t)s[i] << 16);
+    } else {
+        const uint16_t *s = (const uint16_t *)src;
+        int i = 0;
+#if defined(__F16C__) && defined(__AVX__)
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
+#endif
+        for (; i < n; i++) dst[i] = h2f(s[i]);
+    }
+}
+
+/* --------------------------------------------------------------------------------- small helpers */
+
+KV_INLINE float dot(const float *restrict a, const float *restrict b, int n) {
+    float s = 0.0f;
+    KV_SIMD_SUM
+    for (int i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+KV_INLINE void axpy(float *restrict y, float a, const float *restrict x, int n) {
+    KV_SIMD
+    for (int i = 0; i < n; i++) y[i] += a * x[i];
+}
+
+/* Work units (a token row times a query, roughly 3 ns each) below which a thread is not worth its
+ * fork/join: small calls run on the caller's thread, like at::parallel_for's grain size. */
+#define KV_GRAIN 8192
+
+static int threads_of(const kv_dims *dm) {
+    const int64_t work = (int64_t)dm->B * dm->H * dm->T * (dm->M + 1);
+    int64_t nt = work / KV_GRAIN;
+    if (nt > dm->nthreads) nt = dm->nthreads;
+    return nt < 1 ? 1 : (int)nt;
+}
+
+/* Token chunks per (batch, head): enough tasks to balance the threads, chunks of >= min_chunk tokens. */
+static int n_chunks(int bh, int T, int nthreads, int min_chunk) {
+    int want = (4 * nthreads + bh - 1) / bh;
+    int most = (T + min_chunk - 1) / min_chunk;
+    if (want > most) want = most;
+    return want < 1 ? 1 : want;
+}
+
+/* Packed KIVI codes are handled in plane order: k = i * np + j holds element d = per * j + i
+ * (i < per codes per byte, j < np bytes). */
+
+/* Codes of one token (np bytes) -> floats in plane order, times scale[k / run] plus zero[k / run] when
+ * scale is not NULL (run: the plane elements sharing a scale; a multiple of 8 for the AVX2 path). */
+KV_INLINE void unpack_planes(const uint8_t *restrict c, float *restrict row, int np, int bits,
+                             const float *restrict scale, const float *restrict zero, int run) {
+    const int per = 8 / bits;
+    const unsigned mask = (1u << bits) - 1u;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (np % 8 == 0 && (scale == NULL || run % 8 == 0)) {
+        const __m256i vmask = _mm256_set1_epi32((int)mask);
+        __m256 sv = _mm256_setzero_ps(), zv = sv;
+        for (int gg = 0, j = 0; j < np; gg++) {
+            if (scale) { /* channel group gg: plane elements [gg * run, (gg + 1) * run) */
+                sv = _mm256_set1_ps(scale[gg]);
+                zv = _mm256_set1_ps(zero[gg]);
+            }
+            const int stop = scale ? j + run : np;
+            for (; j < stop; j += 8) {
+                const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + j)));
+                for (int i = 0; i < per; i++) {
+                    const __m256i x = per == 1 ? v : _mm256_and_si256(_mm256_srli_epi32(v, bits * i), vmask);
+                    __m256 f = _mm256_cvtepi32_ps(x);
+                    if (scale) f = _mm256_fmadd_ps(f, sv, zv);
+                    _mm256_storeu_ps(row + i * np + j, f);
+                }
+            }
+        }
+        return;
+    }
+#endif
+    for (int i = 0; i < per; i++) {
+        float *restrict r = row + i * np;
+        const int sh = bits * i;
+        KV_SIMD
+        for (int j = 0; j < np; j++) r[j] = (float)((c[j] >> sh) & mask);
+        if (scale)
+            for (int j = 0; j < np; j++) r[j] = r[j] * scale[j / run] + zero[j / run];
+    }
+}
+
+/* --------------------------------------------------------------------------------- per-token rows */
+
+/* One token's vector, decoded to fp32 in natural order. src: its bytes; scale: fp8's fp32 scale. */
+KV_INLINE void decode_row(int fmt, const uint8_t *restrict src, float xscale, float *restrict row, int D) {
+    const int nb = D / 32;
+    switch (fmt) {
+    case R_Q8_0:
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = src + 34 * b;
+            const float d = h2f(ld_u16(blk));
+            const int8_t *qs = (const int8_t *)(blk + 2);
+            float *r = row + 32 * b;
+            KV_SIMD
+            for (int i = 0; i < 32; i++) r[i] = d * (float)qs[i];
+        }
+        break;
+    case R_Q4_0:
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = src + 18 * b;
+            const float d = h2f(ld_u16(blk));
+            const uint8_t *qs = blk + 2;
+            float *r = row + 32 * b;
+            KV_SIMD
+            for (int j = 0; j < 16; j++) {
+                r[j] = d * (float)((int)(qs[j] & 15) - 8);
+                r[j + 16] = d * (float)((int)(qs[j] >> 4) - 8);
+            }
+        }
+        break;
+    case R_Q4_1:
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = src + 20 * b;
+            const float d = h2f(ld_u16(blk)), m = h2f(ld_u16(blk + 2));
+            const uint8_t *qs = blk + 4;
+            float *r = row + 32 * b;
+            KV_SIMD
+            for (int j = 0; j < 16; j++) {
+                r[j] = d * (float)(qs[j] & 15) + m;
+                r[j + 16] = d * (float)(qs[j] >> 4) + m;
+            }
+        }
+        break;
+    case R_Q5_0:
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = src + 22 * b;
+            const float d = h2f(ld_u16(blk));
+            const uint32_t qh = ld_u32(blk + 2);
+            const uint8_t *qs = blk + 6;
+            float *r = row + 32 * b;
+            KV_SIMD
+            for (int j = 0; j < 16; j++) {
+                const int lo = (qs[j] & 15) | (int)(((qh >> j) & 1u) << 4);
+                const int hi = (qs[j] >> 4) | (int)(((qh >> (j + 16)) & 1u) << 4);
+                r[j] = d * (float)(lo - 16);
+                r[j + 16] = d * (float)(hi - 16);
+            }
+        }
+        break;
+    case R_Q5_1:
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = src + 24 * b;
+            const float d = h2f(ld_u16(blk)), m = h2f(ld_u16(blk + 2));
+            const uint32_t qh = ld_u32(blk + 4);
+            const uint8_t *qs = blk + 8;
+            float *r = row + 32 * b;
+            KV_SIMD
+            for (int j = 0; j < 16; j++) {
+                const int lo = (qs[j] & 15) | (int)(((qh >> j) & 1u) << 4);
+                const int hi = (qs[j] >> 4) | (int)(((qh >> (j + 16)) & 1u) << 4);
+                r[j] = d * (float)lo + m;
+                r[j + 16] = d * (float)hi + m;
+            }
+        }
+        break;
+    case R_F32: memcpy(row, src, (size_t)D * 4); break;
+    case R_F16: load_floats(src, DT_F16, row, D); break;
+    case R_BF16: load_floats(src, DT_BF16, row, D); break;
+    case R_FP8: {
+        /* e4m3fn: exponent field e > 0 moves into fp32's (bias 7 -> 127); e == 0 is m * 2^-9; 0x7f is NaN. */
+        int i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        const __m256i m7f = _mm256_set1_epi32(0x7f), m80 = _mm256_set1_epi32(0x80), bias = _mm256_set1_epi32(120 << 23);
+        const __m256 sub = _mm256_set1_ps(0x1p-9f), nan = _mm256_set1_ps(f32_from_bits(0x7fc00000u));
+        const __m256 xs = _mm256_set1_ps(xscale);
+        for (; i + 8 <= D; i += 8) {
+            const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(src + i)));
+            const __m256i mag = _mm256_and_si256(v, m7f);
+            const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(mag, 20), bias));
+            const __m256 small = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), sub);
+            __m256 f = _mm256_blendv_ps(normal, small, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag)));
+            f = _mm256_blendv_ps(f, nan, _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, m7f)));
+            f = _mm256_or_ps(f, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(v, m80), 24)));
+            _mm256_storeu_ps(row + i, _mm256_mul_ps(f, xs));
+        }
+#endif
+        for (; i < D; i++) {
+            const uint32_t v = src[i], mag = v & 0x7fu;
+            float f = mag < 8 ? (float)mag * 0x1p-9f : f32_from_bits((mag << 20) + (120u << 23));
+            f = mag == 0x7fu ? f32_from_bits(0x7fc00000u) : f;
+            row[i] = f32_from_bits(f32_bits(f) | (v & 0x80u) << 24) * xscale;
+        }
+        break;
+    }
+    default: break;
+    }
+}
+
+/* --------------------------------------------------------------------------------- tiles
+ *
+ * The drivers decode TILE tokens at a time into rows[TILE][D] (L1-resident), then:
+ *   K: out[m, t + j] = qq[m] . rows[j] + cst[m]   for j < n, every m
+ *   V: acc[m] += sum_j p[m, t + j] * rows[j]      for every m
+ * With AVX2 + FMA the K dots run 4 tokens at a time with one horizontal-add tree for the 4 sums,
+ * and the V sums keep a 32-float slice of acc[m] in registers across the tile. The portable
+ * versions are the same loops without intrinsics.
+ */
+
+#define TILE 16
+
+/* K: rows (n <= TILE, rows beyond n are readable garbage), qq (M, D) with row stride qs; cst may be NULL. */
+static void k_tile(const float *restrict qq, int64_t qs, const float *restrict cst, int M, int D,
+                   const float *restrict rows, int n, float *restrict ob, int64_t os, int t) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (D % 8 == 0) {
+        for (int m = 0; m < M; m++) {
+            const float *qm = qq + m * qs;
+            const __m128 c = _mm_set1_ps(cst ? cst[m] : 0.0f);
+            float *o = ob + m * os + t;
+            for (int j = 0; j < n; j += 4) {
+                const float *r0 = rows + (int64_t)j * D, *r1 = r0 + D, *r2 = r1 + D, *r3 = r2 + D;
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (int k = 0; k < D; k += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qm + k);
+                    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r0 + k), a0);
+                    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r1 + k), a1);
+                    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r2 + k), a2);
+                    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r3 + k), a3);
+                }
+                /* [a0 a1 a2 a3] lane sums: hadd pairs, then add the two 128-bit halves. */
+                const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+                const __m128 s = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), c);
+                if (j + 4 <= n) {
+                    _mm_storeu_ps(o + j, s);
+                } else {
+                    float tmp[4];
+                    _mm_storeu_ps(tmp, s);
+                    for (int i = 0; i < n - j; i++) o[j + i] = tmp[i];
+                }
+            }
+        }
+        return;
+    }
+#endif
+    for (int m = 0; m < M; m++) {
+        const float c = cst ? cst[m] : 0.0f;
+        for (int j = 0; j < n; j++) ob[m * os + t + j] = dot(qq + m * qs, rows + (int64_t)j * D, D) + c;
+    }
+}
+
+/* V: acc[m, :] += sum_{j < n} p[m, j] * rows[j, :]; p rows have stride ps. */
+static void v_tile(const float *restrict p, int64_t ps, int M, int D, const float *restrict rows, int n,
+                   float *restrict acc) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (D % 32 == 0) {
+        for (int m = 0; m < M; m++) {
+            const float *pm = p + m * ps;
+            for (int k = 0; k < D; k += 32) {
+                float *a = acc + m * D + k;
+                __m256 a0 = _mm256_loadu_ps(a), a1 = _mm256_loadu_ps(a + 8), a2 = _mm256_loadu_ps(a + 16),
+                       a3 = _mm256_loadu_ps(a + 24);
+                for (int j = 0; j < n; j++) {
+                    const __m256 w = _mm256_broadcast_ss(pm + j);
+                    const float *r = rows + (int64_t)j * D + k;
+                    a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r), a0);
+                    a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 8), a1);
+                    a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 16), a2);
+                    a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 24), a3);
+                }
+                _mm256_storeu_ps(a, a0);
+                _mm256_storeu_ps(a + 8, a1);
+                _mm256_storeu_ps(a + 16, a2);
+                _mm256_storeu_ps(a + 24, a3);
+            }
+        }
+        return;
+    }
+#endif
+    for (int m = 0; m < M; m++)
+        for (int j = 0; j < n; j++) axpy(acc + m * D, p[m * ps + j], rows + (int64_t)j * D, D);
+}
+
+/* --------------------------------------------------------------------------------- per-token tasks */
+
+KV_INLINE void decode_tile(int fmt, const kv_part *x, const kv_part *xs, int D, int b, int h, int t, int n,
+                           float *restrict rows) {
+    for (int j = 0; j < n; j++) {
+        const float sc = fmt == R_FP8 ? *(const float *)at(xs, b, h, t + j) : 1.0f;
+        decode_row(fmt, at(x, b, h, t + j), sc, rows + (int64_t)j * D, D);
+    }
+}
+
+KV_INLINE void k_rows_task(int fmt, const kv_part *q, const kv_part *x, const kv_part *xs, const kv_part *out,
+                           int M, int D, int b, int h, int t0, int t1, float *restrict rows) {
+    const float *qb = (const float *)at(q, b, h, 0);
+    float *ob = (float *)at(out, b, h, 0);
+    for (int t = t0; t < t1; t += TILE) {
+        const int n = t1 - t < TILE ? t1 - t : TILE;
+        decode_tile(fmt, x, xs, D, b, h, t, n, rows);
+        k_tile(qb, q->s2, NULL, M, D, rows, n, ob, out->s2, t);
+    }
+}
+
+/* acc (M, D) += p[:, t0:t1] @ rows over one token chunk. */
+KV_INLINE void v_rows_task(int fmt, const kv_part *p, const kv_part *x, const kv_part *xs, int M, int D, int b,
+                           int h, int t0, int t1, float *restrict rows, float *restrict acc) {
+    const float *pb = (const float *)at(p, b, h, 0);
+    for (int t = t0; t < t1; t += TILE) {
+        const int n = t1 - t < TILE ? t1 - t : TILE;
+        decode_tile(fmt, x, xs, D, b, h, t, n, rows);
+        v_tile(pb + t, p->s2, M, D, rows, n, acc);
+    }
+}
+
+/* --------------------------------------------------------------------------------- KIVI K */
+
+/* Fold the scale/zero of group g into the queries: qq[m, i * np + j] = q[m, d] * scale[d] for
+ * d = per * j + i (plane order), cst[m] = sum_d q[m, d] * zero[d]. tmp: 2 * D floats. */
+KV_INLINE void fold_group(const kv_part *q, const kv_part *sc, const kv_part *zr, int M, int D, int per, int b, int h,
+                       int g, float *restrict qq, float *restrict cst, float *restrict tmp) {
+    float *s = tmp, *z = tmp + D;
+    const int np = D / per;
+    load_floats(at(sc, b, h, g), sc->dtype, s, D);
+    load_floats(at(zr, b, h, g), zr->dtype, z, D);
+    const float *qb = (const float *)at(q, b, h, 0);
+    for (int m = 0; m < M; m++) {
+        const float *qm = qb + m * q->s2;
+        float *o = qq + m * D;
+        for (int i = 0; i < per; i++)
+            for (int j = 0; j < np; j++) o[i * np + j] = qm[per * j + i] * s[per * j + i];
+        cst[m] = dot(qm, z, D);
+    }
+}
+
+KV_INLINE void k_affine_task(int bits, const kv_part *q, const kv_part *codes, const kv_part *sc, const kv_part *zr,
+                             const kv_part *out, int M, int D, int G, int offset, int b, int h, int t0, int t1,
+                             float *restrict scratch) {
+    const int per = 8 / bits, np = D / per;
+    float *rows = scratch, *qq = rows + TILE * D, *tmp = qq + M * D, *cst = tmp + 2 * D;
+    float *ob = (float *)at(out, b, h, 0);
+    for (int t = t0; t < t1;) {
+        const int g = (offset + t) / G;
+        const int gend = (g + 1) * G - offset; /* first token of the next group */
+        fold_group(q, sc, zr, M, D, per, b, h, g, qq, cst, tmp);
+        const int stop = t1 < gend ? t1 : gend;
+        for (; t < stop; t += TILE) {
+            const int n = stop - t < TILE ? stop - t : TILE;
+            for (int j = 0; j < n; j++)
+                unpack_planes(at(codes, b, h, t + j), rows + (int64_t)j * D, np, bits, NULL, NULL, 1);
+            k_tile(qq, D, cst, M, D, rows, n, ob, out->s2, t);
+        }
+        t = stop;
+    }
+}
+
+/* --------------------------------------------------------------------------------- KIVI V */
+
+/* acc (plane order) += p[m, t] * (code * scale + zero) over a chunk; channel groups of g (g % per == 0). */
+KV_INLINE void v_affine_task(int bits, const kv_part *p, const kv_part *codes, const kv_part *sc, const kv_part *zr,
+                             int M, int D, int g, int b, int h, int t0, int t1, float *restrict scratch,
+                             float *restrict acc) {
+    const int per = 8 / bits, np = D / per, ng = D / g, run = g / per;
+    float *rows = scratch, *s = rows + TILE * D, *z = s + ng;
+    const float *pb = (const float *)at(p, b, h, 0);
+    for (int t = t0; t < t1; t += TILE) {
+        const int n = t1 - t < TILE ? t1 - t : TILE;
+        for (int jt = 0; jt < n; jt++) {
+            float *row = rows + (int64_t)jt * D;
+            const uint8_t *sp = at(sc, b, h, t + jt), *zp = at(zr, b, h, t + jt);
+            for (int gg = 0; gg < ng; gg++) {
+                s[gg] = ldf(sp, gg, sc->dtype);
+                z[gg] = ldf(zp, gg, zr->dtype);
+            }
+            unpack_planes(at(codes, b, h, t + jt), row, np, bits, s, z, run);
+        }
+        v_tile(pb + t, p->s2, M, D, rows, n, acc);
+    }
+}
+
+/* --------------------------------------------------------------------------------- drivers */
+
+#define KV_TASK_INDEX(task, H, nc, b, h, c, T, t0, t1)                                                           \
+    const int b = (int)((task) / ((int64_t)(H) * (nc)));                                                          \
+    const int h = (int)(((task) / (nc)) % (H));                                                                   \
+    const int c = (int)((task) % (nc));                                                                           \
+    const int t0 = (int)((int64_t)c * (T) / (nc));                                                                \
+    const int t1 = (int)((int64_t)(c + 1) * (T) / (nc))
+
+/* Sum the per-chunk partial sums of each (b, h) into out, un-permuting plane order (per = 1: natural). */
+static void reduce_chunks(float *part, const kv_part *out, const kv_dims *dm, int nc, int per) {
+    const int M = dm->M, D = dm->D, H = dm->H, np = D / per;
+    const int64_t nbh = (int64_t)dm->B * H;
+    for (int64_t bh = 0; bh < nbh; bh++) {
+        const int b = (int)(bh / H), h = (int)(bh % H);
+        float *ob = (float *)at(out, b, h, 0);
+        for (int m = 0; m < M; m++) {
+            float *restrict o = ob + m * out->s2;
+            float *restrict sum = (float *)part + (bh * nc) * M * D + m * D; /* chunk 0's, summed in place */
+            for (int c = 1; c < nc; c++) {
+                const float *restrict pc = part + (bh * nc + c) * M * D + m * D;
+                KV_SIMD
+                for (int k = 0; k < D; k++) sum[k] += pc[k];
+            }
+            for (int i = 0; i < per; i++)
+                for (int j = 0; j < np; j++) o[per * j + i] = sum[i * np + j];
+        }
+    }
+}
+
+int kv_abi_version(void) { return KV_ABI_VERSION; }
+
+int kv_has_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* For the tests: n halves -> floats with the conversion the kernels use (portable = 0) or the portable one. */
+void kv_test_half_to_float(const uint16_t *src, float *dst, int64_t n, int portable) {
+    for (int64_t i = 0; i < n; i++) dst[i] = portable ? half_to_float_portable(src[i]) : h2f(src[i]);
+}
+
+/* Scores of q against per-token rows (GGML blocks, fp32/fp16/bf16, fp8 with scale xs). */
+int kv_k_rows(int fmt, const kv_part *q, const kv_part *x, const kv_part *xs, const kv_part *out, const kv_dims *dm) {
+    const int M = dm->M, D = dm->D, H = dm->H, T = dm->T, nt = threads_of(dm);
+    if (fmt < R_Q8_0 || fmt > R_FP8 || (D % 32 != 0 && fmt <= R_Q5_1)) return KV_EARG;
+    const int nc = n_chunks(dm->B * H, T, nt, 128);
+    const int64_t ntasks = (int64_t)dm->B * H * nc;
+    int err = KV_OK;
+#pragma omp parallel num_threads(nt)
+    {
+        float *row = (float *)calloc((size_t)TILE * D, sizeof(float));
+        if (!row) {
+#pragma omp atomic write
+            err = KV_ENOMEM;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < ntasks; task++) {
+            if (!row) continue;
+            KV_TASK_INDEX(task, H, nc, b, h, c, T, t0, t1);
+            switch (fmt) {
+            case R_Q8_0: k_rows_task(R_Q8_0, q, x, xs, out, M, D, b, h, t0, t1, row); break;
+            case R_Q4_0: k_rows_task(R_Q4_0, q, x, xs, out, M, D, b, h, t0, t1, row); break;
+            case R_Q4_1: k_rows_task(R_Q4_1, q, x, xs, out, M, D, b, h, t0, t1, row); break;
+            case R_Q5_0: k_rows_task(R_Q5_0, q, x, xs, out, M, D, b, h, t0, t1, row); break;
+            case R_Q5_1: k_rows_task(R_Q5_1, q, x, xs, out, M, D, b, h, t0, t1, row); break;
+            case R_F32: k_rows_task(R_F32, q, x, xs, out, M, D, b, h, t0, t1, row); break;
+            case R_F16: k_rows_task(R_F16, q, x, xs, out, M, D, b, h, t0, t1, row); break;
+            case R_BF16: k_rows_task(R_BF16, q, x, xs, out, M, D, b, h, t0, t1, row); break;
+            default: k_rows_task(R_FP8, q, x, xs, out, M, D, b, h, t0, t1, row); break;
+            }
+        }
+        free(row);
+    }
+    return err;
+}
+
+/* Attention-weighted sums of per-token rows. */
+int kv_v_rows(int fmt, const kv_part *p, const kv_part *x, const kv_part *xs, const kv_part *out, const kv_dims *dm) {
+    const int M = dm->M, D = dm->D, H = dm->H, T = dm->T, nt = threads_of(dm);
+    if (fmt < R_Q8_0 || fmt > R_FP8 || (D % 32 != 0 && fmt <= R_Q5_1)) return KV_EARG;
+    const int nc = n_chunks(dm->B * H, T, nt, 128);
+    const int64_t ntasks = (int64_t)dm->B * H * nc;
+    float *part = (float *)calloc((size_t)ntasks * M * D, sizeof(float));
+    if (!part) return KV_ENOMEM;
+    int err = KV_OK;
+#pragma omp parallel num_threads(nt)
+    {
+        float *row = (float *)calloc((size_t)TILE * D, sizeof(float));
+        if (!row) {
+#pragma omp atomic write
+            err = KV_ENOMEM;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < ntasks; task++) {
+            if (!row) continue;
+            KV_TASK_INDEX(task, H, nc, b, h, c, T, t0, t1);
+            float *acc = part + task * M * D;
+            switch (fmt) {
+            case R_Q8_0: v_rows_task(R_Q8_0, p, x, xs, M, D, b, h, t0, t1, row, acc); break;
+            case R_Q4_0: v_rows_task(R_Q4_0, p, x, xs, M, D, b, h, t0, t1, row, acc); break;
+            case R_Q4_1: v_rows_task(R_Q4_1, p, x, xs, M, D, b, h, t0, t1, row, acc); break;
+            case R_Q5_0: v_rows_task(R_Q5_0, p, x, xs, M, D, b, h, t0, t1, row, acc); break;
+            case R_Q5_1: v_rows_task(R_Q5_1, p, x, xs, M, D, b, h, t0, t1, row, acc); break;
+            case R_F32: v_rows_task(R_F32, p, x, xs, M, D, b, h, t0, t1, row, acc); break;
+            case R_F16: v_rows_task(R_F16, p, x, xs, M, D, b, h, t0, t1, row, acc); break;
+            case R_BF16: v_rows_task(R_BF16, p, x, xs, M, D, b, h, t0, t1, row, acc); break;
+            default: v_rows_task(R_FP8, p, x, xs, M, D, b, h, t0, t1, row, acc); break;
+            }
+        }
+        free(row);
+    }
+    if (err == KV_OK) reduce_chunks(part, out, dm, nc, 1); /* serial: B*H*nc*M*D adds, a few microseconds */
+    free(part);
+    return err;
+}
+
+/* KIVI per-channel K scores; codes (B,H,T,D*bits/8) u8, scale/zero (B,H,NG,D) fp16/bf16/fp32. */
+int kv_k_affine(int bits, int G, int offset, const kv_part *q, const kv_part *codes, const kv_part *sc,
+                const kv_part *zr, const kv_part *out, const kv_dims *dm) {
+    const int M = dm->M, D = dm->D, H = dm->H, T = dm->T, nt = threads_of(dm);
+    if ((bits != 8 && bits != 4 && bits != 2) || D % (8 / bits) || G < 1 || offset < 0) return KV_EARG;
+    const int nc = n_chunks(dm->B * H, T, nt, 128);
+    const int64_t ntasks = (int64_t)dm->B * H * nc;
+    int err = KV_OK;
+#pragma omp parallel num_threads(nt)
+    {
+        float *scratch = (float *)calloc((size_t)(TILE + M + 2) * D + (size_t)M, sizeof(float));
+        if (!scratch) {
+#pragma omp atomic write
+            err = KV_ENOMEM;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < ntasks; task++) {
+            if (!scratch) continue;
+            KV_TASK_INDEX(task, H, nc, b, h, c, T, t0, t1);
+            switch (bits) {
+            case 8: k_affine_task(8, q, codes, sc, zr, out, M, D, G, offset, b, h, t0, t1, scratch); break;
+            case 4: k_affine_task(4, q, codes, sc, zr, out, M, D, G, offset, b, h, t0, t1, scratch); break;
+            default: k_affine_task(2, q, codes, sc, zr, out, M, D, G, offset, b, h, t0, t1, scratch); break;
+            }
+        }
+        free(scratch);
+    }
+    return err;
+}
+
+/* KIVI per-token V weighted sum; codes (B,H,T,D*bits/8) u8, scale/zero (B,H,T,D/g), g % (8/bits) == 0. */
+int kv_v_affine(int bits, int g, const kv_part *p, const kv_part *codes, const kv_part *sc, const kv_part *zr,
+                const kv_part *out, const kv_dims *dm) {
+    const int M = dm->M, D = dm->D, H = dm->H, T = dm->T, nt = threads_of(dm);
+    if ((bits != 8 && bits != 4 && bits != 2) || g < 1 || D % g || g % (8 / bits)) return KV_EARG;
+    const int nc = n_chunks(dm->B * H, T, nt, 128);
+    const int64_t ntasks = (int64_t)dm->B * H * nc;
+    float *part = (float *)calloc((size_t)ntasks * M * D, sizeof(float));
+    if (!part) return KV_ENOMEM;
+    int err = KV_OK;
+#pragma omp parallel num_threads(nt)
+    {
+        float *scratch = (float *)calloc((size_t)TILE * D + 2 * (size_t)(D / g), sizeof(float));
+        if (!scratch) {
+#pragma omp atomic write
+            err = KV_ENOMEM;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < ntasks; task++) {
+            if (!scratch) continue;
+            KV_TASK_INDEX(task, H, nc, b, h, c, T, t0, t1);
+            float *acc = part + task * M * D;
+            switch (bits) {
+            case 8: v_affine_task(8, p, codes, sc, zr, M, D, g, b, h, t0, t1, scratch, acc); break;
+            case 4: v_affine_task(4, p, codes, sc, zr, M, D, g, b, h, t0, t1, scratch, acc); break;
+            default: v_affine_task(2, p, codes, sc, zr, M, D, g, b, h, t0, t1, scratch, acc); break;
+            }
+        }
+        free(scratch);
+    }
+    if (err == KV_OK) reduce_chunks(part, out, dm, nc, 8 / bits);
+    free(part);
+    return err;
+}
