@@ -25,11 +25,11 @@ sample: setup
 		--tokens 64 --temperature 0 --kv-quantize int4 --streaming-llm-sink 4 --streaming-llm-window 252
 
 test: setup
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests scripts
 	$(BIN)/python -m pytest
 
 lint: setup
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests scripts
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
