@@ -444,3 +444,24 @@ def test_half_precision_models(dtype):
     assert torch.equal(a, b)
     assert c.dtype == dtype and torch.isfinite(c).all()
     assert lossy.layers[0].store.k.fp.data.dtype == dtype  # the residual keeps the model's dtype
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        dict(kv_quantize="int4"),
+        dict(kv_quantize="none", sink=4, window=40),
+        dict(kv_quantize="q4_0", sink=4, window=60, residual=32),
+    ],
+)
+def test_memory_held_stays_close_to_what_is_stored(spec):
+    """After a long prefill the buffers hold little more than the stored tokens (no prefill-sized slack)."""
+    model = tiny_model("llama")
+    cache = SlimCache(config=model.config, **spec)
+    with torch.no_grad():
+        model(_prompt(length=600), cache=cache)
+        for t in range(10):
+            model(_prompt(length=1, seed=t), cache=cache)
+    assert (
+        cache.nbytes() <= 1.5 * cache.live_nbytes() + 2 * 2 * 2 * 64 * 32 * 4 * 4
+    )  # + slack of 64 tokens/buffer

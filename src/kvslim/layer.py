@@ -53,14 +53,23 @@ class TimeBuffer:
         if n == 0 and self.data is not None:
             return
         if self.data is None or self.end + n > self.data.shape[2]:
-            live = self.end - self.start
-            cap = live + n + max(self.min_slack, (live + n) // 2)
-            new = x.new_empty((*x.shape[:2], cap, *x.shape[3:]))
-            if live:
-                new[:, :, :live] = self.data[:, :, self.start : self.end]
-            self.data, self.start, self.end = new, 0, live
+            self._realloc(len(self) + n, x)
         self.data[:, :, self.end : self.end + n] = x
         self.end += n
+
+    def _realloc(self, need: int, like: torch.Tensor) -> None:
+        """Move the live entries into a new block with room for ``need`` entries plus slack.
+
+        Slack is a quarter of the live size (at least ``min_slack``): appends stay amortized O(1)
+        (each entry is copied about four more times at most) and the block holds at most ~25% more
+        than it stores. A fresh allocation: views handed out earlier are never overwritten.
+        """
+        live = len(self)
+        cap = need + max(self.min_slack, live // 4)
+        new = like.new_empty((*like.shape[:2], cap, *like.shape[3:]))
+        if live:
+            new[:, :, :live] = self.data[:, :, self.start : self.end]
+        self.data, self.start, self.end = new, 0, live
 
     def drop_front(self, k: int) -> None:
         if not 0 <= k <= len(self):
@@ -68,6 +77,10 @@ class TimeBuffer:
         self.start += k
         if self.start == self.end:
             self.start = self.end = 0  # reuse the block from its beginning
+        cap = self.data.shape[2] if self.data is not None else 0
+        if cap > 2 * len(self) + 2 * self.min_slack:
+            # A big drop (a prefill leaving the residual, a window evicting a long prompt): give the memory back.
+            self._realloc(len(self), self.data[:, :, :0])
 
     def drop_back(self, k: int) -> None:
         if not 0 <= k <= len(self):
@@ -119,21 +132,29 @@ class Stream:
         if not self.codec.lossy:
             self.fp.append(x)
             return
-        self.fp.append(x)
         g = self.codec.token_group
-        ready = ((len(self.fp) - self.residual_cap) // g) * g
-        if ready > 0:
-            self._encode_front(ready)
+        n_fp = len(self.fp)
+        ready = ((n_fp + x.shape[2] - self.residual_cap) // g) * g  # tokens that leave the residual now
+        if ready <= n_fp:
+            if ready > 0:
+                self._encode(self.fp.view()[:, :, :ready])
+                self.fp.drop_front(ready)
+            self.fp.append(x)
+            return
+        # A long chunk (prefill): encode straight from it; only the newest tokens enter the residual.
+        head = x[:, :, : ready - n_fp]
+        self._encode(head if n_fp == 0 else torch.cat([self.fp.view(), head], dim=2))
+        self.fp.drop_front(n_fp)
+        self.fp.append(x[:, :, ready - n_fp :])
 
-    def _encode_front(self, n: int) -> None:
-        """Move the oldest ``n`` residual tokens (a multiple of token_group) into the body."""
-        enc = self.codec.encode(self.fp.view()[:, :, :n])
+    def _encode(self, x: torch.Tensor) -> None:
+        """Encode x (B, H, n, D), n a multiple of token_group, and append it to the body."""
+        enc = self.codec.encode(x)
         for name, t in enc.token.items():
             self.tokens.setdefault(name, TimeBuffer(self.min_slack)).append(t)
         g_slack = max(1, self.min_slack // self.codec.token_group)
         for name, t in enc.group.items():
             self.groups.setdefault(name, TimeBuffer(g_slack)).append(t)
-        self.fp.drop_front(n)
 
     def drop_front(self, k: int) -> None:
         """Evict the ``k`` oldest tokens (token-granular, whatever the grouping)."""
