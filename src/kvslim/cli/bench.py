@@ -197,7 +197,7 @@ def render(result) -> str:
         f"{m['n_kv_heads']} KV heads x {m['head_dim']}); "
         f"{s['threads']} torch threads; attention {s['attn']}; device {s['device']}",
         f"{s['steps']} timed decode steps per mode and length after {s['warmup']} warm-up, interleaved; "
-        f"seed {s['seed']}; prefill at lengths: {s['prefill_lengths']}",
+        f"seed {s['seed']}; every mode prefilled at lengths: {_prefill_text(s['prefill_lengths'])}",
         f"memory bandwidth (copy, measured before each length's decode): "
         f"{', '.join(sorted({f'{r.bandwidth_gb_s:.2f}' for r in result.decode}, key=float))} GB/s; "
         f"weights read per step "
@@ -311,6 +311,14 @@ def render(result) -> str:
             ),
         ]
     return "\n".join(out)
+
+
+def _prefill_text(lengths) -> str:
+    if lengths == "all":
+        return "all"
+    if not lengths:
+        return "none (only 'dynamic' prefilled; the others get its K/V)"
+    return ",".join(str(n) for n in lengths) + " (elsewhere only 'dynamic'; the others get its K/V)"
 
 
 def _opt(value, scale: float = 1.0):
