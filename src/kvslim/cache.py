@@ -121,9 +121,9 @@ class SlimCache(Cache):
         sink, window: StreamingLLM; after every update each layer holds at most ``sink + window``
             tokens: the first ``sink`` seen and the last ``window``. ``window=None``: unbounded.
         group_size, residual: KIVI. The newest ``residual`` tokens stay at full precision; older ones
-            are encoded once (per-channel K in groups of ``group_size``). At most
-            ``residual + group_size - 1`` K tokens and ``residual`` V tokens are at full precision
-            (exactly ``residual`` for per-token formats).
+            leave it ``group_size`` at a time and are encoded together, once (per-channel K shares
+            scales across the group). Between ``residual`` and ``residual + group_size - 1`` tokens
+            are at full precision; ``residual=0, group_size=1`` encodes every token on arrival.
         v_group_size: channel group of per-token affine V (None: the whole head_dim).
         mean_center: K mean-centering bias: a GGUF file path, a ``BiasSet``, or a list of per-layer
             ``(H_kv, head_dim)`` tensors. Subtracted from every key before it is stored.
@@ -211,9 +211,8 @@ class SlimCache(Cache):
     # -- construction helpers ------------------------------------------------------------------
     def _new_store(self, layer_idx: int) -> SlimLayer:
         bias = None if self._biases is None else self._biases[layer_idx]
-        return SlimLayer(
-            self.policy, self._codecs["k"], self._codecs["v"], self.cache_config.residual, k_bias=bias
-        )
+        cfg = self.cache_config
+        return SlimLayer(self.policy, self._codecs["k"], self._codecs["v"], cfg.residual, cfg.group_size, k_bias=bias)
 
     def _replicate(self) -> SlimCacheLayer:
         idx = len(self.layers)

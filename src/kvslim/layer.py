@@ -7,10 +7,12 @@ Layout of one layer (per K and per V, same token order)::
 
 - Arriving tokens go to the sinks until ``sink`` tokens were seen (only with a window), then to
   the residual. The residual keeps the most recent ``residual`` tokens at full precision (KIVI);
-  older ones are encoded as soon as their codec can take them — per-token formats one token at a
-  time, per-channel K (KIVI int*) in groups of ``group_size`` tokens — once, and never again.
-  So at most ``residual + token_group - 1`` tokens of a stream are at full precision, and exactly
-  ``min(n, residual)`` for per-token formats.
+  older ones leave it ``group_size`` at a time and are encoded together — once, and never again.
+  So between ``min(n, residual)`` and ``residual + group_size - 1`` tokens of a stream are at full
+  precision. (KIVI's per-channel K needs whole groups anyway; per-token formats go in the same
+  units so that one encode call serves ``group_size`` tokens — the fixed cost of a call, not the
+  tokens, dominates a single-token encode — and K and V bodies stay the same length.
+  ``residual=0, group_size=1`` encodes every token on arrival, as llama.cpp does.)
 - Eviction (StreamingLLM) drops the oldest tokens of the stream, one token at a time: encoded
   codes are sliced; a group's shared scales leave with the group's last token (the surviving
   tokens of a partly evicted group decode exactly as before).
@@ -109,9 +111,12 @@ class TimeBuffer:
 class Stream:
     """The non-sink tokens of one tensor (K or V) of one layer: encoded body + fp residual."""
 
-    def __init__(self, codec: Codec, residual: int, min_slack: int = 64):
+    def __init__(self, codec: Codec, residual: int, unit: int = 1, min_slack: int = 64):
         self.codec = codec
         self.residual_cap = residual if codec.lossy else 0
+        if unit % codec.token_group:
+            raise ValueError(f"unit={unit} must be a multiple of the codec's token group {codec.token_group}")
+        self.unit = unit  # tokens leave the residual this many at a time
         self.tokens: dict[str, TimeBuffer] = {}  # encoded per-token parts
         self.groups: dict[str, TimeBuffer] = {}  # encoded per-group parts
         self.offset = 0  # tokens already evicted from the first group
@@ -132,7 +137,7 @@ class Stream:
         if not self.codec.lossy:
             self.fp.append(x)
             return
-        g = self.codec.token_group
+        g = self.unit
         n_fp = len(self.fp)
         ready = ((n_fp + x.shape[2] - self.residual_cap) // g) * g  # tokens that leave the residual now
         if ready <= n_fp:
@@ -243,12 +248,13 @@ class SlimLayer:
         k_codec: Codec,
         v_codec: Codec,
         residual: int,
+        group_size: int = 1,
         k_bias: torch.Tensor | None = None,
         min_slack: int = 64,
     ):
         self.policy = policy
-        self.k = Stream(k_codec, residual, min_slack)
-        self.v = Stream(v_codec, residual, min_slack)
+        self.k = Stream(k_codec, residual, group_size, min_slack)
+        self.v = Stream(v_codec, residual, group_size, min_slack)
         self.k_bias = k_bias  # (H_kv, D) float32, subtracted from every key before storage
         self.sink_k: torch.Tensor | None = None  # (B, H, <=sink, D)
         self.sink_v: torch.Tensor | None = None

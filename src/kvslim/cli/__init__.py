@@ -25,8 +25,15 @@ SUBCOMMANDS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as a UserError (one line, exit 2) instead of usage + SystemExit."""
+
+    def error(self, message):
+        raise UserError(f"{self.prog}: {message} (see `{self.prog} --help`)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvslim",
         description="A bounded, compressed KV cache for transformers models, with the quality cost measured.",
     )
@@ -46,15 +53,18 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in SUBCOMMANDS:
         if argv and not argv[0].startswith("-"):
             return fail(f"unknown command {argv[0]!r}; expected one of: {', '.join(SUBCOMMANDS)}")
-        args = top.parse_args(argv)  # handles --help / --version
+        try:
+            top.parse_args(argv)  # handles --help / --version
+        except UserError as e:
+            return fail(str(e))
         top.print_help()
         return 2
     name = argv[0]
     module = importlib.import_module(SUBCOMMANDS[name][0])
-    parser = argparse.ArgumentParser(prog=f"kvslim {name}", description=SUBCOMMANDS[name][1])
+    parser = _Parser(prog=f"kvslim {name}", description=SUBCOMMANDS[name][1])
     module.configure(parser)
-    args = parser.parse_args(argv[1:])
     try:
+        args = parser.parse_args(argv[1:])
         return int(module.run(args) or 0)
     except UserError as e:
         return fail(str(e))

@@ -27,43 +27,68 @@ def configure(parser: argparse.ArgumentParser) -> None:
         p = sub.add_parser(name, help=help_, description=help_)
         add_model_flags(p)
         p.add_argument(
-            "--config", action="append", default=None, metavar="SPEC",
+            "--config",
+            action="append",
+            default=None,
+            metavar="SPEC",
             help="a cache mode FORMAT[,key=value...] (keys: k, v, sink, window, group, residual, v_group, "
             "mean_center); repeatable; the reference 'none' is always included "
             f"(default: {' '.join(DEFAULT_CONFIGS)})",
-        )  # fmt: skip
+        )
         p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
         p.add_argument("--no-progress", action="store_true", help="no progress bars")
         return p
 
     p = add("ppl", "teacher-forced perplexity, KL divergence and top-1 agreement through the cache")
     p.add_argument("--text", required=True, metavar="FILE", help="evaluation text (UTF-8)")
-    p.add_argument("--tokens", type=int, default=None, metavar="N", help="tokens of the text to use (default: 1024)")
     p.add_argument(
-        "--prefill", type=int, default=None, metavar="P", help="tokens fed in one forward first (default: N // 4)"
+        "--tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokens of the text to use (default: 1024, or the whole text if shorter)",
     )
     p.add_argument(
-        "--chunk", type=int, default=1, metavar="C", help="tokens per forward after the prefill (default 1: decode steps)"
+        "--prefill",
+        type=int,
+        default=None,
+        metavar="P",
+        help="tokens fed in one forward first (default: N // 4)",
     )
-    p.add_argument("--bucket", type=int, default=256, metavar="B", help="tokens per point of the ppl curve (256)")
+    p.add_argument(
+        "--chunk",
+        type=int,
+        default=1,
+        metavar="C",
+        help="tokens per forward after the prefill (default 1: decode steps)",
+    )
+    p.add_argument(
+        "--bucket", type=int, default=256, metavar="B", help="tokens per point of the ppl curve (256)"
+    )
     p.add_argument("--plot", default=None, metavar="FILE.png", help="plot the ppl curves (needs matplotlib)")
 
     p = add("greedy", "greedy prefix match against the reference's greedy continuation")
     p.add_argument(
-        "--prompts", default=None, metavar="FILE",
+        "--prompts",
+        default=None,
+        metavar="FILE",
         help="one prompt per line ('chat:' prefix = chat template; \\n = newline); default: a built-in set",
-    )  # fmt: skip
+    )
     p.add_argument("--tokens", type=int, default=64, metavar="N", help="tokens generated per prompt (64)")
 
     p = add("memory", "bytes of each mode at each length, for the model's real shapes")
     p.add_argument(
-        "--lengths", default=",".join(map(str, DEFAULT_LENGTHS)), metavar="N,N,...",
+        "--lengths",
+        default=",".join(map(str, DEFAULT_LENGTHS)),
+        metavar="N,N,...",
         help=f"tokens seen (default: {','.join(map(str, DEFAULT_LENGTHS))})",
-    )  # fmt: skip
+    )
 
     p = add("passkey", "retrieve a 5-digit key hidden in filler text at several depths")
     p.add_argument("--lengths", default="1024", metavar="N,N,...", help="prompt lengths in tokens (1024)")
-    p.add_argument("--depths", default="0.1,0.5,0.9", metavar="D,D,...", help="relative key depths (0.1,0.5,0.9)")
+    p.add_argument(
+        "--depths", default="0.1,0.5,0.9", metavar="D,D,...", help="relative key depths (0.1,0.5,0.9)"
+    )
     p.add_argument("--trials", type=int, default=3, metavar="K", help="random keys per length and depth (3)")
     p.add_argument("--chunk", type=int, default=64, metavar="C", help="prompt tokens per forward (64)")
     p.add_argument("--seed", type=int, default=0, help="seed of the keys (0)")
@@ -152,8 +177,12 @@ def _out(obj, args) -> None:
 # --------------------------------------------------------------------------------------------
 def _ppl(args) -> int:
     text = _read_text(args.text)
-    for flag, value in (("--tokens", args.tokens), ("--prefill", args.prefill), ("--chunk", args.chunk),
-                        ("--bucket", args.bucket)):  # fmt: skip
+    for flag, value in (
+        ("--tokens", args.tokens),
+        ("--prefill", args.prefill),
+        ("--chunk", args.chunk),
+        ("--bucket", args.bucket),
+    ):
         _positive(flag, value)
     _check_out("--json", args.json)
     _check_out("--plot", args.plot)
@@ -173,7 +202,9 @@ def _ppl(args) -> int:
         raise UserError(f"{args.text} has {available} token(s); perplexity needs at least 2")
     prefill = args.prefill if args.prefill is not None else max(1, n // 4)
     if prefill >= n:
-        raise UserError(f"--prefill {prefill} must be smaller than --tokens {n} (at least one token is scored)")
+        raise UserError(
+            f"--prefill {prefill} must be smaller than --tokens {n} (at least one token is scored)"
+        )
     ids = ids[:, :n]
 
     print(
@@ -186,15 +217,35 @@ def _ppl(args) -> int:
     )
     records = report.records(args.bucket)
     rows = [
-        [r["config"], r["ppl"], r["ppl_stderr"], r["ppl_ratio"], r["kld_mean"], r["kld_p99"], r["kld_max"],
-         r["top1"]]  # fmt: skip
+        [
+            r["config"],
+            r["ppl"],
+            r["ppl_stderr"],
+            r["ppl_ratio"],
+            r["kld_mean"],
+            r["kld_p99"],
+            r["kld_max"],
+            r["top1"],
+        ]
         for r in records
     ]
     print(format_table(["config", "ppl", "±", "ppl ratio", "KLD mean", "KLD p99", "KLD max", "top-1"], rows))
-    _out({"model": _model_name(args), "tokens": n, "prefill": prefill, "chunk": args.chunk, "text": args.text,
-          "bucket": args.bucket, "results": records}, args)  # fmt: skip
+    _out(
+        {
+            "model": _model_name(args),
+            "tokens": n,
+            "prefill": prefill,
+            "chunk": args.chunk,
+            "text": args.text,
+            "bucket": args.bucket,
+            "results": records,
+        },
+        args,
+    )
     if args.plot:
-        plot_ppl_curves(report, args.plot, bucket=args.bucket, title=f"{os.path.basename(args.text)}, {n} tokens")
+        plot_ppl_curves(
+            report, args.plot, bucket=args.bucket, title=f"{os.path.basename(args.text)}, {n} tokens"
+        )
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 
@@ -228,20 +279,34 @@ def _memory(args) -> int:
     specs = _specs(args)
 
     from ..evaluate import memory_records, memory_table
+
     model, _ = _load(args)  # only its config and dtype are used
     rows = memory_table(model.config, specs, lengths, dtype=model.dtype)
     table = [
-        [r.config, r.seen, r.stored, _mib(r.bytes), r.bytes_per_token, r.ratio_fp16, r.ratio_fp32] for r in rows
+        [r.config, r.seen, r.stored, _mib(r.bytes), r.bytes_per_token, r.ratio_fp16, r.ratio_fp32]
+        for r in rows
     ]
-    print(format_table(["config", "seen", "stored", "MiB", "B/stored tok", "x fp16", "x fp32"], table, floatfmt=".4g"))
+    print(
+        format_table(
+            ["config", "seen", "stored", "MiB", "B/stored tok", "x fp16", "x fp32"], table, floatfmt=".4g"
+        )
+    )
     print(
         "bytes: every stored tensor (codes, scales, zeros, full-precision residual, sinks, bias), all layers, "
         f"batch 1, model dtype {args.dtype}; x fp16 / x fp32: how many times smaller than an unbounded "
         "fp16 / fp32 cache of the same tokens seen",
         file=sys.stderr,
     )
-    _out({"model": _model_name(args), "tokens": max(lengths), "lengths": lengths, "dtype": args.dtype,
-          "results": memory_records(rows)}, args)  # fmt: skip
+    _out(
+        {
+            "model": _model_name(args),
+            "tokens": max(lengths),
+            "lengths": lengths,
+            "dtype": args.dtype,
+            "results": memory_records(rows),
+        },
+        args,
+    )
     return 0
 
 
@@ -261,9 +326,16 @@ def _passkey(args) -> int:
 
     model, tokenizer = _load(args)
     report = passkey(
-        model, tokenizer, specs, lengths, depths, args.trials,
-        seed=args.seed, chunk=args.chunk, progress=_progress(args),
-    )  # fmt: skip
+        model,
+        tokenizer,
+        specs,
+        lengths,
+        depths,
+        args.trials,
+        seed=args.seed,
+        chunk=args.chunk,
+        progress=_progress(args),
+    )
     cells = report.results[0].cells
     headers = ["config", "all", *(f"{c.length}@{c.depth:g}" for c in cells)]
     rows = [[r.config, r.accuracy, *(c.accuracy for c in r.cells)] for r in report.results]
@@ -273,6 +345,15 @@ def _passkey(args) -> int:
         f"{args.trials} random key(s) each; prompt fed {args.chunk} tokens per forward",
         file=sys.stderr,
     )
-    _out({"model": _model_name(args), "tokens": max(lengths), "lengths": lengths, "depths": depths,
-          "trials": args.trials, "results": report.records()}, args)  # fmt: skip
+    _out(
+        {
+            "model": _model_name(args),
+            "tokens": max(lengths),
+            "lengths": lengths,
+            "depths": depths,
+            "trials": args.trials,
+            "results": report.records(),
+        },
+        args,
+    )
     return 0

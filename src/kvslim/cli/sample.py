@@ -23,7 +23,7 @@ RSS_LOG_EVERY = 500
 def configure(parser: argparse.ArgumentParser) -> None:
     add_model_flags(parser)
     parser.add_argument(
-        "--prompt", default=None, metavar="TEXT", help="the prompt (default: read from stdin)"
+        "--prompt", default=None, metavar="TEXT", help="the prompt (default: stdin, trailing newlines dropped)"
     )
     parser.add_argument(
         "--tokens", type=int, default=128, metavar="N", help="tokens to generate (default: 128)"
@@ -110,13 +110,17 @@ def run(args: argparse.Namespace) -> int:
                 rss_log.flush()
     except KeyboardInterrupt:
         interrupted = True
+    except BrokenPipeError:  # `kvslim sample ... | head`: the reader left; stop, still report
+        out = None
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
     finally:
         gen.close()
         if rss_log:
             rss_log.write(f"{gen.stats.new_tokens},{current_rss_bytes()}\n")
             rss_log.close()
-    out.write(decoder.flush() + "\n")
-    out.flush()
+    if out is not None:
+        out.write(decoder.flush() + "\n")
+        out.flush()
 
     report = build_report(cache, gen.stats, args=args, interrupted=interrupted)
     print(format_report(report), file=sys.stderr)
@@ -168,7 +172,8 @@ def _read_prompt(args: argparse.Namespace) -> str:
         return args.prompt
     if sys.stdin is None or sys.stdin.isatty():
         raise UserError("no prompt: pass --prompt TEXT or pipe the prompt on stdin")
-    return sys.stdin.read()
+    # `echo TEXT | kvslim sample`: the newline is echo's, not the prompt's (it changes the answer).
+    return sys.stdin.read().rstrip("\r\n")
 
 
 def _encode(tokenizer, prompt: str, chat: bool):
@@ -287,12 +292,14 @@ def format_report(r: dict) -> str:
         stored += f" (cap sink+window = {cfg.get('sink', '?')}+{cfg.get('window', '?')} = {r['capacity']})"
     fp16 = r["fp16_full_cache_bytes"]
     ratio = f"{r['cache_bytes'] / fp16:.3f}x" if fp16 else "n/a"
+    live = r.get("live_bytes")
+    live = f" (stored tokens {_mib(live)}, the rest preallocated)" if live and live != r["cache_bytes"] else ""
     lines = [
         ("interrupted | " if r.get("interrupted") else "")
         + f"tokens seen {r['tokens_seen']} | tokens stored {stored}",
-        f"cache {_mib(r['cache_bytes'])} | fp16 full cache {_mib(fp16)} | ratio {ratio}",
+        f"cache {_mib(r['cache_bytes'])}{live} | fp16 full cache {_mib(fp16)} | ratio {ratio}",
         f"prefill {r['prompt_tokens']} tokens at {_rate(r['prefill_tokens_per_s'])} | "
-        f"decode {r['new_tokens']} tokens at {_rate(r['decode_tokens_per_s'])} | "
+        f"generated {r['new_tokens']} tokens, decode at {_rate(r['decode_tokens_per_s'])} | "
         f"peak RSS {_mib(r['peak_rss_bytes'])}",
     ]
     return "\n".join("kvslim: " + line for line in lines)

@@ -1,0 +1,343 @@
+"""The prefill + decode loop that ``sample``, ``eval`` and ``bench`` share (gpt-fast style free functions).
+
+- :func:`prefill` feeds a prompt (in chunks if asked) and returns the last position's logits;
+- :func:`decode_one_token` feeds one token per row and returns its logits;
+- :func:`sample_next` turns logits into token ids (greedy at temperature 0, else top-p sampling);
+- :func:`generate` runs the loop and yields a :class:`TokenEvent` per step, keeping live
+  :class:`GenerationStats` (readable even after a KeyboardInterrupt);
+- :class:`StreamDecoder` turns a stream of token ids into text pieces that print correctly.
+
+This module knows nothing about how the cache stores tokens: any transformers ``Cache`` works. It
+never advances positions itself when there is no padding: the cache's ``get_seq_length()`` (tokens
+seen) is what the model reads. With an attention mask (left padding) positions come from the mask.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+def left_pad_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions for a left-padded batch: ``cumsum(mask) - 1``, pads at 0.
+
+    attention_mask: (B, T) of 0/1 -> (B, T) int64.
+    """
+    mask = attention_mask.long()
+    return (mask.cumsum(-1) - 1).clamp_(min=0)
+
+
+def prefill(
+    model,
+    input_ids: torch.Tensor,
+    cache,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Feed the prompt through ``cache`` and return the logits of its last position.
+
+    input_ids: (B, T); attention_mask: (B, T) of 0/1 with left padding, or None (no padding).
+    chunk_size: feed at most this many tokens per forward (None: all at once); every chunk goes
+    through the same cache, so the result equals a one-shot prefill up to float rounding.
+    Returns (B, V) float32.
+    """
+    if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+        raise ValueError(
+            f"input_ids must be (batch, tokens) with tokens >= 1, got shape {tuple(input_ids.shape)}"
+        )
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    ):
+        raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size!r}")
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
+        )
+    T = input_ids.shape[1]
+    step = chunk_size or T
+    positions = None if attention_mask is None else left_pad_position_ids(attention_mask)
+    logits = None
+    for start in range(0, T, step):
+        end = min(start + step, T)
+        kwargs = {}
+        if attention_mask is not None:
+            # The 2D mask covers every token seen so far (cached + this chunk), as transformers expects.
+            kwargs = dict(attention_mask=attention_mask[:, :end], position_ids=positions[:, start:end])
+        out = model(
+            input_ids=input_ids[:, start:end], cache=cache, use_cache=True, logits_to_keep=1, **kwargs
+        )
+        logits = out.logits[:, -1, :]  # (B, V)
+    return logits.float()
+
+
+def decode_one_token(
+    model,
+    token: torch.Tensor,
+    cache,
+    position_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Feed one token per row. token: (B, 1); position_ids: (B, 1) or None (the cache's count);
+    attention_mask: (B, seen + 1) or None. Returns (B, V) float32."""
+    kwargs = {}
+    if position_ids is not None:
+        kwargs["position_ids"] = position_ids
+    if attention_mask is not None:
+        kwargs["attention_mask"] = attention_mask
+    out = model(input_ids=token, cache=cache, use_cache=True, logits_to_keep=1, **kwargs)
+    return out.logits[:, -1, :].float()
+
+
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Next token per row. logits: (B, V) -> (B,) int64.
+
+    temperature 0 is greedy (argmax); otherwise softmax(logits / temperature) restricted to the
+    smallest set of tokens whose probability reaches ``top_p`` (nucleus sampling, Holtzman et al.
+    2019; the most likely token is always kept), drawn with ``generator``.
+    """
+    _check_sampling(temperature, top_p)
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # (B, V)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)  # (B, V) each
+        # Drop a token when the ones more likely than it already reach top_p.
+        drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _check_sampling(temperature, top_p) -> None:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
+        raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+
+
+@dataclass
+class GenerationStats:
+    """Counts and timings of one :func:`generate` run, updated as it goes.
+
+    prompt_tokens: real (non-pad) prompt tokens over the batch. new_tokens: tokens generated per
+    row. prefill_s: prompt forward + first token. decode_s: the decode steps (one forward each,
+    ``decode_steps = new_tokens - 1``: the last token is never fed back).
+    """
+
+    batch_size: int = 1
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def decode_steps(self) -> int:
+        return max(0, self.new_tokens - 1)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else float("nan")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Generated tokens per second of decoding, over the batch."""
+        if self.decode_s <= 0 or self.decode_steps == 0:
+            return float("nan")
+        return self.batch_size * self.decode_steps / self.decode_s
+
+    def to_dict(self) -> dict:
+        return dict(
+            batch_size=self.batch_size,
+            prompt_tokens=self.prompt_tokens,
+            new_tokens=self.new_tokens,
+            prefill_s=self.prefill_s,
+            decode_s=self.decode_s,
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
+            decode_tokens_per_s=self.decode_tokens_per_s,
+        )
+
+
+@dataclass
+class TokenEvent:
+    """One generated token per row. step: 0-based index of the new token; tokens: (B,) ids as
+    Python ints; seconds: time this step took (for step 0: the prefill); done: every row has
+    produced an end-of-sequence token (this event is the last)."""
+
+    step: int
+    tokens: list[int]
+    seconds: float
+    done: bool = False
+
+
+class Generation:
+    """An in-progress :func:`generate` run: iterate it for :class:`TokenEvent`; ``stats`` is live."""
+
+    def __init__(self, events: Iterator[TokenEvent], stats: GenerationStats):
+        self._events = events
+        self.stats = stats
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        return self._events
+
+    def __next__(self) -> TokenEvent:
+        return next(self._events)
+
+    def close(self) -> None:
+        self._events.close()
+
+
+def generate(
+    model,
+    input_ids: torch.Tensor,
+    cache,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+) -> Generation:
+    """Generate up to ``max_new_tokens`` tokens per row after ``input_ids`` (B, T), through ``cache``.
+
+    Returns a :class:`Generation`; nothing runs until it is iterated. Sampling draws from a
+    ``torch.Generator`` seeded with ``seed`` (None: fresh entropy), never from the global RNG, so a
+    seeded run is reproducible. A row that has produced an ``eos_token_id`` keeps emitting its
+    first eos id; the run stops once every row has. Memory per step is constant: no per-step list
+    is kept and the attention mask (if any) is one buffer sized for the whole run.
+    """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    _check_sampling(temperature, top_p)
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be (batch, tokens), got shape {tuple(input_ids.shape)}")
+    B = input_ids.shape[0]
+    prompt_tokens = int(attention_mask.sum()) if attention_mask is not None else input_ids.numel()
+    stats = GenerationStats(batch_size=B, prompt_tokens=prompt_tokens)
+    eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+    events = _run(
+        model,
+        input_ids,
+        cache,
+        stats,
+        max_new_tokens,
+        temperature,
+        top_p,
+        seed,
+        eos,
+        attention_mask,
+        chunk_size,
+    )
+    return Generation(events, stats)
+
+
+def _run(
+    model, input_ids, cache, stats, max_new_tokens, temperature, top_p, seed, eos, attention_mask, chunk_size
+) -> Iterator[TokenEvent]:
+    device = input_ids.device
+    B, T = input_ids.shape
+    generator = None
+    if temperature > 0:
+        generator = torch.Generator(device=device)
+        if seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(seed)
+    eos_ids = torch.tensor(eos, dtype=torch.long, device=device) if eos else None
+    mask_buf = position = None
+    if attention_mask is not None:
+        # (B, T + max_new_tokens): one buffer, sliced per step instead of a growing torch.cat.
+        mask_buf = torch.ones(B, T + max_new_tokens, dtype=attention_mask.dtype, device=device)
+        mask_buf[:, :T] = attention_mask
+        position = attention_mask.long().sum(-1, keepdim=True)  # (B, 1): the next token's position
+
+    token = finished = None
+    for step in range(max_new_tokens):
+        t0 = time.perf_counter()
+        # inference_mode per step, never across a yield: the caller's code between steps must not
+        # run in (or be able to corrupt) this generator's autograd state.
+        with torch.inference_mode():
+            if step == 0:
+                logits = prefill(
+                    model, input_ids, cache, attention_mask=attention_mask, chunk_size=chunk_size
+                )  # (B, V)
+                finished = torch.zeros(B, dtype=torch.bool, device=device)
+            else:
+                mask = None if mask_buf is None else mask_buf[:, : T + step]
+                logits = decode_one_token(model, token[:, None], cache, position, mask)
+                if position is not None:
+                    position = position + 1
+            token = sample_next(logits, temperature, top_p, generator)  # (B,)
+            if eos_ids is not None:
+                token = torch.where(finished, eos_ids[0], token)
+                finished |= torch.isin(token, eos_ids)
+            ids = token.tolist()  # syncs the device, so the timing below is honest
+            done = bool(finished.all()) if eos_ids is not None else False
+        seconds = time.perf_counter() - t0
+        if step == 0:
+            stats.prefill_s = seconds
+        else:
+            stats.decode_s += seconds
+        stats.new_tokens = step + 1
+        yield TokenEvent(step=step, tokens=ids, seconds=seconds, done=done)
+        if done:
+            return
+
+
+class StreamDecoder:
+    """Incremental detokenization: feed token ids, get the new text.
+
+    Decoding tokens one at a time breaks multi-byte characters (a UTF-8 character split over
+    byte-level BPE tokens) and word pieces (sentencepiece's leading-space marker). So each step
+    decodes a short window — a few already-printed tokens for context plus the unprinted ones —
+    and emits what the window's text gained, holding back while it ends in an incomplete
+    character (U+FFFD). The window stays a few tokens long however long the stream runs (the
+    offsets scheme of vLLM's and TGI's detokenizers).
+    """
+
+    REPLACEMENT = "\ufffd"
+
+    def __init__(
+        self, tokenizer, prompt_ids: Sequence[int] = (), *, skip_special_tokens: bool = True, context: int = 5
+    ):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._ids = [int(i) for i in list(prompt_ids)[-context:]]
+        self._prefix = 0  # window start: context tokens already printed
+        self._read = len(self._ids)  # tokens before this are printed
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def push(self, token_id: int) -> str:
+        """Add one token id; return the text it completes ('' while a character is incomplete)."""
+        self._ids.append(int(token_id))
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        text = self._decode(self._ids[self._prefix :])
+        if len(text) <= len(prefix_text) or text.endswith(self.REPLACEMENT):
+            return ""
+        piece = text[len(prefix_text) :]
+        # Printed: slide the window, keeping the last printed tokens as context.
+        self._prefix, self._read = self._read, len(self._ids)
+        if self._prefix > 0:
+            del self._ids[: self._prefix]
+            self._read -= self._prefix
+            self._prefix = 0
+        return piece
+
+    def flush(self) -> str:
+        """Text still held back at the end of the stream (an incomplete character prints as U+FFFD)."""
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        text = self._decode(self._ids[self._prefix :])
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(prefix_text) :] if len(text) > len(prefix_text) else ""

