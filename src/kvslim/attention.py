@@ -148,7 +148,7 @@ def compressed_attention(
         out = probs[..., :n_sink] @ kv.v_sink.float()
     if n_body:
         o = kernels.v_weighted(
-            probs[..., n_sink : n_sink + n_body].contiguous(), kv.v_codec, kv.v_body, kv.v_offset
+            probs[..., n_sink : n_sink + n_body], kv.v_codec, kv.v_body, kv.v_offset
         )
         out = o if out is None else out + o
     if kv.v_res is not None and kv.v_res.shape[2]:

@@ -207,8 +207,10 @@ register(
 
 def _cpu_ok(extra=None):
     def supports(x: torch.Tensor, codec: Codec, enc: Encoded) -> bool:
-        if x.device.type != "cpu" or x.shape[2] > cpu.MAX_M:
+        if not x.is_cpu or x.shape[2] > cpu.MAX_M or x.numel() == 0:
             return False
+        if not all(t.is_cpu for t in (*enc.token.values(), *enc.group.values())):
+            return False  # raw pointers go to C: every tensor must be in host memory
         return extra is None or extra(codec, enc)
 
     return supports

@@ -142,22 +142,23 @@ def bench(
 
 
 def format_rows(rows: list[dict]) -> str:
-    """One line per (format, tokens): the modes side by side and c / fp32."""
+    """One line per (format, tokens): bytes read per layer (encoded K+V vs fp32), the three modes,
+    the bandwidth each mode's bytes imply, and the ratios c / fp32 and c / ref."""
     by = {}
     for r in rows:
         by.setdefault((r["format"], r["tokens"]), {})[r["mode"]] = r
-    extra = sorted({r["mode"] for r in rows} - {"ref", "c", "fp32"})
-    head = f"{'format':7} {'tokens':>6} {'KV MB':>6} {'ref us':>8} {'c us':>8} {'fp32 us':>8} {'c/fp32':>7} {'c/ref':>6}"
-    head += "".join(f" {m + ' us':>12}" for m in extra)
+    head = (
+        f"{'format':7} {'tokens':>6} {'KV MB':>6} {'fp32 MB':>7} {'ref us':>8} {'c us':>7} {'fp32 us':>7} "
+        f"{'c GB/s':>6} {'fp32 GB/s':>9} {'c/fp32':>6} {'c/ref':>6}"
+    )
     lines = [head]
     for (name, t), m in by.items():
-        c, f, ref = m["c"]["us_per_layer"], m["fp32"]["us_per_layer"], m["ref"]["us_per_layer"]
-        line = (
-            f"{name:7} {t:6d} {m['c']['bytes_per_layer'] / 1e6:6.2f} {ref:8.0f} {c:8.0f} {f:8.0f} "
-            f"{c / f:7.2f} {c / ref:6.2f}"
+        c, f, ref = (m[k]["us_per_layer"] for k in ("c", "fp32", "ref"))
+        cb, fb = m["c"]["bytes_per_layer"], m["fp32"]["bytes_per_layer"]
+        lines.append(
+            f"{name:7} {t:6d} {cb / 1e6:6.2f} {fb / 1e6:7.2f} {ref:8.0f} {c:7.0f} {f:7.0f} "
+            f"{cb / c / 1e3:6.2f} {fb / f / 1e3:9.2f} {c / f:6.2f} {c / ref:6.2f}"
         )
-        line += "".join(f" {m[x]['us_per_layer']:12.0f}" for x in extra if x in m)
-        lines.append(line)
     return "\n".join(lines)
 
 

@@ -8,9 +8,12 @@
  *   K scores:   out[b,h,m,t] = sum_d q[b,h,m,d] * K[b,h,t,d]          q (B,H,M,D) fp32, out (B,H,M,T) fp32
  *   V weighted: out[b,h,m,d] = sum_t p[b,h,m,t] * V[b,h,t,d]          p (B,H,M,T) fp32, out (B,H,M,D) fp32
  *
- * K/V are never written out in fp32: each token's codes are read once and turned into floats in a
- * D-float row that stays in L1 (a few registers' worth for D = 64), used by all M queries, and dropped.
- * Accumulation is fp32.
+ * K/V are never written out in fp32: the codes of 16 tokens at a time are read once and decoded into
+ * a small fp32 tile that stays in L1 (4 KB for D = 64), used by all M queries, and overwritten by the
+ * next 16. Accumulation is fp32. With AVX2 + FMA (x86-64-v3 and later, at -march=native) the tile
+ * products are hand-vectorized (4 K dot products share one horizontal-add tree; V sums keep 32-float
+ * slices of the output in registers across the tile); elsewhere the same loops are left to the
+ * compiler's vectorizer.
  *
  * Formats:
  *   - KIVI per-channel K (int8/int4/int2, one scale/zero per channel and token group of G): folded into
@@ -22,8 +25,12 @@
  *   - GGML q8_0/q4_0/q4_1/q5_0/q5_1 (per token, blocks of 32 along D, byte layout of ggml-common.h),
  *     fp32, fp16, bf16, fp8 e4m3 with a per-token fp32 scale: a row decoder per format.
  *
- * Parallelism: OpenMP over (batch, head, token chunk) tasks, with the caller's thread count. V sums are
- * reduced over the chunks of a (batch, head) at the end. Without OpenMP everything runs on one thread.
+ * Parallelism: OpenMP over (batch, head, token chunk) tasks, with the caller's thread count (fewer for
+ * small calls, see KV_GRAIN). V sums are reduced over the chunks of a (batch, head) at the end, on the
+ * calling thread. Without OpenMP everything runs on one thread.
+ *
+ * Return codes: 0 ok, 1 out of memory (scratch), 2 bad arguments. The Python side validates shapes;
+ * nothing here can check that a pointer and its strides stay inside a tensor.
  */
 
 #include <stdint.h>
@@ -522,12 +529,89 @@ KV_INLINE void v_affine_task(int bits, const kv_part *p, const kv_part *codes, c
 
 /* --------------------------------------------------------------------------------- drivers */
 
-#define KV_TASK_INDEX(task, H, nc, b, h, c, T, t0, t1)                                                           \
-    const int b = (int)((task) / ((int64_t)(H) * (nc)));                                                          \
-    const int h = (int)(((task) / (nc)) % (H));                                                                   \
-    const int c = (int)((task) % (nc));                                                                           \
-    const int t0 = (int)((int64_t)c * (T) / (nc));                                                                \
-    const int t1 = (int)((int64_t)(c + 1) * (T) / (nc))
+/* One call's work: B * H * nc tasks, task = (b, h, token chunk c); V tasks sum into part[task] (M, D). */
+typedef struct {
+    int op, fmt, bits, group, offset, nc;
+    const kv_part *x, *p1, *p2, *p3, *out; /* q or p; codes/rows; scale or fp8 scale; zero; output */
+    const kv_dims *dm;
+    float *part;
+} kv_call;
+
+static void run_task(const kv_call *k, int64_t task, float *scratch);
+
+/* Runs every task on nt threads (the caller's alone when nt == 1: no OpenMP region, no fork/join),
+ * each thread with its own zeroed scratch of scratch_floats. */
+static int run_tasks(const kv_call *k, int64_t ntasks, int nt, size_t scratch_floats) {
+    int err = KV_OK;
+    if (nt <= 1) {
+        float *scratch = (float *)calloc(scratch_floats, sizeof(float));
+        if (!scratch) return KV_ENOMEM;
+        for (int64_t task = 0; task < ntasks; task++) run_task(k, task, scratch);
+        free(scratch);
+        return KV_OK;
+    }
+#pragma omp parallel num_threads(nt)
+    {
+        float *scratch = (float *)calloc(scratch_floats, sizeof(float));
+        if (!scratch) {
+#pragma omp atomic write
+            err = KV_ENOMEM;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < ntasks; task++)
+            if (scratch) run_task(k, task, scratch);
+        free(scratch);
+    }
+    return err;
+}
+
+enum { OP_K_ROWS = 0, OP_V_ROWS = 1, OP_K_AFFINE = 2, OP_V_AFFINE = 3 };
+
+/* The always-inline task bodies, instantiated per format (fmt / bits are constants in each case). */
+static void run_task(const kv_call *k, int64_t task, float *scratch) {
+    const kv_dims *dm = k->dm;
+    const int M = dm->M, D = dm->D, H = dm->H, T = dm->T, nc = k->nc;
+    const int b = (int)(task / ((int64_t)H * nc)), h = (int)((task / nc) % H), c = (int)(task % nc);
+    const int t0 = (int)((int64_t)c * T / nc), t1 = (int)((int64_t)(c + 1) * T / nc);
+    float *acc = k->part ? k->part + task * M * D : NULL;
+#define KV_ROWS(FMT)                                                                                            \
+    case FMT:                                                                                                   \
+        if (k->op == OP_K_ROWS)                                                                                 \
+            k_rows_task(FMT, k->x, k->p1, k->p2, k->out, M, D, b, h, t0, t1, scratch);                          \
+        else                                                                                                    \
+            v_rows_task(FMT, k->x, k->p1, k->p2, M, D, b, h, t0, t1, scratch, acc);                             \
+        return;
+#define KV_AFFINE(BITS)                                                                                         \
+    case BITS:                                                                                                  \
+        if (k->op == OP_K_AFFINE)                                                                               \
+            k_affine_task(BITS, k->x, k->p1, k->p2, k->p3, k->out, M, D, k->group, k->offset, b, h, t0, t1,       \
+                          scratch);                                                                             \
+        else                                                                                                    \
+            v_affine_task(BITS, k->x, k->p1, k->p2, k->p3, M, D, k->group, b, h, t0, t1, scratch, acc);         \
+        return;
+    if (k->op == OP_K_ROWS || k->op == OP_V_ROWS) {
+        switch (k->fmt) {
+            KV_ROWS(R_Q8_0)
+            KV_ROWS(R_Q4_0)
+            KV_ROWS(R_Q4_1)
+            KV_ROWS(R_Q5_0)
+            KV_ROWS(R_Q5_1)
+            KV_ROWS(R_F32)
+            KV_ROWS(R_F16)
+            KV_ROWS(R_BF16)
+            KV_ROWS(R_FP8)
+        default: return;
+        }
+    }
+    switch (k->bits) {
+        KV_AFFINE(8)
+        KV_AFFINE(4)
+        KV_AFFINE(2)
+    default: return;
+    }
+#undef KV_ROWS
+#undef KV_AFFINE
+}
 
 /* Sum the per-chunk partial sums of each (b, h) into out, un-permuting plane order (per = 1: natural). */
 static void reduce_chunks(float *part, const kv_part *out, const kv_dims *dm, int nc, int per) {
@@ -538,7 +622,7 @@ static void reduce_chunks(float *part, const kv_part *out, const kv_dims *dm, in
         float *ob = (float *)at(out, b, h, 0);
         for (int m = 0; m < M; m++) {
             float *restrict o = ob + m * out->s2;
-            float *restrict sum = (float *)part + (bh * nc) * M * D + m * D; /* chunk 0's, summed in place */
+            float *restrict sum = part + (bh * nc) * M * D + m * D; /* chunk 0's, summed in place */
             for (int c = 1; c < nc; c++) {
                 const float *restrict pc = part + (bh * nc + c) * M * D + m * D;
                 KV_SIMD
@@ -548,6 +632,43 @@ static void reduce_chunks(float *part, const kv_part *out, const kv_dims *dm, in
                 for (int j = 0; j < np; j++) o[per * j + i] = sum[i * np + j];
         }
     }
+}
+
+/* Validate, split into tasks, run, reduce (V). */
+static int run_call(kv_call *k) {
+    const kv_dims *dm = k->dm;
+    const int M = dm->M, D = dm->D, nt = threads_of(dm);
+    const int is_v = k->op == OP_V_ROWS || k->op == OP_V_AFFINE;
+    size_t scratch;
+    int per = 1;
+    if (k->op == OP_K_ROWS || k->op == OP_V_ROWS) {
+        if (k->fmt < R_Q8_0 || k->fmt > R_FP8 || (D % 32 != 0 && k->fmt <= R_Q5_1)) return KV_EARG;
+        scratch = (size_t)TILE * D;
+    } else {
+        if (k->bits != 8 && k->bits != 4 && k->bits != 2) return KV_EARG;
+        per = 8 / k->bits;
+        if (D % per || k->group < 1) return KV_EARG;
+        if (k->op == OP_K_AFFINE) {
+            if (k->offset < 0 || k->offset >= k->group) return KV_EARG;
+            scratch = (size_t)(TILE + M + 2) * D + (size_t)M; /* rows, folded queries, scale/zero, consts */
+        } else {
+            if (D % k->group || k->group % per) return KV_EARG;
+            scratch = (size_t)TILE * D + 2 * (size_t)(D / k->group); /* rows, one token's scales/zeros */
+        }
+    }
+    k->nc = n_chunks(dm->B * dm->H, dm->T, nt, 128);
+    const int64_t ntasks = (int64_t)dm->B * dm->H * k->nc;
+    k->part = NULL;
+    if (is_v) {
+        k->part = (float *)calloc((size_t)ntasks * M * D, sizeof(float));
+        if (!k->part) return KV_ENOMEM;
+    }
+    int err = run_tasks(k, ntasks, nt, scratch);
+    if (is_v) {
+        if (err == KV_OK) reduce_chunks(k->part, k->out, dm, k->nc, per); /* on this thread: a few us */
+        free(k->part);
+    }
+    return err;
 }
 
 int kv_abi_version(void) { return KV_ABI_VERSION; }
@@ -565,142 +686,43 @@ void kv_test_half_to_float(const uint16_t *src, float *dst, int64_t n, int porta
     for (int64_t i = 0; i < n; i++) dst[i] = portable ? half_to_float_portable(src[i]) : h2f(src[i]);
 }
 
-/* Scores of q against per-token rows (GGML blocks, fp32/fp16/bf16, fp8 with scale xs). */
-int kv_k_rows(int fmt, const kv_part *q, const kv_part *x, const kv_part *xs, const kv_part *out, const kv_dims *dm) {
-    const int M = dm->M, D = dm->D, H = dm->H, T = dm->T, nt = threads_of(dm);
-    if (fmt < R_Q8_0 || fmt > R_FP8 || (D % 32 != 0 && fmt <= R_Q5_1)) return KV_EARG;
-    const int nc = n_chunks(dm->B * H, T, nt, 128);
-    const int64_t ntasks = (int64_t)dm->B * H * nc;
-    int err = KV_OK;
-#pragma omp parallel num_threads(nt)
-    {
-        float *row = (float *)calloc((size_t)TILE * D, sizeof(float));
-        if (!row) {
-#pragma omp atomic write
-            err = KV_ENOMEM;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < ntasks; task++) {
-            if (!row) continue;
-            KV_TASK_INDEX(task, H, nc, b, h, c, T, t0, t1);
-            switch (fmt) {
-            case R_Q8_0: k_rows_task(R_Q8_0, q, x, xs, out, M, D, b, h, t0, t1, row); break;
-            case R_Q4_0: k_rows_task(R_Q4_0, q, x, xs, out, M, D, b, h, t0, t1, row); break;
-            case R_Q4_1: k_rows_task(R_Q4_1, q, x, xs, out, M, D, b, h, t0, t1, row); break;
-            case R_Q5_0: k_rows_task(R_Q5_0, q, x, xs, out, M, D, b, h, t0, t1, row); break;
-            case R_Q5_1: k_rows_task(R_Q5_1, q, x, xs, out, M, D, b, h, t0, t1, row); break;
-            case R_F32: k_rows_task(R_F32, q, x, xs, out, M, D, b, h, t0, t1, row); break;
-            case R_F16: k_rows_task(R_F16, q, x, xs, out, M, D, b, h, t0, t1, row); break;
-            case R_BF16: k_rows_task(R_BF16, q, x, xs, out, M, D, b, h, t0, t1, row); break;
-            default: k_rows_task(R_FP8, q, x, xs, out, M, D, b, h, t0, t1, row); break;
-            }
-        }
-        free(row);
-    }
-    return err;
-}
+/* --------------------------------------------------------------------------------- the entry point */
 
-/* Attention-weighted sums of per-token rows. */
-int kv_v_rows(int fmt, const kv_part *p, const kv_part *x, const kv_part *xs, const kv_part *out, const kv_dims *dm) {
-    const int M = dm->M, D = dm->D, H = dm->H, T = dm->T, nt = threads_of(dm);
-    if (fmt < R_Q8_0 || fmt > R_FP8 || (D % 32 != 0 && fmt <= R_Q5_1)) return KV_EARG;
-    const int nc = n_chunks(dm->B * H, T, nt, 128);
-    const int64_t ntasks = (int64_t)dm->B * H * nc;
-    float *part = (float *)calloc((size_t)ntasks * M * D, sizeof(float));
-    if (!part) return KV_ENOMEM;
-    int err = KV_OK;
-#pragma omp parallel num_threads(nt)
-    {
-        float *row = (float *)calloc((size_t)TILE * D, sizeof(float));
-        if (!row) {
-#pragma omp atomic write
-            err = KV_ENOMEM;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < ntasks; task++) {
-            if (!row) continue;
-            KV_TASK_INDEX(task, H, nc, b, h, c, T, t0, t1);
-            float *acc = part + task * M * D;
-            switch (fmt) {
-            case R_Q8_0: v_rows_task(R_Q8_0, p, x, xs, M, D, b, h, t0, t1, row, acc); break;
-            case R_Q4_0: v_rows_task(R_Q4_0, p, x, xs, M, D, b, h, t0, t1, row, acc); break;
-            case R_Q4_1: v_rows_task(R_Q4_1, p, x, xs, M, D, b, h, t0, t1, row, acc); break;
-            case R_Q5_0: v_rows_task(R_Q5_0, p, x, xs, M, D, b, h, t0, t1, row, acc); break;
-            case R_Q5_1: v_rows_task(R_Q5_1, p, x, xs, M, D, b, h, t0, t1, row, acc); break;
-            case R_F32: v_rows_task(R_F32, p, x, xs, M, D, b, h, t0, t1, row, acc); break;
-            case R_F16: v_rows_task(R_F16, p, x, xs, M, D, b, h, t0, t1, row, acc); break;
-            case R_BF16: v_rows_task(R_BF16, p, x, xs, M, D, b, h, t0, t1, row, acc); break;
-            default: v_rows_task(R_FP8, p, x, xs, M, D, b, h, t0, t1, row, acc); break;
-            }
-        }
-        free(row);
-    }
-    if (err == KV_OK) reduce_chunks(part, out, dm, nc, 1); /* serial: B*H*nc*M*D adds, a few microseconds */
-    free(part);
-    return err;
-}
+#define KV_NPARAM 4 /* kernel parameters after the 6 dims */
 
-/* KIVI per-channel K scores; codes (B,H,T,D*bits/8) u8, scale/zero (B,H,NG,D) fp16/bf16/fp32. */
-int kv_k_affine(int bits, int G, int offset, const kv_part *q, const kv_part *codes, const kv_part *sc,
-                const kv_part *zr, const kv_part *out, const kv_dims *dm) {
-    const int M = dm->M, D = dm->D, H = dm->H, T = dm->T, nt = threads_of(dm);
-    if ((bits != 8 && bits != 4 && bits != 2) || D % (8 / bits) || G < 1 || offset < 0) return KV_EARG;
-    const int nc = n_chunks(dm->B * H, T, nt, 128);
-    const int64_t ntasks = (int64_t)dm->B * H * nc;
-    int err = KV_OK;
-#pragma omp parallel num_threads(nt)
-    {
-        float *scratch = (float *)calloc((size_t)(TILE + M + 2) * D + (size_t)M, sizeof(float));
-        if (!scratch) {
-#pragma omp atomic write
-            err = KV_ENOMEM;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < ntasks; task++) {
-            if (!scratch) continue;
-            KV_TASK_INDEX(task, H, nc, b, h, c, T, t0, t1);
-            switch (bits) {
-            case 8: k_affine_task(8, q, codes, sc, zr, out, M, D, G, offset, b, h, t0, t1, scratch); break;
-            case 4: k_affine_task(4, q, codes, sc, zr, out, M, D, G, offset, b, h, t0, t1, scratch); break;
-            default: k_affine_task(2, q, codes, sc, zr, out, M, D, G, offset, b, h, t0, t1, scratch); break;
-            }
-        }
-        free(scratch);
+/* One call for every kernel (ctypes marshals one int64 array much faster than several structs):
+ *   args = B, H, M, T, D, nthreads, param[4], then per tensor part: data, s0, s1, s2, dtype.
+ *   OP_K_ROWS:   param fmt;                 parts q, x, xs (fp8 scale, else = x), out
+ *   OP_V_ROWS:   param fmt;                 parts p, x, xs, out
+ *   OP_K_AFFINE: params bits, G, offset;    parts q, codes, scale, zero, out
+ *   OP_V_AFFINE: params bits, g;            parts p, codes, scale, zero, out */
+int kv_run(int op, const int64_t *args) {
+    if (op < OP_K_ROWS || op > OP_V_AFFINE) return KV_EARG;
+    kv_dims dm = {(int32_t)args[0], (int32_t)args[1], (int32_t)args[2], (int32_t)args[3], (int32_t)args[4],
+                  (int32_t)args[5]};
+    if (dm.B < 1 || dm.H < 1 || dm.M < 1 || dm.T < 1 || dm.D < 1) return KV_EARG;
+    const int64_t *prm = args + 6;
+    kv_part pt[5];
+    const int nparts = op == OP_K_ROWS || op == OP_V_ROWS ? 4 : 5;
+    for (int i = 0; i < nparts; i++) {
+        const int64_t *a = args + 6 + KV_NPARAM + 5 * i;
+        pt[i].data = (const void *)(intptr_t)a[0];
+        pt[i].s0 = a[1];
+        pt[i].s1 = a[2];
+        pt[i].s2 = a[3];
+        pt[i].dtype = (int32_t)a[4];
+        pt[i].unused = 0;
     }
-    return err;
-}
-
-/* KIVI per-token V weighted sum; codes (B,H,T,D*bits/8) u8, scale/zero (B,H,T,D/g), g % (8/bits) == 0. */
-int kv_v_affine(int bits, int g, const kv_part *p, const kv_part *codes, const kv_part *sc, const kv_part *zr,
-                const kv_part *out, const kv_dims *dm) {
-    const int M = dm->M, D = dm->D, H = dm->H, T = dm->T, nt = threads_of(dm);
-    if ((bits != 8 && bits != 4 && bits != 2) || g < 1 || D % g || g % (8 / bits)) return KV_EARG;
-    const int nc = n_chunks(dm->B * H, T, nt, 128);
-    const int64_t ntasks = (int64_t)dm->B * H * nc;
-    float *part = (float *)calloc((size_t)ntasks * M * D, sizeof(float));
-    if (!part) return KV_ENOMEM;
-    int err = KV_OK;
-#pragma omp parallel num_threads(nt)
-    {
-        float *scratch = (float *)calloc((size_t)TILE * D + 2 * (size_t)(D / g), sizeof(float));
-        if (!scratch) {
-#pragma omp atomic write
-            err = KV_ENOMEM;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < ntasks; task++) {
-            if (!scratch) continue;
-            KV_TASK_INDEX(task, H, nc, b, h, c, T, t0, t1);
-            float *acc = part + task * M * D;
-            switch (bits) {
-            case 8: v_affine_task(8, p, codes, sc, zr, M, D, g, b, h, t0, t1, scratch, acc); break;
-            case 4: v_affine_task(4, p, codes, sc, zr, M, D, g, b, h, t0, t1, scratch, acc); break;
-            default: v_affine_task(2, p, codes, sc, zr, M, D, g, b, h, t0, t1, scratch, acc); break;
-            }
-        }
-        free(scratch);
+    kv_call k = {.op = op, .x = &pt[0], .p1 = &pt[1], .p2 = &pt[2], .dm = &dm};
+    if (nparts == 4) {
+        k.fmt = (int)prm[0];
+        k.out = &pt[3];
+    } else {
+        k.bits = (int)prm[0];
+        k.group = (int)prm[1];
+        k.offset = op == OP_K_AFFINE ? (int)prm[2] : 0;
+        k.p3 = &pt[3];
+        k.out = &pt[4];
     }
-    if (err == KV_OK) reduce_chunks(part, out, dm, nc, 8 / bits);
-    free(part);
-    return err;
+    return run_call(&k);
 }

@@ -1,0 +1,409 @@
+"""Attention kernels on the encoded store: the torch reference is decode + matmul exactly; the C kernels
+equal it to fp32 rounding for every (format, role), on views narrowed out of bigger buffers (as the
+cache hands them out); the dispatch, the build cache and the fallbacks."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+
+from kvslim import kernels
+from kvslim.formats import Encoded, format_names, make_codec
+from kvslim.kernels import cpu, reference
+
+D = 64
+#: (B, H_kv, M, T): batch 1/2, KV heads 1/3, queries 1/3/9, tokens 1/7/64/300
+SHAPES = [
+    (1, 1, 1, 1),
+    (1, 3, 3, 7),
+    (2, 1, 9, 64),
+    (2, 3, 1, 300),
+    (1, 3, 9, 300),
+    (2, 3, 3, 64),
+    (1, 1, 3, 300),
+]
+REL = 1e-5  # of the score scale sum_d |q_d| |K_td| (and sum_t p_t |V_td|)
+
+
+@pytest.fixture
+def c_kernels():
+    ok, why = cpu.status()
+    if not ok:
+        pytest.skip(f"C kernels unavailable: {why}")
+    kernels.set_backend("cpu")
+    yield cpu.library()
+    kernels.set_backend(None)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_default_backend():
+    """Single-threaded (small shapes; the machine may be shared), default backend afterwards.
+    The threaded C path has its own test."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    kernels.set_backend(None)
+
+
+def _data(b, h, t, d, gen, dtype=torch.float32):
+    """Keys/values with per-channel means (what K mean-centering and affine zeros are about)."""
+    mean = torch.randn(1, h, 1, d, generator=gen) * 3
+    return (torch.randn(b, h, t, d, generator=gen) * 2 + mean).to(dtype)
+
+
+def encoded_view(codec, b, h, t, offset, gen, dtype=torch.float32, d=D) -> Encoded:
+    """t encoded tokens starting ``offset`` tokens into their first group, as views: one extra head,
+    a whole group before and one after (TimeBuffer-like strides on dims 0..2)."""
+    g = codec.token_group
+    n = -(-(offset + t) // g)  # groups the tokens touch
+    x = _data(b, h + 1, (n + 2) * g, d, gen, dtype)  # (B, H+1, (1 + n + 1) * G, D)
+    enc = codec.encode(x)
+    start = g + offset
+    return Encoded(
+        token={k: v[:, 1:, start : start + t] for k, v in enc.token.items()},
+        group={k: v[:, 1:, 1 : 1 + n] for k, v in enc.group.items()},
+    )
+
+
+def _queries(b, h, m, gen, d=D):
+    """q (B, H, M, D) as a view: rows of a bigger tensor (dims 0..2 strides not contiguous)."""
+    return (torch.randn(b, h, m + 2, d, generator=gen) * d**-0.5)[:, :, 1 : 1 + m]
+
+
+def _probs(b, h, m, t, gen):
+    """p (B, H, M, T): the body's slice of a softmax over more positions (sinks before, residual after)."""
+    full = torch.softmax(torch.randn(b, h, m, t + 6, generator=gen) * 3, dim=-1)
+    return full[..., 4 : 4 + t]
+
+
+def assert_scaled_close(out, ref, scale, what):
+    assert out.shape == ref.shape and out.dtype == torch.float32, (out.shape, ref.shape, out.dtype)
+    err = (out - ref).abs()
+    bad = err > REL * scale + 1e-30
+    if bad.any():
+        rel = (err / scale.clamp_min(1e-30)).max().item()
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {err.numel()} beyond {REL} (max relative {rel:.3g})"
+        )
+
+
+AFFINE = ("int8", "int4", "int2")
+
+
+def _cases(k_groups=(8,)):
+    """(name, role, group): K token groups for per-channel K, V channel groups for per-token affine V."""
+    out = []
+    for name in format_names():
+        for role in ("k", "v"):
+            groups = (k_groups if role == "k" else (None, 16, 32)) if name in AFFINE else (None,)
+            out += [
+                pytest.param(name, role, g, id=f"{name}-{role}" + (f"-g{g}" if g else "")) for g in groups
+            ]
+    return out
+
+
+def _codec(name, role, group):
+    if name in AFFINE and role == "k":
+        return make_codec(name, role, group_size=group)
+    return make_codec(name, role, v_group_size=group)
+
+
+def _offsets(codec):
+    g = codec.token_group
+    return [0] if g == 1 else sorted({0, 1, g // 2, g - 1})
+
+
+@pytest.mark.parametrize("name,role,group", _cases())
+def test_reference_is_decode_then_matmul(name, role, group):
+    codec = _codec(name, role, group)
+    gen = torch.Generator().manual_seed(1)
+    for offset in _offsets(codec):
+        enc = encoded_view(codec, 2, 3, 13, offset, gen)
+        full = codec.decode(enc, torch.float32, offset)  # (B, H, T, D)
+        q, p = _queries(2, 3, 3, gen), _probs(2, 3, 3, 13, gen)
+        assert torch.equal(reference.k_scores(q, codec, enc, offset), q @ full.transpose(-1, -2))
+        assert torch.equal(reference.v_weighted(p, codec, enc, offset), p @ full)
+
+
+@pytest.mark.parametrize("name,role,group", _cases(k_groups=(8, 32)))
+def test_c_kernels_equal_reference(c_kernels, name, role, group):
+    codec = _codec(name, role, group)
+    gen = torch.Generator().manual_seed(sum(map(ord, f"{name}{role}{group}")))
+    dtypes = [torch.float32, torch.bfloat16, torch.float16] if name == "none" else [torch.float32]
+    for i, (b, h, m, t) in enumerate(SHAPES):
+        offset = _offsets(codec)[i % len(_offsets(codec))]
+        enc = encoded_view(codec, b, h, t, offset, gen, dtypes[i % len(dtypes)])
+        full = codec.decode(enc, torch.float32, offset)  # (B, H, T, D)
+        what = f"{name}-{role} B={b} H={h} M={m} T={t} offset={offset}"
+        if role == "k":
+            q = _queries(b, h, m, gen)
+            backend, kernel = kernels.select(q, codec, enc)
+            assert backend == "cpu" and kernel.k_scores is not reference.k_scores, what
+            out = kernels.k_scores(q, codec, enc, offset)
+            ref = reference.k_scores(q, codec, enc, offset)
+            assert_scaled_close(out, ref, q.abs() @ full.abs().transpose(-1, -2), what)
+        else:
+            p = _probs(b, h, m, t, gen)
+            backend, kernel = kernels.select(p, codec, enc)
+            assert backend == "cpu" and kernel.v_weighted is not reference.v_weighted, what
+            out = kernels.v_weighted(p, codec, enc, offset)
+            ref = reference.v_weighted(p, codec, enc, offset)
+            assert_scaled_close(out, ref, p.abs() @ full.abs(), what)
+
+
+def test_c_kernels_every_offset_and_long_query_axis(c_kernels):
+    """Every offset of a partly evicted K group; M at the C limit (C) and beyond it (reference)."""
+    codec = make_codec("int4", "k", group_size=8)
+    gen = torch.Generator().manual_seed(3)
+    for offset in range(8):
+        enc = encoded_view(codec, 1, 2, 37, offset, gen)
+        full = codec.decode(enc, torch.float32, offset)
+        q = _queries(1, 2, 5, gen)
+        out = kernels.k_scores(q, codec, enc, offset)
+        assert_scaled_close(
+            out, reference.k_scores(q, codec, enc, offset), q.abs() @ full.abs().mT, f"{offset=}"
+        )
+    for m, backend in ((cpu.MAX_M, "cpu"), (cpu.MAX_M + 1, "torch")):
+        q = _queries(1, 2, m, gen)
+        assert kernels.select(q, codec, enc)[0] == backend
+        assert_scaled_close(
+            kernels.k_scores(q, codec, enc, 7),
+            reference.k_scores(q, codec, enc, 7),
+            q.abs() @ full.abs().mT,
+            f"M={m}",
+        )
+
+
+@pytest.mark.parametrize("d", [32, 36, 80, 128])
+def test_c_kernels_other_head_dims(c_kernels, d):
+    """Head dims off the vectorized fast paths (not a multiple of 8 or 32 floats per plane) and bigger."""
+    gen = torch.Generator().manual_seed(d)
+    names = ["int8", "int4", "int2", "fp16", "bf16", "fp8"] + (
+        ["q8_0", "q4_1", "q5_0"] if d % 32 == 0 else []
+    )
+    for name in names:
+        for role in ("k", "v"):
+            codec = make_codec(name, role, group_size=8)
+            offset = 3 if codec.token_group > 1 else 0
+            enc = encoded_view(codec, 1, 3, 45, offset, gen, d=d)
+            full = codec.decode(enc, torch.float32, offset)
+            what = f"{name}-{role} D={d}"
+            if role == "k":
+                q = _queries(1, 3, 3, gen, d)
+                assert kernels.select(q, codec, enc)[0] == "cpu", what
+                out, ref = kernels.k_scores(q, codec, enc, offset), reference.k_scores(q, codec, enc, offset)
+                assert_scaled_close(out, ref, q.abs() @ full.abs().mT, what)
+            else:
+                p = _probs(1, 3, 3, 45, gen)
+                assert kernels.select(p, codec, enc)[0] == "cpu", what
+                out, ref = kernels.v_weighted(p, codec, enc), reference.v_weighted(p, codec, enc)
+                assert_scaled_close(out, ref, p.abs() @ full.abs(), what)
+
+
+def _threaded(fn, *args):
+    torch.set_num_threads(2)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(1)
+
+
+def test_c_kernels_threaded(c_kernels):
+    """Shapes big enough to split over threads and token chunks (partial sums of V reduced); only the
+    C calls run threaded (torch's own ops on a busy shared machine would dominate the test time)."""
+    gen = torch.Generator().manual_seed(8)
+    for name, role, group, offset in (
+        ("int4", "k", 32, 5),
+        ("int8", "v", 32, 0),
+        ("q4_1", "k", None, 0),
+        ("q5_0", "v", None, 0),
+        ("int2", "v", None, 0),
+    ):
+        codec = _codec(name, role, group)
+        for b, h, m, t in ((1, 3, 3, 2500), (2, 3, 9, 700)):
+            enc = encoded_view(codec, b, h, t, offset, gen)
+            full = codec.decode(enc, torch.float32, offset)
+            if role == "k":
+                q = _queries(b, h, m, gen)
+                out, ref = (
+                    _threaded(kernels.k_scores, q, codec, enc, offset),
+                    reference.k_scores(q, codec, enc, offset),
+                )
+                assert_scaled_close(out, ref, q.abs() @ full.abs().mT, f"{name}-{role} {t}")
+            else:
+                p = _probs(b, h, m, t, gen)
+                out, ref = _threaded(kernels.v_weighted, p, codec, enc), reference.v_weighted(p, codec, enc)
+                assert_scaled_close(out, ref, p.abs() @ full.abs(), f"{name}-{role} {t}")
+
+
+def test_unsupported_layouts_fall_back_to_the_reference(c_kernels):
+    """int2 V with 2-channel groups (not whole bytes of codes): the C kernel declines, the result is the same."""
+    codec = make_codec("int2", "v", v_group_size=2)
+    gen = torch.Generator().manual_seed(4)
+    enc = encoded_view(codec, 1, 3, 20, 0, gen)
+    p = _probs(1, 3, 3, 20, gen)
+    assert kernels.select(p, codec, enc)[0] == "torch"
+    assert torch.equal(kernels.v_weighted(p, codec, enc), reference.v_weighted(p, codec, enc))
+    meta = torch.empty(1, 3, 3, 20, device="meta")  # any non-CPU device: the reference
+    assert (
+        kernels.select(
+            meta, make_codec("q4_0", "v"), encoded_view(make_codec("q4_0", "v"), 1, 3, 20, 0, gen)
+        )[0]
+        == "torch"
+    )
+
+
+def test_half_and_fp8_conversions_are_exact(c_kernels):
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)  # every fp16 bit pattern
+    want = bits.view(torch.float16).float()
+    for portable in (False, True):
+        got = cpu.half_to_float(bits, portable)
+        assert torch.equal(got.isnan(), want.isnan())
+        ok = ~want.isnan()
+        assert torch.equal(got[ok].view(torch.int32), want[ok].view(torch.int32)), f"{portable=}"
+    # every float8_e4m3fn code through the fp8 row decoder: p one-hot picks each row of V
+    raw = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    nan = (raw & 0x7F) == 0x7F
+    codes = torch.where(nan, 0, raw).view(torch.float8_e4m3fn).reshape(1, 1, 4, 64)
+    codec, p = make_codec("fp8", "v"), torch.eye(4).reshape(1, 1, 4, 4)
+    out = kernels.v_weighted(p, codec, Encoded(token={"codes": codes, "scale": torch.ones(1, 1, 4, 1)}))
+    assert torch.equal(out, codes.float())
+    nan_row = raw[nan].view(torch.float8_e4m3fn).repeat(32).reshape(1, 1, 1, 64)  # the two NaN codes
+    out = kernels.v_weighted(
+        torch.ones(1, 1, 1, 1), codec, Encoded(token={"codes": nan_row, "scale": torch.ones(1, 1, 1, 1)})
+    )
+    assert out.isnan().all()
+
+
+def test_fp16_specials_in_a_cast_body(c_kernels):
+    """Subnormal, huge and signed-zero fp16 tokens decode exactly (the body of an fp16 stream)."""
+    vals = torch.tensor([6e-8, -6e-8, 1e-5, 65504.0, -65504.0, -0.0, 1.0, 3.140625], dtype=torch.float16)
+    x = vals.repeat(8).reshape(1, 1, 1, 64).expand(1, 1, 3, 64).contiguous()
+    enc = Encoded(token={"x": x})
+    p = torch.eye(3).reshape(1, 1, 3, 3)
+    assert torch.equal(kernels.v_weighted(p, make_codec("fp16", "v"), enc), x.float())
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def test_backend_choice_and_available():
+    codec = make_codec("q8_0", "k")
+    gen = torch.Generator().manual_seed(5)
+    enc = encoded_view(codec, 1, 3, 10, 0, gen)
+    q = _queries(1, 3, 3, gen)
+    kernels.set_backend("torch")
+    assert kernels.get_backend() == "torch" and kernels.select(q, codec, enc)[0] == "torch"
+    assert kernels.available()["active"] == "torch"
+    kernels.set_backend(None)
+    info = kernels.available()
+    assert info["requested"] == "auto" and set(info["backends"]) >= {"cpu", "torch"}
+    assert info["active"] == ("cpu" if info["backends"]["cpu"]["available"] else "torch") and info["why"]
+    with pytest.raises(ValueError, match="backend must be one of"):
+        kernels.set_backend("cuda")
+    assert (
+        kernels.codec_family(codec) == "ggml" and kernels.codec_family(make_codec("int4", "k")) == "affine_k"
+    )
+
+
+def test_env_var_selects_backend(monkeypatch):
+    monkeypatch.setenv("KVSLIM_KERNELS", "torch")
+    assert kernels.get_backend() == "torch"
+    monkeypatch.setenv("KVSLIM_KERNELS", "bogus")
+    with pytest.raises(ValueError, match="KVSLIM_KERNELS"):
+        kernels.get_backend()
+    kernels.set_backend("auto")  # an explicit choice wins over the environment
+    assert kernels.get_backend() == "auto"
+
+
+def test_validation_messages():
+    codec = make_codec("int4", "k", group_size=8)
+    gen = torch.Generator().manual_seed(6)
+    enc = encoded_view(codec, 1, 3, 8, 0, gen)
+    with pytest.raises(ValueError, match="batch x heads"):
+        kernels.k_scores(torch.zeros(1, 2, 1, D), codec, enc)
+    with pytest.raises(ValueError, match=r"\(B, H_kv, M, D\)"):
+        kernels.k_scores(torch.zeros(3, 1, D), codec, enc)
+    with pytest.raises(ValueError, match="tokens along its last dim"):
+        kernels.v_weighted(
+            torch.zeros(1, 3, 1, 9),
+            make_codec("int4", "v"),
+            encoded_view(make_codec("int4", "v"), 1, 3, 8, 0, gen),
+        )
+    if cpu.status()[0]:
+        with pytest.raises(ValueError, match="offset"):
+            cpu.k_affine(torch.zeros(1, 3, 1, D), codec, enc, 8)
+        with pytest.raises(ValueError, match="K codes"):
+            cpu.k_affine(torch.zeros(1, 3, 1, 2 * D), codec, enc, 0)
+
+
+def test_empty_body():
+    codec = make_codec("q4_0", "k")
+    enc = Encoded(token={"blocks": torch.zeros(1, 3, 0, 36, dtype=torch.uint8)})
+    assert kernels.k_scores(torch.zeros(1, 3, 2, D), codec, enc).shape == (1, 3, 2, 0)
+    assert kernels.v_weighted(torch.zeros(1, 3, 2, 0), codec, enc).shape == (1, 3, 2, D)
+
+
+# --------------------------------------------------------------------------- build
+
+
+def test_build_is_cached_and_safe_when_concurrent(monkeypatch, tmp_path):
+    """Two builds at once into an empty cache: one file, no temp files left, then reused as is.
+    (A one-line source stands in for the kernels: the machinery is what is tested here.)"""
+    if cpu.find_compiler() is None:
+        pytest.skip("no C compiler")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "k.c").write_text("int kv_abi_version(void) { return 1; }\n")
+    monkeypatch.setattr(cpu, "SOURCES", src)
+    monkeypatch.setenv("KVSLIM_CACHE_DIR", str(tmp_path / "cache"))
+    results, errors = [], []
+
+    def build():
+        try:
+            results.append(cpu.build())
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    (path, flags), (path2, _) = results
+    assert path == path2 and path.parent == tmp_path / "cache" / "kernels" and path.suffix == ".so"
+    assert "-O3" in flags
+    assert sorted(p.name for p in path.parent.iterdir()) == sorted(
+        [path.name, path.stem + ".flags"]
+    )  # no temp left
+    mtime = path.stat().st_mtime_ns
+    assert cpu.build()[0] == path and path.stat().st_mtime_ns == mtime  # cached: not rebuilt
+    (src / "k.c").write_text("int kv_abi_version(void) { return 2; }\n")
+    assert cpu.build()[0] != path  # a changed source is a new build
+
+
+def test_build_failure_warns_once_and_uses_the_reference(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVSLIM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    cpu._reset_for_tests()
+    try:
+        with pytest.warns(RuntimeWarning, match="C kernels unavailable"):
+            ok, why = cpu.status()
+        assert not ok and why
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once only
+            assert cpu.status()[0] is False
+            codec = make_codec("q4_0", "k")
+            gen = torch.Generator().manual_seed(7)
+            enc = encoded_view(codec, 1, 3, 10, 0, gen)
+            q = _queries(1, 3, 3, gen)
+            assert kernels.select(q, codec, enc)[0] == "torch"
+            assert torch.equal(kernels.k_scores(q, codec, enc), reference.k_scores(q, codec, enc))
+            assert kernels.available()["active"] == "torch"
+    finally:
+        cpu._reset_for_tests()  # the next use loads the real build again
