@@ -290,6 +290,8 @@ def dequantize_per_token(
 class _AffineKCodec(Codec):
     """Per-channel K: ``token`` = {"codes"}, ``group`` = {"scale", "zero"} per ``group_size`` tokens."""
 
+    family = "affine_k"
+
     symmetric = False
 
     def __init__(self, name: str, bits: int, group_size: int, scale_dtype: torch.dtype = torch.float16):
@@ -337,6 +339,8 @@ class _AffineKCodec(Codec):
 
 class _AffineVCodec(Codec):
     """Per-token V: ``token`` = {"codes", "scale", "zero"}, one scale/zero per ``group_size`` channels."""
+
+    family = "affine_v"
 
     symmetric = False
     token_group = 1

@@ -47,12 +47,16 @@ class Codec:
         symmetric: zero-point free (q8_0, q4_0, q5_0, fp8): a per-channel mean costs it dynamic range,
             which is what K mean-centering gives back. Affine formats absorb a mean in their zero.
         token_group: how many tokens are quantized together (1 for per-token formats).
+        family: the layout family kernels dispatch on.
     """
 
     name: str = ""
     lossy: bool = True
     symmetric: bool = False
     token_group: int = 1
+    #: Storage layout family, for kernels that read the encoded parts directly (kvslim.kernels):
+    #: affine_k, affine_v, ggml, fp8, cast; "generic" = only the decode+matmul reference.
+    family: str = "generic"
 
     def encode(self, x: torch.Tensor) -> Encoded:
         """x: (B, H, T, D) floating point, T a multiple of ``token_group``."""

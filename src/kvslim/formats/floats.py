@@ -17,6 +17,8 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 class _CastCodec(Codec):
     """Store as a plain dtype cast (fp16 / bf16), or unchanged (``none``)."""
 
+    family = "cast"
+
     def __init__(self, name: str, dtype: torch.dtype | None):
         self.name = name
         self.dtype = dtype
@@ -44,6 +46,7 @@ class _CastCodec(Codec):
 
 
 class _Fp8Codec(Codec):
+    family = "fp8"
     name = "fp8"
     symmetric = True
 

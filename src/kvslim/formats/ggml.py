@@ -259,6 +259,8 @@ def dequantize_ggml(data: torch.Tensor, kind: str) -> torch.Tensor:
 class _GGMLCodec(Codec):
     """``token`` = {"blocks": uint8 (B, H, T, D // 32 * block_bytes)}: per-token, blocks along D."""
 
+    family = "ggml"
+
     token_group = 1
 
     def __init__(self, name: str, symmetric: bool):

@@ -33,9 +33,6 @@ from dataclasses import dataclass
 import torch
 
 from ..formats import Codec, Encoded
-from ..formats.affine import _AffineKCodec, _AffineVCodec
-from ..formats.floats import _CastCodec, _Fp8Codec
-from ..formats.ggml import _GGMLCodec
 from . import cpu, reference
 
 BACKENDS = ("auto", "torch", "cpu")
@@ -63,15 +60,6 @@ REGISTRY: dict[tuple[str, str], Kernel] = {}
 #: backend -> () -> (usable, why); checked (and, for cpu, built) lazily on first use.
 AVAILABILITY: dict[str, Callable[[], tuple[bool, str]]] = {}
 
-#: codec class -> family name; codecs of other classes are the "generic" family (reference only).
-FAMILIES: dict[type, str] = {
-    _AffineKCodec: "affine_k",  # KIVI per-channel K
-    _AffineVCodec: "affine_v",  # KIVI per-token V
-    _GGMLCodec: "ggml",
-    _Fp8Codec: "fp8",
-    _CastCodec: "cast",  # none / fp16 / bf16
-}
-
 
 def register(backend: str, family: str, kernel: Kernel, availability=None) -> None:
     """Add (or replace) the kernel of ``backend`` for codecs of ``family``."""
@@ -81,7 +69,8 @@ def register(backend: str, family: str, kernel: Kernel, availability=None) -> No
 
 
 def codec_family(codec: Codec) -> str:
-    return FAMILIES.get(type(codec), "generic")
+    """The codec's layout family (``Codec.family``): affine_k, affine_v, ggml, fp8, cast or generic."""
+    return getattr(codec, "family", "generic")
 
 
 # --------------------------------------------------------------------------- backend choice
