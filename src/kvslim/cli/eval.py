@@ -257,7 +257,7 @@ def _greedy(args) -> int:
         raise UserError(f"--prompts {args.prompts}: no such file")
     specs = _specs(args)
 
-    from ..evaluate import greedy_prefix_match, load_prompts
+    from ..evaluate import greedy_prefix_match, load_prompts, resolve_modes
 
     prompts = load_prompts(args.prompts) if args.prompts else None
     model, tokenizer = _load(args)
@@ -269,6 +269,16 @@ def _greedy(args) -> int:
     print(format_table(["config", "mean", *names], rows, floatfmt=".3f"))
     ref_lens = ", ".join(f"{p.name} {p.reference_tokens}" for p in report.results[0].prompts)
     print(f"reference continuation lengths (tokens): {ref_lens}")
+    longest = max(p.prompt_tokens + p.reference_tokens for p in report.results[0].prompts)
+    for m in resolve_modes(specs)[1:]:
+        c = m.config
+        if c.window is None and c.residual >= longest and (c.k_format != "none" or c.v_format != "none"):
+            print(
+                f"note: {m.label}: every prompt + continuation ({longest} tokens at most) fits in the "
+                f"full-precision residual of {c.residual} tokens, so nothing was quantized; use residual=0 "
+                "or more --tokens to measure the format",
+                file=sys.stderr,
+            )
     _out({"model": _model_name(args), "tokens": args.tokens, "results": report.records()}, args)
     return 0
 
