@@ -36,10 +36,11 @@ def test_identity_is_exact_on_real_model(real_model, text_ids):
     assert kld < 1e-9 and top1 == 1.0
 
 
-# Bounds sit ~2x above what was measured (int8 6e-5; q4_0 with residual 0 is ~0.15 on this model without
+# Bounds sit ~2x above what was measured (int8 6e-5; q4_0 K+V with residual 0: KLD 0.33, top-1 0.73 on this text, without
 # mean-centering, see docs/mean-center.md): they catch a broken path, not a 10% regression.
 @pytest.mark.parametrize(
-    "fmt, bound, min_top1", [("int8", 2e-3, 0.95), ("q8_0", 2e-3, 0.95), ("int4", 0.05, 0.85), ("q4_0", 0.3, 0.7)]
+    "fmt, bound, min_top1",
+    [("int8", 2e-3, 0.95), ("q8_0", 2e-3, 0.95), ("int4", 0.05, 0.85), ("q4_0", 0.6, 0.6)],
 )
 def test_lossy_kld_bounded_on_real_model(real_model, text_ids, fmt, bound, min_top1):
     model, _ = real_model
