@@ -320,7 +320,7 @@ def test_real_model_exactness_and_kl(real_model, license_text):
     ids = tok(license_text, return_tensors="pt").input_ids[:, :160]
     ref_ppl = math.exp(float(full_forward_nll(model, ids, prefill=96).mean()))
     report = compare_perplexity(
-        model, ids, ["none,sink=4,window=10000", "int4"], prefill=96, chunk=1, progress=False
+        model, ids, ["none,sink=4,window=10000", "int4,residual=32"], prefill=96, chunk=1, progress=False
     )
     ref, window, int4 = report.results
     assert abs(ref.ppl / ref_ppl - 1) < 1e-4
