@@ -14,6 +14,20 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "phi3"]
 
+#: The stable JSON schema of one `eval ppl` result (spelled out here, not imported from the library).
+PPL_KEYS = {
+    "config",
+    "ppl",
+    "ppl_stderr",
+    "kld_mean",
+    "kld_p99",
+    "kld_max",
+    "top1",
+    "ppl_ratio",
+    "scored_tokens",
+    "curve",
+}
+
 
 def tiny_config(arch: str = "llama", **overrides):
     """A 2-layer random config with GQA (4 query heads, 2 KV heads, head_dim 32)."""

@@ -30,6 +30,13 @@ def _left_pad(ids: torch.Tensor, pads: list[int], pad_id: int = 0):
     return torch.stack(rows), torch.stack(masks)
 
 
+def _prefill_then_decode(model, cache, ids, prefill):
+    """Logits (B, T, V) of a prefill of ``prefill`` tokens, then one token per forward, through ``cache``."""
+    out = [model(ids[:, :prefill], cache=cache).logits]
+    out += [model(ids[:, t : t + 1], cache=cache).logits for t in range(prefill, ids.shape[1])]
+    return torch.cat(out, dim=1)
+
+
 # -- identity ---------------------------------------------------------------------------------------
 
 
@@ -246,11 +253,7 @@ def test_lossy_formats_stay_close(fmt):
     with torch.no_grad():
         full = model(ids).logits
         cache = SlimCache(kv_quantize=fmt, group_size=8, residual=8, config=model.config)
-        got = torch.cat(
-            [model(ids[:, :16], cache=cache).logits]
-            + [model(ids[:, t : t + 1], cache=cache).logits for t in range(16, 48)],
-            dim=1,
-        )
+        got = _prefill_then_decode(model, cache, ids, 16)
     kl = _kl(full, got)
     assert torch.isfinite(kl).all()
     bound = {"int2": 0.5, "q4_0": 0.05, "q4_1": 0.05, "int4": 0.05, "fp8": 0.02}.get(fmt, 0.005)
@@ -426,21 +429,7 @@ def test_half_precision_models(dtype):
         lossy = SlimCache(
             kv_quantize="int4", sink=2, window=12, group_size=4, residual=4, config=model.config
         )
-        a = torch.cat(
-            [model(ids[:, :16], cache=ref).logits]
-            + [model(ids[:, t : t + 1], cache=ref).logits for t in range(16, 24)],
-            1,
-        )
-        b = torch.cat(
-            [model(ids[:, :16], cache=same).logits]
-            + [model(ids[:, t : t + 1], cache=same).logits for t in range(16, 24)],
-            1,
-        )
-        c = torch.cat(
-            [model(ids[:, :16], cache=lossy).logits]
-            + [model(ids[:, t : t + 1], cache=lossy).logits for t in range(16, 24)],
-            1,
-        )
+        a, b, c = (_prefill_then_decode(model, cache, ids, 16) for cache in (ref, same, lossy))
     assert torch.equal(a, b)
     assert c.dtype == dtype and torch.isfinite(c).all()
     assert lossy.layers[0].store.k.fp.data.dtype == dtype  # the residual keeps the model's dtype

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from conftest import tiny_model
+from conftest import PPL_KEYS, tiny_model
 from kvslim.cli import main
 
 HAVE_CACHE = os.path.exists(os.path.join(os.path.dirname(__file__), "..", "src", "kvslim", "cache.py"))
@@ -21,18 +21,6 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-PPL_KEYS = {
-    "config",
-    "ppl",
-    "ppl_stderr",
-    "kld_mean",
-    "kld_p99",
-    "kld_max",
-    "top1",
-    "ppl_ratio",
-    "scored_tokens",
-    "curve",
-}
 
 
 @pytest.fixture(scope="module")
