@@ -65,6 +65,10 @@ def tiny_model(
 ):
     import transformers as tf
 
+    if attn_implementation == "kvslim":
+        import kvslim
+
+        kvslim.register()  # importing kvslim alone does not register it
     torch.manual_seed(seed)
     config = tiny_config(arch, **overrides)
     model = tf.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
@@ -89,7 +93,11 @@ def real_model():
     return load_model(None)
 
 
+#: A real English text shipped with the tests (the GPL-3, whose license permits verbatim copies).
+TEXT_PATH = os.path.join(os.path.dirname(__file__), "data", "GPL-3.txt")
+
+
 @pytest.fixture(scope="session")
 def license_text():
-    with open("/usr/share/common-licenses/GPL-3") as f:
+    with open(TEXT_PATH, encoding="utf-8") as f:
         return f.read()

@@ -6,10 +6,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-import kvslim  # noqa: F401  (registers the attention implementation)
+import kvslim
 from conftest import tiny_model
 from kvslim import SlimCache
-from kvslim.attention import CompressedKV
+from kvslim.generate import forward
+from kvslim.layer import Segments
 
 
 def _ids(length, seed=0, batch=1):
@@ -18,16 +19,11 @@ def _ids(length, seed=0, batch=1):
 
 def _run(model, cache, ids, prefill, attention_mask=None):
     """Prefill, then one token at a time; returns all logits (B, T, V)."""
-    out = [
-        model(
-            ids[:, :prefill],
-            cache=cache,
-            attention_mask=None if attention_mask is None else attention_mask[:, :prefill],
-        ).logits
-    ]
+    am = None if attention_mask is None else attention_mask[:, :prefill]
+    out = [forward(model, ids[:, :prefill], cache, attention_mask=am, logits_to_keep=0)]
     for t in range(prefill, ids.shape[1]):
         am = None if attention_mask is None else attention_mask[:, : t + 1]
-        out.append(model(ids[:, t : t + 1], cache=cache, attention_mask=am).logits)
+        out.append(forward(model, ids[:, t : t + 1], cache, attention_mask=am, logits_to_keep=0))
     return torch.cat(out, dim=1)
 
 
@@ -36,7 +32,7 @@ def test_kvslim_attention_with_other_caches_is_sdpa():
     ids = _ids(20)
     with torch.no_grad():
         ref = _run(model, DynamicCache(config=model.config), ids, 12)
-        model.set_attn_implementation("kvslim")
+        kvslim.enable(model)
         got = _run(model, DynamicCache(config=model.config), ids, 12)
     torch.testing.assert_close(got, ref, atol=0, rtol=0)
 
@@ -71,7 +67,7 @@ def test_compressed_path_equals_materializing_path(arch, spec):
     ids = _ids(40, seed=1)
     with torch.no_grad():
         ref = _run(model, SlimCache(config=model.config, **spec), ids, 17)
-        model.set_attn_implementation("kvslim")
+        kvslim.enable(model)
         got = _run(model, SlimCache(config=model.config, **spec), ids, 17)
     # fp32 summation order differs; in lossy formats a 1e-7 change in a deeper layer's K can flip a code
     # at a rounding tie, so the bound is a little above fp32 rounding (a wrong mask or segment is O(0.1)).
@@ -87,7 +83,7 @@ def test_compressed_path_is_taken():
     orig = attention.compressed_attention
 
     def spy(query, kv, mask, scaling):
-        seen.append(isinstance(kv, CompressedKV))
+        seen.append(isinstance(kv, Segments))
         return orig(query, kv, mask, scaling)
 
     attention.compressed_attention = spy
@@ -110,7 +106,7 @@ def test_compressed_generate_left_padded_batch_matches_sdpa():
     kw = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0, attention_mask=mask)
     spec = dict(kv_quantize="q8_0", sink=2, window=10, residual=0, group_size=1)
     ref = model.generate(ids, cache=SlimCache(config=model.config, **spec), **kw)
-    model.set_attn_implementation("kvslim")
+    kvslim.enable(model)
     got = model.generate(ids, cache=SlimCache(config=model.config, **spec), **kw)
     assert torch.equal(got, ref)
 
@@ -121,6 +117,6 @@ def test_bf16_model_compressed_path():
     spec = dict(kv_quantize="int8", group_size=4, residual=4)
     with torch.no_grad():
         ref = _run(model, SlimCache(config=model.config, **spec), ids, 16).float()
-        model.set_attn_implementation("kvslim")
+        kvslim.enable(model)
         got = _run(model, SlimCache(config=model.config, **spec), ids, 16).float()
     assert (got - ref).abs().max() < 0.1 * ref.abs().max()

@@ -12,9 +12,13 @@ from kvslim.generate import (
     StreamDecoder,
     decode_one_token,
     generate,
+    greedy,
     left_pad_position_ids,
+    left_padding,
+    position_ids,
     prefill,
     sample_next,
+    teacher_forced,
 )
 
 
@@ -125,7 +129,7 @@ def test_decode_one_token_matches_full_forward(model):
     ids = _ids(1, 10)
     cache = DynamicCache(config=model.config)
     prefill(model, ids[:, :9], cache)
-    step = decode_one_token(model, ids[:, 9:], cache, position_ids=None)
+    step = decode_one_token(model, ids[:, 9:], cache)
     full = model(ids).logits[:, -1].float()
     torch.testing.assert_close(step, full, atol=1e-5, rtol=1e-5)
 
@@ -217,3 +221,71 @@ def test_stream_decoder_real_tokenizer(real_model):
     pieces = [dec.push(i) for i in ids] + [dec.flush()]
     assert "".join(pieces) == tok.decode(ids)
     assert not any("\ufffd" in p for p in pieces)
+
+
+# -- positions: one owner ------------------------------------------------------------------------
+
+
+def test_position_ids_follow_the_cache_and_padding():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    pads = left_padding(mask)
+    assert pads.tolist() == [2, 0]
+    empty = DynamicCache()
+    assert torch.equal(position_ids(empty, 5, pads=pads), left_pad_position_ids(mask))
+    assert position_ids(empty, 3).tolist() == [[0, 1, 2]]
+
+
+def test_left_padding_refuses_other_masks():
+    with pytest.raises(ValueError, match="left padding"):
+        left_padding(torch.tensor([[1, 1, 0]]))
+    with pytest.raises(ValueError, match="left padding"):
+        left_padding(torch.tensor([[1, 0, 1]]))
+
+
+def test_padding_is_handed_to_a_slim_cache_once(model):
+    """The library loop hands the padding explicitly; generate() relies on the position-id convention:
+    both keep each row's first real tokens as sinks, so a left-padded StreamingLLM batch decodes the same."""
+    from kvslim import SlimCache
+
+    ids = _ids(3, 10, seed=4)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    mask[2, :7] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    spec = dict(kv_quantize="q8_0", sink=2, window=8, residual=0, group_size=1, config=model.config)
+    ours_cache = SlimCache(**spec)
+    ours = _tokens(generate(model, ids, ours_cache, max_new_tokens=20, attention_mask=mask))
+    assert ours_cache.padding_explicit and ours_cache.pads.tolist() == [0, 4, 7]
+    ref = model.generate(
+        ids,
+        attention_mask=mask,
+        cache=SlimCache(**spec),
+        max_new_tokens=20,
+        min_new_tokens=20,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    assert ours == ref[:, 10:].tolist()
+    with pytest.raises(ValueError, match="before the first token"):
+        ours_cache.set_left_padding(None)
+
+
+def test_teacher_forced_equals_one_full_forward(model):
+    ids = _ids(1, 30, seed=5)
+    full = model(ids, use_cache=False).logits[0].float()  # the independent reference
+    got = torch.cat(
+        [lg for _, lg in teacher_forced(model, ids, DynamicCache(config=model.config), prefill=7, chunk=4)]
+    )
+    torch.testing.assert_close(got, full[6:-1], atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_follows_and_stops(model):
+    ids = _ids(1, 8, seed=6)
+    ref = model.generate(
+        ids, max_new_tokens=10, do_sample=False, cache=DynamicCache(config=model.config), pad_token_id=0
+    )
+    out = greedy(model, ids, DynamicCache(config=model.config), 10)
+    assert out == ref[0, 8:].tolist()
+    wrong = list(out)
+    wrong[3] = (wrong[3] + 1) % 128
+    assert greedy(model, ids, DynamicCache(config=model.config), 10, follow=wrong) == out[:4]

@@ -18,8 +18,8 @@ from kvslim.models import (
     embedded_gguf_path,
     load_model,
     model_fingerprint,
-    model_shapes,
 )
+from kvslim.shapes import ModelShapes
 
 
 def test_embedded_path_found_without_importing_the_package():
@@ -110,14 +110,18 @@ def test_local_directory_round_trip(tmp_path):
 
 
 def test_model_shapes():
-    shapes = model_shapes(tiny_config("llama"))
-    assert shapes == dict(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, max_position_embeddings=4096)
+    shapes = ModelShapes.from_config(tiny_config("llama"))
+    assert shapes == ModelShapes(
+        n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, max_position_embeddings=4096, model_type="llama"
+    )
     # head_dim absent -> hidden_size // num_attention_heads; num_key_value_heads absent -> n_heads.
     cfg = tiny_config("llama", hidden_size=192)
     del cfg.head_dim
     cfg.num_key_value_heads = None
-    assert model_shapes(cfg)["head_dim"] == 48 and model_shapes(cfg)["n_kv_heads"] == 4
-    assert model_shapes(tiny_config("qwen3"))["head_dim"] == 32
+    assert ModelShapes.from_config(cfg).head_dim == 48 and ModelShapes.from_config(cfg).n_kv_heads == 4
+    assert ModelShapes.from_config(tiny_config("qwen3")).head_dim == 32
+    with pytest.raises(ValueError, match="not a decoder LM config"):
+        ModelShapes.from_config(object())
 
 
 def test_fingerprint_is_stable_and_sensitive():
@@ -178,8 +182,8 @@ def test_conversion_is_atomic(monkeypatch, tmp_path):
 def test_real_model_loads_from_the_converted_copy(real_model):
     model, tokenizer = real_model
     assert models.is_converted()
-    assert model_shapes(model.config) == dict(
-        n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, max_position_embeddings=8192
+    assert ModelShapes.from_config(model.config) == ModelShapes(
+        n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, max_position_embeddings=8192, model_type="llama"
     )
     assert not hasattr(model, "hf_quantizer") or model.hf_quantizer is None
     assert tokenizer.chat_template

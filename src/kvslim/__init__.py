@@ -4,14 +4,53 @@ Three orthogonal axes composed in one cache: *policy* (which tokens are kept: al
 sinks + window), *codec* (how a kept token is stored: the model's dtype, fp16/bf16/fp8, KIVI affine
 int8/4/2, llama.cpp's GGML blocks, optionally K mean-centered) and the *cache* (the transformers glue).
 
-Importing kvslim registers the attention implementation ``"kvslim"`` with transformers
-(attention computed on the compressed store; see :mod:`kvslim.attention`).
+``import kvslim`` is cheap: it imports neither torch nor transformers. The public names below load
+their modules on first use. The ``"kvslim"`` attention implementation is registered with
+transformers when a :class:`SlimCache` is built, by :func:`enable`, or by an explicit
+:func:`register`.
 """
+
+from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from . import attention as _attention  # noqa: E402,F401  (registers "kvslim" with transformers)
-from .cache import SlimCache  # noqa: E402
-from .config import CacheConfig, parse_spec  # noqa: E402
+# public name -> (module, attribute); loaded on first access (PEP 562)
+_LAZY = {
+    "SlimCache": ("kvslim.cache", "SlimCache"),
+    "CacheConfig": ("kvslim.config", "CacheConfig"),
+    "parse_spec": ("kvslim.config", "parse_spec"),
+    "register": ("kvslim.attention", "register"),
+    "models": ("kvslim.models", None),
+}
 
-__all__ = ["CacheConfig", "SlimCache", "parse_spec", "__version__"]
+__all__ = ["CacheConfig", "SlimCache", "enable", "parse_spec", "register", "__version__"]
+
+
+def enable(model):
+    """Switch a loaded transformers model to the ``"kvslim"`` attention (registering it first).
+
+    Decode steps then read a SlimCache's compressed codes directly instead of materializing the
+    history; with any other cache, and for prefill chunks, it is exactly sdpa. Returns the model.
+    """
+    from .attention import NAME, register
+
+    register()
+    model.set_attn_implementation(NAME)
+    return model
+
+
+def __getattr__(name: str):
+    try:
+        module_name, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'kvslim' has no attribute {name!r}") from None
+    import importlib
+
+    module = importlib.import_module(module_name)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,16 +1,17 @@
 """Attention on the compressed store: transformers attention implementation ``"kvslim"``.
 
-``import kvslim`` registers it. A model loaded with ``attn_implementation="kvslim"`` (or switched with
-``model.set_attn_implementation("kvslim")``) then attends on a :class:`~kvslim.SlimCache`'s encoded
-tokens directly during decode: K scores come from the codes with scales and zeros folded in, the
-V sum weights the codes, and no fp copy of the history is ever written
-(:mod:`kvslim.kernels` holds the per-format kernels). With any other cache, or for long chunks
-(prefill), it behaves exactly like ``sdpa`` — it *is* sdpa then.
+A model using ``attn_implementation="kvslim"`` (``kvslim.enable(model)`` switches a loaded one;
+:func:`register` makes the name known to transformers — building a SlimCache does it too) attends
+on a :class:`~kvslim.SlimCache`'s encoded tokens directly during decode: K scores come from the
+codes with scales and zeros folded in, the V sum weights the codes, and no fp copy of the history is
+ever written (:mod:`kvslim.kernels` holds the per-format kernels). With any other cache, or for long
+chunks (prefill), it behaves exactly like ``sdpa`` — it *is* sdpa then.
 
-How the two meet: a SlimCache built with ``config=model.config`` sees the model's live attention
-implementation; when it is ``"kvslim"`` and a forward carries at most :data:`FAST_MAX_QUERY` new
-tokens, ``update`` returns a :class:`CompressedKV` (views of the stored segments, taken before
-eviction) instead of materialized tensors, and :func:`kvslim_attention` consumes it.
+How the two meet: whether a SlimCache hands attention its segments is decided once, when the cache
+is built (from ``config=model.config``) or by ``cache.use_compressed_attention(...)``; then a forward
+carrying at most :data:`FAST_MAX_QUERY` new tokens gets a frozen :class:`~kvslim.layer.Segments`
+view (taken before eviction) from ``update`` instead of materialized tensors, and
+:func:`kvslim_attention` consumes it. This module never reads a layer's private fields.
 
 Stored tokens of a layer, oldest first, as attention sees them::
 
@@ -29,6 +30,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import kernels
+from .layer import Segments
 
 NAME = "kvslim"
 #: Forwards with more new tokens than this (prefill chunks) materialize and run sdpa: their cost is
@@ -36,85 +38,14 @@ NAME = "kvslim"
 FAST_MAX_QUERY = 16
 
 
-class CompressedKV:
-    """One layer's stored K and V as segments, handed from ``SlimCacheLayer.update`` to the attention.
-
-    The tensors are views into the layer's buffers, valid until that layer's next update.
-    """
-
-    __slots__ = (
-        "k_sink",
-        "v_sink",
-        "k_codec",
-        "v_codec",
-        "k_body",
-        "v_body",
-        "k_offset",
-        "v_offset",
-        "k_res",
-        "v_res",
-        "length",
-        "dtype",
-    )
-
-    def __init__(self, store, dtype: torch.dtype):
-        self.k_sink, self.v_sink = store.sink_k, store.sink_v
-        self.k_codec, self.v_codec = store.k.codec, store.v.codec
-        self.k_body = store.k.body() if store.k.n_body else None
-        self.v_body = store.v.body() if store.v.n_body else None
-        self.k_offset, self.v_offset = store.k.offset, store.v.offset
-        self.k_res, self.v_res = store.k.fp.view(), store.v.fp.view()
-        self.length = store.stored
-        self.dtype = dtype
-
-    @property
-    def shape(self):
-        ref = self.k_sink if self.k_sink is not None else self.k_res
-        if ref is None:
-            ref = next(iter(self.k_body.token.values()))
-        return torch.Size((ref.shape[0], ref.shape[1], self.length, self.head_dim))
-
-    @property
-    def head_dim(self) -> int:
-        for t in (self.v_sink, self.v_res):
-            if t is not None:
-                return t.shape[-1]
-        return self.v_codec.decode(_slice_encoded(self.v_body, 0, 1), torch.float32, self.v_offset).shape[-1]
-
-    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The full (B, H, T, D) tensors, as the standard path would have returned them."""
-        k = [
-            self.k_sink,
-            None if self.k_body is None else self.k_codec.decode(self.k_body, self.dtype, self.k_offset),
-            self.k_res,
-        ]
-        v = [
-            self.v_sink,
-            None if self.v_body is None else self.v_codec.decode(self.v_body, self.dtype, self.v_offset),
-            self.v_res,
-        ]
-        return (
-            torch.cat([t.to(self.dtype) for t in k if t is not None and t.shape[2]], dim=2),
-            torch.cat([t.to(self.dtype) for t in v if t is not None and t.shape[2]], dim=2),
-        )
-
-
-def _slice_encoded(enc, start, stop):
-    from .formats import Encoded
-
-    return Encoded(token={n: t[:, :, start:stop] for n, t in enc.token.items()}, group=dict(enc.group))
-
-
-def compressed_attention(
-    query: torch.Tensor, kv: CompressedKV, attention_mask, scaling: float
-) -> torch.Tensor:
-    """Attention of ``query`` (B, Hq, q, D) over a CompressedKV; returns (B, Hq, q, D) in query's dtype.
+def compressed_attention(query: torch.Tensor, kv: Segments, attention_mask, scaling: float) -> torch.Tensor:
+    """Attention of ``query`` (B, Hq, q, D) over a layer's :class:`~kvslim.layer.Segments`; returns
+    (B, Hq, q, D) in query's dtype.
 
     attention_mask: None (causal, aligned bottom-right) or bool (B or 1, 1, q, T): True = attend.
     """
     b, hq, q_len, d = query.shape
-    ref = kv.k_sink if kv.k_sink is not None else kv.k_res
-    h_kv = ref.shape[1] if ref is not None else next(iter(kv.k_body.token.values())).shape[1]
+    h_kv = kv.kv_shape[1]
     rep = hq // h_kv
     # GQA without repeat_kv: each KV head serves `rep` query heads -> fold them into the query axis.
     qf = (query.float() * scaling).reshape(b, h_kv, rep * q_len, d)  # (B, Hkv, rep*q, D)
@@ -142,7 +73,7 @@ def compressed_attention(
     probs = torch.nan_to_num(probs, nan=0.0)  # rows with nothing to attend to (pad queries)
 
     n_sink = 0 if kv.v_sink is None else kv.v_sink.shape[2]
-    n_body = 0 if kv.v_body is None else next(iter(kv.v_body.token.values())).shape[2]
+    n_body = kv.n_body("v")
     out = None
     if n_sink:
         out = probs[..., :n_sink] @ kv.v_sink.float()
@@ -158,8 +89,8 @@ def compressed_attention(
 
 
 def kvslim_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
-    """The registered attention function: compressed attention for a CompressedKV, sdpa otherwise."""
-    if not isinstance(key, CompressedKV):
+    """The registered attention function: compressed attention for Segments, sdpa otherwise."""
+    if not isinstance(key, Segments):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -180,19 +111,25 @@ def kvslim_attention(module, query, key, value, attention_mask, dropout: float =
     return out.transpose(1, 2).contiguous(), None
 
 
+_registered = False
+
+
 def register() -> None:
-    """Register ``"kvslim"`` with transformers (idempotent; done by ``import kvslim``)."""
+    """Register ``"kvslim"`` with transformers' attention and mask interfaces (idempotent).
+
+    Called by :class:`~kvslim.SlimCache`, :func:`kvslim.enable` and the CLI; ``import kvslim`` alone
+    does not (it imports neither torch nor transformers). Call ``kvslim.register()`` before
+    ``from_pretrained(..., attn_implementation="kvslim")`` if no SlimCache was built yet.
+    """
+    global _registered
+    if _registered:
+        return
     AttentionInterface.register(NAME, kvslim_attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)
+    _registered = True
 
 
-def wants_compressed(model_config, query_len: int) -> bool:
-    """Whether a layer update should hand attention a CompressedKV."""
-    return (
-        model_config is not None
-        and getattr(model_config, "_attn_implementation", None) == NAME
-        and query_len <= FAST_MAX_QUERY
-    )
-
-
-register()
+def uses_kvslim_attention(model_config) -> bool:
+    """Whether a model config selects the ``"kvslim"`` attention (transformers keeps the choice on the
+    config: ``_attn_implementation`` is where ``set_attn_implementation`` and ``from_pretrained`` put it)."""
+    return model_config is not None and getattr(model_config, "_attn_implementation", None) == NAME

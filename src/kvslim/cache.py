@@ -17,6 +17,14 @@ they were the ``stored`` positions just before the new ones. All of them precede
 so the causal mask shows them all and stays causal among the new tokens; and because of the
 sink rule in :mod:`kvslim.policy`, the padding mask read at those positions is exactly right for
 left-padded batches too.
+
+Left padding — the convention, written once here. Row ``b`` of a batch carries ``pads[b]`` pad tokens
+before its first real token; StreamingLLM must keep each row's first *real* tokens as sinks. kvslim's
+own loop (:mod:`kvslim.generate`) reads the padding from the attention mask at prefill and hands it
+over once with :meth:`SlimCache.set_left_padding`. When nobody did (``model.generate()``), the padding
+is derived from transformers' convention at each update: ``generate()`` gives left-padded rows
+position ids that count real tokens only, so the newest token's position falls short of
+``seen - 1`` by the row's pads. A caller with another convention must hand the padding explicitly.
 """
 
 from __future__ import annotations
@@ -27,11 +35,12 @@ import os
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .attention import CompressedKV, wants_compressed
+from . import attention
 from .config import CacheConfig
 from .formats import make_codec
 from .layer import SlimLayer
 from .policy import KeepPolicy
+from .shapes import ModelShapes, text_config
 
 
 class SlimCacheLayer(CacheLayerMixin):
@@ -40,10 +49,11 @@ class SlimCacheLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, store_factory, model_config=None):
+    def __init__(self, store_factory, owner: SlimCache, layer_idx: int):
         super().__init__()
         self._factory = store_factory
-        self._model_config = model_config  # the model's live config: its attention implementation
+        self._owner = owner  # the cache: padding, attention path and observer are decided there
+        self.layer_idx = layer_idx
         self.store: SlimLayer = store_factory()
 
     @property
@@ -58,16 +68,20 @@ class SlimCacheLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        # transformers passes the attention layer's kwargs as `kwargs=...`; position_ids tell left padding.
-        inner = kwargs.get("kwargs") or {}
-        position_ids = inner.get("position_ids", kwargs.get("position_ids"))
-        if wants_compressed(self._model_config, key_states.shape[2]):
-            kv = self.store.append(key_states, value_states, position_ids, reader=self._compressed)
-            return kv, kv  # kvslim_attention reads both from the one handle
-        return self.store.append(key_states, value_states, position_ids)
-
-    def _compressed(self, store: SlimLayer) -> CompressedKV:
-        return CompressedKV(store, store.dtype)
+        owner = self._owner
+        if owner.observe is not None:
+            owner.observe(self.layer_idx, key_states, value_states)
+        if owner.padding_explicit:
+            self.store.set_pads(owner.pads)
+        elif owner.policy.bounded and owner.policy.sink:
+            # transformers passes the attention layer's kwargs as `kwargs=...`.
+            inner = kwargs.get("kwargs") or {}
+            position_ids = inner.get("position_ids", kwargs.get("position_ids"))
+            if position_ids is not None:
+                self.store.set_pads(_pads_from_positions(position_ids, self.store.seen, key_states))
+        compressed = owner.compressed_attention and key_states.shape[2] <= attention.FAST_MAX_QUERY
+        out = self.store.append(key_states, value_states, segments=compressed)
+        return (out, out) if compressed else out  # kvslim_attention reads both from the one view
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         stored = self.store.stored
@@ -146,7 +160,8 @@ class SlimCache(Cache):
         v_group_size: int | None = None,
         mean_center=None,
         config=None,
-        _mean_center_any_format: bool = False,
+        compressed_attention: bool | None = None,
+        observe=None,
     ):
         path = os.fspath(mean_center) if isinstance(mean_center, (str, os.PathLike)) else None
         self.cache_config = CacheConfig(
@@ -158,11 +173,25 @@ class SlimCache(Cache):
             group_size=group_size,
             residual=residual,
             v_group_size=v_group_size,
-            mean_center=None if _mean_center_any_format else path,
+            mean_center=path,
         )
         cfg = self.cache_config
-        if mean_center is not None and path is None and not _mean_center_any_format:
-            cfg.replace(mean_center="<tensors>")  # tensors given directly: the same format gate as for a file
+        if mean_center is not None and path is None:
+            # Tensors given directly: constructing the config with a placeholder path runs the same
+            # format gate a file path gets (raises if K's format does not allow centering).
+            cfg.replace(mean_center="<tensors>")
+        if compressed_attention is not None and not isinstance(compressed_attention, bool):
+            raise ValueError(f"compressed_attention must be True, False or None, got {compressed_attention!r}")
+        if observe is not None and not callable(observe):
+            raise ValueError(f"observe must be a callable (layer_idx, keys, values) or None, got {observe!r}")
+        attention.register()
+        #: Whether decode steps hand attention a Segments view (decided here, once; see attention.py).
+        self.compressed_attention = (
+            attention.uses_kvslim_attention(config) if compressed_attention is None else compressed_attention
+        )
+        self.observe = observe
+        self.pads: torch.Tensor | None = None  # (B,) left padding, when handed explicitly
+        self.padding_explicit = False
         self.policy = KeepPolicy(sink=cfg.sink, window=cfg.window)
         self._codecs = {
             "k": make_codec(cfg.k_format, "k", group_size=cfg.group_size, v_group_size=cfg.v_group_size),
@@ -174,7 +203,7 @@ class SlimCache(Cache):
             self._shapes = _model_shapes(config)
             for role, codec in self._codecs.items():
                 try:
-                    codec.check_head_dim(self._shapes["head_dim"])
+                    codec.check_head_dim(self._shapes.head_dim)
                 except ValueError as e:
                     raise ValueError(
                         f"{role}_quantize={codec.name!r} cannot store this model's KV: {e}"
@@ -184,18 +213,17 @@ class SlimCache(Cache):
                 raise ValueError(
                     "mean_center needs config=model.config to check the bias against the model's shapes"
                 )
-            from .calibrate import load_mean_center
+            from .meancenter import load_mean_center
 
             self._biases = load_mean_center(
                 mean_center,
-                n_layers=self._shapes["n_layers"],
-                n_kv_heads=self._shapes["n_kv_heads"],
-                head_dim=self._shapes["head_dim"],
+                n_layers=self._shapes.n_layers,
+                n_kv_heads=self._shapes.n_kv_heads,
+                head_dim=self._shapes.head_dim,
             )
         if self._shapes is not None:
             layers = [
-                SlimCacheLayer(functools.partial(self._new_store, i), config)
-                for i in range(self._shapes["n_layers"])
+                SlimCacheLayer(functools.partial(self._new_store, i), self, i) for i in range(self._shapes.n_layers)
             ]
             super().__init__(layers=layers)
         else:
@@ -216,12 +244,39 @@ class SlimCache(Cache):
 
     def _replicate(self) -> SlimCacheLayer:
         idx = len(self.layers)
-        return SlimCacheLayer(functools.partial(self._new_store, idx))
+        return SlimCacheLayer(functools.partial(self._new_store, idx), self, idx)
 
     # -- kvslim's own surface --------------------------------------------------------------------
+    def set_left_padding(self, pads: torch.Tensor | None) -> None:
+        """Hand over the batch's left padding, once, before the first token: ``pads`` (B,) int — row
+        ``b``'s first ``pads[b]`` tokens are padding — or None for no padding. (kvslim's decode loop
+        does this from the attention mask at prefill; see the module docstring for ``generate()``.)
+        """
+        if self.get_seq_length() != 0:
+            raise ValueError(
+                f"set_left_padding must be called before the first token; this cache has seen {self.get_seq_length()}"
+            )
+        if pads is not None:
+            if not isinstance(pads, torch.Tensor) or pads.ndim != 1 or pads.dtype.is_floating_point:
+                raise ValueError(f"pads must be a 1-D integer tensor (one count per row) or None, got {pads!r}")
+            if bool((pads < 0).any()):
+                raise ValueError(f"pads must be >= 0, got {pads.tolist()}")
+            pads = pads.long()
+        self.pads = pads
+        self.padding_explicit = True
+
+    def use_compressed_attention(self, enabled: bool = True) -> None:
+        """Choose explicitly whether decode steps hand the ``kvslim`` attention the stored segments
+        (True; the model must use ``attn_implementation="kvslim"``) or materialized K/V (False)."""
+        if not isinstance(enabled, bool):
+            raise ValueError(f"enabled must be True or False, got {enabled!r}")
+        self.compressed_attention = enabled
+
     def stores(self) -> list[SlimLayer]:
+        """Each layer's store, in layer order."""
         return [layer.store for layer in self.layers]
 
+    # -- accounting ------------------------------------------------------------------------------
     def nbytes(self) -> int:
         """Every byte the cache holds: codes, scales, zeros, residual, sinks, biases (buffer slack included)."""
         return sum(s.nbytes() for s in self.stores())
@@ -272,29 +327,37 @@ class SlimCache(Cache):
         return f"SlimCache({self.cache_config.to_spec()!r}, layers={len(self.layers)})"
 
 
-def _model_shapes(config) -> dict:
-    """Layer count, KV heads and head_dim from a model config; a clear error for unsupported layouts."""
+def _pads_from_positions(position_ids: torch.Tensor, seen_before: int, keys: torch.Tensor) -> torch.Tensor:
+    """transformers' convention (module docstring): ``pads = seen - 1 - position of the newest token``.
+
+    position_ids: (B or 1, C); seen_before: tokens the layer held before these C. Returns (B,) int64.
+    """
+    batch = keys.shape[0]
+    seen = seen_before + keys.shape[2]
+    last = position_ids.reshape(-1, position_ids.shape[-1])[:, -1].to(device=keys.device, dtype=torch.long)
+    if last.shape[0] == 1 and batch > 1:
+        last = last.expand(batch)
+    elif last.shape[0] != batch:
+        raise ValueError(f"position_ids has batch {last.shape[0]} but the keys have batch {batch}")
+    return torch.clamp(seen - 1 - last, min=0)
+
+
+def _model_shapes(config) -> ModelShapes:
+    """The model's attention geometry; a clear error for layouts the cache does not serve."""
     from transformers.cache_utils import get_layer_types_and_kwargs
 
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    n_layers = getattr(text, "num_hidden_layers", None)
-    n_heads = getattr(text, "num_attention_heads", None)
-    if n_layers is None or n_heads is None:
-        raise ValueError(
-            f"{type(config).__name__} has no num_hidden_layers/num_attention_heads: not a decoder LM config"
-        )
-    n_kv = getattr(text, "num_key_value_heads", None) or n_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // n_heads
+    shapes = ModelShapes.from_config(config)
+    text = text_config(config)
     try:
         layer_types, _ = get_layer_types_and_kwargs(text)
     except Exception:  # pragma: no cover - configs without per-layer info
-        layer_types = ["full_attention"] * n_layers
+        layer_types = ["full_attention"] * shapes.n_layers
     unsupported = sorted({t for t in layer_types if t != "full_attention"})
     if unsupported:
         raise ValueError(
-            f"{getattr(text, 'model_type', type(config).__name__)} has {', '.join(unsupported)} layers; SlimCache supports "
+            f"{shapes.model_type} has {', '.join(unsupported)} layers; SlimCache supports "
             f"models whose every layer is full attention through the standard cache update (sliding-window, chunked, "
             f"linear-attention and KV-sharing layers keep their own caches). For Mistral/Qwen2 set sliding_window=None "
             f"/ use_sliding_window=False if the checkpoint allows it."
         )
-    return {"n_layers": n_layers, "n_kv_heads": n_kv, "head_dim": head_dim, "n_heads": n_heads}
+    return shapes

@@ -1,15 +1,28 @@
-"""The prefill + decode loop that ``sample``, ``eval`` and ``bench`` share (gpt-fast style free functions).
+"""Every forward pass kvslim makes goes through here: the one decode loop, the one owner of positions.
 
+gpt-fast-style free functions that ``sample``, ``eval``, ``bench``, ``calibrate`` and the tests share:
+
+- :func:`forward` — the only place that calls ``model(...)``: new tokens in, logits out, position ids
+  from :func:`position_ids`;
 - :func:`prefill` feeds a prompt (in chunks if asked) and returns the last position's logits;
 - :func:`decode_one_token` feeds one token per row and returns its logits;
+- :func:`teacher_forced` feeds a known text chunk by chunk and yields the logits of every position
+  (perplexity, KLD);
+- :func:`greedy` continues a prompt greedily, one decode step per token;
 - :func:`sample_next` turns logits into token ids (greedy at temperature 0, else top-p sampling);
-- :func:`generate` runs the loop and yields a :class:`TokenEvent` per step, keeping live
+- :func:`generate` runs the sampling loop and yields a :class:`TokenEvent` per step, keeping live
   :class:`GenerationStats` (readable even after a KeyboardInterrupt);
 - :class:`StreamDecoder` turns a stream of token ids into text pieces that print correctly.
 
-This module knows nothing about how the cache stores tokens: any transformers ``Cache`` works. It
-never advances positions itself when there is no padding: the cache's ``get_seq_length()`` (tokens
-seen) is what the model reads. With an attention mask (left padding) positions come from the mask.
+Positions. The position of a new token is the number of tokens the cache has seen before it
+(``cache.get_seq_length()``), minus its row's left padding: pads sit at position 0 and a row's first
+real token at 0 too, as in transformers' ``generate()``. Left padding is read once, from the attention
+mask at prefill (:func:`left_padding`), handed to a :class:`~kvslim.SlimCache` explicitly
+(``cache.set_left_padding``), and carried as ``pads`` to every later step. No other module builds
+position ids.
+
+This module knows nothing about how the cache stores tokens: any transformers ``Cache`` works; only
+:class:`~kvslim.SlimCache` is told the padding (it needs it to choose per-row sinks).
 """
 
 from __future__ import annotations
@@ -20,14 +33,82 @@ from dataclasses import dataclass
 
 import torch
 
+# ---------------------------------------------------------------------------------------------
+# positions
+
+
+def left_padding(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Pads per row of a left-padded 2-D mask: (B, T) of 0/1 -> (B,) int64.
+
+    Raises ValueError for a mask that is not left padding (a 0 after a 1 in some row): the cache's
+    per-row sinks and these positions assume real tokens are contiguous at the end of each row.
+    """
+    if attention_mask.ndim != 2:
+        raise ValueError(f"attention_mask must be (batch, tokens), got shape {tuple(attention_mask.shape)}")
+    mask = attention_mask.long()
+    if bool((mask[:, 1:] < mask[:, :-1]).any()):
+        raise ValueError(
+            "attention_mask must be left padding (zeros, then ones, in every row); "
+            "tokenize with padding_side='left'"
+        )
+    return (mask.shape[1] - mask.sum(-1)).long()
+
 
 def left_pad_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions for a left-padded batch: ``cumsum(mask) - 1``, pads at 0.
 
-    attention_mask: (B, T) of 0/1 -> (B, T) int64.
+    attention_mask: (B, T) of 0/1 -> (B, T) int64. Equals :func:`position_ids` over the whole prompt
+    with ``pads = left_padding(attention_mask)``.
     """
     mask = attention_mask.long()
     return (mask.cumsum(-1) - 1).clamp_(min=0)
+
+
+def position_ids(cache, n_new: int, *, pads: torch.Tensor | None = None, device=None) -> torch.Tensor:
+    """Position ids of the next ``n_new`` tokens fed through ``cache``: (1 or B, n_new) int64.
+
+    ``seen + arange(n_new)`` where ``seen = cache.get_seq_length()`` counts every token fed so far
+    (pads included); with ``pads`` (B,) each row is shifted left by its padding and clamped at 0.
+    """
+    start = int(cache.get_seq_length())
+    pos = torch.arange(start, start + n_new, device=device)[None]  # (1, n_new)
+    if pads is not None:
+        pos = (pos - pads.to(device=device)[:, None]).clamp_(min=0)  # (B, n_new)
+    return pos
+
+
+def _hand_padding(cache, pads: torch.Tensor | None) -> None:
+    """Tell a SlimCache the batch's left padding (once, before its first token)."""
+    from .cache import SlimCache
+
+    if isinstance(cache, SlimCache):
+        cache.set_left_padding(pads)
+
+
+# ---------------------------------------------------------------------------------------------
+# forwards
+
+
+def forward(
+    model,
+    input_ids: torch.Tensor,
+    cache,
+    *,
+    pads: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    logits_to_keep: int = 1,
+) -> torch.Tensor:
+    """Feed ``input_ids`` (B, C) through ``cache``; the one call of ``model(...)`` in kvslim.
+
+    attention_mask: (B, seen + C) of 0/1 covering every token fed so far, or None (no padding).
+    logits_to_keep: 0 keeps every position, k > 0 the last k. Returns (B, kept, V) float32.
+    """
+    pos = position_ids(cache, input_ids.shape[1], pads=pads, device=input_ids.device)
+    kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
+    out = model(
+        input_ids=input_ids, cache=cache, use_cache=True, position_ids=pos, logits_to_keep=logits_to_keep, **kwargs
+    )
+    return out.logits.float()
 
 
 def prefill(
@@ -40,7 +121,8 @@ def prefill(
 ) -> torch.Tensor:
     """Feed the prompt through ``cache`` and return the logits of its last position.
 
-    input_ids: (B, T); attention_mask: (B, T) of 0/1 with left padding, or None (no padding).
+    input_ids: (B, T); attention_mask: (B, T) of 0/1 with left padding, or None (no padding); a
+    :class:`~kvslim.SlimCache` is handed the padding here, once.
     chunk_size: feed at most this many tokens per forward (None: all at once); every chunk goes
     through the same cache, so the result equals a one-shot prefill up to float rounding.
     Returns (B, V) float32.
@@ -57,39 +139,108 @@ def prefill(
         raise ValueError(
             f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
         )
+    pads = None if attention_mask is None else left_padding(attention_mask)
+    if int(cache.get_seq_length()) == 0:
+        _hand_padding(cache, pads)
     T = input_ids.shape[1]
     step = chunk_size or T
-    positions = None if attention_mask is None else left_pad_position_ids(attention_mask)
     logits = None
     for start in range(0, T, step):
         end = min(start + step, T)
-        kwargs = {}
-        if attention_mask is not None:
-            # The 2D mask covers every token seen so far (cached + this chunk), as transformers expects.
-            kwargs = dict(attention_mask=attention_mask[:, :end], position_ids=positions[:, start:end])
-        out = model(
-            input_ids=input_ids[:, start:end], cache=cache, use_cache=True, logits_to_keep=1, **kwargs
-        )
-        logits = out.logits[:, -1, :]  # (B, V)
-    return logits.float()
+        # The 2D mask covers every token seen so far (cached + this chunk), as transformers expects.
+        mask = None if attention_mask is None else attention_mask[:, :end]
+        logits = forward(model, input_ids[:, start:end], cache, pads=pads, attention_mask=mask)[:, -1]
+    return logits
 
 
 def decode_one_token(
     model,
     token: torch.Tensor,
     cache,
-    position_ids: torch.Tensor | None = None,
+    *,
+    pads: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Feed one token per row. token: (B, 1); position_ids: (B, 1) or None (the cache's count);
+    """Feed one token per row. token: (B, 1); pads: (B,) left padding of the run (None: none);
     attention_mask: (B, seen + 1) or None. Returns (B, V) float32."""
-    kwargs = {}
-    if position_ids is not None:
-        kwargs["position_ids"] = position_ids
-    if attention_mask is not None:
-        kwargs["attention_mask"] = attention_mask
-    out = model(input_ids=token, cache=cache, use_cache=True, logits_to_keep=1, **kwargs)
-    return out.logits[:, -1, :].float()
+    return forward(model, token, cache, pads=pads, attention_mask=attention_mask)[:, -1]
+
+
+def check_teacher_forcing(n_tokens: int, prefill: int, chunk: int) -> None:
+    """Validate a teacher-forcing plan: ``prefill`` in [1, n_tokens - 1], ``chunk`` >= 1."""
+    if isinstance(prefill, bool) or not isinstance(prefill, int) or not 1 <= prefill < n_tokens:
+        raise ValueError(
+            f"prefill must be an integer in [1, {n_tokens - 1}] (fewer than the {n_tokens} tokens, so at least "
+            f"one token is scored), got {prefill!r}"
+        )
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be an integer >= 1 (1 = real decode steps), got {chunk!r}")
+
+
+def _one_row(token_ids: torch.Tensor, what: str = "token_ids") -> torch.Tensor:
+    if not isinstance(token_ids, torch.Tensor) or token_ids.ndim != 2 or token_ids.shape[0] != 1:
+        shape = tuple(token_ids.shape) if isinstance(token_ids, torch.Tensor) else type(token_ids).__name__
+        raise ValueError(f"{what} must be a (1, N) integer tensor, got {shape}")
+    return token_ids.long()
+
+
+@torch.inference_mode()
+def teacher_forced(
+    model, token_ids: torch.Tensor, cache, *, prefill: int, chunk: int = 1
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Teacher-force ``token_ids`` (1, N) through ``cache``; yield ``(first, logits)`` chunk by chunk.
+
+    The prefill feeds tokens ``0..P-1`` in one forward and keeps only its last logit, which predicts
+    token ``P``; then tokens ``P..N-2`` go in ``chunk`` at a time. ``logits`` is ``(C, V)`` float32
+    and its row ``j`` predicts token ``P + first + j``: the scored tokens are ``P..N-1``, ``n = N - P``
+    of them.
+    """
+    ids = _one_row(token_ids).to(model.device)
+    n_tokens = ids.shape[1]
+    check_teacher_forcing(n_tokens, prefill, chunk)
+    yield 0, forward(model, ids[:, :prefill], cache, logits_to_keep=1)[0]
+    offset = prefill
+    while offset < n_tokens - 1:  # the last token is only ever a target
+        end = min(offset + chunk, n_tokens - 1)
+        yield offset + 1 - prefill, forward(model, ids[:, offset:end], cache, logits_to_keep=0)[0]
+        offset = end
+
+
+@torch.inference_mode()
+def greedy(
+    model,
+    input_ids: torch.Tensor,
+    cache,
+    max_new_tokens: int,
+    *,
+    stop_ids: Sequence[int] = (),
+    follow: Sequence[int] | None = None,
+    prefill_chunk: int | None = None,
+) -> list[int]:
+    """Greedy continuation of ``input_ids`` (1, T) through ``cache``, one decode step per token.
+
+    Stops after ``max_new_tokens``, after emitting a token in ``stop_ids``, or — with ``follow`` (a
+    reference continuation) — at the first token that differs from it (that token included), which is
+    all a prefix match needs. ``prefill_chunk`` feeds the prompt in chunks of that many tokens (so a
+    StreamingLLM cache evicts while reading it), else in one forward.
+    """
+    ids = _one_row(input_ids, "input_ids").to(model.device)
+    logits = prefill(model, ids, cache, chunk_size=prefill_chunk)  # (1, V)
+    out: list[int] = []
+    stops = set(stop_ids)
+    while len(out) < max_new_tokens:
+        tok = int(logits[0].argmax())
+        out.append(tok)
+        if tok in stops or (follow is not None and (len(out) > len(follow) or tok != follow[len(out) - 1])):
+            break
+        if len(out) == max_new_tokens:
+            break
+        logits = decode_one_token(model, torch.tensor([[tok]], device=ids.device), cache)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# sampling
 
 
 def sample_next(
@@ -254,12 +405,12 @@ def _run(
         else:
             generator.manual_seed(seed)
     eos_ids = torch.tensor(eos, dtype=torch.long, device=device) if eos else None
-    mask_buf = position = None
+    mask_buf = pads = None
     if attention_mask is not None:
         # (B, T + max_new_tokens): one buffer, sliced per step instead of a growing torch.cat.
         mask_buf = torch.ones(B, T + max_new_tokens, dtype=attention_mask.dtype, device=device)
         mask_buf[:, :T] = attention_mask
-        position = attention_mask.long().sum(-1, keepdim=True)  # (B, 1): the next token's position
+        pads = left_padding(attention_mask)  # (B,)
 
     token = finished = None
     for step in range(max_new_tokens):
@@ -274,9 +425,7 @@ def _run(
                 finished = torch.zeros(B, dtype=torch.bool, device=device)
             else:
                 mask = None if mask_buf is None else mask_buf[:, : T + step]
-                logits = decode_one_token(model, token[:, None], cache, position, mask)
-                if position is not None:
-                    position = position + 1
+                logits = decode_one_token(model, token[:, None], cache, pads=pads, attention_mask=mask)
             token = sample_next(logits, temperature, top_p, generator)  # (B,)
             if eos_ids is not None:
                 token = torch.where(finished, eos_ids[0], token)

@@ -25,6 +25,8 @@ This module knows nothing about transformers; :mod:`kvslim.cache` adapts it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .formats import Codec, Encoded
@@ -235,6 +237,60 @@ class Stream:
         return sum(b.live_nbytes() for b in (*self.tokens.values(), *self.groups.values(), self.fp))
 
 
+@dataclass(frozen=True)
+class Segments:
+    """One layer's stored K and V as segments, oldest first: what attention on the codes reads.
+
+    ``[ sinks (fp) | body (encoded) | residual (fp) ]`` per stream. K and V may split at different
+    points (per-channel K leaves the residual a group at a time). Tensors are views into the layer's
+    buffers, valid until that layer's next update; nothing here may be written.
+
+    k_sink, v_sink: (B, H, S, D) or None; k_body, v_body: :class:`~kvslim.formats.Encoded` or None,
+    decoded with ``k_codec``/``v_codec`` and ``k_offset``/``v_offset`` (tokens already evicted from the
+    first per-channel group); k_res, v_res: (B, H, R, D) or None; length: stored tokens;
+    kv_shape: (B, H_kv, D); dtype: the dtype the standard path would return.
+    """
+
+    k_sink: torch.Tensor | None
+    v_sink: torch.Tensor | None
+    k_codec: Codec
+    v_codec: Codec
+    k_body: Encoded | None
+    v_body: Encoded | None
+    k_offset: int
+    v_offset: int
+    k_res: torch.Tensor | None
+    v_res: torch.Tensor | None
+    length: int
+    kv_shape: tuple[int, int, int]
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        """(B, H_kv, length, D), like the materialized keys."""
+        b, h, d = self.kv_shape
+        return torch.Size((b, h, self.length, d))
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_shape[2]
+
+    def n_body(self, role: str) -> int:
+        body = self.k_body if role == "k" else self.v_body
+        return 0 if body is None else next(iter(body.token.values())).shape[2]
+
+    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The full (B, H, T, D) tensors, as the standard path would have returned them."""
+        out = []
+        for sink, codec, body, offset, res in (
+            (self.k_sink, self.k_codec, self.k_body, self.k_offset, self.k_res),
+            (self.v_sink, self.v_codec, self.v_body, self.v_offset, self.v_res),
+        ):
+            parts = [sink, None if body is None else codec.decode(body, self.dtype, offset), res]
+            out.append(torch.cat([t.to(self.dtype) for t in parts if t is not None and t.shape[2]], dim=2))
+        return out[0], out[1]
+
+
 class SlimLayer:
     """The K and V store of one attention layer.
 
@@ -286,14 +342,17 @@ class SlimLayer:
             )
         return (keys.float() - bias[None, :, None, :]).to(keys.dtype)
 
-    def append(
-        self, keys: torch.Tensor, values: torch.Tensor, position_ids: torch.Tensor | None = None, reader=None
-    ):
-        """Append keys/values (B, H, C, D); return all stored keys/values before eviction
-        (B, H, stored + C, D), then evict down to the policy's capacity.
+    def set_pads(self, pads: torch.Tensor | None) -> None:
+        """Left padding per row (B,) int64, as decided by the cache (None: no padding)."""
+        self.pads = None if pads is None else pads.to(dtype=torch.long)
 
-        ``reader(layer)``, if given, replaces the materializing read (the compressed attention path
-        takes views of the stored segments instead).
+    def append(self, keys: torch.Tensor, values: torch.Tensor, *, segments: bool = False):
+        """Append keys/values (B, H, C, D); return every stored token before eviction, then evict
+        down to the policy's capacity.
+
+        Returns ``(K, V)`` materialized, (B, H, stored + C, D) in the first update's dtype, or with
+        ``segments=True`` a :class:`Segments` view of the stored parts (what the compressed attention
+        reads: no fp copy of the history is written).
         """
         if (
             keys.ndim != 4
@@ -309,7 +368,10 @@ class SlimLayer:
         batch, n_new = keys.shape[0], keys.shape[2]
         self.kv_shape = (batch, keys.shape[1], keys.shape[3])
         self.seen += n_new
-        self._update_pads(position_ids, batch, keys.device)
+        if self.pads is None or self.pads.shape[0] != batch:
+            self.pads = torch.zeros(batch, dtype=torch.long, device=keys.device)
+        if self.sink_start is None or self.sink_start.shape[0] != batch:
+            self.sink_start = torch.zeros(batch, dtype=torch.long, device=keys.device)
         keys = self.center(keys)
 
         n_sink = self.policy.n_to_sinks(self.sink_len, n_new)
@@ -322,9 +384,27 @@ class SlimLayer:
             self.k.append(keys)
             self.v.append(values)
 
-        out = self.read(self.dtype) if reader is None else reader(self)
+        out = self.segments() if segments else self.read(self.dtype)
         self._evict()
         return out
+
+    def segments(self) -> Segments:
+        """A frozen view of what is stored now (valid until the next update)."""
+        return Segments(
+            k_sink=self.sink_k,
+            v_sink=self.sink_v,
+            k_codec=self.k.codec,
+            v_codec=self.v.codec,
+            k_body=self.k.body() if self.k.n_body else None,
+            v_body=self.v.body() if self.v.n_body else None,
+            k_offset=self.k.offset,
+            v_offset=self.v.offset,
+            k_res=self.k.fp.view(),
+            v_res=self.v.fp.view(),
+            length=self.stored,
+            kv_shape=self.kv_shape,
+            dtype=self.dtype,
+        )
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Every stored token, oldest first, materialized: (B, H, stored, D)."""
@@ -334,25 +414,6 @@ class SlimLayer:
             k = sk if k is None else torch.cat([sk, k], dim=2)
             v = sv if v is None else torch.cat([sv, v], dim=2)
         return k, v
-
-    def _update_pads(self, position_ids: torch.Tensor | None, batch: int, device) -> None:
-        """Left padding per row, from the position ids of the newest token: ``seen - 1 - pos``.
-
-        transformers' generate() gives left-padded rows position ids that count real tokens only,
-        so a row's last position falls short of ``seen - 1`` by its number of pads.
-        """
-        if position_ids is None or not self.policy.bounded or self.policy.sink == 0:
-            if self.pads is None or self.pads.shape[0] != batch:
-                self.pads = torch.zeros(batch, dtype=torch.long, device=device)
-        else:
-            last = position_ids.reshape(-1, position_ids.shape[-1])[:, -1].to(device=device, dtype=torch.long)
-            if last.shape[0] == 1 and batch > 1:
-                last = last.expand(batch)
-            elif last.shape[0] != batch:
-                raise ValueError(f"position_ids has batch {last.shape[0]} but the keys have batch {batch}")
-            self.pads = torch.clamp(self.seen - 1 - last, min=0)
-        if self.sink_start is None or self.sink_start.shape[0] != batch:
-            self.sink_start = torch.zeros(batch, dtype=torch.long, device=device)
 
     def _evict(self) -> None:
         k = self.policy.n_to_evict(self.stored)
@@ -408,11 +469,11 @@ class SlimLayer:
     # -- accounting ------------------------------------------------------------------------
     def components(self) -> dict[str, int]:
         out = {**self.k.components("k"), **self.v.components("v")}
-        out["k_sinks"] = 0 if self.sink_k is None else self.sink_k.numel() * self.sink_k.element_size()
-        out["v_sinks"] = 0 if self.sink_v is None else self.sink_v.numel() * self.sink_v.element_size()
-        out["mean_center_bias"] = (
-            0 if self.k_bias is None else self.k_bias.numel() * self.k_bias.element_size()
-        )
+        out["k_sinks"] = _bytes(self.sink_k)
+        out["v_sinks"] = _bytes(self.sink_v)
+        out["mean_center_bias"] = _bytes(self.k_bias)
+        # per-row bookkeeping of left-padded batches: padding and sink start, (B,) int64 each
+        out["row_state"] = _bytes(self.pads) + _bytes(self.sink_start)
         return out
 
     def nbytes(self) -> int:
@@ -424,3 +485,7 @@ class SlimLayer:
         return (
             self.k.live_nbytes() + self.v.live_nbytes() + c["k_sinks"] + c["v_sinks"] + c["mean_center_bias"]
         )
+
+
+def _bytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()

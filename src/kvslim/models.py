@@ -65,12 +65,9 @@ def embedded_gguf_path() -> Path:
 def cache_dir() -> Path:
     """kvslim's cache directory: ``$KVSLIM_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvslim``, else
     ``~/.cache/kvslim``. Not created here."""
-    explicit = os.environ.get("KVSLIM_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "kvslim"
+    from .paths import cache_dir as kvslim_cache_dir
+
+    return kvslim_cache_dir()
 
 
 def converted_dir(gguf_path: str | os.PathLike) -> Path:
@@ -156,22 +153,6 @@ def load_model(
     return model, tokenizer
 
 
-def model_shapes(config) -> dict:
-    """The attention geometry a KV cache needs, from a (possibly multimodal) config:
-    ``n_layers, n_heads, n_kv_heads, head_dim, max_position_embeddings`` (the last may be None)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    n_heads = text.num_attention_heads
-    n_kv_heads = getattr(text, "num_key_value_heads", None) or n_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // n_heads
-    return dict(
-        n_layers=text.num_hidden_layers,
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=getattr(text, "max_position_embeddings", None),
-    )
-
-
 def model_fingerprint(model: torch.nn.Module, samples: int = 4096) -> str:
     """A stable fingerprint of a model's weights: ``sha256:<hex>``.
 
@@ -185,6 +166,10 @@ def model_fingerprint(model: torch.nn.Module, samples: int = 4096) -> str:
     bfloat16 (fp32 -> bf16 is one deterministic rounding), so a calibration file made in one is
     recognised in the other; a float16 load generally differs (double rounding). Sampling keeps it
     at milliseconds for SmolLM2-135M, where hashing every value takes ~3.5 s.
+
+    K mean-centering bias files record it (``kv_mean_center.model_sha256``, see
+    :mod:`kvslim.biasfile`) and loading compares it: any change to what is hashed makes every
+    existing bias file look calibrated for another model.
     """
     h = hashlib.sha256()
     state = model.state_dict()

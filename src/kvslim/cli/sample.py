@@ -67,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
 
     from .. import SlimCache
     from ..generate import StreamDecoder, generate
-    from ..models import is_converted, load_model, model_shapes
+    from ..models import is_converted, load_model
+    from ..shapes import ModelShapes
 
     if args.model is None and not is_converted():
         print(
@@ -76,11 +77,11 @@ def run(args: argparse.Namespace) -> int:
         )
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     input_ids = _encode(tokenizer, prompt, args.chat).to(model.device)  # (1, T)
-    shapes = model_shapes(model.config)
-    _check_context(args, cache_config, input_ids.shape[1], shapes["max_position_embeddings"])
+    shapes = ModelShapes.from_config(model.config)
+    _check_context(args, cache_config, input_ids.shape[1], shapes.max_position_embeddings)
 
     cache = SlimCache.from_config(cache_config, config=model.config)
-    print(_banner(args, cache_config, model, shapes["head_dim"]), file=sys.stderr, flush=True)
+    print(_banner(args, cache_config, model, shapes.head_dim), file=sys.stderr, flush=True)
 
     eos = None if args.ignore_eos else _eos_ids(model, tokenizer)
     gen = generate(
