@@ -1,4 +1,5 @@
-"""K mean-centering calibration and the bias file (kvslim.calibrate, `kvslim calibrate`)."""
+"""K mean-centering: calibration (kvslim.calibrate), the bias file (kvslim.biasfile), loading for a
+cache (kvslim.meancenter), `kvslim calibrate`."""
 
 from __future__ import annotations
 
@@ -10,19 +11,11 @@ import torch
 from gguf import GGUFWriter
 
 from conftest import tiny_model
-from kvslim.calibrate import (
-    BiasSet,
-    chunk_spans,
-    collect_k_means,
-    collect_k_means_from_ids,
-    from_llama_cpp_order,
-    load_mean_center,
-    model_fingerprint,
-    read_bias_file,
-    to_llama_cpp_order,
-    write_bias_file,
-)
+from kvslim.biasfile import from_llama_cpp_order, read_bias_file, to_llama_cpp_order, write_bias_file
+from kvslim.calibrate import chunk_spans, collect_k_means, collect_k_means_from_ids
 from kvslim.cli import main
+from kvslim.meancenter import BiasSet, load_mean_center
+from kvslim.models import model_fingerprint
 
 H, D, L = 2, 32, 2  # tiny_model: 2 layers, 2 KV heads, head_dim 32
 FP = "sha256:" + "ab" * 32

@@ -1,7 +1,7 @@
 """``kvslim calibrate``: measure the K mean-centering bias of a model on a text, write it as GGUF.
 
 Parsing and printing only; the work is :func:`kvslim.calibrate.collect_k_means` and
-:func:`kvslim.calibrate.write_bias_file`.
+:func:`kvslim.biasfile.write_bias_file`.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
     if not text.strip():
         raise UserError(f"--text {args.text}: the file is empty")
 
-    from ..calibrate import collect_k_means, to_llama_cpp_order, write_bias_file
+    from ..biasfile import to_llama_cpp_order, write_bias_file
+    from ..calibrate import collect_k_means
     from ..models import load_model
 
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
