@@ -10,7 +10,7 @@ import torch
 
 from conftest import tiny_model
 from kvslim import bench
-from kvslim.bench import DYNAMIC, BenchResult, run_bench
+from kvslim.bench import DYNAMIC, BenchResult, decode, memory, modes, run_bench, suite
 
 FAST = dict(warmup=1, progress=False, bandwidth_bytes=1 << 20, append_reps=2)
 
@@ -67,20 +67,20 @@ def test_dynamic_baseline_always_present(model):
 
 def test_decode_steps_are_interleaved(model, monkeypatch):
     calls = []
-    real = bench._decode_step
+    real = decode.timed_decode_step
 
-    def spy(model, cache, token, position):
-        calls.append((_mode_of(cache), position))
-        return real(model, cache, token, position)
+    def spy(model, cache, token):
+        calls.append((_mode_of(cache), cache.get_seq_length()))  # the position the step decodes at
+        return real(model, cache, token)
 
-    monkeypatch.setattr(bench, "_decode_step", spy)
-    monkeypatch.setattr(bench, "_warm_up", lambda *a, **k: None)
+    monkeypatch.setattr(decode, "timed_decode_step", spy)
+    monkeypatch.setattr(suite, "warm_up", lambda *a, **k: None)
     run_bench(model, ["int4", "q4_0"], [8], 3, append_lengths=None, seen=None, **FAST)
-    modes = {DYNAMIC, "int4", "q4_0"}
+    names = {DYNAMIC, "int4", "q4_0"}
     assert len(calls) == 3 * (1 + 3)  # modes x (warm-up + steps)
     rounds = [calls[i : i + 3] for i in range(0, len(calls), 3)]
     for r, round_ in enumerate(rounds):
-        assert {m for m, _ in round_} == modes  # one step of every mode per round
+        assert {m for m, _ in round_} == names  # one step of every mode per round
         assert {p for _, p in round_} == {8 + r}  # at the same position
     # The order rotates, so no mode always runs first.
     assert len({round_[0][0] for round_ in rounds}) == 3
@@ -97,7 +97,7 @@ def test_copy_build_at_lengths_without_prefill(model):
 
 def test_peers_absent_are_reported_not_errors(model, monkeypatch):
     monkeypatch.setattr(
-        bench,
+        modes,
         "peer_availability",
         lambda: {"quanto": "optimum-quanto is not installed", "hqq": "hqq is not installed"},
     )
@@ -109,8 +109,8 @@ def test_peers_absent_are_reported_not_errors(model, monkeypatch):
 
 
 def test_peer_backends_can_be_chosen(model):
-    modes, notes = bench.build_modes(model, ["int4"], peers=["fp8"])
-    assert [m.name for m in modes] == [DYNAMIC, "int4", "tf-fp8"] and notes == {"fp8": "available"}
+    built, notes = bench.build_modes(model, ["int4"], peers=["fp8"])
+    assert [m.name for m in built] == [DYNAMIC, "int4", "tf-fp8"] and notes == {"fp8": "available"}
     with pytest.raises(ValueError, match="unknown peer backend"):
         bench.build_modes(model, ["int4"], peers=["gptq"])
 
@@ -145,18 +145,18 @@ def test_validation(model):
 
 
 def test_attn_auto_falls_back_to_sdpa(monkeypatch):
-    monkeypatch.setattr(bench, "kvslim_attention_available", lambda: False)
+    monkeypatch.setattr(modes, "kvslim_attention_available", lambda: False)
     assert bench.resolve_attn("auto") == "sdpa"
     with pytest.raises(ValueError, match="kvslim"):
         bench.resolve_attn("kvslim")
-    monkeypatch.setattr(bench, "kvslim_attention_available", lambda: True)
+    monkeypatch.setattr(modes, "kvslim_attention_available", lambda: True)
     assert bench.resolve_attn("auto") == "kvslim"
 
 
 def test_cache_nbytes_counts_quantized_payloads():
     # A tensor subclass that flattens into inner tensors is counted through them, storages once.
     t = torch.zeros(10, dtype=torch.uint8)
-    assert bench._tensor_bytes({"a": t, "b": (t, torch.zeros(4))}, set()) == 10 + 16
+    assert memory._tensor_bytes({"a": t, "b": (t, torch.zeros(4))}, set()) == 10 + 16
 
 
 @pytest.fixture
@@ -176,7 +176,7 @@ def test_cli_smoke(model_dir, tmp_path, capsys, monkeypatch):
     from kvslim.cli import main
 
     missing = {"quanto": "optimum-quanto is not installed", "hqq": "hqq is not installed"}
-    monkeypatch.setattr(bench, "peer_availability", lambda: missing)
+    monkeypatch.setattr(modes, "peer_availability", lambda: missing)
     out_json = tmp_path / "bench.json"
     code = main(
         [
