@@ -1,13 +1,14 @@
 """``kvslim eval``: JSON schema, tables, and one-line errors, through ``main(argv)``.
 
-A tiny random llama saved with a small BPE tokenizer (trained in ~0.2 s on GPL-3) stands in for the
-real model, so these run in seconds and offline.
+A tiny random llama saved with a small BPE tokenizer (trained in ~0.2 s on an English text) stands in
+for the real model, so these run in seconds and offline.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +18,28 @@ from kvslim.cli import main
 HAVE_CACHE = os.path.exists(os.path.join(os.path.dirname(__file__), "..", "src", "kvslim", "cache.py"))
 needs_cache = pytest.mark.skipif(not HAVE_CACHE, reason="src/kvslim/cache.py (SlimCache) does not exist yet")
 
+DATA_DIR = Path(__file__).parent / "data"
+FALLBACK_TEXT = Path("/usr/share/common-licenses/GPL-3")
+
+
+@pytest.fixture(scope="session")
+def text_path() -> str:
+    """A real English text: the first ``tests/data/*.txt`` once shipped, else the system's GPL-3.
+
+    (Temporary: moves to conftest.py, with the copy in test_evaluate.py, when tests/data/ lands.)
+    """
+    shipped = sorted(DATA_DIR.glob("*.txt"))
+    path = shipped[0] if shipped else FALLBACK_TEXT
+    if not path.is_file():
+        pytest.skip(f"no evaluation text: neither {DATA_DIR}/*.txt nor {FALLBACK_TEXT}")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def english(text_path) -> str:
+    return Path(text_path).read_text(encoding="utf-8")
+
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -24,7 +47,7 @@ CHAT_TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, license_text):
+def model_dir(tmp_path_factory, english):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -36,7 +59,7 @@ def model_dir(tmp_path_factory, license_text):
         special_tokens=["<unk>", "<eos>", "<bos>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    bpe.train_from_iterator([license_text], trainer)
+    bpe.train_from_iterator([english], trainer)
     tok = PreTrainedTokenizerFast(
         tokenizer_object=bpe, eos_token="<eos>", bos_token="<bos>", unk_token="<unk>"
     )
@@ -51,9 +74,9 @@ def model_dir(tmp_path_factory, license_text):
 
 
 @pytest.fixture
-def text_file(tmp_path, license_text):
+def text_file(tmp_path, english):
     f = tmp_path / "text.txt"
-    f.write_text(license_text[:3000])
+    f.write_text(english[:3000])
     return str(f)
 
 

@@ -1,0 +1,228 @@
+"""Memory: the bytes each mode holds at each length, from the codecs' real encodings.
+
+A formula, not a measurement: :func:`cache_bytes` mirrors :class:`kvslim.layer.SlimLayer`'s storage
+(sinks, encoded body, full-precision residual, mean-centering bias) for a model's shapes, so a table
+up to 128k tokens costs no forward pass. A test checks it against a real SlimCache's tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..config import CacheConfig
+from ..formats import make_codec
+from ..shapes import ModelShapes
+from .modes import check_int, resolve_modes
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the cache size depends on: layers, KV heads, head_dim, and the cache's full-precision dtype."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.float32
+
+    @classmethod
+    def from_config(cls, model_config, dtype: torch.dtype = torch.float32) -> ModelShape:
+        """From a transformers config, read by :meth:`kvslim.shapes.ModelShapes.from_config`."""
+        s = ModelShapes.from_config(model_config)
+        return cls(s.n_layers, s.n_kv_heads, s.head_dim, dtype)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def full_cache_bytes(self, tokens: int, element_bytes: int, batch: int = 1) -> int:
+        """An uncompressed cache of ``tokens`` tokens at ``element_bytes`` per element (2 for fp16)."""
+        return 2 * self.layers * batch * self.kv_heads * self.head_dim * tokens * element_bytes
+
+
+def _codec_costs(codec, shape: ModelShape) -> tuple[float, int]:
+    """(bytes per token, bytes per token group) of one stream of one layer, batch 1, from a real encoding."""
+    g = codec.token_group
+    x = torch.randn(1, shape.kv_heads, g, shape.head_dim, generator=torch.Generator().manual_seed(0)).to(
+        shape.dtype
+    )
+    enc = codec.encode(x)
+    tok = sum(t.numel() * t.element_size() for t in enc.token.values())
+    grp = sum(t.numel() * t.element_size() for t in enc.group.values())
+    return tok / g, grp
+
+
+def stream_layout(
+    seen: int,
+    *,
+    lossy: bool,
+    residual: int,
+    unit: int,
+    group: int = 1,
+    window: int | None = None,
+    prefill: int = 0,
+) -> tuple[int, int, int]:
+    """``(encoded tokens, encoded groups, full-precision tokens)`` one K or V stream holds after
+    ``seen`` non-sink tokens arrived — the accounting of :class:`kvslim.layer.Stream`.
+
+    The newest ``residual`` tokens stay at full precision; older ones leave the residual ``unit``
+    (the config's ``group_size``) at a time and are encoded (so ``residual + (seen - residual) % unit``
+    stay at full precision). ``group`` is the codec's token group: how many encoded tokens share one
+    entry of its per-group parts (KIVI's per-channel K scales; 1 for per-token formats).
+    StreamingLLM drops the oldest: encoded tokens one at a time, a group's shared part with its last
+    token.
+
+    With ``window >= residual + unit - 1`` (or no window) the layout does not depend on how the
+    tokens were chunked. With a smaller window, single tokens never fill a unit before they leave,
+    so the stream is all full precision — except what a first chunk of ``prefill`` (> 1) stream
+    tokens encoded at once, which drains as the window moves on.
+    """
+    if not lossy:
+        return 0, 0, seen if window is None else min(seen, window)
+    if window is None or window >= residual + unit - 1:
+        encoded = max(0, (seen - residual) // unit) * unit
+        evicted = 0 if window is None else max(0, seen - window)
+        return encoded - evicted, encoded // group - evicted // group, seen - encoded
+    p = min(prefill, seen)
+    encoded = max(0, (p - residual) // unit) * unit  # the prefill's one encode
+    fp = p - encoded
+    evicted = max(0, p - window)
+    from_body = min(evicted, encoded)
+    fp -= evicted - from_body
+    body = encoded - from_body
+    steps = seen - p  # then one token at a time: nothing more is encoded, the oldest leave first
+    evicted = max(0, body + fp + steps - window)
+    gone = min(evicted, body)
+    body -= gone
+    fp += steps - (evicted - gone)
+    from_body += gone
+    return body, encoded // group - from_body // group, fp
+
+
+@dataclass(frozen=True)
+class MemoryRow:
+    """The bytes of one mode after ``seen`` tokens; ``stored`` tokens are held (sinks + window at most)."""
+
+    config: str
+    seen: int
+    stored: int
+    bytes: int
+    fp16_full_bytes: int
+    fp32_full_bytes: int
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Bytes per stored token (all layers, K and V, metadata included)."""
+        return self.bytes / self.stored if self.stored else float("nan")
+
+    @property
+    def ratio_fp16(self) -> float:
+        """How many times smaller than an fp16 cache holding every token seen."""
+        return self.fp16_full_bytes / self.bytes if self.bytes else float("nan")
+
+    @property
+    def ratio_fp32(self) -> float:
+        return self.fp32_full_bytes / self.bytes if self.bytes else float("nan")
+
+
+def cache_bytes(
+    shape: ModelShape, config: CacheConfig, seen: int, *, prefill: int | None = None, batch: int = 1
+) -> tuple[int, int]:
+    """``(stored tokens, bytes)`` a SlimCache of ``config`` holds after ``seen`` tokens: a first forward
+    of ``prefill`` tokens (None: every token on its own), then one token per step.
+
+    Mirrors :class:`kvslim.layer.SlimLayer`: per layer, sinks in the model dtype, then per stream
+    encoded tokens (token parts per token, group parts per group, as the codec really encodes them)
+    and a full-precision residual, plus a float32 ``(H_kv, D)`` mean-centering bias. Counts the stored
+    tensors only, not the buffers' preallocated slack (see ``SlimCache.nbytes``).
+    """
+    check_int("seen", seen, 0, "tokens fed to the cache")
+    bounded = config.window is not None
+    n_sink = min(seen, config.sink) if bounded else 0
+    arrived = seen - n_sink
+    first = 1 if prefill is None else max(1, min(prefill, seen))
+    first_stream = first - (min(first, config.sink) if bounded else 0)
+    per_elem_fp = batch * shape.kv_heads * shape.head_dim * shape.dtype_bytes  # one token, one stream
+    total = 2 * n_sink * per_elem_fp
+    stream_len = 0
+    for role, fmt in (("k", config.k_format), ("v", config.v_format)):
+        codec = make_codec(fmt, role, group_size=config.group_size, v_group_size=config.v_group_size)
+        codec.check_head_dim(shape.head_dim)
+        tok_bytes, grp_bytes = _codec_costs(codec, shape)
+        body, groups, fp = stream_layout(
+            arrived,
+            lossy=codec.lossy,
+            residual=config.residual,
+            unit=config.group_size,
+            group=codec.token_group,
+            window=config.window,
+            prefill=first_stream,
+        )
+        total += round(batch * (body * tok_bytes + groups * grp_bytes)) + fp * per_elem_fp
+        stream_len = body + fp
+    if config.mean_center is not None:
+        total += shape.kv_heads * shape.head_dim * 4
+    return n_sink + stream_len, shape.layers * total
+
+
+def memory_table(
+    model_config,
+    configs: Iterable[str | CacheConfig],
+    lengths: Sequence[int] = (1024, 4096, 32768, 131072),
+    *,
+    dtype: torch.dtype = torch.float32,
+    prefill: int | None = None,
+    batch: int = 1,
+) -> list[MemoryRow]:
+    """Bytes of every mode (the reference ``none`` first) at every length, for a model's real shapes.
+
+    ``model_config`` is a transformers config (or a :class:`ModelShape`); ``dtype`` is the dtype the
+    model runs in (what ``none``, sinks and residuals are stored in); ``prefill`` the tokens of the
+    first forward (None: one token at a time; it matters only for windows shorter than
+    ``residual + group - 1``). See :func:`cache_bytes`.
+    """
+    shape = (
+        model_config if isinstance(model_config, ModelShape) else ModelShape.from_config(model_config, dtype)
+    )
+    rows = []
+    for m in resolve_modes(configs):
+        for length in lengths:
+            stored, nbytes = cache_bytes(shape, m.config, length, prefill=prefill, batch=batch)
+            rows.append(
+                MemoryRow(
+                    m.label,
+                    length,
+                    stored,
+                    nbytes,
+                    shape.full_cache_bytes(length, 2, batch),
+                    shape.full_cache_bytes(length, 4, batch),
+                )
+            )
+    return rows
+
+
+def memory_records(rows: Sequence[MemoryRow]) -> list[dict]:
+    """Group rows by mode into JSON records: config, lengths, bytes, stored_tokens, ratios (aligned lists)."""
+    out: dict[str, dict] = {}
+    for r in rows:
+        rec = out.setdefault(
+            r.config,
+            {
+                "config": r.config,
+                "lengths": [],
+                "bytes": [],
+                "stored_tokens": [],
+                "bytes_per_token": [],
+                "ratio_fp16": [],
+                "ratio_fp32": [],
+            },
+        )
+        rec["lengths"].append(r.seen)
+        rec["bytes"].append(r.bytes)
+        rec["stored_tokens"].append(r.stored)
+        rec["bytes_per_token"].append(r.bytes_per_token)
+        rec["ratio_fp16"].append(r.ratio_fp16)
+        rec["ratio_fp32"].append(r.ratio_fp32)
+    return list(out.values())
