@@ -184,3 +184,75 @@ def test_error_table_covers_every_format_and_role(capsys):
     assert 0 < by[("int8", "v")]["rmse"] < by[("int4", "v")]["rmse"] < by[("int2", "v")]["rmse"]
     assert main(["--shape", "1", "1", "32", "64"]) == 0
     assert "q5_1" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- registry facts
+
+
+def test_registry_facts():
+    """The facts other modules read (bench: bits; config: symmetric, mean_center; kernels: family)."""
+    facts = {n: (get_format(n).bits, get_format(n).symmetric, get_format(n).mean_center) for n in ALL}
+    assert facts == {
+        "none": (None, True, False),
+        "fp16": (16, True, False),
+        "bf16": (16, True, False),
+        "fp8": (8, True, False),
+        "int8": (8, False, False),
+        "int4": (4, False, False),
+        "int2": (2, False, False),
+        "q8_0": (8, True, True),
+        "q4_0": (4, True, True),
+        "q4_1": (4, False, False),
+        "q5_0": (5, True, True),
+        "q5_1": (5, False, False),
+    }
+    for name in ALL:
+        fmt = get_format(name)
+        assert set(fmt.family) == set(ROLES) and fmt.lossy == (name != "none")
+        assert (fmt.block is not None) == (fmt.family["k"] == "ggml")
+        assert not fmt.mean_center or fmt.symmetric  # centering gives back what a zero point would
+
+
+@pytest.mark.parametrize("name,role", codecs())
+def test_registry_facts_match_what_codecs_store(name, role):
+    """bits, block and symmetric against the encoded tensors: the codes take exactly ``bits`` per
+    element, a GGML block takes ``block.nbytes`` bytes (codes + an fp16 scale, + an fp16 min when not
+    symmetric), and only formats with a zero point store a zero."""
+    fmt = get_format(name)
+    codec = make_codec(name, role, group_size=16)
+    assert codec.format is fmt and codec.name == name and codec.family == fmt.family[role]
+    assert (codec.bits, codec.symmetric, codec.lossy) == (fmt.bits, fmt.symmetric, fmt.lossy)
+    t = _tokens(codec, 2)
+    x = torch.randn(B, H, t, D)
+    enc = codec.encode(x)
+    n = B * H * t * D
+    assert enc.nbytes() * 8 / n == pytest.approx(codec.bits_per_element(D), rel=1e-12)
+    if fmt.bits is None:  # ``none``: the tensor as given
+        assert enc.token["x"] is x
+        return
+    if fmt.block is not None:
+        (blocks,) = enc.token.values()
+        assert blocks.dtype == torch.uint8 and blocks.shape[-1] == D // fmt.block.elements * fmt.block.nbytes
+        meta = 2 if fmt.symmetric else 4  # fp16 d (and m)
+        assert fmt.block.nbytes == meta + fmt.block.elements * fmt.bits // 8
+        return
+    codes = enc.token["codes" if "codes" in enc.token else "x"]
+    assert codes.numel() * codes.element_size() * 8 == n * fmt.bits
+    has_zero = "zero" in enc.token or "zero" in enc.group
+    assert has_zero == (not fmt.symmetric)
+
+
+@pytest.mark.parametrize("name,role", [p for p in codecs() if p.values[0] != "none"])
+def test_symmetric_formats_spend_resolution_on_an_offset(name, role):
+    """What ``symmetric`` means for mean-centering: values 64 and 64 + 2^-8 are resolved exactly by a
+    format with a zero point (the grid starts at the minimum) and not by a zero-point free one (its
+    grid is anchored at 0, so the offset eats the range)."""
+    codec = make_codec(name, role, group_size=16)
+    step = 2.0**-8
+    gen = torch.Generator().manual_seed(0)
+    x = 64 + step * torch.randint(0, 2, (1, 2, _tokens(codec, 2), D), generator=gen).float()
+    err = (codec.decode(codec.encode(x), torch.float32) - x).abs().max().item()
+    if get_format(name).symmetric:
+        assert err >= step / 2
+    else:
+        assert err < step / 4

@@ -1,17 +1,20 @@
-"""Attention kernels on the encoded store: the torch reference is decode + matmul exactly; the C kernels
-equal it to fp32 rounding for every (format, role), on views narrowed out of bigger buffers (as the
-cache hands them out); the dispatch, the build cache and the fallbacks."""
+"""Attention kernels on the encoded store: the torch reference equals a float64 decode + matmul written
+from each layout's definition; the C kernels equal the reference; both to fp32 rounding, for every
+(format, role), on views narrowed out of bigger buffers (as the cache hands them out); the C side's
+row decoders against the format registry; the dispatch, the build cache and the fallbacks."""
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import warnings
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType, quants
 
 from kvslim import kernels
-from kvslim.formats import Encoded, format_names, make_codec
+from kvslim.formats import FORMATS, Block, Encoded, format_names, get_format, make_codec
 from kvslim.kernels import cpu, reference
 
 D = 64
@@ -117,16 +120,55 @@ def _offsets(codec):
     return [0] if g == 1 else sorted({0, 1, g // 2, g - 1})
 
 
+def _unpack64(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Packed KIVI codes (..., D * bits / 8) -> float64 (..., D): element per * j + i in bits i * bits.."""
+    per, mask = 8 // bits, (1 << bits) - 1
+    planes = [(codes.long() >> (bits * i)) & mask for i in range(per)]  # each (..., D / per)
+    return torch.stack(planes, dim=-1).flatten(-2).double()
+
+
+def decode64(codec, enc: Encoded, offset: int) -> torch.Tensor:
+    """(B, H, T, D) float64 from the stored parts, written from each layout's definition and not with
+    kvslim's decoders (GGML through gguf-py's)."""
+    family, t = codec.family, next(iter(enc.token.values())).shape[2]
+    if family == "cast":
+        return enc.token["x"].double()
+    if family == "fp8":
+        return enc.token["codes"].double() * enc.token["scale"].double()
+    if family == "ggml":
+        blocks = enc.token["blocks"].contiguous().numpy()
+        values = quants.dequantize(blocks, GGMLQuantizationType[codec.name.upper()])
+        return torch.from_numpy(values.copy()).double()
+    codes = _unpack64(enc.token["codes"], codec.bits)
+    if family == "affine_k":
+        group = (offset + torch.arange(t)) // codec.token_group  # each token's scale row
+        scale, zero = (enc.group[k].double().index_select(2, group) for k in ("scale", "zero"))
+        return codes * scale + zero
+    assert family == "affine_v", family
+    g = codes.shape[-1] // enc.token["scale"].shape[-1]  # channels per scale
+    scale, zero = (enc.token[k].double().repeat_interleave(g, dim=-1) for k in ("scale", "zero"))
+    return codes * scale + zero
+
+
 @pytest.mark.parametrize("name,role,group", _cases())
-def test_reference_is_decode_then_matmul(name, role, group):
+def test_reference_equals_float64_decode_and_matmul(name, role, group):
+    """The reference against scores and sums computed in float64 from an independent decode, within
+    fp32 rounding of the products' magnitudes."""
     codec = _codec(name, role, group)
     gen = torch.Generator().manual_seed(1)
     for offset in _offsets(codec):
         enc = encoded_view(codec, 2, 3, 13, offset, gen)
-        full = codec.decode(enc, torch.float32, offset)  # (B, H, T, D)
+        full = decode64(codec, enc, offset)  # (B, H, T, D)
         q, p = _queries(2, 3, 3, gen), _probs(2, 3, 3, 13, gen)
-        assert torch.equal(reference.k_scores(q, codec, enc, offset), q @ full.transpose(-1, -2))
-        assert torch.equal(reference.v_weighted(p, codec, enc, offset), p @ full)
+        what = f"{name}-{role} {offset=}"
+        ref = q.double() @ full.mT
+        assert_scaled_close(
+            reference.k_scores(q, codec, enc, offset), ref.float(), q.abs() @ full.abs().mT.float(), what
+        )
+        ref = p.double() @ full
+        assert_scaled_close(
+            reference.v_weighted(p, codec, enc, offset), ref.float(), p.abs() @ full.abs().float(), what
+        )
 
 
 @pytest.mark.parametrize("name,role,group", _cases(k_groups=(8, 32)))
@@ -286,6 +328,28 @@ def test_fp16_specials_in_a_cast_body(c_kernels):
     enc = Encoded(token={"x": x})
     p = torch.eye(3).reshape(1, 1, 3, 3)
     assert torch.equal(kernels.v_weighted(p, make_codec("fp16", "v"), enc), x.float())
+
+
+def test_c_row_decoders_match_the_registry(monkeypatch):
+    """The C library decodes every registered GGML / fp8 format and cast dtype, with the GGML block
+    layouts of the registry; a layout that disagrees is refused. Loads the library directly: a refusal
+    would make the c_kernels fixture skip, and must fail here instead."""
+    if cpu.find_compiler() is None:
+        pytest.skip("no C compiler")
+    lib = ctypes.CDLL(str(cpu.build()[0]))
+    cpu._declare(lib)
+    codes = cpu.row_codes(lib)
+    named = [f for f in FORMATS.values() if {"ggml", "fp8"} & set(f.family.values())]
+    assert {f.name for f in named} == {"fp8", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"}
+    assert set(codes) == {f.name for f in named} | {torch.float32, torch.float16, torch.bfloat16}
+    assert len(set(codes.values())) == len(codes)  # distinct decoders
+    q4_0 = type(get_format("q4_0"))
+    monkeypatch.setattr(q4_0, "block", Block(32, 19))
+    with pytest.raises(
+        RuntimeError,
+        match="q4_0 as blocks of 32 elements in 18 bytes, the format registry says 32 elements in 19",
+    ):
+        cpu.row_codes(lib)
 
 
 # --------------------------------------------------------------------------- dispatch

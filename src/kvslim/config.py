@@ -15,15 +15,16 @@ This module knows nothing about transformers or tensors beyond validation.
 
 from __future__ import annotations
 
-import os
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 
-from .formats import format_names, get_format
+from .checks import check_int
+from .formats import FORMATS, format_names, get_format
 
-#: Formats whose zero point already absorbs a per-channel mean: mean-centering cannot help them.
-_ASYMMETRIC = ("int8", "int4", "int2", "q4_1", "q5_1")
-#: Formats mean-centering is enabled for (measured, see docs/mean-center.md). The PR gates to q4_0.
-MEAN_CENTER_FORMATS = ("q4_0", "q5_0", "q8_0")
+#: K formats mean-centering is enabled for (``Format.mean_center`` in the registry; measured, see
+#: docs/mean-center.md), narrowest first: q4_0, q5_0, q8_0.
+MEAN_CENTER_FORMATS: tuple[str, ...] = tuple(
+    sorted((f.name for f in FORMATS.values() if f.mean_center), key=lambda n: (FORMATS[n].bits, n))
+)
 
 
 @dataclass(frozen=True)
@@ -60,16 +61,16 @@ class CacheConfig:
             if not isinstance(value, str):
                 raise ValueError(f"{name} must be a format name, got {value!r}")
             get_format(value)  # raises with the legal names
-        _int_field("sink", self.sink, minimum=0)
+        check_int("sink", self.sink, minimum=0)
         if self.window is not None:
-            _int_field("window", self.window, minimum=1, hint="or None for an unbounded cache")
+            check_int("window", self.window, minimum=1, hint="or None for an unbounded cache")
         if self.sink and self.window is None:
             raise ValueError(
                 f"sink={self.sink} needs a window: StreamingLLM keeps the sinks plus the last `window` tokens; "
                 f"set window (e.g. window=1020) or sink=0"
             )
-        _int_field("group_size", self.group_size, minimum=1)
-        _int_field("residual", self.residual, minimum=0)
+        check_int("group_size", self.group_size, minimum=1)
+        check_int("residual", self.residual, minimum=0)
         if self.residual % self.group_size:
             raise ValueError(
                 f"residual={self.residual} is not a multiple of group_size={self.group_size}: tokens leave "
@@ -77,11 +78,11 @@ class CacheConfig:
                 f"of group_size (e.g. {self.group_size * max(1, round(self.residual / self.group_size))})"
             )
         if self.v_group_size is not None:
-            _int_field("v_group_size", self.v_group_size, minimum=1, hint="or None for the whole head_dim")
+            check_int("v_group_size", self.v_group_size, minimum=1, hint="or None for the whole head_dim")
         if self.mean_center is not None and self.k_format not in MEAN_CENTER_FORMATS:
             why = (
                 "its zero point already absorbs a per-channel mean"
-                if self.k_format in _ASYMMETRIC
+                if not get_format(self.k_format).symmetric
                 else "it does not quantize K with a symmetric (zero-point free) block format"
             )
             raise ValueError(
@@ -101,10 +102,6 @@ class CacheConfig:
     def capacity(self) -> int | None:
         """Tokens stored per layer at most (sink + window), or None when unbounded."""
         return None if self.window is None else self.sink + self.window
-
-    @property
-    def is_identity(self) -> bool:
-        return self.k_format == "none" and self.v_format == "none" and self.window is None
 
     def to_spec(self) -> str:
         """The canonical one-line spec; ``parse_spec(c.to_spec()) == c``."""
@@ -132,33 +129,6 @@ class CacheConfig:
 
     def replace(self, **changes) -> CacheConfig:
         return replace(self, **changes)
-
-    def describe(self) -> str:
-        """Human summary for banners: formats, sink/window, group/residual."""
-        if self.k_format == self.v_format:
-            fmt = f"KV {self.k_format}"
-        else:
-            fmt = f"K {self.k_format} / V {self.v_format}"
-        out = [fmt]
-        lossy = self.k_format != "none" or self.v_format != "none"
-        if lossy:
-            out.append(f"group {self.group_size}, residual {self.residual}")
-        if self.window is not None:
-            out.append(f"StreamingLLM sink {self.sink} + window {self.window}")
-        else:
-            out.append("unbounded")
-        if self.mean_center:
-            out.append(f"K mean-centered ({os.path.basename(self.mean_center)})")
-        return "; ".join(out)
-
-
-def _int_field(name: str, value, *, minimum: int, hint: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(
-            f"{name} must be an integer >= {minimum}{', ' + hint if hint else ''}, got {value!r}"
-        )
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}{' ' + hint if hint else ''}, got {value}")
 
 
 # spec key -> (dataclass field, parser)
@@ -207,6 +177,3 @@ def parse_spec(spec: str) -> CacheConfig:
         else:
             kwargs[field_name] = value
     return CacheConfig(**kwargs)
-
-
-CONFIG_FIELDS = tuple(f.name for f in fields(CacheConfig))

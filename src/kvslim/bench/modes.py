@@ -136,16 +136,13 @@ def windowed_modes(model, specs: Sequence[str], *, strict: bool = False) -> list
 
 
 def kvslim_attention_available() -> bool:
-    """Whether the ``kvslim`` attention function is registered with transformers (after importing
-    :mod:`kvslim.attention`, when that module exists)."""
-    try:
-        importlib.import_module("kvslim.attention")
-    except ModuleNotFoundError as e:
-        if e.name != "kvslim.attention":
-            raise
-        return False
+    """Whether the ``kvslim`` attention function is registered with transformers (registering it:
+    importing kvslim does not)."""
     from transformers import AttentionInterface
 
+    from ..attention import register
+
+    register()
     return "kvslim" in AttentionInterface()
 
 

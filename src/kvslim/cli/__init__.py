@@ -1,8 +1,10 @@
 """``kvslim``: one console script, lazy subcommands. Parsing and printing only.
 
-Each subcommand lives in its own module under :mod:`kvslim.cli` exposing
-``add_parser(subparsers) -> ArgumentParser`` and ``run(args) -> int``; the module is imported only
-when its subcommand runs, so ``kvslim --help`` starts fast.
+Each subcommand lives in its own module under :mod:`kvslim.cli`, listed in :data:`SUBCOMMANDS`,
+exposing ``configure(parser)`` (adds its flags to the ``ArgumentParser`` that :func:`main` builds for
+it) and ``run(args) -> int`` (the exit code). The module is imported only when its subcommand runs,
+so ``kvslim --help`` starts fast: the top-level parser holds placeholders named from
+:data:`SUBCOMMANDS`.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import argparse
 import importlib
 import sys
 
-from .common import UserError, fail
+from .errors import UserError, fail
 
 # name -> (module, one-line help)
 SUBCOMMANDS = {

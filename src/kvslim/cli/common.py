@@ -5,19 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 
 from ..config import CacheConfig
 from ..formats import format_names
-
-
-class UserError(Exception):
-    """A user's mistake: printed as one line on stderr, exit code 2, no traceback."""
-
-
-def fail(message: str, code: int = 2) -> int:
-    print(f"kvslim: error: {message}", file=sys.stderr)
-    return code
+from .errors import UserError, fail  # noqa: F401  (re-exported for the subcommands)
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:

@@ -34,9 +34,11 @@ This module knows nothing about positions or caches: the codecs at the bottom on
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
 
 import torch
 
+from ..checks import check_int
 from .base import Codec, Encoded, Format, check_finite
 
 EPS = 1e-5
@@ -51,9 +53,7 @@ def _check_bits(bits: int) -> int:
 
 
 def _check_group(group_size, what: str) -> int:
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"{what} must be a positive integer, got {group_size!r}")
-    return group_size
+    return check_int(what, group_size, minimum=1, expected="a positive integer")
 
 
 def _check_packing(bits: int, dim: int) -> None:
@@ -232,8 +232,7 @@ def dequantize_per_channel(
     """
     per = _check_bits(bits)
     g = _check_group(group_size, "group_size")
-    if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < g:
-        raise ValueError(f"offset must be an integer in [0, {g}), got {offset!r}")
+    check_int("offset", offset, minimum=0, below=g)
     t, d = packed.shape[-2], packed.shape[-1] * per
     n_groups = scale.shape[-2]
     if scale.shape != zero.shape or scale.shape[-1] != d or n_groups != -(-(offset + t) // g):
@@ -290,13 +289,8 @@ def dequantize_per_token(
 class _AffineKCodec(Codec):
     """Per-channel K: ``token`` = {"codes"}, ``group`` = {"scale", "zero"} per ``group_size`` tokens."""
 
-    family = "affine_k"
-
-    symmetric = False
-
-    def __init__(self, name: str, bits: int, group_size: int, scale_dtype: torch.dtype = torch.float16):
-        self.name = name
-        self.bits = bits
+    def __init__(self, fmt: Format, group_size: int, scale_dtype: torch.dtype = torch.float16):
+        super().__init__(fmt, "k")
         self.token_group = _check_group(group_size, "group_size")
         self.scale_dtype = scale_dtype
 
@@ -333,23 +327,12 @@ class _AffineKCodec(Codec):
     def check_head_dim(self, head_dim: int) -> None:
         _check_packing(self.bits, head_dim)
 
-    def describe(self) -> str:
-        return f"{self.name} (per-channel, {self.token_group}-token groups)"
-
 
 class _AffineVCodec(Codec):
     """Per-token V: ``token`` = {"codes", "scale", "zero"}, one scale/zero per ``group_size`` channels."""
 
-    family = "affine_v"
-
-    symmetric = False
-    token_group = 1
-
-    def __init__(
-        self, name: str, bits: int, group_size: int | None, scale_dtype: torch.dtype = torch.float16
-    ):
-        self.name = name
-        self.bits = bits
+    def __init__(self, fmt: Format, group_size: int | None, scale_dtype: torch.dtype = torch.float16):
+        super().__init__(fmt, "v")
         self.group_size = None if group_size is None else _check_group(group_size, "v_group_size")
         self.scale_dtype = scale_dtype
 
@@ -378,19 +361,18 @@ class _AffineVCodec(Codec):
                 f"{self.name} V group size {self.group_size} must divide head_dim, got head_dim {head_dim}"
             )
 
-    def describe(self) -> str:
-        g = "head_dim" if self.group_size is None else str(self.group_size)
-        return f"{self.name} (per-token, {g}-channel groups)"
-
 
 class _AffineFormat(Format):
-    bits: int = 0
+    """KIVI: K per channel over token groups, V per token; a zero point per slice (not symmetric)."""
+
+    symmetric = False
+    family = MappingProxyType({"k": "affine_k", "v": "affine_v"})
 
     def codec(self, role: str, *, group_size: int = 32, v_group_size: int | None = None) -> Codec:
         if role == "k":
-            return _AffineKCodec(self.name, self.bits, group_size)
+            return _AffineKCodec(self, group_size)
         if role == "v":
-            return _AffineVCodec(self.name, self.bits, v_group_size)
+            return _AffineVCodec(self, v_group_size)
         raise ValueError(f"role must be 'k' or 'v', got {role!r}")
 
 

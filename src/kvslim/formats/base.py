@@ -19,7 +19,10 @@ Shapes: input ``x`` is ``(B, H, T, D)`` with ``T`` a multiple of ``token_group``
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import NamedTuple
 
 import torch
 
@@ -38,25 +41,112 @@ class Encoded:
         return sum(t.numel() * t.element_size() for t in (*self.token.values(), *self.group.values()))
 
 
-class Codec:
-    """One configured format for one stream (K or V) of one layer.
+ROLES = ("k", "v")
+
+
+class Block(NamedTuple):
+    """One block of a block format (GGML): ``elements`` values stored in ``nbytes`` bytes."""
+
+    elements: int
+    nbytes: int
+
+
+class Format:
+    """A registered format: the facts of one storage format, and the :class:`Codec` it builds per role.
+
+    Subclasses register by class keyword: ``class Q4_0(Format, name="q4_0")``. Every fact about a
+    format lives here, once; codecs, config validation, CLI choices and kernels read it.
 
     Attributes:
         name: the registry name (``int4``, ``q4_0``, ...).
-        lossy: ``False`` only for ``none`` (the model's own dtype, stored as given).
-        symmetric: zero-point free (q8_0, q4_0, q5_0, fp8): a per-channel mean costs it dynamic range,
-            which is what K mean-centering gives back. Affine formats absorb a mean in their zero.
-        token_group: how many tokens are quantized together (1 for per-token formats).
-        family: the layout family kernels dispatch on.
+        summary: human summary for ``--help`` and docs.
+        bits: nominal bits of one code (16 fp16/bf16; 8 fp8/int8/q8_0; 5 q5_0/q5_1; 4 int4/q4_0/q4_1;
+            2 int2), metadata excluded (that is :meth:`Codec.bits_per_element`); None for ``none``,
+            which stores the model's own dtype.
+        lossy: ``False`` only for ``none`` (stored as given).
+        symmetric: zero-point free, the grid anchored at 0 (floats, fp8, q8_0, q4_0, q5_0): a
+            per-channel mean costs it dynamic range, which is what K mean-centering gives back.
+            Affine formats (int8/4/2, q4_1, q5_1) absorb a mean in their zero point.
+        mean_center: K mean-centering is allowed with this K format (measured, docs/mean-center.md).
+        family: the storage layout family of the codec built for each role (``{"k": ..., "v": ...}``),
+            which kernels dispatch on: affine_k, affine_v, ggml, fp8, cast; "generic" = only the
+            decode + matmul reference.
+        block: for block formats (GGML), elements and bytes of one block; None otherwise.
     """
 
     name: str = ""
+    summary: str = ""
+    bits: int | None = None
     lossy: bool = True
     symmetric: bool = False
+    mean_center: bool = False
+    family: Mapping[str, str] = MappingProxyType({"k": "generic", "v": "generic"})
+    block: Block | None = None
+
+    def __init_subclass__(cls, name: str | None = None, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if name is not None:
+            if name in FORMATS:
+                raise ValueError(f"format {name!r} registered twice")
+            cls.name = name
+            FORMATS[name] = cls()
+
+    # One instance per registered name: copies and pickles of a codec point at the same facts.
+    def __reduce__(self):
+        return get_format, (self.name,)
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def codec(self, role: str, *, group_size: int = 32, v_group_size: int | None = None) -> Codec:
+        """A codec for ``role`` ("k" or "v"). ``group_size`` is KIVI's token group for per-channel K;
+        ``v_group_size`` the channel group of per-token V (None = the whole head_dim)."""
+        raise NotImplementedError
+
+
+class Codec:
+    """One configured format for one stream (K or V) of one layer.
+
+    Its facts (``name``, ``bits``, ``lossy``, ``symmetric``, ``family``) are read from its
+    :class:`Format`; only the configuration of this stream (``token_group``, group sizes) is its own.
+
+    Attributes:
+        format: the registered :class:`Format` this codec stores.
+        role: "k" or "v".
+        token_group: how many tokens are quantized together (1 for per-token formats).
+    """
+
     token_group: int = 1
-    #: Storage layout family, for kernels that read the encoded parts directly (kvslim.kernels):
-    #: affine_k, affine_v, ggml, fp8, cast; "generic" = only the decode+matmul reference.
-    family: str = "generic"
+
+    def __init__(self, fmt: Format, role: str):
+        if role not in ROLES:
+            raise ValueError(f"role must be 'k' or 'v', got {role!r}")
+        self.format = fmt
+        self.role = role
+
+    @property
+    def name(self) -> str:
+        return self.format.name
+
+    @property
+    def bits(self) -> int | None:
+        return self.format.bits
+
+    @property
+    def lossy(self) -> bool:
+        return self.format.lossy
+
+    @property
+    def symmetric(self) -> bool:
+        return self.format.symmetric
+
+    @property
+    def family(self) -> str:
+        """Storage layout family, for kernels that read the encoded parts directly (kvslim.kernels)."""
+        return self.format.family[self.role]
 
     def encode(self, x: torch.Tensor) -> Encoded:
         """x: (B, H, T, D) floating point, T a multiple of ``token_group``."""
@@ -82,33 +172,6 @@ class Codec:
     def check_head_dim(self, head_dim: int) -> None:
         """Raise ValueError if this format cannot store vectors of ``head_dim`` elements."""
 
-    def describe(self) -> str:
-        return self.name
-
-
-class Format:
-    """A registered format family member: builds a :class:`Codec` for a role.
-
-    Subclasses register by class keyword: ``class Q4_0(Format, name="q4_0")``.
-    """
-
-    name: str = ""
-    #: Human summary for ``--help`` and docs.
-    summary: str = ""
-
-    def __init_subclass__(cls, name: str | None = None, **kwargs):
-        super().__init_subclass__(**kwargs)
-        if name is not None:
-            if name in FORMATS:
-                raise ValueError(f"format {name!r} registered twice")
-            cls.name = name
-            FORMATS[name] = cls()
-
-    def codec(self, role: str, *, group_size: int = 32, v_group_size: int | None = None) -> Codec:
-        """A codec for ``role`` ("k" or "v"). ``group_size`` is KIVI's token group for per-channel K;
-        ``v_group_size`` the channel group of per-token V (None = the whole head_dim)."""
-        raise NotImplementedError
-
 
 FORMATS: dict[str, Format] = {}
 
@@ -130,7 +193,7 @@ def get_format(name: str) -> Format:
 
 def make_codec(name: str, role: str, *, group_size: int = 32, v_group_size: int | None = None) -> Codec:
     """Build the codec for ``name`` in ``role`` ("k" or "v")."""
-    if role not in ("k", "v"):
+    if role not in ROLES:
         raise ValueError(f"role must be 'k' or 'v', got {role!r}")
     return get_format(name).codec(role, group_size=group_size, v_group_size=v_group_size)
 

@@ -7,6 +7,8 @@ magnitude use the format's full range instead of saturating or flushing to zero.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import torch
 
 from .base import Codec, Encoded, Format, check_finite
@@ -15,14 +17,11 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 class _CastCodec(Codec):
-    """Store as a plain dtype cast (fp16 / bf16), or unchanged (``none``)."""
+    """Store as a plain dtype cast (fp16 / bf16), or unchanged (``none``: the format's dtype is None)."""
 
-    family = "cast"
-
-    def __init__(self, name: str, dtype: torch.dtype | None):
-        self.name = name
-        self.dtype = dtype
-        self.lossy = dtype is not None
+    def __init__(self, fmt: _CastFormat, role: str):
+        super().__init__(fmt, role)
+        self.dtype = fmt.dtype
 
     def encode(self, x: torch.Tensor) -> Encoded:
         if self.dtype is None:
@@ -46,10 +45,6 @@ class _CastCodec(Codec):
 
 
 class _Fp8Codec(Codec):
-    family = "fp8"
-    name = "fp8"
-    symmetric = True
-
     def encode(self, x: torch.Tensor) -> Encoded:
         check_finite(x)
         xf = x.float()
@@ -68,41 +63,41 @@ class _Fp8Codec(Codec):
         return batch * heads * tokens * (head_dim + 4)
 
 
-def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: (..., D) -> (codes float8_e4m3fn (..., D), scale fp32 (..., 1)). Pure function."""
-    enc = _Fp8Codec().encode(x.reshape(1, 1, -1, x.shape[-1]))
-    return enc.token["codes"].reshape(x.shape), enc.token["scale"].reshape(*x.shape[:-1], 1)
+class _CastFormat(Format):
+    """Floats stored as a dtype cast: no zero point, no scale (symmetric, no mean-centering)."""
+
+    symmetric = True
+    family = MappingProxyType({"k": "cast", "v": "cast"})
+    #: the storage dtype; None = the model's own, as given
+    dtype: torch.dtype | None = None
+
+    def codec(self, role, *, group_size=32, v_group_size=None):
+        return _CastCodec(self, role)
 
 
-def dequantize_fp8(
-    codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    return (codes.float() * scale.float()).to(dtype)
-
-
-class NoneFormat(Format, name="none"):
+class NoneFormat(_CastFormat, name="none"):
     summary = "no compression: the model's own dtype"
+    bits = None
+    lossy = False
 
-    def codec(self, role, *, group_size=32, v_group_size=None):
-        return _CastCodec("none", None)
 
-
-class Fp16Format(Format, name="fp16"):
+class Fp16Format(_CastFormat, name="fp16"):
     summary = "IEEE half precision"
+    bits = 16
+    dtype = torch.float16
 
-    def codec(self, role, *, group_size=32, v_group_size=None):
-        return _CastCodec("fp16", torch.float16)
 
-
-class Bf16Format(Format, name="bf16"):
+class Bf16Format(_CastFormat, name="bf16"):
     summary = "bfloat16"
-
-    def codec(self, role, *, group_size=32, v_group_size=None):
-        return _CastCodec("bf16", torch.bfloat16)
+    bits = 16
+    dtype = torch.bfloat16
 
 
 class Fp8Format(Format, name="fp8"):
     summary = "float8 e4m3 with a per-token fp32 scale"
+    bits = 8
+    symmetric = True
+    family = MappingProxyType({"k": "fp8", "v": "fp8"})
 
     def codec(self, role, *, group_size=32, v_group_size=None):
-        return _Fp8Codec()
+        return _Fp8Codec(self, role)

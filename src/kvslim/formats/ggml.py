@@ -41,21 +41,16 @@ This module knows nothing about positions or caches.
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import MappingProxyType
 
 import torch
 
-from .base import Codec, Encoded, Format, check_finite
+from .base import FORMATS, Block, Codec, Encoded, Format, check_finite
 
+#: Elements per block of every legacy GGML kind (ggml's QK4_0 = QK8_0 = ... = 32). Each format's
+#: block (elements, bytes) is a fact of its registered class below; the C kernels check theirs
+#: against it when they load.
 BLOCK = 32
-
-#: name -> (elements per block, bytes per block)
-GGML_KINDS: dict[str, tuple[int, int]] = {
-    "q8_0": (BLOCK, 34),
-    "q4_0": (BLOCK, 18),
-    "q4_1": (BLOCK, 20),
-    "q5_0": (BLOCK, 22),
-    "q5_1": (BLOCK, 24),
-}
 
 
 # --------------------------------------------------------------------------- helpers
@@ -191,21 +186,11 @@ def _q5_1_dq(blk):
     return d * q.float() + m
 
 
-_QUANT: dict[str, Callable] = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_1": _q4_1, "q5_0": _q5_0, "q5_1": _q5_1}
-_DEQUANT: dict[str, Callable] = {
-    "q8_0": _q8_0_dq,
-    "q4_0": _q4_0_dq,
-    "q4_1": _q4_1_dq,
-    "q5_0": _q5_0_dq,
-    "q5_1": _q5_1_dq,
-}
-
-
-def _kind(kind: str) -> tuple[int, int]:
-    try:
-        return GGML_KINDS[kind]
-    except KeyError:
-        raise ValueError(f"unknown GGML kind {kind!r}; expected one of: {', '.join(GGML_KINDS)}") from None
+def _kind(kind: str) -> _GGMLFormat:
+    fmt = FORMATS.get(kind)
+    if not isinstance(fmt, _GGMLFormat):
+        raise ValueError(f"unknown GGML kind {kind!r}; expected one of: {', '.join(GGML_KINDS)}")
+    return fmt
 
 
 # --------------------------------------------------------------------------- public functions
@@ -216,14 +201,15 @@ def quantize_ggml(x: torch.Tensor, kind: str) -> torch.Tensor:
 
     Bytes equal ``gguf.quants.quantize(x.float().numpy(), GGMLQuantizationType[kind.upper()])``.
     """
-    size, nbytes = _kind(kind)
+    fmt = _kind(kind)
+    size, nbytes = fmt.block
     if not x.is_floating_point():
         raise ValueError(f"{kind} quantizes floating point tensors, got dtype {x.dtype}")
     if x.dim() < 1 or x.shape[-1] % size:
         raise ValueError(f"{kind} needs the last dim to be a multiple of {size}, got shape {tuple(x.shape)}")
     *lead, k = x.shape
     blocks = x.float().reshape(*lead, k // size, size)  # (..., n_blocks, 32)
-    data, meta = _QUANT[kind](blocks)  # (..., n_blocks, block_bytes), (..., n_blocks, 1 or 2)
+    data, meta = fmt.quantize_block(blocks)  # (..., n_blocks, block_bytes), (..., n_blocks, 1 or 2)
     # One host sync on the small fp16 metadata: it is non-finite for non-finite input (the block
     # reductions behind d and m propagate NaN and inf; argmax picks a NaN) and on fp16 overflow of d
     # or m (where gguf would store inf) -- no full isfinite pass over the input.
@@ -241,7 +227,8 @@ def dequantize_ggml(data: torch.Tensor, kind: str) -> torch.Tensor:
 
     Values equal ``gguf.quants.dequantize`` (to fp32 rounding).
     """
-    size, nbytes = _kind(kind)
+    fmt = _kind(kind)
+    size, nbytes = fmt.block
     if data.dtype != torch.uint8:
         raise ValueError(f"{kind} data must be uint8, got {data.dtype}")
     if data.dim() < 1 or data.shape[-1] % nbytes:
@@ -249,7 +236,7 @@ def dequantize_ggml(data: torch.Tensor, kind: str) -> torch.Tensor:
             f"{kind} data needs the last dim to be a multiple of {nbytes} bytes, got {tuple(data.shape)}"
         )
     *lead, n = data.shape
-    out = _DEQUANT[kind](data.reshape(*lead, n // nbytes, nbytes))  # (..., n_blocks, 32)
+    out = fmt.dequantize_block(data.reshape(*lead, n // nbytes, nbytes))  # (..., n_blocks, 32)
     return out.reshape(*lead, n // nbytes * size)
 
 
@@ -259,14 +246,9 @@ def dequantize_ggml(data: torch.Tensor, kind: str) -> torch.Tensor:
 class _GGMLCodec(Codec):
     """``token`` = {"blocks": uint8 (B, H, T, D // 32 * block_bytes)}: per-token, blocks along D."""
 
-    family = "ggml"
-
-    token_group = 1
-
-    def __init__(self, name: str, symmetric: bool):
-        self.name = name
-        self.symmetric = symmetric
-        self.block_bytes = GGML_KINDS[name][1]
+    def __init__(self, fmt: _GGMLFormat, role: str):
+        super().__init__(fmt, role)
+        self.block = fmt.block
 
     def encode(self, x: torch.Tensor) -> Encoded:
         return Encoded(token={"blocks": quantize_ggml(x, self.name)})
@@ -275,45 +257,82 @@ class _GGMLCodec(Codec):
         return dequantize_ggml(enc.token["blocks"], self.name).to(dtype)
 
     def bits_per_element(self, head_dim: int) -> float:
-        return self.block_bytes * 8 / BLOCK
+        return self.block.nbytes * 8 / self.block.elements
 
     def nbytes(self, batch: int, heads: int, tokens: int, head_dim: int) -> int:
         self.check_head_dim(head_dim)
-        return batch * heads * tokens * (head_dim // BLOCK) * self.block_bytes
+        return batch * heads * tokens * (head_dim // self.block.elements) * self.block.nbytes
 
     def check_head_dim(self, head_dim: int) -> None:
-        if head_dim < 1 or head_dim % BLOCK:
+        size = self.block.elements
+        if head_dim < 1 or head_dim % size:
             raise ValueError(
-                f"{self.name} quantizes blocks: head_dim must be a multiple of {BLOCK}, got {head_dim}"
+                f"{self.name} quantizes blocks: head_dim must be a multiple of {size}, got {head_dim}"
             )
 
 
 class _GGMLFormat(Format):
-    symmetric: bool = True
+    """A GGML block format: per token, blocks of ``block.elements`` along D in ``block.nbytes`` bytes.
+
+    ``quantize_block``: fp32 blocks (..., 32) -> (uint8 bytes (..., block_bytes), fp16-bound metadata
+    (..., 1 or 2)); ``dequantize_block``: uint8 (..., block_bytes) -> fp32 (..., 32).
+    """
+
+    symmetric = True
+    family = MappingProxyType({"k": "ggml", "v": "ggml"})
+    quantize_block: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    dequantize_block: Callable[[torch.Tensor], torch.Tensor]
 
     def codec(self, role: str, *, group_size: int = 32, v_group_size: int | None = None) -> Codec:
-        if role not in ("k", "v"):
-            raise ValueError(f"role must be 'k' or 'v', got {role!r}")
-        return _GGMLCodec(self.name, self.symmetric)
+        return _GGMLCodec(self, role)
 
 
 class Q8_0Format(_GGMLFormat, name="q8_0"):
     summary = "llama.cpp q8_0: blocks of 32, int8 codes + fp16 scale (8.5 bits)"
+    bits = 8
+    mean_center = True
+    block = Block(BLOCK, 34)
+    quantize_block = staticmethod(_q8_0)
+    dequantize_block = staticmethod(_q8_0_dq)
 
 
 class Q4_0Format(_GGMLFormat, name="q4_0"):
     summary = "llama.cpp q4_0: blocks of 32, 4-bit codes + fp16 scale (4.5 bits)"
+    bits = 4
+    mean_center = True
+    block = Block(BLOCK, 18)
+    quantize_block = staticmethod(_q4_0)
+    dequantize_block = staticmethod(_q4_0_dq)
 
 
 class Q4_1Format(_GGMLFormat, name="q4_1"):
     summary = "llama.cpp q4_1: blocks of 32, 4-bit codes + fp16 scale and min (5 bits)"
+    bits = 4
     symmetric = False
+    block = Block(BLOCK, 20)
+    quantize_block = staticmethod(_q4_1)
+    dequantize_block = staticmethod(_q4_1_dq)
 
 
 class Q5_0Format(_GGMLFormat, name="q5_0"):
     summary = "llama.cpp q5_0: blocks of 32, 5-bit codes + fp16 scale (5.5 bits)"
+    bits = 5
+    mean_center = True
+    block = Block(BLOCK, 22)
+    quantize_block = staticmethod(_q5_0)
+    dequantize_block = staticmethod(_q5_0_dq)
 
 
 class Q5_1Format(_GGMLFormat, name="q5_1"):
     summary = "llama.cpp q5_1: blocks of 32, 5-bit codes + fp16 scale and min (6 bits)"
+    bits = 5
     symmetric = False
+    block = Block(BLOCK, 24)
+    quantize_block = staticmethod(_q5_1)
+    dequantize_block = staticmethod(_q5_1_dq)
+
+
+#: name -> (elements per block, bytes per block), read from the registered formats above.
+GGML_KINDS: dict[str, tuple[int, int]] = {
+    f.name: tuple(f.block) for f in FORMATS.values() if isinstance(f, _GGMLFormat)
+}

@@ -2,11 +2,16 @@
 
 Build: ``$CC`` (or the first of cc, gcc, clang on PATH) compiles the sources with
 ``-O3 -march=native -fopenmp -shared -fPIC -std=c11 -ffp-contract=fast`` (falling back to fewer flags
-when one is refused) into ``<cache>/kernels/<hash>.so``, where ``<cache>`` is ``$KVSLIM_CACHE_DIR``,
-``$XDG_CACHE_HOME/kvslim`` or ``~/.cache/kvslim`` and the hash covers the sources, the flags, the
+when one is refused) into ``<cache>/kernels/<hash>.so``, where ``<cache>`` is
+:func:`kvslim.paths.cache_dir` and the hash covers the sources, the flags, the
 compiler's version and the machine (``-march=native`` code is only reused on the CPU it was built for).
 The file is written under a temporary name and renamed into place, so processes building at the same
 time never load a half-written library. A build takes a second or two.
+
+Loading checks the library against the format registry: it asks the C side, by format name, for
+its row-format code and the block layout its decoder reads (``kv_row_format``), and refuses a
+library whose GGML block (elements, bytes) differs from the registered format's ``block``. The
+format codes are never written down on this side.
 
 Any failure to build or load warns once and leaves :func:`status` False: the dispatcher in
 :mod:`kvslim.kernels` then uses the PyTorch reference. Nothing here raises at import.
@@ -34,9 +39,11 @@ from pathlib import Path
 
 import torch
 
-from ..formats import Codec, Encoded
+from .. import paths
+from ..checks import check_int
+from ..formats import FORMATS, Codec, Encoded
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 SOURCES = Path(__file__).parent / "csrc"
 BASE_FLAGS = ["-O3", "-shared", "-fPIC", "-std=c11", "-ffp-contract=fast"]
 #: Tried in order; the first set the compiler accepts is used.
@@ -53,10 +60,10 @@ FLAG_VARIANTS = [
 MAX_M = 64
 
 _DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.uint8: 4}
-_GGML_FMT = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q5_0": 3, "q5_1": 4}
-_ROW_FMT = {torch.float32: 5, torch.float16: 6, torch.bfloat16: 7}
-_FP8_FMT = 8
-_GGML_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24}
+#: Row decoders for the tokens of a ``cast`` body, by its tensor's dtype: C's names for them.
+_CAST_ROWS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+#: Codec families whose bodies the row kernels decode by the format's own name (see _row_codes).
+_NAMED_ROWS = ("ggml", "fp8")
 
 
 _I = ctypes.c_int
@@ -66,17 +73,6 @@ _NPARAM = 4
 
 
 # --------------------------------------------------------------------------- build and load
-
-
-def cache_dir() -> Path:
-    """Where built libraries live: $KVSLIM_CACHE_DIR, $XDG_CACHE_HOME/kvslim or ~/.cache/kvslim, + /kernels."""
-    root = os.environ.get("KVSLIM_CACHE_DIR")
-    if not root:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        root = (
-            os.path.join(xdg, "kvslim") if xdg else os.path.join(os.path.expanduser("~"), ".cache", "kvslim")
-        )
-    return Path(root) / "kernels"
 
 
 def find_compiler() -> list[str] | None:
@@ -132,7 +128,7 @@ def build(force: bool = False) -> tuple[Path, str]:
     if compiler is None:
         raise RuntimeError("no C compiler found (set $CC, or install cc/gcc/clang)")
     key = _build_key(compiler, _compiler_version(compiler))
-    out_dir = cache_dir()
+    out_dir = paths.cache_dir() / "kernels"
     target = out_dir / f"{key}.so"
     flags_file = out_dir / f"{key}.flags"
     if target.exists() and not force:
@@ -172,10 +168,47 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kv_test_half_to_float.restype = None
     lib.kv_run.argtypes = [_I, ctypes.c_void_p]
     lib.kv_run.restype = _I
+    lib.kv_row_format.argtypes = [
+        ctypes.c_char_p,
+        ctypes.POINTER(ctypes.c_int32),
+        ctypes.POINTER(ctypes.c_int32),
+    ]
+    lib.kv_row_format.restype = _I
+
+
+def _row_format(lib: ctypes.CDLL, name: str) -> tuple[int, tuple[int, int]]:
+    """C's row-format code for ``name`` (-1: no decoder) and the (elements, bytes) of its block."""
+    elements, nbytes = ctypes.c_int32(), ctypes.c_int32()
+    code = lib.kv_row_format(name.encode(), ctypes.byref(elements), ctypes.byref(nbytes))
+    return code, (elements.value, nbytes.value)
+
+
+def row_codes(lib: ctypes.CDLL) -> dict:
+    """The row decoders ``lib`` has for the registered formats: format name (families ggml, fp8) or
+    cast dtype -> C's code. A format C does not decode is left out (its calls go to the reference);
+    a GGML format whose block layout in C differs from the registry's raises RuntimeError."""
+    codes: dict = {}
+    for fmt in FORMATS.values():
+        if not any(f in _NAMED_ROWS for f in fmt.family.values()):
+            continue
+        code, layout = _row_format(lib, fmt.name)
+        if code < 0:
+            continue
+        if fmt.block is not None and layout != tuple(fmt.block):
+            raise RuntimeError(
+                f"the C kernels decode {fmt.name} as blocks of {layout[0]} elements in {layout[1]} bytes, "
+                f"the format registry says {fmt.block.elements} elements in {fmt.block.nbytes} bytes"
+            )
+        codes[fmt.name] = code
+    for dtype, name in _CAST_ROWS.items():
+        code, _ = _row_format(lib, name)
+        if code >= 0:
+            codes[dtype] = code
+    return codes
 
 
 _lock = threading.Lock()
-_state: dict = {}  # "lib", "ok", "reason", "path", "flags" once tried
+_state: dict = {}  # "lib", "ok", "reason", "path", "flags", "rows" once tried
 
 
 def _load() -> None:
@@ -188,9 +221,11 @@ def _load() -> None:
     _declare(lib)
     if lib.kv_abi_version() != ABI_VERSION:
         raise RuntimeError(f"{path} has ABI {lib.kv_abi_version()}, expected {ABI_VERSION}")
+    rows = row_codes(lib)
     openmp = bool(lib.kv_has_openmp())
     _state.update(
         lib=lib,
+        rows=rows,
         ok=True,
         path=str(path),
         flags=flags,
@@ -269,8 +304,7 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 def _affine_k_parts(codec: Codec, enc: Encoded, b: int, h: int, t: int, d: int, offset: int):
     per = 8 // codec.bits
     g = codec.token_group
-    if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < g:
-        raise ValueError(f"offset must be an integer in [0, {g}), got {offset!r}")
+    check_int("offset", offset, minimum=0, below=g)
     codes = _rows_contiguous(enc.token["codes"])
     _expect(codes, (b, h, t, d // per), (torch.uint8,), f"{codec.name} K codes")
     n = -(-(offset + t) // g)
@@ -329,35 +363,45 @@ def v_affine(p: torch.Tensor, codec: Codec, enc: Encoded, offset: int) -> torch.
 # --------------------------------------------------------------------------- per-token rows
 
 
+def _row_code(key) -> int | None:
+    """C's row-format code for a format name or cast dtype (loading the library); None if it has none."""
+    library()
+    return _state.get("rows", {}).get(key)
+
+
 def _row_parts(codec: Codec, enc: Encoded, b: int, h: int, t: int, d: int | None):
-    """(format code, row tensor, fp8 scale or a dummy, D) of a GGML / float / fp8 body."""
-    if codec.name in _GGML_FMT:
+    """(format code, row tensor, fp8 scale or a dummy, D) of a GGML / fp8 / cast body."""
+    family = codec.family
+    if family == "ggml":
+        size, nb = codec.format.block
         blocks = _rows_contiguous(enc.token["blocks"])
-        nb = _GGML_BYTES[codec.name]
         if d is None:
-            d = blocks.shape[-1] // nb * 32
-        _expect(blocks, (b, h, t, d // 32 * nb), (torch.uint8,), f"{codec.name} blocks")
-        if d % 32:
-            raise ValueError(f"{codec.name} needs a head dim that is a multiple of 32, got {d}")
-        return _GGML_FMT[codec.name], blocks, blocks, d
-    if "scale" in enc.token:  # fp8
+            d = blocks.shape[-1] // nb * size
+        _expect(blocks, (b, h, t, d // size * nb), (torch.uint8,), f"{codec.name} blocks")
+        if d % size:
+            raise ValueError(f"{codec.name} needs a head dim that is a multiple of {size}, got {d}")
+        return _row_code(codec.name), blocks, blocks, d
+    if family == "fp8":
         codes = _rows_contiguous(enc.token["codes"])
         d = codes.shape[-1] if d is None else d
         _expect(codes, (b, h, t, d), (torch.float8_e4m3fn,), "fp8 codes")
         scale = enc.token["scale"]
         _expect(scale, (b, h, t, 1), (torch.float32,), "fp8 scale")
-        return _FP8_FMT, codes, scale, d
+        return _row_code(codec.name), codes, scale, d
+    if family != "cast":
+        raise ValueError(f"the row kernels do not decode codec {codec.name!r} (family {family})")
     x = _rows_contiguous(enc.token["x"])
     d = x.shape[-1] if d is None else d
-    _expect(x, (b, h, t, d), tuple(_ROW_FMT), f"{codec.name} tokens")
-    return _ROW_FMT[x.dtype], x, x, d
+    _expect(x, (b, h, t, d), tuple(_CAST_ROWS), f"{codec.name} tokens")
+    return _row_code(x.dtype), x, x, d
 
 
 def rows_supported(codec: Codec, enc: Encoded) -> bool:
-    if codec.name in _GGML_FMT or "scale" in enc.token:
-        return True
+    """Whether the C library has a row decoder for this body (by format name, or the cast's dtype)."""
+    if codec.family in _NAMED_ROWS:
+        return _row_code(codec.name) is not None
     x = enc.token.get("x")
-    return x is not None and x.dtype in _ROW_FMT
+    return codec.family == "cast" and x is not None and _row_code(x.dtype) is not None
 
 
 def k_rows(q: torch.Tensor, codec: Codec, enc: Encoded, offset: int) -> torch.Tensor:

@@ -22,7 +22,8 @@
  *     all high nibbles), so q' is stored permuted the same way and every inner loop is contiguous.
  *   - KIVI per-token V (scale/zero per token and channel group of g, g a multiple of the codes per
  *     byte): the row is decoded in the same plane order, and the sum is un-permuted once at the end.
- *   - GGML q8_0/q4_0/q4_1/q5_0/q5_1 (per token, blocks of 32 along D, byte layout of ggml-common.h),
+ *   - GGML q8_0/q4_0/q4_1/q5_0/q5_1 (per token, blocks of QK = 32 along D, byte layout of ggml-common.h,
+ *     checked against kvslim's format registry when the library loads),
  *     fp32, fp16, bf16, fp8 e4m3 with a per-token fp32 scale: a row decoder per format.
  *
  * Parallelism: OpenMP over (batch, head, token chunk) tasks, with the caller's thread count (fewer for
@@ -44,7 +45,7 @@
 #include <immintrin.h>
 #endif
 
-#define KV_ABI_VERSION 1
+#define KV_ABI_VERSION 2
 
 #if defined(__GNUC__) || defined(__clang__)
 #define KV_INLINE static inline __attribute__((always_inline))
@@ -62,8 +63,19 @@
 
 enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2, DT_F8E4M3 = 3, DT_U8 = 4 };
 
-/* Per-token row formats (GGML kinds first, in kvslim.formats.ggml order, then the float formats). */
+/* Per-token row formats (the GGML kinds first). Python never hard-codes these numbers: it asks
+ * kv_row_format() by name (see ROW_FORMATS below). */
 enum { R_Q8_0 = 0, R_Q4_0 = 1, R_Q4_1 = 2, R_Q5_0 = 3, R_Q5_1 = 4, R_F32 = 5, R_F16 = 6, R_BF16 = 7, R_FP8 = 8 };
+
+/* GGML block layouts (ggml-common.h): elements per block and bytes per block, as decode_row reads
+ * them. kvslim's format registry (kvslim/formats/ggml.py) holds the same facts; the loader compares
+ * the two through kv_row_format() and refuses a library that disagrees. */
+#define QK 32
+#define Q8_0_BYTES 34 /* d, qs[32] */
+#define Q4_0_BYTES 18 /* d, qs[16] */
+#define Q4_1_BYTES 20 /* d, m, qs[16] */
+#define Q5_0_BYTES 22 /* d, qh[4], qs[16] */
+#define Q5_1_BYTES 24 /* d, m, qh[4], qs[16] */
 
 typedef struct {
     const void *data;
@@ -243,73 +255,73 @@ KV_INLINE void unpack_planes(const uint8_t *restrict c, float *restrict row, int
 
 /* One token's vector, decoded to fp32 in natural order. src: its bytes; scale: fp8's fp32 scale. */
 KV_INLINE void decode_row(int fmt, const uint8_t *restrict src, float xscale, float *restrict row, int D) {
-    const int nb = D / 32;
+    const int nb = D / QK;
     switch (fmt) {
     case R_Q8_0:
         for (int b = 0; b < nb; b++) {
-            const uint8_t *blk = src + 34 * b;
+            const uint8_t *blk = src + Q8_0_BYTES * b;
             const float d = h2f(ld_u16(blk));
             const int8_t *qs = (const int8_t *)(blk + 2);
-            float *r = row + 32 * b;
+            float *r = row + QK * b;
             KV_SIMD
-            for (int i = 0; i < 32; i++) r[i] = d * (float)qs[i];
+            for (int i = 0; i < QK; i++) r[i] = d * (float)qs[i];
         }
         break;
     case R_Q4_0:
         for (int b = 0; b < nb; b++) {
-            const uint8_t *blk = src + 18 * b;
+            const uint8_t *blk = src + Q4_0_BYTES * b;
             const float d = h2f(ld_u16(blk));
             const uint8_t *qs = blk + 2;
-            float *r = row + 32 * b;
+            float *r = row + QK * b;
             KV_SIMD
-            for (int j = 0; j < 16; j++) {
+            for (int j = 0; j < QK / 2; j++) {
                 r[j] = d * (float)((int)(qs[j] & 15) - 8);
-                r[j + 16] = d * (float)((int)(qs[j] >> 4) - 8);
+                r[j + QK / 2] = d * (float)((int)(qs[j] >> 4) - 8);
             }
         }
         break;
     case R_Q4_1:
         for (int b = 0; b < nb; b++) {
-            const uint8_t *blk = src + 20 * b;
+            const uint8_t *blk = src + Q4_1_BYTES * b;
             const float d = h2f(ld_u16(blk)), m = h2f(ld_u16(blk + 2));
             const uint8_t *qs = blk + 4;
-            float *r = row + 32 * b;
+            float *r = row + QK * b;
             KV_SIMD
-            for (int j = 0; j < 16; j++) {
+            for (int j = 0; j < QK / 2; j++) {
                 r[j] = d * (float)(qs[j] & 15) + m;
-                r[j + 16] = d * (float)(qs[j] >> 4) + m;
+                r[j + QK / 2] = d * (float)(qs[j] >> 4) + m;
             }
         }
         break;
     case R_Q5_0:
         for (int b = 0; b < nb; b++) {
-            const uint8_t *blk = src + 22 * b;
+            const uint8_t *blk = src + Q5_0_BYTES * b;
             const float d = h2f(ld_u16(blk));
             const uint32_t qh = ld_u32(blk + 2);
             const uint8_t *qs = blk + 6;
-            float *r = row + 32 * b;
+            float *r = row + QK * b;
             KV_SIMD
-            for (int j = 0; j < 16; j++) {
+            for (int j = 0; j < QK / 2; j++) {
                 const int lo = (qs[j] & 15) | (int)(((qh >> j) & 1u) << 4);
-                const int hi = (qs[j] >> 4) | (int)(((qh >> (j + 16)) & 1u) << 4);
+                const int hi = (qs[j] >> 4) | (int)(((qh >> (j + QK / 2)) & 1u) << 4);
                 r[j] = d * (float)(lo - 16);
-                r[j + 16] = d * (float)(hi - 16);
+                r[j + QK / 2] = d * (float)(hi - 16);
             }
         }
         break;
     case R_Q5_1:
         for (int b = 0; b < nb; b++) {
-            const uint8_t *blk = src + 24 * b;
+            const uint8_t *blk = src + Q5_1_BYTES * b;
             const float d = h2f(ld_u16(blk)), m = h2f(ld_u16(blk + 2));
             const uint32_t qh = ld_u32(blk + 4);
             const uint8_t *qs = blk + 8;
-            float *r = row + 32 * b;
+            float *r = row + QK * b;
             KV_SIMD
-            for (int j = 0; j < 16; j++) {
+            for (int j = 0; j < QK / 2; j++) {
                 const int lo = (qs[j] & 15) | (int)(((qh >> j) & 1u) << 4);
-                const int hi = (qs[j] >> 4) | (int)(((qh >> (j + 16)) & 1u) << 4);
+                const int hi = (qs[j] >> 4) | (int)(((qh >> (j + QK / 2)) & 1u) << 4);
                 r[j] = d * (float)lo + m;
-                r[j + 16] = d * (float)hi + m;
+                r[j + QK / 2] = d * (float)hi + m;
             }
         }
         break;
@@ -642,7 +654,7 @@ static int run_call(kv_call *k) {
     size_t scratch;
     int per = 1;
     if (k->op == OP_K_ROWS || k->op == OP_V_ROWS) {
-        if (k->fmt < R_Q8_0 || k->fmt > R_FP8 || (D % 32 != 0 && k->fmt <= R_Q5_1)) return KV_EARG;
+        if (k->fmt < R_Q8_0 || k->fmt > R_FP8 || (D % QK != 0 && k->fmt <= R_Q5_1)) return KV_EARG;
         scratch = (size_t)TILE * D;
     } else {
         if (k->bits != 8 && k->bits != 4 && k->bits != 2) return KV_EARG;
@@ -679,6 +691,29 @@ int kv_has_openmp(void) {
 #else
     return 0;
 #endif
+}
+
+/* Row formats by name: GGML kinds by their kvslim/ggml names, "fp8" (e4m3 + a per-token fp32 scale), and
+ * the plain dtypes "f32", "f16", "bf16". elements/bytes: one block's layout (1 element for the others). */
+static const struct {
+    const char *name;
+    int fmt, elements, bytes;
+} ROW_FORMATS[] = {
+    {"q8_0", R_Q8_0, QK, Q8_0_BYTES}, {"q4_0", R_Q4_0, QK, Q4_0_BYTES}, {"q4_1", R_Q4_1, QK, Q4_1_BYTES},
+    {"q5_0", R_Q5_0, QK, Q5_0_BYTES}, {"q5_1", R_Q5_1, QK, Q5_1_BYTES}, {"f32", R_F32, 1, 4},
+    {"f16", R_F16, 1, 2},             {"bf16", R_BF16, 1, 2},           {"fp8", R_FP8, 1, 1},
+};
+
+/* The row format code of name (for kv_run's fmt parameter) and its block layout; -1 if there is no decoder. */
+int kv_row_format(const char *name, int32_t *elements, int32_t *bytes) {
+    for (size_t i = 0; i < sizeof ROW_FORMATS / sizeof ROW_FORMATS[0]; i++) {
+        if (strcmp(name, ROW_FORMATS[i].name) == 0) {
+            *elements = ROW_FORMATS[i].elements;
+            *bytes = ROW_FORMATS[i].bytes;
+            return ROW_FORMATS[i].fmt;
+        }
+    }
+    return -1;
 }
 
 /* For the tests: n halves -> floats with the conversion the kernels use (portable = 0) or the portable one. */
