@@ -69,7 +69,8 @@ def register(backend: str, family: str, kernel: Kernel, availability=None) -> No
 
 
 def codec_family(codec: Codec) -> str:
-    """The codec's layout family (``Codec.family``): affine_k, affine_v, ggml, fp8, cast or generic."""
+    """The codec's layout family (``Codec.family``, from its registered format's ``family[role]``):
+    affine_k, affine_v, ggml, fp8, cast or generic."""
     return getattr(codec, "family", "generic")
 
 

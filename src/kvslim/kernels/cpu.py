@@ -62,7 +62,7 @@ MAX_M = 64
 _DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.uint8: 4}
 #: Row decoders for the tokens of a ``cast`` body, by its tensor's dtype: C's names for them.
 _CAST_ROWS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
-#: Codec families whose bodies the row kernels decode by the format's own name (see _row_codes).
+#: Codec families whose bodies the row kernels decode by the format's own name (see row_codes).
 _NAMED_ROWS = ("ggml", "fp8")
 
 
