@@ -53,10 +53,7 @@ def compressed_attention(query: torch.Tensor, kv: Segments, attention_mask, scal
     parts = []
     if kv.k_sink is not None and kv.k_sink.shape[2]:
         parts.append(qf @ kv.k_sink.float().transpose(-1, -2))
-    if kv.k_body is not None:
-        parts.append(kernels.k_scores(qf, kv.k_codec, kv.k_body, kv.k_offset))
-    if kv.k_res is not None and kv.k_res.shape[2]:
-        parts.append(qf @ kv.k_res.float().transpose(-1, -2))
+    parts += _stream_scores(qf, kv)
     scores = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]  # (B, Hkv, rep*q, T)
     t = scores.shape[-1]
 
@@ -86,6 +83,40 @@ def compressed_attention(query: torch.Tensor, kv: Segments, attention_mask, scal
         o = probs[..., n_sink + n_body :] @ kv.v_res.float()
         out = o if out is None else out + o
     return out.reshape(b, hq, q_len, d).to(query.dtype)
+
+
+def _stream_scores(qf: torch.Tensor, kv: Segments) -> list[torch.Tensor]:
+    """Scores (B, Hkv, M, n) of qf (B, Hkv, M, D) against the K stream (body, then residual), in pieces.
+
+    A run of keys ``delta`` positions off the current frame (``kv.k_runs``, after a re-base of the
+    position ids) is scored with the query moved by ``-delta`` instead: ``R(-d)q . k = q . R(d)k``, so
+    the codes are read as stored. With mean-centering the moved keys are ``R(d)(k_c + b) - b``, which
+    adds the per-query constant ``q . (R(d)b - b)`` to that run's scores.
+    """
+    n_body = kv.n_body("k")
+    n_res = 0 if kv.k_res is None else kv.k_res.shape[2]
+    runs = kv.k_runs or ((n_body + n_res, 0),)
+    parts, start = [], 0
+    for n, delta in runs:
+        q = qf if delta == 0 else kv.rotary.move(qf, -delta)
+        corr = None
+        if delta and kv.k_bias is not None:
+            b = kv.k_bias.to(device=qf.device, dtype=torch.float32)  # (Hkv, D)
+            shift = kv.rotary.move(b[None, :, None, :], delta)[0, :, 0, :] - b  # (Hkv, D)
+            corr = torch.einsum("bhmd,hd->bhm", qf, shift)[..., None]  # (B, Hkv, M, 1)
+        lo, hi = start, start + n
+        if lo < n_body:
+            enc, offset = (kv.k_body, kv.k_offset)
+            if (lo, min(hi, n_body)) != (0, n_body):
+                enc, offset = kv.k_body.narrow(lo, min(hi, n_body), kv.k_offset, kv.k_codec.token_group)
+            parts.append(kernels.k_scores(q, kv.k_codec, enc, offset))
+            if corr is not None:
+                parts[-1] = parts[-1] + corr
+        if hi > n_body and n_res:
+            res = kv.k_res[:, :, max(lo, n_body) - n_body : hi - n_body]
+            parts.append(q @ res.float().transpose(-1, -2) if corr is None else q @ res.float().transpose(-1, -2) + corr)
+        start = hi
+    return parts
 
 
 def kvslim_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):

@@ -36,10 +36,11 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import attention
-from .config import CacheConfig
+from .config import DEFAULT_POSITIONS, CacheConfig
 from .formats import make_codec
 from .layer import SlimLayer
 from .policy import KeepPolicy
+from .rotary import Rotary, rotate_half_reference
 from .shapes import ModelShapes, text_config
 
 
@@ -71,16 +72,27 @@ class SlimCacheLayer(CacheLayerMixin):
         owner = self._owner
         if owner.observe is not None:
             owner.observe(self.layer_idx, key_states, value_states)
+        # transformers passes the attention layer's kwargs as `kwargs=...`.
+        inner = kwargs.get("kwargs") or {}
+        position_ids = inner.get("position_ids", kwargs.get("position_ids"))
+        store = self.store
         if owner.padding_explicit:
-            self.store.set_pads(owner.pads)
-        elif owner.policy.bounded and owner.policy.sink:
-            # transformers passes the attention layer's kwargs as `kwargs=...`.
-            inner = kwargs.get("kwargs") or {}
-            position_ids = inner.get("position_ids", kwargs.get("position_ids"))
-            if position_ids is not None:
-                self.store.set_pads(_pads_from_positions(position_ids, self.store.seen, key_states))
+            pads = owner.pads
+            base = _base_from_positions(position_ids, pads, store.seen, key_states.shape[2], key_states.shape[0])
+        else:
+            pads = None
+            if position_ids is not None and owner.policy.bounded and owner.policy.sink:
+                pads = _pads_from_positions(position_ids, store.seen, key_states)
+            base = 0  # the convention's pads make every row's offset 0
+        if base != store._base and store.stored and store.rotary is None:
+            raise ValueError(
+                f"position ids moved by {base - store._base} against the tokens seen, and this model's keys "
+                f"cannot be re-rotated: feed consecutive position ids"
+            )
+        if pads is not None or owner.padding_explicit:
+            store.set_pads(pads)
         compressed = owner.compressed_attention and key_states.shape[2] <= attention.FAST_MAX_QUERY
-        out = self.store.append(key_states, value_states, segments=compressed)
+        out = store.append(key_states, value_states, segments=compressed, base=base)
         return (out, out) if compressed else out  # kvslim_attention reads both from the one view
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -143,6 +155,12 @@ class SlimCache(Cache):
             ``(H_kv, head_dim)`` tensors. Subtracted from every key before it is stored.
         config: the model's config (recommended): checks the architecture, head_dim against the
             formats, and the bias file against the model's shapes up front.
+        compressed_attention: whether decode steps hand the ``kvslim`` attention the stored segments;
+            None decides it here, once, from ``config`` (True when the model uses ``"kvslim"``).
+        observe: ``observe(layer_idx, keys, values)`` is called with every update's new (raw) keys and
+            values before they are stored (:mod:`kvslim.calibrate` collects K means with it).
+        model_fingerprint: :func:`kvslim.models.model_fingerprint` of the model; a bias file recorded for
+            another model is then refused unless ``allow_other_model=True`` (which warns).
 
     Sinks are stored in the model's dtype (a handful of tokens; they anchor softmax).
     """
@@ -159,9 +177,12 @@ class SlimCache(Cache):
         residual: int = 128,
         v_group_size: int | None = None,
         mean_center=None,
+        positions: str = DEFAULT_POSITIONS,
         config=None,
         compressed_attention: bool | None = None,
         observe=None,
+        model_fingerprint: str | None = None,
+        allow_other_model: bool = False,
     ):
         path = os.fspath(mean_center) if isinstance(mean_center, (str, os.PathLike)) else None
         self.cache_config = CacheConfig(
@@ -174,6 +195,7 @@ class SlimCache(Cache):
             residual=residual,
             v_group_size=v_group_size,
             mean_center=path,
+            positions=positions,
         )
         cfg = self.cache_config
         if mean_center is not None and path is None:
@@ -220,7 +242,17 @@ class SlimCache(Cache):
                 n_layers=self._shapes.n_layers,
                 n_kv_heads=self._shapes.n_kv_heads,
                 head_dim=self._shapes.head_dim,
+                model_fingerprint=model_fingerprint,
+                allow_other_model=allow_other_model,
             )
+        self.rotary, why = (None, "no config=model.config") if config is None else _rotary(config)
+        if cfg.positions == "cache" and cfg.window is not None and self.rotary is None:
+            raise ValueError(
+                f"positions='cache' re-rotates the sink keys, which needs the model's RoPE: {why}; "
+                f"use positions='original'"
+            )
+        #: kvslim's loop re-bases position ids every this many tokens (None: never), see generate.py.
+        self.rebase_period = _rebase_period(self.policy, self.rotary)
         if self._shapes is not None:
             layers = [
                 SlimCacheLayer(functools.partial(self._new_store, i), self, i) for i in range(self._shapes.n_layers)
@@ -240,7 +272,16 @@ class SlimCache(Cache):
     def _new_store(self, layer_idx: int) -> SlimLayer:
         bias = None if self._biases is None else self._biases[layer_idx]
         cfg = self.cache_config
-        return SlimLayer(self.policy, self._codecs["k"], self._codecs["v"], cfg.residual, cfg.group_size, k_bias=bias)
+        return SlimLayer(
+            self.policy,
+            self._codecs["k"],
+            self._codecs["v"],
+            cfg.residual,
+            cfg.group_size,
+            k_bias=bias,
+            positions=cfg.positions,
+            rotary=self.rotary,
+        )
 
     def _replicate(self) -> SlimCacheLayer:
         idx = len(self.layers)
@@ -278,8 +319,9 @@ class SlimCache(Cache):
 
     # -- accounting ------------------------------------------------------------------------------
     def nbytes(self) -> int:
-        """Every byte the cache holds: codes, scales, zeros, residual, sinks, biases (buffer slack included)."""
-        return sum(s.nbytes() for s in self.stores())
+        """Every byte the cache holds: codes, scales, zeros, residual, sinks, biases, bookkeeping (buffer
+        slack included)."""
+        return sum(self.components().values())
 
     def live_nbytes(self) -> int:
         """Bytes of the stored tokens alone, without preallocated buffer slack."""
@@ -290,10 +332,13 @@ class SlimCache(Cache):
         return self.layers[0].store.stored if self.layers else 0
 
     def components(self) -> dict[str, int]:
+        """Bytes per kind of tensor, summed over layers (``rotary``: the RoPE frequencies, held once)."""
         out: dict[str, int] = {}
         for s in self.stores():
             for name, n in s.components().items():
                 out[name] = out.get(name, 0) + n
+        inv_freq = None if self.rotary is None else self.rotary.inv_freq
+        out["rotary"] = 0 if inv_freq is None else inv_freq.numel() * inv_freq.element_size()
         return out
 
     def fp16_full_cache_bytes(self, tokens: int | None = None) -> int:
@@ -361,3 +406,68 @@ def _model_shapes(config) -> ModelShapes:
             f"/ use_sliding_window=False if the checkpoint allows it."
         )
     return shapes
+
+
+#: RoPE variants whose frequencies do not depend on the positions fed (a key can be moved exactly).
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+
+
+def _rotary(config) -> tuple[Rotary | None, str]:
+    """The model's RoPE as a :class:`~kvslim.rotary.Rotary`, read from its own rotary module, or
+    ``(None, why)`` when kvslim cannot move its keys exactly."""
+    import importlib
+
+    text = text_config(config)
+    module_name = type(text).__module__.replace(".configuration_", ".modeling_")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return None, f"no modeling module {module_name}"
+    classes = [getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding")]
+    rotate_half = getattr(module, "rotate_half", None)
+    if len(classes) != 1 or rotate_half is None:
+        return None, f"{module_name} has no single rotary embedding with rotate_half"
+    probe = torch.arange(8.0)
+    if not torch.equal(rotate_half(probe), rotate_half_reference(probe)):
+        return None, "its RoPE pairs channels differently (interleaved), which kvslim does not move"
+    try:
+        emb = classes[0](config=text)
+    except Exception as e:  # noqa: BLE001 - any failure means: cannot read its frequencies
+        return None, f"{classes[0].__name__} could not be built from the config ({e})"
+    rope_type = getattr(emb, "rope_type", "default")
+    if not isinstance(rope_type, str) or rope_type not in STATIC_ROPE:
+        return None, f"rope_type {rope_type!r} (frequencies that change with the positions)"
+    return Rotary(emb.inv_freq.detach().to(torch.float32).cpu()), ""
+
+
+def _rebase_period(policy: KeepPolicy, rotary: Rotary | None) -> int | None:
+    """How often kvslim's loop re-bases position ids (a power of two >= 2 x capacity, >= 4096), or None."""
+    if rotary is None or not policy.bounded:
+        return None
+    period = 4096
+    while period < 2 * policy.capacity:
+        period *= 2
+    return period
+
+
+def _base_from_positions(position_ids, pads, seen_before: int, n_new: int, batch: int) -> int:
+    """The base a forward's position ids were built with: ``true position - position id`` of each row's
+    newest token (the same for every row holding a real token). 0 when position ids are unknown."""
+    if position_ids is None:
+        return 0
+    last = position_ids.reshape(-1, position_ids.shape[-1])[:, -1].to(torch.long)
+    if last.shape[0] == 1 and batch > 1:
+        last = last.expand(batch)
+    pads = pads.to(last.device) if pads is not None else torch.zeros_like(last)
+    true = seen_before + n_new - 1 - pads  # (B,)
+    real = true >= 0
+    bases = (true - last)[real]
+    if bases.numel() == 0:
+        return 0
+    base = int(bases[0])
+    if bool((bases != base).any()):
+        raise ValueError(
+            f"position ids are not one offset from the tokens seen in every row (offsets {bases.tolist()}): "
+            f"hand the left padding with cache.set_left_padding(pads) or feed position ids as kvslim.generate does"
+        )
+    return base

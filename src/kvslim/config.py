@@ -27,6 +27,12 @@ MEAN_CENTER_FORMATS: tuple[str, ...] = tuple(
 )
 
 
+#: StreamingLLM position semantics (kvslim.layer): "cache" is the paper's, "original" the vanilla one.
+POSITIONS = ("cache", "original")
+#: The default, chosen by measurement (docs/streaming.md).
+DEFAULT_POSITIONS = "original"
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Everything that defines a cache mode. Validated on construction.
@@ -40,7 +46,11 @@ class CacheConfig:
     residual: KIVI full-precision residual: the most recent ``residual`` tokens are never quantized
         (a multiple of ``group_size``; 0 quantizes every token as it arrives, as llama.cpp does).
     v_group_size: channel group of per-token V scales for affine formats (None = whole head_dim).
-    mean_center: path to a K bias file (GGUF, see :mod:`kvslim.calibrate`), or None.
+    mean_center: path to a K bias file (GGUF, see :mod:`kvslim.biasfile`), or None.
+    positions: where StreamingLLM's kept keys sit (see :mod:`kvslim.layer`, docs/streaming.md):
+        ``cache`` (the paper: the kept tokens as one contiguous sequence, sinks right before the
+        window) or ``original`` (every key at its original position; query-to-sink distances grow
+        with the stream). Only matters with a window.
     """
 
     kv_quantize: str = "none"
@@ -52,8 +62,14 @@ class CacheConfig:
     residual: int = 128
     v_group_size: int | None = None
     mean_center: str | None = None
+    positions: str = DEFAULT_POSITIONS
 
     def __post_init__(self):
+        if self.positions not in POSITIONS:
+            raise ValueError(
+                f"positions must be one of {', '.join(POSITIONS)} (where StreamingLLM's kept keys sit), "
+                f"got {self.positions!r}"
+            )
         for name in ("kv_quantize", "k_quantize", "v_quantize"):
             value = getattr(self, name)
             if value is None and name != "kv_quantize":
@@ -122,6 +138,8 @@ class CacheConfig:
             parts.append(f"v_group={self.v_group_size}")
         if self.mean_center is not None:
             parts.append(f"mean_center={self.mean_center}")
+        if self.positions != DEFAULT_POSITIONS:
+            parts.append(f"positions={self.positions}")
         return ",".join(parts)
 
     def to_dict(self) -> dict:
@@ -141,6 +159,7 @@ _SPEC_KEYS = {
     "residual": ("residual", int),
     "v_group": ("v_group_size", int),
     "mean_center": ("mean_center", str),
+    "positions": ("positions", str),
 }
 
 

@@ -16,7 +16,8 @@ gpt-fast-style free functions that ``sample``, ``eval``, ``bench``, ``calibrate`
 
 Positions. The position of a new token is the number of tokens the cache has seen before it
 (``cache.get_seq_length()``), minus its row's left padding: pads sit at position 0 and a row's first
-real token at 0 too, as in transformers' ``generate()``. Left padding is read once, from the attention
+real token at 0 too, as in transformers' ``generate()``; minus a base that keeps the ids bounded on
+endless streams through a bounded :class:`~kvslim.SlimCache` (:func:`position_ids`). Left padding is read once, from the attention
 mask at prefill (:func:`left_padding`), handed to a :class:`~kvslim.SlimCache` explicitly
 (``cache.set_left_padding``), and carried as ``pads`` to every later step. No other module builds
 position ids.
@@ -67,21 +68,36 @@ def left_pad_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 def position_ids(cache, n_new: int, *, pads: torch.Tensor | None = None, device=None) -> torch.Tensor:
     """Position ids of the next ``n_new`` tokens fed through ``cache``: (1 or B, n_new) int64.
 
-    ``seen + arange(n_new)`` where ``seen = cache.get_seq_length()`` counts every token fed so far
-    (pads included); with ``pads`` (B,) each row is shifted left by its padding and clamped at 0.
+    ``seen + arange(n_new) - base`` where ``seen = cache.get_seq_length()`` counts every token fed so
+    far (pads included); with ``pads`` (B,) each row is shifted left by its padding and clamped at 0.
+    ``base`` keeps the ids bounded however long a stream runs: a bounded :class:`~kvslim.SlimCache`
+    that can re-rotate keys has a ``rebase_period`` P, and ``base`` is the multiple of P at or below
+    the first new token's position (ids stay below P + n_new). The cache reads the base back from the
+    ids it is fed and keeps every key in phase (docs/streaming.md); any other cache gets base 0.
     """
     start = int(cache.get_seq_length())
-    pos = torch.arange(start, start + n_new, device=device)[None]  # (1, n_new)
+    base = 0
+    period = _rebase_period(cache)
+    if period:
+        first = start - (int(pads.max()) if pads is not None and pads.numel() else 0)
+        base = (max(first, 0) // period) * period
+    pos = torch.arange(start - base, start - base + n_new, device=device)[None]  # (1, n_new)
     if pads is not None:
         pos = (pos - pads.to(device=device)[:, None]).clamp_(min=0)  # (B, n_new)
     return pos
 
 
-def _hand_padding(cache, pads: torch.Tensor | None) -> None:
-    """Tell a SlimCache the batch's left padding (once, before its first token)."""
+def _rebase_period(cache) -> int | None:
     from .cache import SlimCache
 
-    if isinstance(cache, SlimCache):
+    return cache.rebase_period if isinstance(cache, SlimCache) else None
+
+
+def _hand_padding(cache, pads: torch.Tensor | None) -> None:
+    """Tell a SlimCache the batch's left padding, once, before its first token."""
+    from .cache import SlimCache
+
+    if isinstance(cache, SlimCache) and not cache.padding_explicit and cache.get_seq_length() == 0:
         cache.set_left_padding(pads)
 
 
@@ -100,9 +116,11 @@ def forward(
 ) -> torch.Tensor:
     """Feed ``input_ids`` (B, C) through ``cache``; the one call of ``model(...)`` in kvslim.
 
+    pads: (B,) left padding of the run (None: none); a fresh :class:`~kvslim.SlimCache` is handed it here.
     attention_mask: (B, seen + C) of 0/1 covering every token fed so far, or None (no padding).
     logits_to_keep: 0 keeps every position, k > 0 the last k. Returns (B, kept, V) float32.
     """
+    _hand_padding(cache, pads)
     pos = position_ids(cache, input_ids.shape[1], pads=pads, device=input_ids.device)
     kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
     out = model(
@@ -140,8 +158,6 @@ def prefill(
             f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
         )
     pads = None if attention_mask is None else left_padding(attention_mask)
-    if int(cache.get_seq_length()) == 0:
-        _hand_padding(cache, pads)
     T = input_ids.shape[1]
     step = chunk_size or T
     logits = None

@@ -31,6 +31,7 @@ import torch
 
 from .formats import Codec, Encoded
 from .policy import KeepPolicy
+from .rotary import Rotary
 
 
 class TimeBuffer:
@@ -110,6 +111,16 @@ class TimeBuffer:
         return per * len(self)
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """A stream append, decided and encoded but not applied: ``encoded`` joins the body,
+    ``drop_fp`` tokens leave the front of the residual, ``fp`` (B, H, n, D) joins its end."""
+
+    encoded: Encoded | None
+    drop_fp: int
+    fp: torch.Tensor
+
+
 class Stream:
     """The non-sink tokens of one tensor (K or V) of one layer: encoded body + fp residual."""
 
@@ -136,27 +147,35 @@ class Stream:
     # -- writes --------------------------------------------------------------------------
     def append(self, x: torch.Tensor) -> None:
         """x: (B, H, C, D) new tokens, already in their final (e.g. mean-centered) form."""
+        self.commit(self.plan(x))
+
+    def plan(self, x: torch.Tensor) -> _Plan:
+        """Everything appending x (B, H, C, D) will do, computed without changing the stream: the
+        encoding of the tokens that leave the residual (the step that can fail) is done here."""
         if not self.codec.lossy:
-            self.fp.append(x)
-            return
+            return _Plan(None, 0, x)
         g = self.unit
         n_fp = len(self.fp)
         ready = ((n_fp + x.shape[2] - self.residual_cap) // g) * g  # tokens that leave the residual now
         if ready <= n_fp:
-            if ready > 0:
-                self._encode(self.fp.view()[:, :, :ready])
-                self.fp.drop_front(ready)
-            self.fp.append(x)
-            return
+            if ready <= 0:
+                return _Plan(None, 0, x)
+            return _Plan(self.codec.encode(self.fp.view()[:, :, :ready]), ready, x)
         # A long chunk (prefill): encode straight from it; only the newest tokens enter the residual.
         head = x[:, :, : ready - n_fp]
-        self._encode(head if n_fp == 0 else torch.cat([self.fp.view(), head], dim=2))
-        self.fp.drop_front(n_fp)
-        self.fp.append(x[:, :, ready - n_fp :])
+        enc = self.codec.encode(head if n_fp == 0 else torch.cat([self.fp.view(), head], dim=2))
+        return _Plan(enc, n_fp, x[:, :, ready - n_fp :])
 
-    def _encode(self, x: torch.Tensor) -> None:
-        """Encode x (B, H, n, D), n a multiple of token_group, and append it to the body."""
-        enc = self.codec.encode(x)
+    def commit(self, plan: _Plan) -> None:
+        """Apply a :meth:`plan` (made on this stream's current state; nothing here can fail)."""
+        if plan.encoded is not None:
+            self._append_encoded(plan.encoded)
+        if plan.drop_fp:
+            self.fp.drop_front(plan.drop_fp)
+        self.fp.append(plan.fp)
+
+    def _append_encoded(self, enc: Encoded) -> None:
+        """Append encoded tokens (a multiple of token_group) to the body."""
         for name, t in enc.token.items():
             self.tokens.setdefault(name, TimeBuffer(self.min_slack)).append(t)
         g_slack = max(1, self.min_slack // self.codec.token_group)
@@ -245,10 +264,14 @@ class Segments:
     points (per-channel K leaves the residual a group at a time). Tensors are views into the layer's
     buffers, valid until that layer's next update; nothing here may be written.
 
-    k_sink, v_sink: (B, H, S, D) or None; k_body, v_body: :class:`~kvslim.formats.Encoded` or None,
-    decoded with ``k_codec``/``v_codec`` and ``k_offset``/``v_offset`` (tokens already evicted from the
-    first per-channel group); k_res, v_res: (B, H, R, D) or None; length: stored tokens;
-    kv_shape: (B, H_kv, D); dtype: the dtype the standard path would return.
+    k_sink, v_sink: (B, H, S, D) or None (keys already at the rotation this forward must see);
+    k_body, v_body: :class:`~kvslim.formats.Encoded` or None, decoded with ``k_codec``/``v_codec``
+    and ``k_offset``/``v_offset`` (tokens already evicted from the first per-channel group);
+    k_res, v_res: (B, H, R, D) or None; length: stored tokens; kv_shape: (B, H_kv, D);
+    dtype: the dtype the standard path returns.
+    k_runs: ``((tokens, delta), ...)`` over the K stream (body then residual, oldest first): each
+    run's keys sit ``delta`` positions off the current frame and must be moved by ``delta`` with
+    ``rotary`` (centered keys move as ``R(d)(k + k_bias) - k_bias``). Empty: nothing to move.
     """
 
     k_sink: torch.Tensor | None
@@ -264,6 +287,9 @@ class Segments:
     length: int
     kv_shape: tuple[int, int, int]
     dtype: torch.dtype
+    k_runs: tuple[tuple[int, int], ...] = ()
+    rotary: Rotary | None = None
+    k_bias: torch.Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -279,23 +305,55 @@ class Segments:
         body = self.k_body if role == "k" else self.v_body
         return 0 if body is None else next(iter(body.token.values())).shape[2]
 
-    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The full (B, H, T, D) tensors, as the standard path would have returned them."""
+    def materialize(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The full (B, H, T, D) tensors in ``dtype`` (default: the layer's), keys moved as due."""
+        dtype = self.dtype if dtype is None else dtype
         out = []
         for sink, codec, body, offset, res in (
             (self.k_sink, self.k_codec, self.k_body, self.k_offset, self.k_res),
             (self.v_sink, self.v_codec, self.v_body, self.v_offset, self.v_res),
         ):
-            parts = [sink, None if body is None else codec.decode(body, self.dtype, offset), res]
-            out.append(torch.cat([t.to(self.dtype) for t in parts if t is not None and t.shape[2]], dim=2))
+            stream = [None if body is None else codec.decode(body, dtype, offset), res]
+            stream = [t.to(dtype) for t in stream if t is not None and t.shape[2]]
+            if stream and out == [] and self.k_runs:
+                stream = [self._move_runs(torch.cat(stream, dim=2))]
+            parts = ([] if sink is None or not sink.shape[2] else [sink.to(dtype)]) + stream
+            out.append(torch.cat(parts, dim=2))
         return out[0], out[1]
+
+    def _move_runs(self, keys: torch.Tensor) -> torch.Tensor:
+        """Stream keys (B, H, L, D) with each run moved by its delta."""
+        pieces, start = [], 0
+        for n, delta in self.k_runs:
+            piece = keys[:, :, start : start + n]
+            pieces.append(piece if delta == 0 else _move_centered(self.rotary, piece, delta, self.k_bias))
+            start += n
+        return torch.cat(pieces, dim=2)
 
 
 class SlimLayer:
     """The K and V store of one attention layer.
 
-    ``update`` appends new tokens and returns every stored token (for standard attention), then
-    evicts; positions are owned here: ``seen`` counts tokens ever appended.
+    ``append`` adds new tokens and returns every stored token (for standard attention) or a
+    :class:`Segments` view (for attention on the codes), then evicts. ``seen`` counts tokens ever
+    appended — the one position counter (:mod:`kvslim.generate` reads it through the cache).
+
+    Positions (docs/streaming.md). Each key carries the RoPE rotation of the position id it was fed
+    with. kvslim tracks, per stored key, that rotation relative to the token's *true* position
+    (its index among the row's real tokens): ``rotation = true - base``, where ``base`` is what the
+    caller subtracted to keep position ids bounded (0 under ``model.generate()``). Stream tokens
+    share bases in a few runs (``runs``); sinks keep their rotation per row (``sink_rot``). At read
+    time, in the frame of the current forward's base, every key is presented at the rotation its
+    ``positions`` mode asks for:
+
+    - ``original``: every key at its true position (distances grow with the stream for the sinks);
+    - ``cache`` (StreamingLLM's in-cache positions): window keys at their true positions — the same
+      distances as contiguous cache slots — and sink ``j`` right before the window's first key, as
+      if the kept tokens were one contiguous sequence.
+
+    Only the full-precision sinks are ever re-rotated; a stream run whose base differs from the
+    current one (for ``window`` tokens after each re-base) is moved at read time — its keys in the
+    materializing path, the query in the compressed path — never re-encoded.
     """
 
     def __init__(
@@ -307,18 +365,28 @@ class SlimLayer:
         group_size: int = 1,
         k_bias: torch.Tensor | None = None,
         min_slack: int = 64,
+        positions: str = "original",
+        rotary: Rotary | None = None,
     ):
+        if positions not in POSITIONS:
+            raise ValueError(f"positions must be one of {', '.join(POSITIONS)}, got {positions!r}")
         self.policy = policy
+        self.positions = positions
+        self.rotary = rotary  # None: keys are never moved (positions='original', base always 0)
         self.k = Stream(k_codec, residual, group_size, min_slack)
         self.v = Stream(v_codec, residual, group_size, min_slack)
         self.k_bias = k_bias  # (H_kv, D) float32, subtracted from every key before storage
-        self.sink_k: torch.Tensor | None = None  # (B, H, <=sink, D)
+        self.sink_k: torch.Tensor | None = None  # (B, H, <=sink, D), centered like the stream
         self.sink_v: torch.Tensor | None = None
+        self.sink_rot: torch.Tensor | None = None  # (B, <=sink) int64: rotation position of each sink key
+        self.runs: list[list[int]] = []  # [tokens, base] of the stream's keys, oldest first
         self.seen = 0
         self.pads: torch.Tensor | None = None  # (B,) left-padding count per row
-        self.sink_start: torch.Tensor | None = None  # (B,) first position of each row's sinks
+        self.sink_start: torch.Tensor | None = None  # (B,) first slot of each row's sinks
         self.dtype: torch.dtype | None = None
         self.kv_shape: tuple[int, int, int] | None = None  # (B, H_kv, D) of the stored tokens
+        self._base = 0  # the base of the forward being served (set by append)
+        self._v_dim = 0  # V's head_dim (fixed by the first append)
 
     # -- sizes ---------------------------------------------------------------------------
     @property
@@ -346,52 +414,120 @@ class SlimLayer:
         """Left padding per row (B,) int64, as decided by the cache (None: no padding)."""
         self.pads = None if pads is None else pads.to(dtype=torch.long)
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor, *, segments: bool = False):
-        """Append keys/values (B, H, C, D); return every stored token before eviction, then evict
-        down to the policy's capacity.
-
-        Returns ``(K, V)`` materialized, (B, H, stored + C, D) in the first update's dtype, or with
-        ``segments=True`` a :class:`Segments` view of the stored parts (what the compressed attention
-        reads: no fp copy of the history is written).
-        """
-        if (
-            keys.ndim != 4
-            or keys.shape != values.shape[:3] + keys.shape[3:]
-            or keys.shape[:3] != values.shape[:3]
-        ):
+    def check(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Raise ValueError (changing nothing) unless keys/values (B, H, C, D) can be appended."""
+        if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
+            raise ValueError(f"keys and values must be tensors, got {type(keys).__name__} and {type(values).__name__}")
+        if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
             raise ValueError(
                 f"keys and values must be (B, H, T, D) with equal B, H, T; got {tuple(keys.shape)} and "
                 f"{tuple(values.shape)}"
             )
+        if not keys.dtype.is_floating_point or values.dtype != keys.dtype:
+            raise ValueError(f"keys and values must share one floating dtype, got {keys.dtype} and {values.dtype}")
+        if self.kv_shape is not None:
+            b, h, d = self.kv_shape
+            if (keys.shape[0], keys.shape[1], keys.shape[3]) != (b, h, d) or values.shape[3] != self._v_dim:
+                raise ValueError(
+                    f"this layer stores batch {b} x {h} KV heads x head_dim {d}; got keys {tuple(keys.shape)}, "
+                    f"values {tuple(values.shape)} (a new batch or model needs a new cache, or reset())"
+                )
+            if keys.dtype != self.dtype:
+                raise ValueError(f"this layer stores {self.dtype} K/V; got {keys.dtype} (a new model needs a new cache)")
+        if not bool(torch.isfinite(keys).all() & torch.isfinite(values).all()):
+            bad = "keys" if not bool(torch.isfinite(keys).all()) else "values"
+            raise ValueError(
+                f"{bad} have non-finite values (NaN or inf) in a tensor of shape {tuple(keys.shape)}: the model "
+                f"produced them; nothing was stored"
+            )
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, *, segments: bool = False, base: int = 0):
+        """Append keys/values (B, H, C, D); return every stored token before eviction, then evict
+        down to the policy's capacity.
+
+        base: what the caller subtracted from the true positions of these tokens' position ids
+        (0 unless position ids are kept bounded). Returns ``(K, V)`` materialized,
+        (B, H, stored + C, D) in the first update's dtype, or with ``segments=True`` a
+        :class:`Segments` view of the stored parts (no fp copy of the history is written).
+
+        A transaction: everything is validated and encoded first; a call that raises changes nothing.
+        """
+        self.check(keys, values)
+        batch, n_new = keys.shape[0], keys.shape[2]
+        device = keys.device
+        pads = self.pads if self.pads is not None and self.pads.shape[0] == batch else None
+        if pads is None:
+            pads = torch.zeros(batch, dtype=torch.long, device=device)
+        sink_start = self.sink_start
+        if sink_start is None or sink_start.shape[0] != batch:
+            sink_start = torch.zeros(batch, dtype=torch.long, device=device)
+        centered = self.center(keys)
+
+        # -- plan: what goes where, encoded (may raise) ----------------------------------
+        n_sink = self.policy.n_to_sinks(self.sink_len, n_new)
+        sink_k, sink_v, sink_rot = self.sink_k, self.sink_v, self.sink_rot
+        if n_sink:
+            ks, vs = centered[:, :, :n_sink], values[:, :, :n_sink]
+            slots = torch.arange(self.seen, self.seen + n_sink, device=device)  # (n,)
+            rot = slots[None, :] - pads[:, None] - base  # (B, n): the position ids these keys were fed
+            sink_k = ks.clone() if sink_k is None else torch.cat([sink_k, ks], dim=2)
+            sink_v = vs.clone() if sink_v is None else torch.cat([sink_v, vs], dim=2)
+            sink_rot = rot if sink_rot is None else torch.cat([sink_rot, rot], dim=1)
+        rest_k, rest_v = centered[:, :, n_sink:], values[:, :, n_sink:]
+        plans = None
+        if rest_k.shape[2]:
+            plans = (self.k.plan(rest_k), self.v.plan(rest_v))
+
+        # -- commit (nothing below raises) -----------------------------------------------
         if self.dtype is None:
             self.dtype = keys.dtype
-        batch, n_new = keys.shape[0], keys.shape[2]
+            self._v_dim = values.shape[3]
         self.kv_shape = (batch, keys.shape[1], keys.shape[3])
+        self.pads, self.sink_start = pads, sink_start
+        self.sink_k, self.sink_v, self.sink_rot = sink_k, sink_v, sink_rot
+        if plans is not None:
+            self.k.commit(plans[0])
+            self.v.commit(plans[1])
+            if self.runs and self.runs[-1][1] == base:
+                self.runs[-1][0] += rest_k.shape[2]
+            else:
+                self.runs.append([rest_k.shape[2], base])
         self.seen += n_new
-        if self.pads is None or self.pads.shape[0] != batch:
-            self.pads = torch.zeros(batch, dtype=torch.long, device=keys.device)
-        if self.sink_start is None or self.sink_start.shape[0] != batch:
-            self.sink_start = torch.zeros(batch, dtype=torch.long, device=keys.device)
-        keys = self.center(keys)
-
-        n_sink = self.policy.n_to_sinks(self.sink_len, n_new)
-        if n_sink:
-            ks, vs = keys[:, :, :n_sink], values[:, :, :n_sink]
-            self.sink_k = ks.clone() if self.sink_k is None else torch.cat([self.sink_k, ks], dim=2)
-            self.sink_v = vs.clone() if self.sink_v is None else torch.cat([self.sink_v, vs], dim=2)
-            keys, values = keys[:, :, n_sink:], values[:, :, n_sink:]
-        if keys.shape[2]:
-            self.k.append(keys)
-            self.v.append(values)
+        self._base = base
 
         out = self.segments() if segments else self.read(self.dtype)
         self._evict()
         return out
 
+    # -- reads -----------------------------------------------------------------------------
+    def _sink_keys(self) -> torch.Tensor | None:
+        """The sink keys as the current forward must see them (B, H, S, D): moved to the rotation their
+        ``positions`` mode asks for, in the frame of the current base. Untouched where no move is due."""
+        if self.sink_k is None or self.rotary is None:
+            return self.sink_k
+        s = self.sink_len
+        j = torch.arange(s, device=self.sink_rot.device)
+        if self.positions == "cache":
+            first = self.seen - len(self.k)  # slot of the stream's oldest key
+            want = (first - s + j)[None, :] - self.pads[:, None]  # (B, S) true positions, contiguous
+        else:
+            want = (self.sink_start[:, None] + j[None, :]) - self.pads[:, None]  # their own true positions
+        delta = want - self._base - self.sink_rot  # (B, S)
+        if not bool((delta != 0).any()):
+            return self.sink_k
+        return _move_centered(self.rotary, self.sink_k, delta, self.k_bias)
+
+    def _run_deltas(self) -> tuple[tuple[int, int], ...]:
+        """(tokens, delta) per run of stream keys, oldest first: each run's keys must be moved by
+        ``delta = run base - current base`` positions. Empty when every delta is 0."""
+        if all(b == self._base for _, b in self.runs):
+            return ()
+        return tuple((n, b - self._base) for n, b in self.runs)
+
     def segments(self) -> Segments:
         """A frozen view of what is stored now (valid until the next update)."""
         return Segments(
-            k_sink=self.sink_k,
+            k_sink=self._sink_keys(),
             v_sink=self.sink_v,
             k_codec=self.k.codec,
             v_codec=self.v.codec,
@@ -404,16 +540,21 @@ class SlimLayer:
             length=self.stored,
             kv_shape=self.kv_shape,
             dtype=self.dtype,
+            k_runs=self._run_deltas(),
+            rotary=self.rotary,
+            k_bias=self.k_bias,
         )
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Every stored token, oldest first, materialized: (B, H, stored, D)."""
-        k, v = self.k.materialize(dtype), self.v.materialize(dtype)
-        if self.sink_k is not None:
-            sk, sv = self.sink_k.to(dtype), self.sink_v.to(dtype)
-            k = sk if k is None else torch.cat([sk, k], dim=2)
-            v = sv if v is None else torch.cat([sv, v], dim=2)
-        return k, v
+        return self.segments().materialize(dtype)
+
+    def _stream_rot(self, k: int) -> torch.Tensor:
+        """(B, k) rotation positions of the stream's ``k`` oldest keys."""
+        first = self.seen - len(self.k)
+        slots = torch.arange(first, first + k, device=self.pads.device)
+        bases = torch.tensor([b for n, b in self.runs for _ in range(n)][:k], device=self.pads.device)
+        return slots[None, :] - self.pads[:, None] - bases[None, :]
 
     def _evict(self) -> None:
         k = self.policy.n_to_evict(self.stored)
@@ -430,9 +571,12 @@ class SlimLayer:
                 pool = torch.cat([sinks, stream.front(k, sinks.dtype)], dim=2)  # (B, H, n + k, D)
                 idx_full = idx.expand(-1, pool.shape[1], -1, pool.shape[3])
                 setattr(self, f"sink_{name}", torch.gather(pool, 2, idx_full))
+            pool_rot = torch.cat([self.sink_rot, self._stream_rot(k)], dim=1)  # (B, n + k)
+            self.sink_rot = torch.gather(pool_rot, 1, idx[:, 0, :, 0])
         self.sink_start = new_start
         self.k.drop_front(k)
         self.v.drop_front(k)
+        _drop_runs(self.runs, k)
 
     # -- edits ---------------------------------------------------------------------------
     def crop(self, n: int) -> None:
@@ -447,19 +591,24 @@ class SlimLayer:
         if n > self.stored:
             raise ValueError(f"cannot crop {n} tokens from a layer holding {self.stored}")
         from_stream = min(n, len(self.k))
+        for stream in (self.k, self.v):  # check both before cropping either
+            if from_stream > len(stream.fp):
+                stream.crop_back(from_stream)  # raises the stream's error; nothing was cropped
         self.k.crop_back(from_stream)
         self.v.crop_back(from_stream)
+        _drop_runs(self.runs, from_stream, from_back=True)
         rest = n - from_stream
         if rest:
-            self.sink_k = self.sink_k[:, :, : self.sink_len - rest]
-            self.sink_v = self.sink_v[:, :, : self.sink_v.shape[2] - rest]
+            keep = self.sink_len - rest
+            self.sink_k, self.sink_v = self.sink_k[:, :, :keep], self.sink_v[:, :, :keep]
+            self.sink_rot = self.sink_rot[:, :keep]
         self.seen -= n
 
     def map_batch(self, fn) -> None:
         """Apply a batch-dim transform (beam reorder, select, repeat) to every stored tensor."""
         self.k.map_batch(fn)
         self.v.map_batch(fn)
-        for name in ("sink_k", "sink_v", "pads", "sink_start"):
+        for name in ("sink_k", "sink_v", "sink_rot", "pads", "sink_start"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, fn(t))
@@ -472,8 +621,8 @@ class SlimLayer:
         out["k_sinks"] = _bytes(self.sink_k)
         out["v_sinks"] = _bytes(self.sink_v)
         out["mean_center_bias"] = _bytes(self.k_bias)
-        # per-row bookkeeping of left-padded batches: padding and sink start, (B,) int64 each
-        out["row_state"] = _bytes(self.pads) + _bytes(self.sink_start)
+        # per-row bookkeeping: left padding, sink start and the sinks' rotation positions, int64
+        out["row_state"] = _bytes(self.pads) + _bytes(self.sink_start) + _bytes(self.sink_rot)
         return out
 
     def nbytes(self) -> int:
@@ -485,6 +634,29 @@ class SlimLayer:
         return (
             self.k.live_nbytes() + self.v.live_nbytes() + c["k_sinks"] + c["v_sinks"] + c["mean_center_bias"]
         )
+
+
+POSITIONS = ("original", "cache")
+
+
+def _drop_runs(runs: list[list[int]], k: int, *, from_back: bool = False) -> None:
+    """Remove ``k`` tokens from the front (or back) of a run list in place."""
+    while k and runs:
+        run = runs[-1] if from_back else runs[0]
+        take = min(k, run[0])
+        run[0] -= take
+        k -= take
+        if run[0] == 0:
+            runs.pop(-1 if from_back else 0)
+
+
+def _move_centered(rotary: Rotary, keys: torch.Tensor, delta, bias: torch.Tensor | None) -> torch.Tensor:
+    """Move centered keys ``k - b`` by ``delta`` positions as the uncentered keys would move:
+    ``R(delta)(k_c + b) - b`` — so every key keeps the same ``-q.b`` offset and centering stays exact."""
+    if bias is None:
+        return rotary.move(keys, delta)
+    b = bias.to(device=keys.device, dtype=torch.float32)[None, :, None, :]
+    return (rotary.move(keys.float() + b, delta) - b).to(keys.dtype)
 
 
 def _bytes(t: torch.Tensor | None) -> int:

@@ -40,6 +40,23 @@ class Encoded:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.token.values(), *self.group.values()))
 
+    def narrow(self, start: int, stop: int, offset: int, token_group: int) -> tuple[Encoded, int]:
+        """Tokens ``start:stop`` of this encoding, whose first token sits ``offset`` tokens into its
+        first group: views ``(Encoded, offset')`` that a codec decodes as exactly those tokens.
+
+        Group parts keep every group any of the tokens belongs to; ``offset'`` is how far the new
+        first token sits into its group.
+        """
+        first = (offset + start) // token_group
+        last = (offset + stop - 1) // token_group + 1
+        return (
+            Encoded(
+                token={n: t[:, :, start:stop] for n, t in self.token.items()},
+                group={n: t[:, :, first:last] for n, t in self.group.items()},
+            ),
+            (offset + start) % token_group,
+        )
+
 
 ROLES = ("k", "v")
 

@@ -1,0 +1,77 @@
+"""Rotary position embedding (RoPE) as kvslim needs it: moving an already-rotated key to another position.
+
+Su et al., 2021, "RoFormer": a key at position ``p`` is stored as ``R(p) k``, where ``R(p)`` rotates
+channel pair ``(i, i + R/2)`` by the angle ``p * inv_freq[i]`` (the "rotate_half" layout of Llama and
+most transformers models; ``R = 2 * len(inv_freq)`` leading channels rotate, the rest pass through).
+Rotations compose, ``R(a) R(b) = R(a + b)``, so a key rotated for position ``p`` is moved to ``p + d``
+by ``R(d)`` alone — no need to know ``p``. The score ``q . k`` depends only on the distance between
+the query's and the key's positions; that is what StreamingLLM's in-cache positions and the
+bounded position ids of :mod:`kvslim.generate` change (see docs/streaming.md).
+
+Precision: angles ``d * inv_freq`` are formed in float64 (a distance of 2^24 keeps ~1e-9 rad), the
+rotation itself runs in float32 and the result returns in the input's dtype. A zero distance is never
+applied (the key is returned untouched), so modes that do not move a key stay bit-exact.
+
+``attention_scaling`` (YaRN's mscale) multiplies cos/sin in the model; a key already carries it once,
+so a move applies the pure rotation. This module knows nothing about transformers: the adapter
+(:mod:`kvslim.cache`) reads ``inv_freq`` from the model's own rotary module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """The rotation of one model: ``inv_freq`` (R/2,) — R leading channels of each head rotate."""
+
+    inv_freq: torch.Tensor
+
+    @property
+    def rotary_dim(self) -> int:
+        return 2 * self.inv_freq.shape[0]
+
+    def cos_sin(self, delta: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of ``delta[...] * inv_freq`` duplicated over both halves: (*delta.shape, R) float32."""
+        freqs = delta.to(device=device, dtype=torch.float64)[..., None] * self.inv_freq.to(
+            device=device, dtype=torch.float64
+        )  # (..., R/2)
+        emb = torch.cat([freqs, freqs], dim=-1)  # (..., R)
+        return emb.cos().float(), emb.sin().float()
+
+    def move(self, x: torch.Tensor, delta: torch.Tensor | int) -> torch.Tensor:
+        """``R(delta) x`` for x (B, H, T, D) rotated keys or queries.
+
+        delta: an int, a (B,) tensor (one distance per row), or (B, T) (per row and token).
+        Returns a new tensor in x's dtype; x itself when every distance is zero.
+        """
+        if not isinstance(delta, torch.Tensor):
+            delta = torch.tensor(int(delta))
+        if not bool((delta != 0).any()):
+            return x
+        b, _, t, d = x.shape
+        r = self.rotary_dim
+        if r > d:
+            raise ValueError(f"rotary dim {r} exceeds head_dim {d}")
+        if delta.ndim == 0:
+            delta = delta.expand(b)
+        if delta.ndim == 1:
+            delta = delta[:, None].expand(b, t)  # (B, T)
+        cos, sin = self.cos_sin(delta, x.device)  # (B, T, R)
+        cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, R)
+        xf = x.float()
+        rot = xf[..., :r]
+        half = r // 2
+        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)  # rotate_half
+        out = xf.clone()
+        out[..., :r] = rot * cos + rotated * sin
+        return out.to(x.dtype)
+
+
+def rotate_half_reference(x: torch.Tensor) -> torch.Tensor:
+    """The "rotate_half" layout this module implements, for probing a model's own function."""
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
