@@ -98,6 +98,12 @@ TEXT_PATH = os.path.join(os.path.dirname(__file__), "data", "GPL-3.txt")
 
 
 @pytest.fixture(scope="session")
+def text_path() -> str:
+    """Path of the real English text shipped in tests/data/."""
+    return TEXT_PATH
+
+
+@pytest.fixture(scope="session")
 def license_text():
     with open(TEXT_PATH, encoding="utf-8") as f:
         return f.read()

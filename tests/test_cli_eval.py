@@ -7,32 +7,12 @@ for the real model, so these run in seconds and offline.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from conftest import PPL_KEYS, tiny_model
 from kvslim.cli import main
-
-HAVE_CACHE = os.path.exists(os.path.join(os.path.dirname(__file__), "..", "src", "kvslim", "cache.py"))
-needs_cache = pytest.mark.skipif(not HAVE_CACHE, reason="src/kvslim/cache.py (SlimCache) does not exist yet")
-
-DATA_DIR = Path(__file__).parent / "data"
-FALLBACK_TEXT = Path("/usr/share/common-licenses/GPL-3")
-
-
-@pytest.fixture(scope="session")
-def text_path() -> str:
-    """A real English text: the first ``tests/data/*.txt`` once shipped, else the system's GPL-3.
-
-    (Temporary: moves to conftest.py, with the copy in test_evaluate.py, when tests/data/ lands.)
-    """
-    shipped = sorted(DATA_DIR.glob("*.txt"))
-    path = shipped[0] if shipped else FALLBACK_TEXT
-    if not path.is_file():
-        pytest.skip(f"no evaluation text: neither {DATA_DIR}/*.txt nor {FALLBACK_TEXT}")
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +128,6 @@ def test_no_subcommand(capsys):
 
 
 # -- JSON schema --------------------------------------------------------------------------------
-@needs_cache
 def test_ppl_json_table_and_plot(capsys, model_dir, text_file, tmp_path):
     out_json, out_png = tmp_path / "ppl.json", tmp_path / "ppl.png"
     rc, out, err = run(
@@ -176,7 +155,6 @@ def test_ppl_json_table_and_plot(capsys, model_dir, text_file, tmp_path):
     assert lines[0].split()[:2] == ["config", "ppl"] and lines[2].startswith("none ")
 
 
-@needs_cache
 def test_greedy_json(capsys, model_dir, tmp_path):
     out_json = tmp_path / "g.json"
     rc, out, err = run(
@@ -198,7 +176,6 @@ def test_greedy_json(capsys, model_dir, tmp_path):
     assert "story" in out and "chat" in out
 
 
-@needs_cache
 def test_memory_json(capsys, model_dir, tmp_path):
     out_json = tmp_path / "m.json"
     rc, out, err = run(
@@ -221,7 +198,6 @@ def test_memory_json(capsys, model_dir, tmp_path):
     assert data["results"][2]["stored_tokens"] == [100, 256]
 
 
-@needs_cache
 def test_passkey_json(capsys, model_dir, tmp_path):
     out_json = tmp_path / "p.json"
     rc, out, err = run(

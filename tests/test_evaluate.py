@@ -6,8 +6,6 @@ Fast tests run tiny random models; the ``slow`` ones the embedded SmolLM2-135M w
 from __future__ import annotations
 
 import math
-import os
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -33,25 +31,6 @@ from kvslim.evaluate import (
     resolve_modes,
     stream_layout,
 )
-
-HAVE_CACHE = os.path.exists(os.path.join(os.path.dirname(__file__), "..", "src", "kvslim", "cache.py"))
-needs_cache = pytest.mark.skipif(not HAVE_CACHE, reason="src/kvslim/cache.py (SlimCache) does not exist yet")
-
-DATA_DIR = Path(__file__).parent / "data"
-FALLBACK_TEXT = Path("/usr/share/common-licenses/GPL-3")
-
-
-@pytest.fixture(scope="session")
-def text_path() -> str:
-    """A real English text: the first ``tests/data/*.txt`` once shipped, else the system's GPL-3.
-
-    (Temporary: moves to conftest.py, with the copy in test_cli_eval.py, when tests/data/ lands.)
-    """
-    shipped = sorted(DATA_DIR.glob("*.txt"))
-    path = shipped[0] if shipped else FALLBACK_TEXT
-    if not path.is_file():
-        pytest.skip(f"no evaluation text: neither {DATA_DIR}/*.txt nor {FALLBACK_TEXT}")
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +78,6 @@ def test_exactness_dynamic_cache(model, ids, chunk):
     assert torch.allclose(res.nll, ref, atol=1e-4)
 
 
-@needs_cache
 @pytest.mark.parametrize("chunk", [1, 5])
 def test_exactness_reference_slim_cache(model, ids, chunk):
     """Issue 5's check: the reference mode through SlimCache == the full-sequence forward, to 1e-4 relative."""
@@ -108,7 +86,6 @@ def test_exactness_reference_slim_cache(model, ids, chunk):
     assert abs(res.ppl / ref_ppl - 1) < 1e-4
 
 
-@needs_cache
 @pytest.mark.parametrize("spec", ["none", "none,sink=4,window=10000", "int4,residual=0,sink=4,window=10000"])
 def test_kl_exactly_zero_for_identity_modes(model, ids, spec):
     """KL exactly 0 and top-1 1.0 for the reference and for a window longer than the text.
@@ -127,7 +104,6 @@ def test_kl_exactly_zero_for_identity_modes(model, ids, spec):
         assert res.kld_mean > 0.0
 
 
-@needs_cache
 def test_compare_report_reference_and_lossy(model, ids):
     report = compare_perplexity(
         model, ids, ["int2,residual=0", "none,sink=4,window=10000"], prefill=16, chunk=3, progress=False
@@ -141,7 +117,6 @@ def test_compare_report_reference_and_lossy(model, ids):
     assert all(set(r) == PPL_KEYS for r in recs)
 
 
-@needs_cache
 def test_lockstep_equals_stored_reference(model, ids):
     specs = ["int4,residual=32", "q4_0,sink=4,window=40,residual=0"]
     stored = compare_perplexity(model, ids, specs, prefill=16, chunk=4, progress=False)
@@ -238,7 +213,6 @@ def test_load_prompts(tmp_path):
         load_prompts(str(tmp_path / "e.txt"))
 
 
-@needs_cache
 def test_greedy_prefix_match_identity_and_lossy(model):
     prompts = [[5, 6, 7, 8, 9], [40, 41, 42], list(range(10, 40))]
     report = greedy_prefix_match(
@@ -336,7 +310,6 @@ MEMORY_SPECS = [
 ]
 
 
-@needs_cache
 @pytest.mark.parametrize("spec", MEMORY_SPECS)
 def test_memory_formula_matches_real_cache(model, spec):
     """The formula == the bytes a real SlimCache holds (its stored tensors), after a prefill of 40 tokens
@@ -368,7 +341,6 @@ def test_cache_bytes_rejects_bad_seen():
 
 # -- the real model (slow) --------------------------------------------------------------------
 @pytest.mark.slow
-@needs_cache
 def test_real_model_exactness_and_kl(real_model, text_path):
     model, tok = real_model
     with open(text_path, encoding="utf-8") as f:
@@ -384,7 +356,6 @@ def test_real_model_exactness_and_kl(real_model, text_path):
 
 
 @pytest.mark.slow
-@needs_cache
 def test_real_model_passkey_streaming_limit(real_model):
     """A key far outside a short window is lost; the reference keeps it (SmolLM2 at ~400 tokens)."""
     from kvslim.evaluate import passkey

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .checks import check_int
+
 # ---------------------------------------------------------------------------------------------
 # positions
 
@@ -149,10 +151,8 @@ def prefill(
         raise ValueError(
             f"input_ids must be (batch, tokens) with tokens >= 1, got shape {tuple(input_ids.shape)}"
         )
-    if chunk_size is not None and (
-        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
-    ):
-        raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size!r}")
+    if chunk_size is not None:
+        check_int("chunk_size", chunk_size, minimum=1, expected="a positive integer or None")
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise ValueError(
             f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
@@ -184,13 +184,15 @@ def decode_one_token(
 
 def check_teacher_forcing(n_tokens: int, prefill: int, chunk: int) -> None:
     """Validate a teacher-forcing plan: ``prefill`` in [1, n_tokens - 1], ``chunk`` >= 1."""
-    if isinstance(prefill, bool) or not isinstance(prefill, int) or not 1 <= prefill < n_tokens:
-        raise ValueError(
-            f"prefill must be an integer in [1, {n_tokens - 1}] (fewer than the {n_tokens} tokens, so at least "
-            f"one token is scored), got {prefill!r}"
-        )
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"chunk must be an integer >= 1 (1 = real decode steps), got {chunk!r}")
+    check_int(
+        "prefill",
+        prefill,
+        minimum=1,
+        below=n_tokens,
+        expected=f"an integer in [1, {n_tokens - 1}] (fewer than the {n_tokens} tokens, so at least one token "
+        f"is scored)",
+    )
+    check_int("chunk", chunk, minimum=1, expected="an integer >= 1 (1 = real decode steps)")
 
 
 def _one_row(token_ids: torch.Tensor, what: str = "token_ids") -> torch.Tensor:
@@ -383,8 +385,7 @@ def generate(
     first eos id; the run stops once every row has. Memory per step is constant: no per-step list
     is kept and the attention mask (if any) is one buffer sized for the whole run.
     """
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    check_int("max_new_tokens", max_new_tokens, minimum=1, expected="an integer >= 1")
     _check_sampling(temperature, top_p)
     if input_ids.ndim != 2:
         raise ValueError(f"input_ids must be (batch, tokens), got shape {tuple(input_ids.shape)}")

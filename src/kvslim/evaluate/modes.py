@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from ..checks import check_int as base_check_int
 from ..config import CacheConfig, parse_spec
 
 #: The spec of the reference mode: the model's own dtype, nothing evicted.
@@ -67,7 +68,6 @@ def progress_bar(total: int, desc: str, enabled: bool, unit: str = "tok"):
 
 
 def check_int(name: str, value, minimum: int, meaning: str = "") -> None:
-    """Raise ValueError unless ``value`` is an int (not a bool) ``>= minimum``; ``meaning`` explains it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        note = f" ({meaning})" if meaning else ""
-        raise ValueError(f"{name} must be an integer >= {minimum}{note}, got {value!r}")
+    """:func:`kvslim.checks.check_int` worded for evaluation arguments: ``meaning`` explains the value."""
+    note = f" ({meaning})" if meaning else ""
+    base_check_int(name, value, minimum=minimum, expected=f"an integer >= {minimum}{note}")
