@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvslim.buffers import Stream, TimeBuffer
 from kvslim.formats import make_codec
-from kvslim.layer import SlimLayer, Stream, TimeBuffer
+from kvslim.layer import SlimLayer
 from kvslim.policy import KeepPolicy
 
 

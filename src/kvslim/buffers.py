@@ -1,0 +1,239 @@
+"""Storage along the time axis: growing buffers and one K or V stream (encoded body + fp residual).
+
+:class:`TimeBuffer` is a tensor growing along dim 2 with amortized O(1) appends and O(1) drops of the
+oldest entries; :class:`Stream` is the non-sink tokens of one tensor of one layer — the encoded body
+(a codec's token and group parts, each a TimeBuffer) and the full-precision residual. Appends are a
+plan (encode; may fail) and a commit (cannot fail), so a layer can make an update a transaction.
+
+This module knows nothing about positions, eviction policy or transformers (see :mod:`kvslim.layer`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .formats import Codec, Encoded
+
+
+class TimeBuffer:
+    """A tensor ``(B, H, T, ...)`` growing along dim 2: amortized O(1) append, O(1) drop of the oldest.
+
+    Storage is a preallocated block with slack at the end; ``start`` moves on drops. When an append
+    does not fit, the live part moves into a new block with 50% headroom (at least ``min_slack``
+    entries) — a fresh allocation, so views handed out earlier are never overwritten.
+    """
+
+    __slots__ = ("data", "start", "end", "min_slack")
+
+    def __init__(self, min_slack: int = 64):
+        self.data: torch.Tensor | None = None
+        self.start = 0
+        self.end = 0
+        self.min_slack = min_slack
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def append(self, x: torch.Tensor) -> None:
+        n = x.shape[2]
+        if n == 0 and self.data is not None:
+            return
+        if self.data is None or self.end + n > self.data.shape[2]:
+            self._realloc(len(self) + n, x)
+        self.data[:, :, self.end : self.end + n] = x
+        self.end += n
+
+    def _realloc(self, need: int, like: torch.Tensor) -> None:
+        """Move the live entries into a new block with room for ``need`` entries plus slack.
+
+        Slack is a quarter of the live size (at least ``min_slack``): appends stay amortized O(1)
+        (each entry is copied about four more times at most) and the block holds at most ~25% more
+        than it stores. A fresh allocation: views handed out earlier are never overwritten.
+        """
+        live = len(self)
+        cap = need + max(self.min_slack, live // 4)
+        new = like.new_empty((*like.shape[:2], cap, *like.shape[3:]))
+        if live:
+            new[:, :, :live] = self.data[:, :, self.start : self.end]
+        self.data, self.start, self.end = new, 0, live
+
+    def drop_front(self, k: int) -> None:
+        if not 0 <= k <= len(self):
+            raise ValueError(f"cannot drop {k} of {len(self)} entries")
+        self.start += k
+        if self.start == self.end:
+            self.start = self.end = 0  # reuse the block from its beginning
+        cap = self.data.shape[2] if self.data is not None else 0
+        if cap > 2 * len(self) + 2 * self.min_slack:
+            # A big drop (a prefill leaving the residual, a window evicting a long prompt): give the memory back.
+            self._realloc(len(self), self.data[:, :, :0])
+
+    def drop_back(self, k: int) -> None:
+        if not 0 <= k <= len(self):
+            raise ValueError(f"cannot drop {k} of {len(self)} entries")
+        self.end -= k
+
+    def view(self) -> torch.Tensor | None:
+        return None if self.data is None else self.data[:, :, self.start : self.end]
+
+    def map_batch(self, fn) -> None:
+        """Apply ``fn`` (a batch-dim index/repeat) to the stored block."""
+        if self.data is not None:
+            self.data = fn(self.data)
+
+    def nbytes(self) -> int:
+        """Bytes allocated (live entries and slack): what the buffer really holds in memory."""
+        return 0 if self.data is None else self.data.numel() * self.data.element_size()
+
+    def live_nbytes(self) -> int:
+        if self.data is None:
+            return 0
+        per = self.data[:, :, :1].numel() * self.data.element_size()
+        return per * len(self)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A stream append, decided and encoded but not applied: ``encoded`` joins the body,
+    ``drop_fp`` tokens leave the front of the residual, ``fp`` (B, H, n, D) joins its end."""
+
+    encoded: Encoded | None
+    drop_fp: int
+    fp: torch.Tensor
+
+
+class Stream:
+    """The non-sink tokens of one tensor (K or V) of one layer: encoded body + fp residual."""
+
+    def __init__(self, codec: Codec, residual: int, unit: int = 1, min_slack: int = 64):
+        self.codec = codec
+        self.residual_cap = residual if codec.lossy else 0
+        if unit % codec.token_group:
+            raise ValueError(f"unit={unit} must be a multiple of the codec's token group {codec.token_group}")
+        self.unit = unit  # tokens leave the residual this many at a time
+        self.tokens: dict[str, TimeBuffer] = {}  # encoded per-token parts
+        self.groups: dict[str, TimeBuffer] = {}  # encoded per-group parts
+        self.offset = 0  # tokens already evicted from the first group
+        self.fp = TimeBuffer(min_slack)  # residual (everything, for an identity codec)
+        self.min_slack = min_slack
+
+    # -- sizes ---------------------------------------------------------------------------
+    @property
+    def n_body(self) -> int:
+        return len(next(iter(self.tokens.values()))) if self.tokens else 0
+
+    def __len__(self) -> int:
+        return self.n_body + len(self.fp)
+
+    # -- writes --------------------------------------------------------------------------
+    def append(self, x: torch.Tensor) -> None:
+        """x: (B, H, C, D) new tokens, already in their final (e.g. mean-centered) form."""
+        self.commit(self.plan(x))
+
+    def plan(self, x: torch.Tensor) -> _Plan:
+        """Everything appending x (B, H, C, D) will do, computed without changing the stream: the
+        encoding of the tokens that leave the residual (the step that can fail) is done here."""
+        if not self.codec.lossy:
+            return _Plan(None, 0, x)
+        g = self.unit
+        n_fp = len(self.fp)
+        ready = ((n_fp + x.shape[2] - self.residual_cap) // g) * g  # tokens that leave the residual now
+        if ready <= n_fp:
+            if ready <= 0:
+                return _Plan(None, 0, x)
+            return _Plan(self.codec.encode(self.fp.view()[:, :, :ready]), ready, x)
+        # A long chunk (prefill): encode straight from it; only the newest tokens enter the residual.
+        head = x[:, :, : ready - n_fp]
+        enc = self.codec.encode(head if n_fp == 0 else torch.cat([self.fp.view(), head], dim=2))
+        return _Plan(enc, n_fp, x[:, :, ready - n_fp :])
+
+    def commit(self, plan: _Plan) -> None:
+        """Apply a :meth:`plan` (made on this stream's current state; nothing here can fail)."""
+        if plan.encoded is not None:
+            self._append_encoded(plan.encoded)
+        if plan.drop_fp:
+            self.fp.drop_front(plan.drop_fp)
+        self.fp.append(plan.fp)
+
+    def _append_encoded(self, enc: Encoded) -> None:
+        """Append encoded tokens (a multiple of token_group) to the body."""
+        for name, t in enc.token.items():
+            self.tokens.setdefault(name, TimeBuffer(self.min_slack)).append(t)
+        g_slack = max(1, self.min_slack // self.codec.token_group)
+        for name, t in enc.group.items():
+            self.groups.setdefault(name, TimeBuffer(g_slack)).append(t)
+
+    def drop_front(self, k: int) -> None:
+        """Evict the ``k`` oldest tokens (token-granular, whatever the grouping)."""
+        from_body = min(k, self.n_body)
+        if from_body:
+            for buf in self.tokens.values():
+                buf.drop_front(from_body)
+            self.offset += from_body
+            g = self.codec.token_group
+            gone = self.offset // g
+            if self.n_body == 0:  # the body is empty: drop every group, partial ones included
+                gone = len(next(iter(self.groups.values()))) if self.groups else 0
+                self.offset = 0
+            else:
+                self.offset -= gone * g
+            for buf in self.groups.values():
+                buf.drop_front(gone)
+        if k - from_body:
+            self.fp.drop_front(k - from_body)
+
+    def crop_back(self, k: int) -> None:
+        """Remove the ``k`` newest tokens; only the full-precision residual can give tokens back."""
+        if k > len(self.fp):
+            raise ValueError(
+                f"cannot crop {k} tokens: only the {len(self.fp)} newest tokens are at full precision "
+                f"(the rest are encoded with {self.codec.name} in groups and cannot be un-appended); "
+                f"use residual >= {k} to make such crops possible"
+            )
+        self.fp.drop_back(k)
+
+    # -- reads ---------------------------------------------------------------------------
+    def body(self) -> Encoded:
+        return Encoded(
+            token={n: b.view() for n, b in self.tokens.items()},
+            group={n: b.view() for n, b in self.groups.items()},
+        )
+
+    def decode_body(self, dtype: torch.dtype) -> torch.Tensor | None:
+        if self.n_body == 0:
+            return None
+        return self.codec.decode(self.body(), dtype, self.offset)
+
+    def materialize(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """All stream tokens, oldest first: (B, H, L, D) in ``dtype``."""
+        body = self.decode_body(dtype)
+        res = self.fp.view()
+        if body is None:
+            return None if res is None else res.to(dtype)
+        if res is None or res.shape[2] == 0:
+            return body
+        return torch.cat([body, res.to(dtype)], dim=2)
+
+    def front(self, k: int, dtype: torch.dtype) -> torch.Tensor:
+        """The ``k`` oldest tokens, decoded: (B, H, k, D)."""
+        full = self.materialize(dtype)
+        return full[:, :, :k]
+
+    # -- batch ---------------------------------------------------------------------------
+    def map_batch(self, fn) -> None:
+        for buf in (*self.tokens.values(), *self.groups.values(), self.fp):
+            buf.map_batch(fn)
+
+    def components(self, prefix: str) -> dict[str, int]:
+        out = {}
+        for name, buf in self.tokens.items():
+            out[f"{prefix}_{name}"] = buf.nbytes()
+        for name, buf in self.groups.items():
+            out[f"{prefix}_{name}"] = buf.nbytes()
+        out[f"{prefix}_residual"] = self.fp.nbytes()
+        return out
+
+    def live_nbytes(self) -> int:
+        return sum(b.live_nbytes() for b in (*self.tokens.values(), *self.groups.values(), self.fp))
