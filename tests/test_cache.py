@@ -473,3 +473,32 @@ def test_memory_held_stays_close_to_what_is_stored(spec):
     assert (
         cache.nbytes() <= 1.5 * cache.live_nbytes() + 2 * 2 * 2 * 64 * 32 * 4 * 4
     )  # + slack of 64 tokens/buffer
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+def test_residual_dtype_stores_fp_tokens_in_16_bits(dtype_name):
+    """A lossy format's residual and sinks in 16 bits: half the bytes of an fp32 model's, close logits;
+    a lossless 'none' stream is its storage and keeps the model's dtype."""
+    model = tiny_model("llama")
+    ids = _prompt(length=40)
+    kw = dict(kv_quantize="int4", sink=2, window=30, group_size=4, residual=8, config=model.config)
+    with torch.no_grad():
+        ref_cache = SlimCache(**kw)
+        ref = _prefill_then_decode(model, ref_cache, ids, 12)
+        cache = SlimCache(residual_dtype=dtype_name, **kw)
+        got = _prefill_then_decode(model, cache, ids, 12)
+    store = cache.layers[0].store
+    want = getattr(torch, dtype_name)
+    assert store.k.fp.data.dtype == want and store.sink_k.dtype == want and store.sink_v.dtype == want
+    ref_store = ref_cache.layers[0].store
+    assert 2 * store.k.fp.live_nbytes() == ref_store.k.fp.live_nbytes() > 0
+    assert 2 * store.sink_v.numel() * store.sink_v.element_size() == ref_store.sink_v.numel() * 4
+    assert _kl(ref, got).mean() < 1e-3
+    mixed = SlimCache(
+        kv_quantize="none", k_quantize="int4", residual_dtype=dtype_name, group_size=4, residual=4, config=model.config
+    )
+    with torch.no_grad():
+        forward(model, ids, mixed)
+    assert mixed.layers[0].store.v.fp.data.dtype == torch.float32  # V is lossless: the model's dtype
+    with pytest.raises(ValueError, match="residual_dtype must be one of"):
+        SlimCache(residual_dtype="fp8")

@@ -107,8 +107,13 @@ class _Plan:
 class Stream:
     """The non-sink tokens of one tensor (K or V) of one layer: encoded body + fp residual."""
 
-    def __init__(self, codec: Codec, residual: int, unit: int = 1, min_slack: int = 64):
+    def __init__(
+        self, codec: Codec, residual: int, unit: int = 1, min_slack: int = 64, fp_dtype: torch.dtype | None = None
+    ):
         self.codec = codec
+        #: dtype of the full-precision tokens of a lossy stream (None: as given); a lossless stream's
+        #: tokens are its storage and keep theirs
+        self.fp_dtype = fp_dtype if codec.lossy else None
         self.residual_cap = residual if codec.lossy else 0
         if unit % codec.token_group:
             raise ValueError(f"unit={unit} must be a multiple of the codec's token group {codec.token_group}")
@@ -137,6 +142,8 @@ class Stream:
         encoding of the tokens that leave the residual (the step that can fail) is done here."""
         if not self.codec.lossy:
             return _Plan(None, 0, x)
+        if self.fp_dtype is not None:
+            x = x.to(self.fp_dtype)
         g = self.unit
         n_fp = len(self.fp)
         ready = ((n_fp + x.shape[2] - self.residual_cap) // g) * g  # tokens that leave the residual now

@@ -36,7 +36,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import attention
-from .config import DEFAULT_POSITIONS, CacheConfig
+from .config import DEFAULT_POSITIONS, DEFAULT_RESIDUAL_DTYPE, CacheConfig
 from .formats import make_codec
 from .layer import SlimLayer
 from .policy import KeepPolicy
@@ -153,6 +153,12 @@ class SlimCache(Cache):
         v_group_size: channel group of per-token affine V (None: the whole head_dim).
         mean_center: K mean-centering bias: a GGUF file path, a ``BiasSet``, or a list of per-layer
             ``(H_kv, head_dim)`` tensors. Subtracted from every key before it is stored.
+        positions: where StreamingLLM's kept keys sit: ``cache`` (the paper's in-cache positions: sinks
+            right before the window, the distance from a query to a sink bounded by ``sink + window``)
+            or ``original`` (every key at its original position). Only the fp sinks are re-rotated.
+            See docs/streaming.md.
+        residual_dtype: storage of a lossy format's full-precision tokens (residual and sinks):
+            ``model``, ``float16`` or ``bfloat16``.
         config: the model's config (recommended): checks the architecture, head_dim against the
             formats, and the bias file against the model's shapes up front.
         compressed_attention: whether decode steps hand the ``kvslim`` attention the stored segments;
@@ -162,7 +168,10 @@ class SlimCache(Cache):
         model_fingerprint: :func:`kvslim.models.model_fingerprint` of the model; a bias file recorded for
             another model is then refused unless ``allow_other_model=True`` (which warns).
 
-    Sinks are stored in the model's dtype (a handful of tokens; they anchor softmax).
+    Sinks are stored at full precision (a handful of tokens; they anchor softmax).
+
+    kvslim's own decode loop (:mod:`kvslim.generate`) keeps the position ids it feeds bounded on endless
+    streams (``rebase_period``); under ``model.generate()`` the ids are absolute and the cache follows.
     """
 
     def __init__(
@@ -178,6 +187,7 @@ class SlimCache(Cache):
         v_group_size: int | None = None,
         mean_center=None,
         positions: str = DEFAULT_POSITIONS,
+        residual_dtype: str = DEFAULT_RESIDUAL_DTYPE,
         config=None,
         compressed_attention: bool | None = None,
         observe=None,
@@ -196,6 +206,7 @@ class SlimCache(Cache):
             v_group_size=v_group_size,
             mean_center=path,
             positions=positions,
+            residual_dtype=residual_dtype,
         )
         cfg = self.cache_config
         if mean_center is not None and path is None:
@@ -281,6 +292,7 @@ class SlimCache(Cache):
             k_bias=bias,
             positions=cfg.positions,
             rotary=self.rotary,
+            fp_dtype=None if cfg.residual_dtype == "model" else getattr(torch, cfg.residual_dtype),
         )
 
     def _replicate(self) -> SlimCacheLayer:

@@ -31,6 +31,10 @@ MEAN_CENTER_FORMATS: tuple[str, ...] = tuple(
 POSITIONS = ("cache", "original")
 #: The default, chosen by measurement (docs/streaming.md).
 DEFAULT_POSITIONS = "original"
+#: Storage of a lossy format's full-precision tokens: the model's dtype or a 16-bit float.
+RESIDUAL_DTYPES = ("model", "float16", "bfloat16")
+#: The default, chosen by measurement (docs/quality.md).
+DEFAULT_RESIDUAL_DTYPE = "model"
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,9 @@ class CacheConfig:
         ``cache`` (the paper: the kept tokens as one contiguous sequence, sinks right before the
         window) or ``original`` (every key at its original position; query-to-sink distances grow
         with the stream). Only matters with a window.
+    residual_dtype: how a lossy format's full-precision tokens (the residual and the sinks) are stored:
+        ``model`` (the model's dtype), ``float16`` or ``bfloat16``. Lossless ``none`` always keeps the
+        model's dtype.
     """
 
     kv_quantize: str = "none"
@@ -63,8 +70,14 @@ class CacheConfig:
     v_group_size: int | None = None
     mean_center: str | None = None
     positions: str = DEFAULT_POSITIONS
+    residual_dtype: str = DEFAULT_RESIDUAL_DTYPE
 
     def __post_init__(self):
+        if self.residual_dtype not in RESIDUAL_DTYPES:
+            raise ValueError(
+                f"residual_dtype must be one of {', '.join(RESIDUAL_DTYPES)} (how a lossy format's full-precision "
+                f"residual and sinks are stored), got {self.residual_dtype!r}"
+            )
         if self.positions not in POSITIONS:
             raise ValueError(
                 f"positions must be one of {', '.join(POSITIONS)} (where StreamingLLM's kept keys sit), "
@@ -140,6 +153,8 @@ class CacheConfig:
             parts.append(f"mean_center={self.mean_center}")
         if self.positions != DEFAULT_POSITIONS:
             parts.append(f"positions={self.positions}")
+        if self.residual_dtype != DEFAULT_RESIDUAL_DTYPE:
+            parts.append(f"residual_dtype={self.residual_dtype}")
         return ",".join(parts)
 
     def to_dict(self) -> dict:
@@ -160,6 +175,7 @@ _SPEC_KEYS = {
     "v_group": ("v_group_size", int),
     "mean_center": ("mean_center", str),
     "positions": ("positions", str),
+    "residual_dtype": ("residual_dtype", str),
 }
 
 

@@ -146,14 +146,16 @@ class SlimLayer:
         min_slack: int = 64,
         positions: str = "original",
         rotary: Rotary | None = None,
+        fp_dtype: torch.dtype | None = None,
     ):
         if positions not in POSITIONS:
             raise ValueError(f"positions must be one of {', '.join(POSITIONS)}, got {positions!r}")
         self.policy = policy
         self.positions = positions
         self.rotary = rotary  # None: keys are never moved (positions='original', base always 0)
-        self.k = Stream(k_codec, residual, group_size, min_slack)
-        self.v = Stream(v_codec, residual, group_size, min_slack)
+        # fp_dtype: storage of a lossy stream's full-precision tokens (residual and sinks); None: the model's
+        self.k = Stream(k_codec, residual, group_size, min_slack, fp_dtype)
+        self.v = Stream(v_codec, residual, group_size, min_slack, fp_dtype)
         self.k_bias = k_bias  # (H_kv, D) float32, subtracted from every key before storage
         self.sink_k: torch.Tensor | None = None  # (B, H, <=sink, D), centered like the stream
         self.sink_v: torch.Tensor | None = None
@@ -247,6 +249,10 @@ class SlimLayer:
         sink_k, sink_v, sink_rot = self.sink_k, self.sink_v, self.sink_rot
         if n_sink:
             ks, vs = centered[:, :, :n_sink], values[:, :, :n_sink]
+            if self.k.fp_dtype is not None:
+                ks = ks.to(self.k.fp_dtype)
+            if self.v.fp_dtype is not None:
+                vs = vs.to(self.v.fp_dtype)
             slots = torch.arange(self.seen, self.seen + n_sink, device=device)  # (n,)
             rot = slots[None, :] - pads[:, None] - base  # (B, n): the position ids these keys were fed
             sink_k = ks.clone() if sink_k is None else torch.cat([sink_k, ks], dim=2)
