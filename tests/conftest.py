@@ -49,7 +49,7 @@ def tiny_config(arch: str = "llama", **overrides):
     if arch == "llama":
         return tf.LlamaConfig(**common)
     if arch == "mistral":
-        return tf.MistralConfig(sliding_window=None, **common)
+        return tf.MistralConfig(**{"sliding_window": None, **common})
     if arch == "qwen2":
         return tf.Qwen2Config(use_sliding_window=False, **common)
     if arch == "qwen3":
@@ -77,6 +77,135 @@ def tiny_model(
     # quantization errors are meaningful.
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def family_config(name: str):
+    """A tiny random config of one decoder family transformers ships, beyond the all-full-attention ones:
+    sliding/full hybrids, chunked attention, KV-shared layers, linear-attention / SSM hybrids, MLA."""
+    import transformers as tf
+
+    common = dict(
+        vocab_size=128,
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    alt = ["sliding_attention", "full_attention"] * 2
+    make = {
+        "gemma3": lambda: tf.Gemma3TextConfig(**common, head_dim=32, sliding_window=8, layer_types=alt),
+        "gpt_oss": lambda: tf.GptOssConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2, head_dim=32, sliding_window=8
+        ),
+        "cohere2": lambda: tf.Cohere2Config(**common, sliding_window=8, layer_types=alt),
+        "olmo3": lambda: tf.Olmo3Config(**common, sliding_window=8, layer_types=alt),
+        "llama4": lambda: tf.Llama4TextConfig(
+            **common,
+            intermediate_size_mlp=128,
+            num_local_experts=2,
+            head_dim=32,
+            attention_chunk_size=8,
+            layer_types=["chunked_attention", "full_attention"] * 2,
+        ),
+        "mistral_sliding": lambda: tf.MistralConfig(**common, sliding_window=8),
+        "qwen3_next": lambda: tf.Qwen3NextConfig(
+            **common,
+            num_experts=4,
+            num_experts_per_tok=2,
+            head_dim=32,
+            linear_num_key_heads=2,
+            linear_num_value_heads=2,
+            linear_key_head_dim=32,
+            linear_value_head_dim=32,
+            layer_types=["linear_attention", "full_attention"] * 2,
+        ),
+        "falcon_h1": lambda: tf.FalconH1Config(
+            **common, head_dim=32, mamba_d_ssm=128, mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1, mamba_d_state=16
+        ),
+        "bamba": lambda: tf.BambaConfig(
+            **common, attn_layer_indices=[1, 3], mamba_n_heads=4, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=16
+        ),
+        "jamba": lambda: tf.JambaConfig(
+            **common,
+            num_experts=2,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            mamba_d_state=8,
+        ),
+        "lfm2": lambda: tf.Lfm2Config(**common, layer_types=["conv", "full_attention"] * 2),
+        "deepseek_v3": lambda: tf.DeepseekV3Config(
+            **{**common, "num_key_value_heads": 4},
+            q_lora_rank=32,
+            kv_lora_rank=64,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=32,
+            v_head_dim=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            moe_intermediate_size=32,
+            n_group=1,
+            topk_group=1,
+        ),
+        "gemma3n": lambda: tf.Gemma3nTextConfig(
+            **common,
+            head_dim=32,
+            sliding_window=8,
+            layer_types=alt,
+            num_kv_shared_layers=2,
+            altup_num_inputs=2,
+            laurel_rank=8,
+            hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=128,
+        ),
+    }
+    return make[name]()
+
+
+#: Families of family_config, and the attention implementation each runs with (gpt-oss's learned
+#: attention sinks have no sdpa path in transformers).
+FAMILIES = {
+    "gemma3": "sdpa",
+    "gpt_oss": "eager",
+    "cohere2": "sdpa",
+    "olmo3": "sdpa",
+    "llama4": "sdpa",
+    "mistral_sliding": "sdpa",
+    "qwen3_next": "sdpa",
+    "falcon_h1": "sdpa",
+    "bamba": "sdpa",
+    "jamba": "sdpa",
+    "lfm2": "sdpa",
+    "deepseek_v3": "sdpa",
+    "gemma3n": "sdpa",
+}
+
+
+def family_model(name: str, seed: int = 0, attn_implementation: str | None = None):
+    import logging
+    import warnings
+
+    import transformers as tf
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = tf.AutoModelForCausalLM.from_config(
+            family_config(name), attn_implementation=attn_implementation or FAMILIES[name]
+        )
+    model = model.eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)  # widen near-uniform random logits (see tiny_model)
+    model.generation_config.eos_token_id = None
     return model
 
 

@@ -419,20 +419,17 @@ def test_block_format_needs_head_dim_multiple_of_32():
         SlimCache(kv_quantize="q4_0", config=tiny_config("llama", hidden_size=64, num_attention_heads=4))
 
 
-def test_sliding_window_models_get_a_clear_error():
-    import transformers as tf
-
-    cfg = tf.MistralConfig(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        sliding_window=16,
-    )
-    with pytest.raises(ValueError, match="sliding_attention"):
-        SlimCache(config=cfg)
+def test_sliding_window_models_keep_the_models_window():
+    """Mistral with a sliding window: every layer is a sliding layer holding at most window - 1 tokens
+    (transformers' own convention), whatever StreamingLLM policy is asked for the full layers."""
+    model = tiny_model("mistral", sliding_window=6)
+    ids = _prompt(length=20)
+    with torch.no_grad():
+        ref = _prefill_then_decode(model, DynamicCache(config=model.config), ids, 8)
+        cache = SlimCache(config=model.config)
+        got = _prefill_then_decode(model, cache, ids, 8)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    assert all(layer.is_sliding and layer.store.stored == 5 for layer in cache.layers)
 
 
 # -- dtypes -----------------------------------------------------------------------------------------------

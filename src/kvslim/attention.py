@@ -82,7 +82,7 @@ def compressed_attention(query: torch.Tensor, kv: Segments, attention_mask, scal
     if kv.v_res is not None and kv.v_res.shape[2]:
         o = probs[..., n_sink + n_body :] @ kv.v_res.float()
         out = o if out is None else out + o
-    return out.reshape(b, hq, q_len, d).to(query.dtype)
+    return out.reshape(b, hq, q_len, -1).to(query.dtype)  # V may be narrower than K (MLA)
 
 
 def _stream_scores(qf: torch.Tensor, kv: Segments) -> list[torch.Tensor]:

@@ -31,17 +31,19 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import attention
+from . import attention, compat
+from .compat import DummyLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer  # by release: see compat
 from .config import DEFAULT_POSITIONS, DEFAULT_RESIDUAL_DTYPE, CacheConfig
 from .formats import make_codec
 from .layer import SlimLayer
 from .policy import KeepPolicy
 from .rotary import Rotary, rotate_half_reference
-from .shapes import ModelShapes, text_config
+from .shapes import ModelShapes, is_mla, text_config
 
 
 class SlimCacheLayer(CacheLayerMixin):
@@ -50,11 +52,13 @@ class SlimCacheLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, store_factory, owner: SlimCache, layer_idx: int):
+    def __init__(self, store_factory, owner: SlimCache, layer_idx: int, layer_type: str = "full_attention"):
         super().__init__()
         self._factory = store_factory
         self._owner = owner  # the cache: padding, attention path and observer are decided there
         self.layer_idx = layer_idx
+        self.layer_type = layer_type
+        self.is_sliding = layer_type in SLIDING_TYPES  # transformers reads it for masks and offloading
         self.store: SlimLayer = store_factory()
 
     @property
@@ -70,11 +74,12 @@ class SlimCacheLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         owner = self._owner
+        if not owner.compressed_attention and not _materializing_warned:
+            _warn_materializing(owner)
         if owner.observe is not None:
             owner.observe(self.layer_idx, key_states, value_states)
         # transformers passes the attention layer's kwargs as `kwargs=...`.
-        inner = kwargs.get("kwargs") or {}
-        position_ids = inner.get("position_ids", kwargs.get("position_ids"))
+        position_ids = compat.update_position_ids(kwargs)
         store = self.store
         if owner.padding_explicit:
             pads = owner.pads
@@ -83,6 +88,8 @@ class SlimCacheLayer(CacheLayerMixin):
             pads = None
             if position_ids is not None and owner.policy.bounded and owner.policy.sink:
                 pads = _pads_from_positions(position_ids, store.seen, key_states)
+            elif owner.policy.bounded and owner.policy.sink:
+                compat.warn_padding_unseen(key_states.shape[0])  # before 5.24 the ids never get here
             base = 0  # the convention's pads make every row's offset 0
         if base != store._base and store.stored and store.rotary is None:
             raise ValueError(
@@ -96,6 +103,7 @@ class SlimCacheLayer(CacheLayerMixin):
         return (out, out) if compressed else out  # kvslim_attention reads both from the one view
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        query_length = compat.mask_query_length(query_length)  # before 5.4: cache_position
         stored = self.store.stored
         return stored + query_length, self.store.seen - stored
 
@@ -103,7 +111,10 @@ class SlimCacheLayer(CacheLayerMixin):
         return self.store.seen
 
     def get_max_length(self) -> int:
-        return -1
+        # transformers' convention: a sliding layer's maximum is its window, an unbounded one's -1
+        return self.store.policy.window + 1 if self.is_sliding else -1
+
+    get_max_cache_shape = get_max_length  # its name before transformers 5.13
 
     def reset(self) -> None:
         self.store = self._factory()
@@ -134,6 +145,61 @@ class SlimCacheLayer(CacheLayerMixin):
 
     def prefetch(self):
         pass
+
+
+class SlimHybridLayer(LinearAttentionLayer, SlimCacheLayer):
+    """A layer with both a linear-attention (SSM / conv) state and attention K/V (Falcon-H1's
+    ``hybrid`` layers): the recurrent state is kept exactly as transformers' own layer keeps it, the
+    K/V in a :class:`~kvslim.layer.SlimLayer`."""
+
+    def __init__(self, store_factory, owner: SlimCache, layer_idx: int, layer_type: str, number_of_states: int = 1):
+        SlimCacheLayer.__init__(self, store_factory, owner, layer_idx, layer_type)
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        if len(args) == 2 and not kwargs:  # from update(keys, values)
+            SlimCacheLayer.lazy_initialization(self, *args)
+        else:  # from update_conv_state / update_recurrent_state
+            LinearAttentionLayer.lazy_initialization(self, **kwargs)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return SlimCacheLayer.update(self, key_states, value_states, *args, **kwargs)
+
+    def reset(self) -> None:
+        LinearAttentionLayer.reset(self)
+        SlimCacheLayer.reset(self)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        LinearAttentionLayer.reorder_cache(self, beam_idx)
+        SlimCacheLayer.reorder_cache(self, beam_idx)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        LinearAttentionLayer.crop(self, tokens_to_remove)
+        SlimCacheLayer.crop(self, tokens_to_remove)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        LinearAttentionLayer.batch_repeat_interleave(self, repeats)
+        SlimCacheLayer.batch_repeat_interleave(self, repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        LinearAttentionLayer.batch_select_indices(self, indices)
+        SlimCacheLayer.batch_select_indices(self, indices)
+
+    def offload(self):
+        LinearAttentionLayer.offload(self)
+
+    def prefetch(self):
+        LinearAttentionLayer.prefetch(self)
+
+    # The attention half answers for lengths and masks (LinearAttentionLayer comes first in the MRO).
+    get_seq_length = SlimCacheLayer.get_seq_length
+    get_mask_sizes = SlimCacheLayer.get_mask_sizes
+    get_max_length = SlimCacheLayer.get_max_length
+    is_compileable = False
+
+    @property
+    def is_croppable(self) -> bool:
+        return LinearAttentionLayer.is_croppable.fget(self) and SlimCacheLayer.is_croppable.fget(self)
 
 
 class SlimCache(Cache):
@@ -219,8 +285,13 @@ class SlimCache(Cache):
             raise ValueError(f"observe must be a callable (layer_idx, keys, values) or None, got {observe!r}")
         attention.register()
         #: Whether decode steps hand attention a Segments view (decided here, once; see attention.py).
+        mla = config is not None and is_mla(text_config(config))
+        if compressed_attention and mla:
+            raise ValueError(
+                "compressed_attention=True cannot serve MLA models: they expand the cached latent before attention"
+            )
         self.compressed_attention = (
-            attention.uses_kvslim_attention(config) if compressed_attention is None else compressed_attention
+            (attention.uses_kvslim_attention(config) and not mla) if compressed_attention is None else compressed_attention
         )
         self.observe = observe
         self.pads: torch.Tensor | None = None  # (B,) left padding, when handed explicitly
@@ -236,7 +307,7 @@ class SlimCache(Cache):
             self._shapes = _model_shapes(config)
             for role, codec in self._codecs.items():
                 try:
-                    codec.check_head_dim(self._shapes.head_dim)
+                    codec.check_head_dim(self._shapes.k_head_dim if role == "k" else self._shapes.v_head_dim)
                 except ValueError as e:
                     raise ValueError(
                         f"{role}_quantize={codec.name!r} cannot store this model's KV: {e}"
@@ -263,12 +334,10 @@ class SlimCache(Cache):
                 f"use positions='original'"
             )
         #: kvslim's loop re-bases position ids every this many tokens (None: never), see generate.py.
-        self.rebase_period = _rebase_period(self.policy, self.rotary)
+        # (None before transformers 5.24: the cache could not read the base back from the ids, see compat)
+        self.rebase_period = _rebase_period(self.policy, self.rotary) if compat.POSITIONS_REACH_CACHE else None
         if self._shapes is not None:
-            layers = [
-                SlimCacheLayer(functools.partial(self._new_store, i), self, i) for i in range(self._shapes.n_layers)
-            ]
-            super().__init__(layers=layers)
+            super().__init__(layers=[self._new_layer(i, t, kw) for i, (t, kw) in enumerate(_layer_plan(config))])
         else:
             super().__init__(layer_class_to_replicate=self._replicate)
 
@@ -280,11 +349,26 @@ class SlimCache(Cache):
         return cls(config=config, **kwargs)
 
     # -- construction helpers ------------------------------------------------------------------
-    def _new_store(self, layer_idx: int) -> SlimLayer:
+    def _new_layer(self, i: int, layer_type: str, kwargs: dict):
+        """The cache layer for model layer ``i`` of transformers' ``layer_type`` (module docstring)."""
+        if layer_type in LINEAR_TYPES:
+            return LinearAttentionLayer(**kwargs)  # recurrent / conv state, kept exactly as transformers keeps it
+        if layer_type == "dummy":
+            return DummyLayer()  # reads another layer's K/V (KV sharing) or has no attention: holds nothing
+        # The model's own window bounds sliding and chunked layers (transformers keeps the last window - 1
+        # tokens); StreamingLLM's sinks + window apply to full-attention layers only.
+        window = kwargs.get("sliding_window")
+        policy = self.policy if window is None else KeepPolicy(sink=0, window=max(1, int(window) - 1))
+        factory = functools.partial(self._new_store, i, policy)
+        if layer_type in HYBRID_TYPES:
+            return SlimHybridLayer(factory, self, i, layer_type, kwargs.get("number_of_states", 1))
+        return SlimCacheLayer(factory, self, i, layer_type)
+
+    def _new_store(self, layer_idx: int, policy: KeepPolicy | None = None) -> SlimLayer:
         bias = None if self._biases is None else self._biases[layer_idx]
         cfg = self.cache_config
         return SlimLayer(
-            self.policy,
+            self.policy if policy is None else policy,
             self._codecs["k"],
             self._codecs["v"],
             cfg.residual,
@@ -326,8 +410,9 @@ class SlimCache(Cache):
         self.compressed_attention = enabled
 
     def stores(self) -> list[SlimLayer]:
-        """Each layer's store, in layer order."""
-        return [layer.store for layer in self.layers]
+        """The K/V store of every layer that holds one, in layer order (linear-attention and KV-sharing
+        layers hold none)."""
+        return [layer.store for layer in self.layers if isinstance(layer, SlimCacheLayer)]
 
     # -- accounting ------------------------------------------------------------------------------
     def nbytes(self) -> int:
@@ -340,8 +425,11 @@ class SlimCache(Cache):
         return sum(s.live_nbytes() for s in self.stores())
 
     def stored_tokens(self) -> int:
-        """Tokens held now. Every layer holds the same number (they see the same tokens and share the policy)."""
-        return self.layers[0].store.stored if self.layers else 0
+        """Tokens held now by a full-attention layer (every one holds the same number: they see the same
+        tokens and share the policy; sliding layers hold at most the model's window)."""
+        kv = [layer for layer in self.layers if isinstance(layer, SlimCacheLayer)]
+        full = [layer for layer in kv if not layer.is_sliding] or kv
+        return full[0].store.stored if full else 0
 
     def components(self) -> dict[str, int]:
         """Bytes per kind of tensor, summed over layers (``rotary``: the RoPE frequencies, held once)."""
@@ -349,8 +437,23 @@ class SlimCache(Cache):
         for s in self.stores():
             for name, n in s.components().items():
                 out[name] = out.get(name, 0) + n
+        out["linear_state"] = sum(_linear_state_bytes(layer) for layer in self.layers)
         inv_freq = None if self.rotary is None else self.rotary.inv_freq
         out["rotary"] = 0 if inv_freq is None else inv_freq.numel() * inv_freq.element_size()
+        return out
+
+    def layer_type_bytes(self) -> dict[str, dict[str, int]]:
+        """Per transformers layer type: how many layers, how many hold K/V, and their bytes (the depth axis:
+        KV-sharing layers hold nothing, linear-attention layers only their recurrent state)."""
+        out: dict[str, dict[str, int]] = {}
+        for layer in self.layers:
+            kind = getattr(layer, "layer_type", None) or _layer_kind(layer)
+            row = out.setdefault(kind, {"layers": 0, "kv_layers": 0, "bytes": 0})
+            row["layers"] += 1
+            if isinstance(layer, SlimCacheLayer):
+                row["kv_layers"] += 1
+                row["bytes"] += layer.store.nbytes()
+            row["bytes"] += _linear_state_bytes(layer)
         return out
 
     def fp16_full_cache_bytes(self, tokens: int | None = None) -> int:
@@ -359,8 +462,8 @@ class SlimCache(Cache):
         total = 0
         for s in self.stores():
             if s.kv_shape is not None:
-                batch, heads, head_dim = s.kv_shape
-                total += 2 * batch * heads * tokens * head_dim * 2  # K and V, 2 bytes each
+                batch, heads, k_dim = s.kv_shape
+                total += batch * heads * tokens * (k_dim + s._v_dim) * 2  # K and V, 2 bytes each
         return total
 
     def report(self) -> dict:
@@ -377,11 +480,33 @@ class SlimCache(Cache):
             "fp16_full_cache_bytes": fp16,
             "ratio_to_fp16_full": (nbytes / fp16) if fp16 else None,
             "components": self.components(),
+            "layer_types": self.layer_type_bytes(),
+            "kv_layers": len(self.stores()),
+            "layers": len(self.layers),
             "config": self.cache_config.to_dict(),
         }
 
     def __repr__(self) -> str:
         return f"SlimCache({self.cache_config.to_spec()!r}, layers={len(self.layers)})"
+
+
+_materializing_warned = False  # once per process
+
+
+def _warn_materializing(cache: SlimCache) -> None:
+    """Warn, once per process, that a lossy cache is being read through an attention that decodes every stored
+    token at every step (sdpa, eager, ...): correct, but several times slower than the ``kvslim`` attention."""
+    global _materializing_warned
+    if not any(codec.lossy for codec in cache._codecs.values()):
+        return
+    _materializing_warned = True
+    warnings.warn(
+        f"SlimCache({cache.cache_config.to_spec()!r}) is read through an attention implementation that decodes "
+        f"every stored token at every decode step (slow on long contexts). Call kvslim.enable(model) before "
+        f"building the cache (or cache.use_compressed_attention(True) on a model already using "
+        f"attn_implementation='kvslim') to attend on the compressed codes directly.",
+        stacklevel=4,
+    )
 
 
 def _pads_from_positions(position_ids: torch.Tensor, seen_before: int, keys: torch.Tensor) -> torch.Tensor:
@@ -400,24 +525,47 @@ def _pads_from_positions(position_ids: torch.Tensor, seen_before: int, keys: tor
 
 
 def _model_shapes(config) -> ModelShapes:
-    """The model's attention geometry; a clear error for layouts the cache does not serve."""
-    from transformers.cache_utils import get_layer_types_and_kwargs
+    """The model's attention geometry (raises ValueError for a config that is not a decoder LM's)."""
+    return ModelShapes.from_config(config)
 
-    shapes = ModelShapes.from_config(config)
-    text = text_config(config)
+
+#: transformers' layer types and what SlimCache keeps for each (DYNAMIC_LAYER_TYPE_MAPPING is the reference)
+SLIDING_TYPES = ("sliding_attention", "chunked_attention", "hybrid_sliding")
+LINEAR_TYPES = ("linear_attention", "conv")
+HYBRID_TYPES = ("hybrid", "hybrid_sliding")
+SUPPORTED_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "dummy", *LINEAR_TYPES, *HYBRID_TYPES)
+
+
+def _layer_plan(config) -> list[tuple[str, dict]]:
+    """(layer type, layer kwargs) per model layer, as transformers' own cache would build them; a clear
+    error naming any layer type SlimCache cannot serve."""
     try:
-        layer_types, _ = get_layer_types_and_kwargs(text)
-    except Exception:  # pragma: no cover - configs without per-layer info
-        layer_types = ["full_attention"] * shapes.n_layers
-    unsupported = sorted({t for t in layer_types if t != "full_attention"})
+        layer_types, kwargs = compat.layer_types_and_kwargs(text_config(config))
+    except ValueError as e:
+        raise ValueError(f"cannot read the layer types of {ModelShapes.from_config(config).model_type}: {e}") from None
+    unsupported = sorted({t for t in layer_types if t not in SUPPORTED_TYPES})
     if unsupported:
         raise ValueError(
-            f"{shapes.model_type} has {', '.join(unsupported)} layers; SlimCache supports "
-            f"models whose every layer is full attention through the standard cache update (sliding-window, chunked, "
-            f"linear-attention and KV-sharing layers keep their own caches). For Mistral/Qwen2 set sliding_window=None "
-            f"/ use_sliding_window=False if the checkpoint allows it."
+            f"{ModelShapes.from_config(config).model_type} has {', '.join(unsupported)} layers, which SlimCache does not "
+            f"serve; it serves {', '.join(SUPPORTED_TYPES)} (use transformers' DynamicCache for this model)"
         )
-    return shapes
+    return list(zip(layer_types, kwargs, strict=True))
+
+
+def _linear_state_bytes(layer) -> int:
+    """Bytes of a linear-attention layer's conv and recurrent states (0 for other layers)."""
+    if not isinstance(layer, LinearAttentionCacheLayerMixin):
+        return 0
+    tensors = [*layer.conv_states.values(), *layer.recurrent_states.values()]
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _layer_kind(layer) -> str:
+    if isinstance(layer, DummyLayer):
+        return "dummy"
+    if isinstance(layer, LinearAttentionCacheLayerMixin):
+        return "linear_attention"
+    return type(layer).__name__
 
 
 #: RoPE variants whose frequencies do not depend on the positions fed (a key can be moved exactly).
@@ -430,6 +578,8 @@ def _rotary(config) -> tuple[Rotary | None, str]:
     import importlib
 
     text = text_config(config)
+    if is_mla(text):
+        return None, "MLA caches its compressed latent (the rotary key sits in the value slot)"
     module_name = type(text).__module__.replace(".configuration_", ".modeling_")
     try:
         module = importlib.import_module(module_name)

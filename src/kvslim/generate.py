@@ -124,10 +124,11 @@ def forward(
     """
     _hand_padding(cache, pads)
     pos = position_ids(cache, input_ids.shape[1], pads=pads, device=input_ids.device)
+    from .compat import cache_kwargs  # the cache keyword depends on the transformers release
+
     kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
-    out = model(
-        input_ids=input_ids, cache=cache, use_cache=True, position_ids=pos, logits_to_keep=logits_to_keep, **kwargs
-    )
+    kwargs.update(cache_kwargs(cache))
+    out = model(input_ids=input_ids, use_cache=True, position_ids=pos, logits_to_keep=logits_to_keep, **kwargs)
     return out.logits.float()
 
 

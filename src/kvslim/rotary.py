@@ -26,9 +26,12 @@ import torch
 
 @dataclass(frozen=True)
 class Rotary:
-    """The rotation of one model: ``inv_freq`` (R/2,) — R leading channels of each head rotate."""
+    """The rotation of one model: ``inv_freq`` (R/2,) — channels ``offset .. offset + R`` of each key
+    rotate (``offset`` 0: the leading channels, as in Llama or partial-rotary Phi; DeepSeek's MLA keys
+    carry their rotary part after ``qk_nope_head_dim`` unrotated channels)."""
 
     inv_freq: torch.Tensor
+    offset: int = 0
 
     @property
     def rotary_dim(self) -> int:
@@ -53,9 +56,9 @@ class Rotary:
         if not bool((delta != 0).any()):
             return x
         b, _, t, d = x.shape
-        r = self.rotary_dim
-        if r > d:
-            raise ValueError(f"rotary dim {r} exceeds head_dim {d}")
+        r, o = self.rotary_dim, self.offset
+        if o + r > d:
+            raise ValueError(f"rotary channels {o}..{o + r} exceed head_dim {d}")
         if delta.ndim == 0:
             delta = delta.expand(b)
         if delta.ndim == 1:
@@ -63,11 +66,11 @@ class Rotary:
         cos, sin = self.cos_sin(delta, x.device)  # (B, T, R)
         cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, R)
         xf = x.float()
-        rot = xf[..., :r]
+        rot = xf[..., o : o + r]
         half = r // 2
         rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)  # rotate_half
         out = xf.clone()
-        out[..., :r] = rot * cos + rotated * sin
+        out[..., o : o + r] = rot * cos + rotated * sin
         return out.to(x.dtype)
 
 

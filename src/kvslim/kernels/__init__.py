@@ -16,12 +16,16 @@ Backends, chosen per call by a registry keyed by (backend, codec family):
 - ``torch`` (:mod:`.reference`): decode + matmul, any device, any codec; the semantics.
 - ``cpu`` (:mod:`.cpu`): C kernels built on first use, for CPU tensors of the formats they cover and
   query axes up to :data:`.cpu.MAX_M`; they read each code once and never write an fp32 copy.
+- ``triton`` (:mod:`.gpu`): Triton programs for CUDA tensors of every family but ``generic``, query
+  axes up to :data:`.gpu.MAX_M`; same reading discipline, the V sum split over the tokens. Optional
+  (``pip install kvslim[gpu]``); CPU tensors only through Triton's interpreter, when asked for by
+  name (``set_backend("triton")`` and ``TRITON_INTERPRET=1``, for the tests).
 
-``set_backend("auto" | "torch" | "cpu")`` or ``$KVSLIM_KERNELS`` picks: ``auto`` tries the
-backends of :data:`PREFERENCE` in order, ``cpu`` the C kernels then the reference, ``torch`` the
-reference only. A kernel that does not cover a call (CUDA tensor, long query axis, failed build)
-passes it to the next backend, ending at the reference. A GPU backend (Triton) slots in with
-:func:`register` and a place in :data:`PREFERENCE`, and runs under the same tests.
+``set_backend("auto" | "torch" | "cpu" | "triton")`` or ``$KVSLIM_KERNELS`` picks: ``auto`` tries
+the backends of :data:`PREFERENCE` in order, ``cpu`` the C kernels then the reference, ``triton``
+the Triton programs then the reference, ``torch`` the reference only. A kernel that does not cover a
+call (a tensor on another device, long query axis, failed build, Triton missing) passes it to the
+next backend, ending at the reference.
 """
 
 from __future__ import annotations
@@ -33,11 +37,12 @@ from dataclasses import dataclass
 import torch
 
 from ..formats import Codec, Encoded
-from . import cpu, reference
+from . import cpu, gpu, reference
 
-BACKENDS = ("auto", "torch", "cpu")
-#: Order in which "auto" tries backends (the reference last, as it covers everything).
-PREFERENCE = ["cpu", "torch"]
+BACKENDS = ("auto", "torch", "cpu", "triton")
+#: Order in which "auto" tries backends (the reference last, as it covers everything). Each declines
+#: the other's device: triton takes CUDA tensors, cpu host tensors.
+PREFERENCE = ["triton", "cpu", "torch"]
 
 KernelFn = Callable[[torch.Tensor, Codec, Encoded, int], torch.Tensor]
 
@@ -80,7 +85,8 @@ _chosen: str | None = None  # set_backend(); None = $KVSLIM_KERNELS or "auto"
 
 
 def set_backend(name: str | None) -> None:
-    """Pick the kernels: "auto", "torch" (the reference) or "cpu"; None returns to $KVSLIM_KERNELS."""
+    """Pick the kernels: "auto", "torch" (the reference), "cpu" or "triton"; None returns to
+    $KVSLIM_KERNELS."""
     global _chosen
     if name is not None and name not in BACKENDS:
         raise ValueError(f"kernel backend must be one of {BACKENDS}, got {name!r}")
@@ -105,7 +111,7 @@ def _usable(backend: str) -> bool:
 def select(x: torch.Tensor, codec: Codec, enc: Encoded) -> tuple[str, Kernel]:
     """(backend, kernel) that serves a call with query/probabilities ``x``."""
     wanted = get_backend()
-    order = {"torch": ["torch"], "cpu": ["cpu", "torch"]}.get(wanted, PREFERENCE)
+    order = PREFERENCE if wanted == "auto" else list(dict.fromkeys([wanted, "torch"]))
     family = codec_family(codec)
     for backend in order:
         kernel = REGISTRY.get((backend, family)) or REGISTRY.get((backend, "generic"))
@@ -123,9 +129,13 @@ def available() -> dict:
         fams = sorted(f for (b, f) in REGISTRY if b == backend)
         info["backends"][backend] = {"available": ok, "reason": why, "families": fams}
     cpu_ok = info["backends"]["cpu"]["available"]
+    triton = info["backends"]["triton"]
     if info["requested"] == "torch":
         info["active"] = "torch"
         info["why"] = "requested"
+    elif info["requested"] == "triton":
+        info["active"] = "triton" if triton["available"] else "torch"
+        info["why"] = triton["reason"]
     elif cpu_ok:
         info["active"] = "cpu"
         info["why"] = (
@@ -135,6 +145,8 @@ def available() -> dict:
     else:
         info["active"] = "torch"
         info["why"] = f"C kernels unavailable: {info['backends']['cpu']['reason']}"
+    if info["requested"] == "auto" and triton["available"] and torch.cuda.is_available():
+        info["why"] += f"; CUDA tensors: {triton['reason']} (M <= {gpu.MAX_M})"
     return info
 
 
@@ -210,6 +222,23 @@ register("cpu", "affine_k", Kernel(cpu.k_affine, reference.v_weighted, _cpu_ok()
 register("cpu", "affine_v", Kernel(reference.k_scores, cpu.v_affine, _cpu_ok(cpu.affine_v_supported)))
 for _family in ("ggml", "fp8", "cast"):
     register("cpu", _family, Kernel(cpu.k_rows, cpu.v_rows, _cpu_ok(cpu.rows_supported)))
+
+
+def _triton_ok(x: torch.Tensor, codec: Codec, enc: Encoded) -> bool:
+    """Every tensor on x's GPU (or, opted in, all on the CPU for the interpreter), M <= gpu.MAX_M."""
+    if x.numel() == 0 or x.shape[2] > gpu.MAX_M:
+        return False
+    tensors = (*enc.token.values(), *enc.group.values())
+    if x.is_cuda:
+        if not all(t.device == x.device for t in tensors):
+            return False
+    elif not (x.is_cpu and all(t.is_cpu for t in tensors) and gpu.cpu_opt_in(get_backend())):
+        return False
+    return gpu.supported(codec, enc)
+
+
+for _family in ("affine_k", "affine_v", "ggml", "fp8", "cast"):
+    register("triton", _family, Kernel(gpu.k_scores, gpu.v_weighted, _triton_ok), gpu.status)
 
 __all__ = [
     "BACKENDS",
