@@ -71,6 +71,50 @@ def test_special_blocks_equal_gguf(kind):
     assert_same_as_gguf(torch.stack(rows), kind)
 
 
+def _signed_zero_rows() -> torch.Tensor:
+    """Blocks whose extreme is a zero of either sign: all +0, all -0, mixed signs (as tiny values
+    rounded to zero give), zeros of both signs as the minimum beside positive values, and as the
+    maximum beside negative ones."""
+    gen = torch.Generator().manual_seed(11)
+    z = torch.zeros(32)
+    rows = [z, -z, torch.where(torch.arange(32) % 2 == 0, -z, z), torch.where(torch.arange(32) < 31, -z, z)]
+    for _ in range(12):  # random sign patterns
+        rows.append(torch.where(torch.rand(32, generator=gen) < 0.5, -z, z))
+    for _ in range(6):  # a zero minimum (or maximum) of mixed signs among non-zero values
+        signs = torch.where(torch.rand(32, generator=gen) < 0.5, -z, z)
+        pos = torch.rand(32, generator=gen) * (torch.rand(32, generator=gen) < 0.5)
+        row = torch.where(pos > 0, pos, signs)
+        rows += [row, torch.where(pos > 0, -pos, signs)]
+    return torch.stack(rows)
+
+
+def _numpy_keeps_last_of_equal() -> bool:
+    """Whether numpy's min/max give the last of equal values (x86; gguf-py inherits it)."""
+    x = np.zeros((64, 32), np.float32)
+    rng = np.random.default_rng(0)
+    x[rng.random(x.shape) < 0.5] = -0.0
+    return bool((np.signbit(x.min(-1)) == np.signbit(x[:, -1])).all())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_signed_zero_blocks_equal_gguf(kind):
+    """Blocks of -0.0 and 0.0: q4_1 and q5_1 store a zero minimum with gguf-py's sign bit."""
+    if GGML_KINDS[kind][1] in (20, 24) and not _numpy_keeps_last_of_equal():
+        pytest.skip(
+            "this numpy's min/max do not keep the last of equal values; gguf-py's sign of a zero min differs"
+        )
+    rows = _signed_zero_rows()
+    assert_same_as_gguf(rows, kind)
+    ours = quantize_ggml(rows, kind)
+    # Either sign decodes to the same values.
+    np.testing.assert_array_equal(
+        dequantize_ggml(ours, kind).numpy(), gguf_values(gguf_bytes(rows, kind), kind)
+    )
+    assert_same_as_gguf(
+        torch.cat([torch.randn(3, 32), rows[:5]]).reshape(4, 64), kind
+    )  # mixed with real blocks
+
+
 def _tie_row(kind: str) -> torch.Tensor:
     """A block whose scale d is exactly 1 (id = 1), so x * id lands exactly on halves."""
     if kind in ("q4_1", "q5_1"):
@@ -213,6 +257,7 @@ def test_cuda_matches_cpu(kind):
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(4, 3, 17, 128, generator=gen) * 7
     x[0, 0, 0, :32] = _tie_row(kind)
+    x[1, 0, :8, :32] = _signed_zero_rows()[:8]
     cpu = quantize_ggml(x, kind)
     gpu = quantize_ggml(x.cuda(), kind)
     assert torch.equal(gpu.cpu(), cpu)

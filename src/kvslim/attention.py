@@ -20,6 +20,13 @@ Stored tokens of a layer, oldest first, as attention sees them::
 K and V are split at different points (per-channel K leaves the residual a group at a time, V a
 token at a time), so scores are concatenated over positions and the probabilities are split
 again along V's segments. Softmax runs in fp32 over the concatenated scores (the whole row).
+
+Stored bases (:mod:`kvslim.layer`): a Hadamard-rotated K body is scored with the query rotated once
+(``(H q) . (H k) = q . k``) and a rotated V body's weighted sum is rotated back once — a cost per
+query, never per stored token; a mean-centered body gets ``q . bias`` added back to its scores (one
+dot product per query). Pre-RoPE keys are rotated on read: the residual's (full precision, at most
+``residual + group_size`` tokens) directly, the body's inside the score kernel
+(:class:`kvslim.kernels.KeyTransform`), which reads the codes as stored.
 """
 
 from __future__ import annotations
@@ -78,6 +85,8 @@ def compressed_attention(query: torch.Tensor, kv: Segments, attention_mask, scal
         o = kernels.v_weighted(
             probs[..., n_sink : n_sink + n_body], kv.v_codec, kv.v_body, kv.v_offset
         )
+        if kv.v_basis is not None:  # the weighted sum of stored values, back to the model's basis (once)
+            o = kv.v_basis.decode_sum(o, probs[..., n_sink : n_sink + n_body].sum(-1, keepdim=True))
         out = o if out is None else out + o
     if kv.v_res is not None and kv.v_res.shape[2]:
         o = probs[..., n_sink + n_body :] @ kv.v_res.float()
@@ -90,33 +99,58 @@ def _stream_scores(qf: torch.Tensor, kv: Segments) -> list[torch.Tensor]:
 
     A run of keys ``delta`` positions off the current frame (``kv.k_runs``, after a re-base of the
     position ids) is scored with the query moved by ``-delta`` instead: ``R(-d)q . k = q . R(d)k``, so
-    the codes are read as stored. With mean-centering the moved keys are ``R(d)(k_c + b) - b``, which
-    adds the per-query constant ``q . (R(d)b - b)`` to that run's scores.
+    the codes are read as stored. A body in another basis (``kv.k_basis``) is scored with the query in
+    that basis (``H q``) plus ``H q . bias``: exactly the scores of the decoded keys. A pre-RoPE stream
+    (``kv.k_pos``) has no runs: the kernel rotates each decoded body key to its position, the residual
+    is rotated directly.
     """
     n_body = kv.n_body("k")
     n_res = 0 if kv.k_res is None else kv.k_res.shape[2]
+    parts = []
+    if kv.k_pos is not None:
+        if n_body:
+            cos, sin = kv.rope.table(kv.k_pos[:, :n_body], qf.device)  # (B, n_body, R/2)
+            basis = kv.k_basis
+            tr = kernels.KeyTransform(
+                bias=None if basis is None else basis.bias,
+                hadamard=None if basis is None else basis.hadamard,
+                cos=cos,
+                sin=sin,
+                rope_offset=kv.rope.offset,
+            )
+            parts.append(kernels.k_scores(qf, kv.k_codec, kv.k_body, kv.k_offset, tr))
+        if n_res:
+            res = kv.rope.move(kv.k_res.float(), kv.k_pos[:, n_body:])
+            parts.append(qf @ res.transpose(-1, -2))
+        return parts
     runs = kv.k_runs or ((n_body + n_res, 0),)
-    parts, start = [], 0
+    start = 0
     for n, delta in runs:
         q = qf if delta == 0 else kv.rotary.move(qf, -delta)
-        corr = None
-        if delta and kv.k_bias is not None:
-            b = kv.k_bias.to(device=qf.device, dtype=torch.float32)  # (Hkv, D)
-            shift = kv.rotary.move(b[None, :, None, :], delta)[0, :, 0, :] - b  # (Hkv, D)
-            corr = torch.einsum("bhmd,hd->bhm", qf, shift)[..., None]  # (B, Hkv, M, 1)
         lo, hi = start, start + n
         if lo < n_body:
             enc, offset = (kv.k_body, kv.k_offset)
             if (lo, min(hi, n_body)) != (0, n_body):
                 enc, offset = kv.k_body.narrow(lo, min(hi, n_body), kv.k_offset, kv.k_codec.token_group)
-            parts.append(kernels.k_scores(q, kv.k_codec, enc, offset))
-            if corr is not None:
-                parts[-1] = parts[-1] + corr
+            parts.append(_body_scores(q, kv, enc, offset))
         if hi > n_body and n_res:
             res = kv.k_res[:, :, max(lo, n_body) - n_body : hi - n_body]
-            parts.append(q @ res.float().transpose(-1, -2) if corr is None else q @ res.float().transpose(-1, -2) + corr)
+            parts.append(q @ res.float().transpose(-1, -2))
         start = hi
     return parts
+
+
+def _body_scores(q: torch.Tensor, kv: Segments, enc, offset: int) -> torch.Tensor:
+    """q (B, Hkv, M, D) fp32 against encoded keys stored in ``kv.k_basis`` (not pre-RoPE): (B, Hkv, M, n)."""
+    basis = kv.k_basis
+    if basis is None:
+        return kernels.k_scores(q, kv.k_codec, enc, offset)
+    qb = basis.hadamard.apply(q) if basis.hadamard is not None else q  # H symmetric: (H q) . y = q . (H y)
+    scores = kernels.k_scores(qb, kv.k_codec, enc, offset)
+    if basis.bias is not None:  # + (H q) . bias: the centered keys' zero point, added back
+        b = basis.bias.to(device=q.device, dtype=torch.float32)  # (Hkv, D)
+        scores = scores + torch.einsum("bhmd,hd->bhm", qb, b)[..., None]
+    return scores
 
 
 def kvslim_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):

@@ -4,6 +4,8 @@
 oldest entries; :class:`Stream` is the non-sink tokens of one tensor of one layer — the encoded body
 (a codec's token and group parts, each a TimeBuffer) and the full-precision residual. Appends are a
 plan (encode; may fail) and a commit (cannot fail), so a layer can make an update a transaction.
+A stream's encoded body may sit in another basis than the tokens appended (:class:`BodyBasis`: a
+Hadamard rotation, a mean-centering bias subtracted); the residual never does.
 
 This module knows nothing about positions, eviction policy or transformers (see :mod:`kvslim.layer`).
 """
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .formats import Codec, Encoded
+from .hadamard import Hadamard
 
 
 class TimeBuffer:
@@ -95,6 +98,53 @@ class TimeBuffer:
 
 
 @dataclass(frozen=True)
+class BodyBasis:
+    """The basis a stream's encoded body is stored in, relative to the tokens appended to the stream:
+    ``encode(x) = H x - bias`` (``hadamard`` None: no rotation; ``bias`` (H_kv, D) float32 in the rotated
+    basis, None: no centering). ``decode`` is its exact inverse, ``H (y + bias)`` (H is its own inverse),
+    so a stored token decodes to the token appended up to the format's error: the bias acts as a fixed
+    per-channel zero point (centering never relies on softmax invariance, whatever else the layer keeps
+    at full precision)."""
+
+    hadamard: Hadamard | None = None
+    bias: torch.Tensor | None = None
+
+    @property
+    def identity(self) -> bool:
+        return self.hadamard is None and self.bias is None
+
+    def _bias(self, x: torch.Tensor) -> torch.Tensor:
+        b = self.bias.to(device=x.device, dtype=torch.float32)
+        if b.shape != (x.shape[1], x.shape[3]):
+            raise ValueError(
+                f"mean-center bias has shape {tuple(b.shape)} but the tokens have {x.shape[1]} KV heads x head_dim "
+                f"{x.shape[3]}"
+            )
+        return b[None, :, None, :]
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, H, T, D) appended tokens -> float32 in the stored basis (x itself when the basis is the identity)."""
+        if self.identity:
+            return x
+        y = self.hadamard.apply(x) if self.hadamard is not None else x.float()
+        return y - self._bias(y) if self.bias is not None else y
+
+    def decode(self, y: torch.Tensor) -> torch.Tensor:
+        """(B, H, T, D) decoded body tokens -> float32 in the basis the tokens were appended in."""
+        if self.identity:
+            return y
+        y = y.float() + self._bias(y) if self.bias is not None else y.float()
+        return self.hadamard.apply(y) if self.hadamard is not None else y
+
+    def decode_sum(self, out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``sum_i p_i decode(y_i)`` from ``out = sum_i p_i y_i`` (B, H, M, D) and ``weight = sum_i p_i``
+        (B, H, M, 1): the inverse is affine, so the weighted sum is decoded once, not token by token."""
+        if self.bias is not None:
+            out = out + weight * self.bias.to(device=out.device, dtype=torch.float32)[None, :, None, :]
+        return self.hadamard.apply(out) if self.hadamard is not None else out.float()
+
+
+@dataclass(frozen=True)
 class _Plan:
     """A stream append, decided and encoded but not applied: ``encoded`` joins the body,
     ``drop_fp`` tokens leave the front of the residual, ``fp`` (B, H, n, D) joins its end."""
@@ -108,9 +158,17 @@ class Stream:
     """The non-sink tokens of one tensor (K or V) of one layer: encoded body + fp residual."""
 
     def __init__(
-        self, codec: Codec, residual: int, unit: int = 1, min_slack: int = 64, fp_dtype: torch.dtype | None = None
+        self,
+        codec: Codec,
+        residual: int,
+        unit: int = 1,
+        min_slack: int = 64,
+        fp_dtype: torch.dtype | None = None,
+        basis: BodyBasis | None = None,
     ):
         self.codec = codec
+        #: the basis of the encoded body (None: the tokens as appended); a lossless stream has no body
+        self.basis = basis if basis is not None and not basis.identity and codec.lossy else None
         #: dtype of the full-precision tokens of a lossy stream (None: as given); a lossless stream's
         #: tokens are its storage and keep theirs
         self.fp_dtype = fp_dtype if codec.lossy else None
@@ -150,11 +208,15 @@ class Stream:
         if ready <= n_fp:
             if ready <= 0:
                 return _Plan(None, 0, x)
-            return _Plan(self.codec.encode(self.fp.view()[:, :, :ready]), ready, x)
+            return _Plan(self._encode(self.fp.view()[:, :, :ready]), ready, x)
         # A long chunk (prefill): encode straight from it; only the newest tokens enter the residual.
         head = x[:, :, : ready - n_fp]
-        enc = self.codec.encode(head if n_fp == 0 else torch.cat([self.fp.view(), head], dim=2))
+        enc = self._encode(head if n_fp == 0 else torch.cat([self.fp.view(), head], dim=2))
         return _Plan(enc, n_fp, x[:, :, ready - n_fp :])
+
+    def _encode(self, x: torch.Tensor) -> Encoded:
+        """Tokens leaving the residual (B, H, n, D) -> their encoding, in the body's basis."""
+        return self.codec.encode(x if self.basis is None else self.basis.encode(x))
 
     def commit(self, plan: _Plan) -> None:
         """Apply a :meth:`plan` (made on this stream's current state; nothing here can fail)."""
@@ -209,9 +271,12 @@ class Stream:
         )
 
     def decode_body(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The body decoded back to the basis the tokens were appended in: (B, H, n_body, D)."""
         if self.n_body == 0:
             return None
-        return self.codec.decode(self.body(), dtype, self.offset)
+        if self.basis is None:
+            return self.codec.decode(self.body(), dtype, self.offset)
+        return self.basis.decode(self.codec.decode(self.body(), torch.float32, self.offset)).to(dtype)
 
     def materialize(self, dtype: torch.dtype) -> torch.Tensor | None:
         """All stream tokens, oldest first: (B, H, L, D) in ``dtype``."""

@@ -38,8 +38,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import attention, compat
 from .compat import DummyLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer  # by release: see compat
-from .config import DEFAULT_POSITIONS, DEFAULT_RESIDUAL_DTYPE, CacheConfig
+from .config import DEFAULT_POSITIONS, DEFAULT_PRE_ROPE, DEFAULT_RESIDUAL_DTYPE, DEFAULT_ROTATE, CacheConfig
 from .formats import make_codec
+from .hadamard import Hadamard
 from .layer import SlimLayer
 from .policy import KeepPolicy
 from .rotary import Rotary, rotate_half_reference
@@ -74,9 +75,9 @@ class SlimCacheLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         owner = self._owner
-        if not owner.compressed_attention and not _materializing_warned:
+        if owner._may_warn_materializing and not owner.compressed_attention and not _materializing_warned:
             _warn_materializing(owner)
-        if owner.observe is not None:
+        if owner.observe is not None and not owner.observe_stored:
             owner.observe(self.layer_idx, key_states, value_states)
         # transformers passes the attention layer's kwargs as `kwargs=...`.
         position_ids = compat.update_position_ids(kwargs)
@@ -98,8 +99,13 @@ class SlimCacheLayer(CacheLayerMixin):
             )
         if pads is not None or owner.padding_explicit:
             store.set_pads(pads)
+        rope = None
+        if store.pre_rope:  # the forward's own RoPE (dynamic NTK's follows the longest position fed)
+            rope = owner._rope_source.at(_max_position(position_ids, store, key_states.shape[2], base))
+        if owner.observe is not None and owner.observe_stored:
+            owner.observe(self.layer_idx, store.basis_keys(key_states, base=base, rope=rope), value_states)
         compressed = owner.compressed_attention and key_states.shape[2] <= attention.FAST_MAX_QUERY
-        out = store.append(key_states, value_states, segments=compressed, base=base)
+        out = store.append(key_states, value_states, segments=compressed, base=base, rope=rope)
         return (out, out) if compressed else out  # kvslim_attention reads both from the one view
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -254,9 +260,12 @@ class SlimCache(Cache):
         mean_center=None,
         positions: str = DEFAULT_POSITIONS,
         residual_dtype: str = DEFAULT_RESIDUAL_DTYPE,
+        rotate: str = DEFAULT_ROTATE,
+        pre_rope: bool = DEFAULT_PRE_ROPE,
         config=None,
         compressed_attention: bool | None = None,
         observe=None,
+        observe_stored: bool = False,
         model_fingerprint: str | None = None,
         allow_other_model: bool = False,
     ):
@@ -273,6 +282,8 @@ class SlimCache(Cache):
             mean_center=path,
             positions=positions,
             residual_dtype=residual_dtype,
+            rotate=rotate,
+            pre_rope=pre_rope,
         )
         cfg = self.cache_config
         if mean_center is not None and path is None:
@@ -283,6 +294,8 @@ class SlimCache(Cache):
             raise ValueError(f"compressed_attention must be True, False or None, got {compressed_attention!r}")
         if observe is not None and not callable(observe):
             raise ValueError(f"observe must be a callable (layer_idx, keys, values) or None, got {observe!r}")
+        if not isinstance(observe_stored, bool):
+            raise ValueError(f"observe_stored must be True or False, got {observe_stored!r}")
         attention.register()
         #: Whether decode steps hand attention a Segments view (decided here, once; see attention.py).
         mla = config is not None and is_mla(text_config(config))
@@ -293,7 +306,13 @@ class SlimCache(Cache):
         self.compressed_attention = (
             (attention.uses_kvslim_attention(config) and not mla) if compressed_attention is None else compressed_attention
         )
+        # A lossy cache read through a materializing attention warns once (see _warn_materializing), unless the
+        # path was chosen explicitly or the model already uses "kvslim" (MLA: no compressed path to switch to).
+        self._may_warn_materializing = compressed_attention is None and not attention.uses_kvslim_attention(config)
         self.observe = observe
+        #: observe() sees the new keys in the basis the K body is stored in (rotated, pre-RoPE; never
+        #: centered): what a bias for this cache's basis is the mean of (kvslim.calibrate)
+        self.observe_stored = observe_stored
         self.pads: torch.Tensor | None = None  # (B,) left padding, when handed explicitly
         self.padding_explicit = False
         self.policy = KeepPolicy(sink=cfg.sink, window=cfg.window)
@@ -312,6 +331,23 @@ class SlimCache(Cache):
                     raise ValueError(
                         f"{role}_quantize={codec.name!r} cannot store this model's KV: {e}"
                     ) from None
+        #: the Hadamard rotation of each encoded tensor (None: not rotated), see kvslim.hadamard
+        self._hadamard: dict[str, Hadamard | None] = {"k": None, "v": None}
+        if cfg.rotate_k or cfg.rotate_v:
+            if self._shapes is None:
+                raise ValueError(f"rotate={cfg.rotate!r} needs config=model.config (the Hadamard size is the head_dim's)")
+            for role, on in (("k", cfg.rotate_k), ("v", cfg.rotate_v)):
+                if on:
+                    dim = self._shapes.k_head_dim if role == "k" else self._shapes.v_head_dim
+                    try:
+                        self._hadamard[role] = Hadamard.for_head_dim(dim)
+                    except ValueError as e:
+                        raise ValueError(f"rotate={cfg.rotate!r}: {role}: {e}") from None
+        self._rope_source = None
+        if cfg.pre_rope:
+            if config is None:
+                raise ValueError("pre_rope=True needs config=model.config (it un-rotates keys with the model's RoPE)")
+            self._rope_source = _rope_source(config)
         if mean_center is not None:
             if self._shapes is None:
                 raise ValueError(
@@ -326,6 +362,10 @@ class SlimCache(Cache):
                 head_dim=self._shapes.head_dim,
                 model_fingerprint=model_fingerprint,
                 allow_other_model=allow_other_model,
+                model_type=self._shapes.model_type,
+                k_format=cfg.k_format,
+                k_rot=cfg.rotate_k,
+                pre_rope=cfg.pre_rope,
             )
         self.rotary, why = (None, "no config=model.config") if config is None else _rotary(config)
         if cfg.positions == "cache" and cfg.window is not None and self.rotary is None:
@@ -377,6 +417,9 @@ class SlimCache(Cache):
             positions=cfg.positions,
             rotary=self.rotary,
             fp_dtype=None if cfg.residual_dtype == "model" else getattr(torch, cfg.residual_dtype),
+            k_hadamard=self._hadamard["k"],
+            v_hadamard=self._hadamard["v"],
+            pre_rope=cfg.pre_rope,
         )
 
     def _replicate(self) -> SlimCacheLayer:
@@ -408,6 +451,7 @@ class SlimCache(Cache):
         if not isinstance(enabled, bool):
             raise ValueError(f"enabled must be True or False, got {enabled!r}")
         self.compressed_attention = enabled
+        self._may_warn_materializing = False
 
     def stores(self) -> list[SlimLayer]:
         """The K/V store of every layer that holds one, in layer order (linear-attention and KV-sharing
@@ -438,8 +482,10 @@ class SlimCache(Cache):
             for name, n in s.components().items():
                 out[name] = out.get(name, 0) + n
         out["linear_state"] = sum(_linear_state_bytes(layer) for layer in self.layers)
-        inv_freq = None if self.rotary is None else self.rotary.inv_freq
-        out["rotary"] = 0 if inv_freq is None else inv_freq.numel() * inv_freq.element_size()
+        rotaries = {id(r): r for r in (self.rotary, getattr(self._rope_source, "rotary", None)) if r is not None}
+        out["rotary"] = sum(r.nbytes() for r in rotaries.values())  # frequencies (+ pre-RoPE's angle table)
+        blocks = {h.block for h in self._hadamard.values() if h is not None}
+        out["hadamard"] = sum(4 * b * b for b in blocks)  # one float32 block matrix per size, shared
         return out
 
     def layer_type_bytes(self) -> dict[str, dict[str, int]]:
@@ -498,6 +544,7 @@ def _warn_materializing(cache: SlimCache) -> None:
     token at every step (sdpa, eager, ...): correct, but several times slower than the ``kvslim`` attention."""
     global _materializing_warned
     if not any(codec.lossy for codec in cache._codecs.values()):
+        cache._may_warn_materializing = False  # lossless: nothing to decode, never ask again
         return
     _materializing_warned = True
     warnings.warn(
@@ -575,6 +622,18 @@ STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 def _rotary(config) -> tuple[Rotary | None, str]:
     """The model's RoPE as a :class:`~kvslim.rotary.Rotary`, read from its own rotary module, or
     ``(None, why)`` when kvslim cannot move its keys exactly."""
+    emb, why = _rotary_embedding(config)
+    if emb is None:
+        return None, why
+    rope_type = getattr(emb, "rope_type", "default")
+    if not isinstance(rope_type, str) or rope_type not in STATIC_ROPE:
+        return None, f"rope_type {rope_type!r} (frequencies that change with the positions)"
+    return Rotary(emb.inv_freq.detach().to(torch.float32).cpu()), ""
+
+
+def _rotary_embedding(config):
+    """``(the model's own rotary module built from its config, "")`` when its RoPE is the rotate-half kind
+    kvslim moves, else ``(None, why)``."""
     import importlib
 
     text = text_config(config)
@@ -596,10 +655,64 @@ def _rotary(config) -> tuple[Rotary | None, str]:
         emb = classes[0](config=text)
     except Exception as e:  # noqa: BLE001 - any failure means: cannot read its frequencies
         return None, f"{classes[0].__name__} could not be built from the config ({e})"
+    return emb, ""
+
+
+#: RoPE variants pre-RoPE storage un-rotates and rotates again on read: the static ones, and dynamic NTK
+#: (its frequencies are recomputed per forward, as the model does).
+PRE_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+class _RopeSource:
+    """The model's RoPE for each forward, for pre-RoPE storage: fixed frequencies, or dynamic NTK's, which
+    the model recomputes from the longest position it is fed (transformers' ``dynamic_rope_update``). For
+    those a private instance of the model's own rotary module is fed the same longest positions, so its
+    update rule (growth, and the reset below the original length) is the model's, not a copy of it."""
+
+    def __init__(self, rotary: Rotary, emb=None):
+        self.rotary = rotary
+        self._emb = emb  # None: static frequencies
+        self._probe = torch.zeros(1)
+
+    @property
+    def dynamic(self) -> bool:
+        return self._emb is not None
+
+    def at(self, max_position: int) -> Rotary:
+        """The Rotary of a forward whose longest position id is ``max_position``."""
+        if self._emb is None:
+            return self.rotary
+        with torch.no_grad():
+            self._emb(self._probe, torch.tensor([[int(max_position)]]))  # runs the model's frequency update
+        inv = self._emb.inv_freq.detach().to(torch.float32).cpu()
+        if not torch.equal(inv, self.rotary.inv_freq):
+            self.rotary = Rotary(inv, self.rotary.offset)
+        return self.rotary
+
+
+def _rope_source(config) -> _RopeSource:
+    """The model's RoPE for pre-RoPE storage; ValueError naming why kvslim cannot un-rotate its keys."""
+    emb, why = _rotary_embedding(config)
+    if emb is None:
+        raise ValueError(f"pre_rope=True needs the model's RoPE, and {why}; use pre_rope=False")
     rope_type = getattr(emb, "rope_type", "default")
-    if not isinstance(rope_type, str) or rope_type not in STATIC_ROPE:
-        return None, f"rope_type {rope_type!r} (frequencies that change with the positions)"
-    return Rotary(emb.inv_freq.detach().to(torch.float32).cpu()), ""
+    if not isinstance(rope_type, str) or rope_type not in PRE_ROPE_TYPES:
+        raise ValueError(
+            f"pre_rope=True supports RoPE types {', '.join(PRE_ROPE_TYPES)}; this model's is {rope_type!r} "
+            f"(use pre_rope=False)"
+        )
+    rotary = Rotary(emb.inv_freq.detach().to(torch.float32).cpu())
+    return _RopeSource(rotary, emb if rope_type == "dynamic" else None)
+
+
+def _max_position(position_ids, store: SlimLayer, n_new: int, base: int) -> int:
+    """The longest position id of a forward: from the ids when the cache gets them, else from the tokens
+    seen (the layer's rule: ``slot - pads - base``)."""
+    if position_ids is not None:
+        return int(position_ids.max())
+    pads = store.pads
+    least = 0 if pads is None or pads.numel() == 0 else int(pads.min())
+    return store.seen + n_new - 1 - least - base
 
 
 def _rebase_period(policy: KeepPolicy, rotary: Rotary | None) -> int | None:

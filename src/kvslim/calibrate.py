@@ -3,7 +3,10 @@
 What is measured is exactly the tensor the cache stores: the post-RoPE ``key_states`` every
 attention layer hands to ``Cache.update``, seen through :class:`~kvslim.SlimCache`'s ``observe=``
 hook on an uncompressed cache (``kv_quantize="none"``), so attention inside a chunk is exact and no
-model-specific hook is needed. Every forward goes through :func:`kvslim.generate.prefill`. As in
+model-specific hook is needed. For a cache that stores K in another basis (``rotate`` with K: Hadamard-
+rotated; ``pre_rope``: before RoPE) the hook is asked for the keys in that basis
+(``observe_stored=True``): the layer transforms them with the same code that stores them, and the
+result records the basis (``k_rot``, ``pre_rope``). Every forward goes through :func:`kvslim.generate.prefill`. As in
 llama.cpp's ``tools/kv-mean-center`` (PrismML-Eng/llama.cpp PR #51), the text is run in independent
 chunks of ``ctx`` tokens, a fresh cache per chunk, so positions restart at 0 in every chunk; sums
 are float64.
@@ -16,6 +19,7 @@ subtracts it.
 from __future__ import annotations
 
 import hashlib
+import warnings
 
 import torch
 
@@ -23,6 +27,18 @@ from .generate import prefill
 from .meancenter import BiasSet, KStats, check_positive_int
 from .models import model_fingerprint
 from .shapes import ModelShapes
+
+#: Fewest calibration tokens for a useful bias: one chunk of llama.cpp's default context (the fork's
+#: tool refuses less). docs/mean-center.md's measured gains used 7168 tokens.
+MIN_USEFUL_TOKENS = 512
+
+
+def standard_error_ratio(bias: torch.Tensor, std: torch.Tensor, n_tokens: int) -> float:
+    """How noisy one layer's bias estimate is: the standard error of the mean,
+    ``sqrt(sum(std^2) / n)``, over ``|bias|`` (both over the whole ``(H_kv, D)`` layer)."""
+    norm = float(bias.double().norm())
+    se = float((std.double() ** 2).sum().sqrt()) / max(n_tokens, 1) ** 0.5
+    return se / norm if norm > 0 else float("inf")
 
 
 class _KSums:
@@ -104,6 +120,8 @@ def collect_k_means_from_ids(
     cache_type: str = "q4_0",
     text_sha256: str | None = None,
     fingerprint: str | None = None,
+    rotate: bool = False,
+    pre_rope: bool = False,
 ) -> BiasSet:
     """Mean of the cached K per (layer, kv-head, channel) over a token sequence.
 
@@ -114,6 +132,8 @@ def collect_k_means_from_ids(
     text_sha256: recorded in the result (:func:`collect_k_means` passes the text's sha256).
     fingerprint: the model fingerprint to record; None computes
         :func:`kvslim.models.model_fingerprint`.
+    rotate, pre_rope: the K basis to calibrate for (a cache with ``rotate='k'``/``'kv'``, ``pre_rope=True``):
+        the keys are averaged as that cache stores them, and the result records it.
     Returns a :class:`~kvslim.meancenter.BiasSet` with ``(H_kv, D)`` float32 means and
     :class:`~kvslim.meancenter.KStats`.
     """
@@ -143,15 +163,32 @@ def collect_k_means_from_ids(
             for start, end in spans:
                 chunk = ids[start:end].to(device)[None]  # (1, T_chunk)
                 # A fresh uncompressed cache per chunk (positions restart at 0); the sums outlive it.
-                cache = SlimCache(kv_quantize="none", config=model.config, observe=sums.observe)
+                cache = SlimCache(
+                    kv_quantize="none",
+                    rotate="k" if rotate else "none",
+                    pre_rope=pre_rope,
+                    config=model.config,
+                    observe=sums.observe,
+                    observe_stored=rotate or pre_rope,
+                )
                 prefill(model, chunk, cache)
                 bar.update(end - start)
     finally:
         model.train(was_training)
     means, stats = sums.means(n_layers)
+    if n_used < MIN_USEFUL_TOKENS:
+        noise = max(standard_error_ratio(m, sd, n_used) for m, sd in zip(means, stats.channel_std))
+        warnings.warn(
+            f"calibrating on {n_used} tokens: the bias is a noisy estimate (its standard error is up to "
+            f"{noise:.0%} of |bias| in a layer); a useful bias needs at least {MIN_USEFUL_TOKENS} tokens "
+            f"(the measured gains in docs/mean-center.md used 7168)",
+            UserWarning,
+            stacklevel=2,
+        )
     return BiasSet(
         tensors=means,
-        k_rot=False,
+        k_rot=bool(rotate),
+        pre_rope=bool(pre_rope),
         model_fingerprint=model_fingerprint(model) if fingerprint is None else fingerprint,
         cache_type=cache_type,
         n_tokens=n_used,
@@ -173,6 +210,8 @@ def collect_k_means(
     progress: bool = True,
     cache_type: str = "q4_0",
     fingerprint: str | None = None,
+    rotate: bool = False,
+    pre_rope: bool = False,
 ) -> BiasSet:
     """Calibrate on ``text``: tokenized once as a whole with the tokenizer's defaults (special
     tokens as ``tokenizer(text)`` adds them), then :func:`collect_k_means_from_ids`."""
@@ -189,4 +228,6 @@ def collect_k_means(
         cache_type=cache_type,
         text_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
         fingerprint=fingerprint,
+        rotate=rotate,
+        pre_rope=pre_rope,
     )

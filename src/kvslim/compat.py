@@ -16,15 +16,16 @@ position ids at              not passed (5.0-5.3: a ``cache_kwargs`` 5.24: the a
 ``get_mask_sizes(...)``      ``cache_position`` (a tensor)          5.4: ``query_length`` (an int)
 max length of a layer        ``get_max_cache_shape()``              5.13: ``get_max_length()``
 per-layer attention types    ``config.layer_types`` /               5.14: ``get_layer_types_and_kwargs``
-                             ``sliding_window`` fields
+                             ``sliding_window`` fields              (one kwargs dict; 5.20: one per layer)
+linear-attention layers      none                                   5.5: ``LinearAttentionLayer``
+KV-sharing layers            left out of the cache                  5.23: ``DummyLayer``
 GGUF dequantize on load      implied by ``gguf_file=``              5.20: ``GgufConfig(dequantize=True)``
 ===========================  =====================================  =======================================
 
-Below 5.0 (4.56/4.57, the first releases with per-layer ``CacheLayerMixin`` caches) the layer's
-``lazy_initialization`` takes the keys only and models load with ``torch_dtype=``; more to the point
-for kvslim, 4.x models build their own masks from ``cache_position`` through a different
-``masking_utils`` and the GGUF loader lacks the converter kvslim's embedded model needs — see the
-README's "Supported transformers" section for why the floor is 5.0.
+Below 5.0: the cache itself works on 4.57 through this module (``tests/test_compat.py`` passes on
+4.57.6), but a 4.x release reads a config saved by 5.x (``rope_parameters``) without its RoPE settings
+and runs the model at the default base, silently — the embedded model's converted copy is such a
+config. That, not the cache API, sets the floor at 5.0.
 
 What kvslim loses before 5.24, where position ids never reach the cache:
 

@@ -2,13 +2,15 @@
 
 The spec syntax is the same everywhere in the CLI (``eval --config``, ``bench --config``):
 ``FORMAT[,key=value...]`` with keys ``k``, ``v`` (per-tensor formats), ``sink``, ``window``,
-``group``, ``residual``, ``v_group`` and ``mean_center`` (a bias file). Examples::
+``group``, ``residual``, ``v_group``, ``mean_center`` (a bias file), ``rotate`` and ``pre_rope``.
+Examples::
 
     int4
     q4_0,mean_center=bias.gguf
     none,sink=4,window=1020
     int2,group=32,residual=128
     q8_0,k=q4_0            # K in q4_0, V in q8_0
+    int2,rotate=kv,pre_rope=1
 
 This module knows nothing about transformers or tensors beyond validation.
 """
@@ -35,6 +37,11 @@ DEFAULT_POSITIONS = "original"
 RESIDUAL_DTYPES = ("model", "float16", "bfloat16")
 #: The default, chosen by measurement (docs/quality.md).
 DEFAULT_RESIDUAL_DTYPE = "model"
+#: Which encoded tensors are stored Hadamard-rotated (kvslim.hadamard): none, K, V or both.
+ROTATE = ("none", "k", "v", "kv")
+#: The defaults, chosen by measurement (docs/quality.md, "Low-bit levers").
+DEFAULT_ROTATE = "none"
+DEFAULT_PRE_ROPE = False
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,11 @@ class CacheConfig:
     residual_dtype: how a lossy format's full-precision tokens (the residual and the sinks) are stored:
         ``model`` (the model's dtype), ``float16`` or ``bfloat16``. Lossless ``none`` always keeps the
         model's dtype.
+    rotate: which encoded tensors are stored rotated by an orthonormal Hadamard matrix (QuaRot /
+        llama.cpp's attention rotation): ``none``, ``k``, ``v`` or ``kv``. Attention is unchanged.
+    pre_rope: store K before RoPE (KVQuant) and rotate it on read; needs the model's RoPE.
+    A ``mean_center`` bias must have been calibrated in the basis K is stored in (``rotate`` with K,
+    ``pre_rope``); the bias file records it.
     """
 
     kv_quantize: str = "none"
@@ -71,8 +83,17 @@ class CacheConfig:
     mean_center: str | None = None
     positions: str = DEFAULT_POSITIONS
     residual_dtype: str = DEFAULT_RESIDUAL_DTYPE
+    rotate: str = DEFAULT_ROTATE
+    pre_rope: bool = DEFAULT_PRE_ROPE
 
     def __post_init__(self):
+        if self.rotate not in ROTATE:
+            raise ValueError(
+                f"rotate must be one of {', '.join(ROTATE)} (which encoded tensors are stored Hadamard-rotated), "
+                f"got {self.rotate!r}"
+            )
+        if not isinstance(self.pre_rope, bool):
+            raise ValueError(f"pre_rope must be True or False (store K before RoPE), got {self.pre_rope!r}")
         if self.residual_dtype not in RESIDUAL_DTYPES:
             raise ValueError(
                 f"residual_dtype must be one of {', '.join(RESIDUAL_DTYPES)} (how a lossy format's full-precision "
@@ -128,6 +149,14 @@ class CacheConfig:
         return self.v_quantize or self.kv_quantize
 
     @property
+    def rotate_k(self) -> bool:
+        return self.rotate in ("k", "kv")
+
+    @property
+    def rotate_v(self) -> bool:
+        return self.rotate in ("v", "kv")
+
+    @property
     def capacity(self) -> int | None:
         """Tokens stored per layer at most (sink + window), or None when unbounded."""
         return None if self.window is None else self.sink + self.window
@@ -155,6 +184,10 @@ class CacheConfig:
             parts.append(f"positions={self.positions}")
         if self.residual_dtype != DEFAULT_RESIDUAL_DTYPE:
             parts.append(f"residual_dtype={self.residual_dtype}")
+        if self.rotate != DEFAULT_ROTATE:
+            parts.append(f"rotate={self.rotate}")
+        if self.pre_rope != DEFAULT_PRE_ROPE:
+            parts.append(f"pre_rope={int(self.pre_rope)}")
         return ",".join(parts)
 
     def to_dict(self) -> dict:
@@ -176,7 +209,12 @@ _SPEC_KEYS = {
     "mean_center": ("mean_center", str),
     "positions": ("positions", str),
     "residual_dtype": ("residual_dtype", str),
+    "rotate": ("rotate", str),
+    "pre_rope": ("pre_rope", bool),
 }
+
+#: How a spec spells a boolean.
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
 def parse_spec(spec: str) -> CacheConfig:
@@ -201,6 +239,11 @@ def parse_spec(spec: str) -> CacheConfig:
         field_name, conv = _SPEC_KEYS[key]
         if field_name in kwargs:
             raise ValueError(f"cache spec {spec!r}: key {key!r} given twice")
+        if conv is bool:
+            if value.lower() not in _BOOLS:
+                raise ValueError(f"cache spec {spec!r}: {key} must be 1 or 0 (true/false), got {value!r}")
+            kwargs[field_name] = _BOOLS[value.lower()]
+            continue
         if conv is int:
             if value.lower() in ("none", "") and key in ("window", "v_group"):
                 kwargs[field_name] = None

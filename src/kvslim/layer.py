@@ -19,6 +19,13 @@ Layout of one layer (per K and per V, same token order)::
 - Per-step cost: an append writes the new tokens into preallocated buffers (amortized O(new
   tokens), history independent); the materializing read used by standard attention decodes the
   stored tokens once per step (O(stored)), which is what attention reads anyway.
+- The stored basis (docs/quality.md, "Low-bit levers"). The encoded body may be stored in another
+  basis than the model's keys/values: Hadamard-rotated (``k_hadamard``/``v_hadamard``), K mean-centered
+  (``k_bias``, in the rotated basis when K is rotated) — both applied when tokens are encoded and undone
+  exactly on read (:class:`~kvslim.buffers.BodyBasis`) — and, with ``pre_rope``, the whole K stream
+  (residual and body) holds keys *before* RoPE: un-rotated on append with the forward's own rotary
+  (KVQuant's pre-RoPE keys), rotated again on read at the position the current forward sees them. Sinks
+  always hold the keys as the model gave them.
 
 This module knows nothing about transformers; :mod:`kvslim.cache` adapts it.
 """
@@ -29,8 +36,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .buffers import Stream
+from .buffers import BodyBasis, Stream
 from .formats import Codec, Encoded
+from .hadamard import Hadamard
 from .policy import KeepPolicy
 from .rotary import Rotary
 
@@ -50,7 +58,10 @@ class Segments:
     dtype: the dtype the standard path returns.
     k_runs: ``((tokens, delta), ...)`` over the K stream (body then residual, oldest first): each
     run's keys sit ``delta`` positions off the current frame and must be moved by ``delta`` with
-    ``rotary`` (centered keys move as ``R(d)(k + k_bias) - k_bias``). Empty: nothing to move.
+    ``rotary``. Empty: nothing to move (always, with ``k_pos``).
+    k_basis, v_basis: the basis of each encoded body (:class:`~kvslim.buffers.BodyBasis`; None: the
+    stream's own). k_pos: (B, L) int64, the position each K stream key (body, then residual) must be
+    rotated to with ``rope`` — set when the K stream holds keys before RoPE (``pre_rope``), None otherwise.
     """
 
     k_sink: torch.Tensor | None
@@ -68,7 +79,10 @@ class Segments:
     dtype: torch.dtype
     k_runs: tuple[tuple[int, int], ...] = ()
     rotary: Rotary | None = None
-    k_bias: torch.Tensor | None = None
+    k_basis: BodyBasis | None = None
+    v_basis: BodyBasis | None = None
+    k_pos: torch.Tensor | None = None
+    rope: Rotary | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -85,16 +99,25 @@ class Segments:
         return 0 if body is None else next(iter(body.token.values())).shape[2]
 
     def materialize(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The full (B, H, T, D) tensors in ``dtype`` (default: the layer's), keys moved as due."""
+        """The full (B, H, T, D) tensors in ``dtype`` (default: the layer's), keys moved as due: bodies
+        decoded back from their stored basis, pre-RoPE keys rotated to ``k_pos``."""
         dtype = self.dtype if dtype is None else dtype
         out = []
-        for sink, codec, body, offset, res in (
-            (self.k_sink, self.k_codec, self.k_body, self.k_offset, self.k_res),
-            (self.v_sink, self.v_codec, self.v_body, self.v_offset, self.v_res),
+        for role, sink, codec, body, offset, res, basis in (
+            ("k", self.k_sink, self.k_codec, self.k_body, self.k_offset, self.k_res, self.k_basis),
+            ("v", self.v_sink, self.v_codec, self.v_body, self.v_offset, self.v_res, self.v_basis),
         ):
-            stream = [None if body is None else codec.decode(body, dtype, offset), res]
-            stream = [t.to(dtype) for t in stream if t is not None and t.shape[2]]
-            if stream and out == [] and self.k_runs:
+            decoded = None
+            if body is not None:
+                decoded = codec.decode(body, dtype if basis is None else torch.float32, offset)
+                if basis is not None:
+                    decoded = basis.decode(decoded)
+            stream = [t for t in (decoded, res) if t is not None and t.shape[2]]
+            if stream and role == "k" and self.k_pos is not None:
+                joined = torch.cat([t.float() for t in stream], dim=2)
+                stream = [self.rope.move(joined, self.k_pos)]
+            stream = [t.to(dtype) for t in stream]
+            if stream and role == "k" and self.k_runs:
                 stream = [self._move_runs(torch.cat(stream, dim=2))]
             parts = ([] if sink is None or not sink.shape[2] else [sink.to(dtype)]) + stream
             out.append(torch.cat(parts, dim=2))
@@ -105,7 +128,7 @@ class Segments:
         pieces, start = [], 0
         for n, delta in self.k_runs:
             piece = keys[:, :, start : start + n]
-            pieces.append(piece if delta == 0 else _move_centered(self.rotary, piece, delta, self.k_bias))
+            pieces.append(piece if delta == 0 else self.rotary.move(piece, delta))
             start += n
         return torch.cat(pieces, dim=2)
 
@@ -132,7 +155,15 @@ class SlimLayer:
 
     Only the full-precision sinks are ever re-rotated; a stream run whose base differs from the
     current one (for ``window`` tokens after each re-base) is moved at read time — its keys in the
-    materializing path, the query in the compressed path — never re-encoded.
+    materializing path, the query in the compressed path — never re-encoded. With ``pre_rope`` the
+    stream's keys carry no rotation at all: each is rotated on read to its true position in the
+    current frame (``Segments.k_pos``), so runs never need moving.
+
+    The stored basis (module docstring): ``k_hadamard``/``v_hadamard`` rotate the encoded bodies,
+    ``k_bias`` (H_kv, D) centers the encoded K body (in the basis it is stored in: rotated and/or
+    pre-RoPE), ``pre_rope`` keeps the K stream before RoPE, un-rotated with the ``rope`` each
+    :meth:`append` is given (default ``rotary``: a model whose frequencies change with the sequence
+    length, dynamic NTK, hands each forward's own).
     """
 
     def __init__(
@@ -147,17 +178,24 @@ class SlimLayer:
         positions: str = "original",
         rotary: Rotary | None = None,
         fp_dtype: torch.dtype | None = None,
+        k_hadamard: Hadamard | None = None,
+        v_hadamard: Hadamard | None = None,
+        pre_rope: bool = False,
     ):
         if positions not in POSITIONS:
             raise ValueError(f"positions must be one of {', '.join(POSITIONS)}, got {positions!r}")
+        if not isinstance(pre_rope, bool):
+            raise ValueError(f"pre_rope must be True or False, got {pre_rope!r}")
         self.policy = policy
         self.positions = positions
         self.rotary = rotary  # None: keys are never moved (positions='original', base always 0)
+        self.pre_rope = pre_rope  # the K stream holds keys before RoPE (needs a rope at every append)
+        self.k_hadamard, self.v_hadamard = k_hadamard, v_hadamard
         # fp_dtype: storage of a lossy stream's full-precision tokens (residual and sinks); None: the model's
-        self.k = Stream(k_codec, residual, group_size, min_slack, fp_dtype)
-        self.v = Stream(v_codec, residual, group_size, min_slack, fp_dtype)
-        self.k_bias = k_bias  # (H_kv, D) float32, subtracted from every key before storage
-        self.sink_k: torch.Tensor | None = None  # (B, H, <=sink, D), centered like the stream
+        self.k = Stream(k_codec, residual, group_size, min_slack, fp_dtype, BodyBasis(k_hadamard, k_bias))
+        self.v = Stream(v_codec, residual, group_size, min_slack, fp_dtype, BodyBasis(v_hadamard))
+        self._k_bias = k_bias  # (H_kv, D) float32, subtracted from every encoded key (in the body's basis)
+        self.sink_k: torch.Tensor | None = None  # (B, H, <=sink, D), as the model gave them
         self.sink_v: torch.Tensor | None = None
         self.sink_rot: torch.Tensor | None = None  # (B, <=sink) int64: rotation position of each sink key
         self.runs: list[list[int]] = []  # [tokens, base] of the stream's keys, oldest first
@@ -167,7 +205,22 @@ class SlimLayer:
         self.dtype: torch.dtype | None = None
         self.kv_shape: tuple[int, int, int] | None = None  # (B, H_kv, D) of the stored tokens
         self._base = 0  # the base of the forward being served (set by append)
+        self._rope: Rotary | None = rotary  # the rotary of the forward being served (pre_rope)
         self._v_dim = 0  # V's head_dim (fixed by the first append)
+
+    @property
+    def k_bias(self) -> torch.Tensor | None:
+        """The mean-centering bias (H_kv, D) of the encoded K body, in its stored basis (None: none)."""
+        return self._k_bias
+
+    @k_bias.setter
+    def k_bias(self, bias: torch.Tensor | None) -> None:
+        if self.k.n_body:
+            raise ValueError("the mean-centering bias cannot change once keys were encoded with another one")
+        self._k_bias = bias
+        self.k.basis = BodyBasis(self.k_hadamard, bias) if self.k.codec.lossy else None
+        if self.k.basis is not None and self.k.basis.identity:
+            self.k.basis = None
 
     # -- sizes ---------------------------------------------------------------------------
     @property
@@ -179,17 +232,18 @@ class SlimLayer:
         return self.sink_len + len(self.k)
 
     # -- the update ------------------------------------------------------------------------
-    def center(self, keys: torch.Tensor) -> torch.Tensor:
-        """Subtract the mean-centering bias (in fp32) from keys (B, H, T, D)."""
-        if self.k_bias is None:
-            return keys
-        bias = self.k_bias.to(device=keys.device)
-        if bias.shape != (keys.shape[1], keys.shape[3]):
-            raise ValueError(
-                f"mean-center bias has shape {tuple(bias.shape)} but keys have {keys.shape[1]} KV heads "
-                f"x head_dim {keys.shape[3]}"
-            )
-        return (keys.float() - bias[None, :, None, :]).to(keys.dtype)
+    def basis_keys(self, keys: torch.Tensor, *, base: int = 0, rope: Rotary | None = None) -> torch.Tensor:
+        """New keys (B, H, C, D), about to be appended, in the basis the K body stores them — un-rotated
+        (``pre_rope``) and Hadamard-rotated (``k_hadamard``), never centered: what a mean-centering bias
+        for this basis is the mean of (:mod:`kvslim.calibrate` observes them). float32."""
+        x = keys.float()
+        if self.pre_rope:
+            rope = self.rotary if rope is None else rope
+            pads = self.pads if self.pads is not None and self.pads.shape[0] == keys.shape[0] else None
+            slots = torch.arange(self.seen, self.seen + keys.shape[2], device=keys.device)
+            rot = slots[None, :] - (0 if pads is None else pads[:, None]) - base  # (B, C)
+            x = rope.move(x, -rot.expand(keys.shape[0], -1))
+        return x if self.k_hadamard is None else self.k_hadamard.apply(x)
 
     def set_pads(self, pads: torch.Tensor | None) -> None:
         """Left padding per row (B,) int64, as decided by the cache (None: no padding)."""
@@ -222,12 +276,21 @@ class SlimLayer:
                 f"produced them; nothing was stored"
             )
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor, *, segments: bool = False, base: int = 0):
+    def append(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        *,
+        segments: bool = False,
+        base: int = 0,
+        rope: Rotary | None = None,
+    ):
         """Append keys/values (B, H, C, D); return every stored token before eviction, then evict
         down to the policy's capacity.
 
         base: what the caller subtracted from the true positions of these tokens' position ids
-        (0 unless position ids are kept bounded). Returns ``(K, V)`` materialized,
+        (0 unless position ids are kept bounded). rope: the rotary these keys were rotated with (for
+        ``pre_rope``; default the layer's ``rotary``). Returns ``(K, V)`` materialized,
         (B, H, stored + C, D) in the first update's dtype, or with ``segments=True`` a
         :class:`Segments` view of the stored parts (no fp copy of the history is written).
 
@@ -242,13 +305,15 @@ class SlimLayer:
         sink_start = self.sink_start
         if sink_start is None or sink_start.shape[0] != batch:
             sink_start = torch.zeros(batch, dtype=torch.long, device=device)
-        centered = self.center(keys)
+        rope = self.rotary if rope is None else rope
+        if self.pre_rope and rope is None:
+            raise ValueError("pre_rope keeps keys before RoPE, which needs the model's rotary (rope=)")
 
         # -- plan: what goes where, encoded (may raise) ----------------------------------
         n_sink = self.policy.n_to_sinks(self.sink_len, n_new)
         sink_k, sink_v, sink_rot = self.sink_k, self.sink_v, self.sink_rot
         if n_sink:
-            ks, vs = centered[:, :, :n_sink], values[:, :, :n_sink]
+            ks, vs = keys[:, :, :n_sink], values[:, :, :n_sink]
             if self.k.fp_dtype is not None:
                 ks = ks.to(self.k.fp_dtype)
             if self.v.fp_dtype is not None:
@@ -258,9 +323,13 @@ class SlimLayer:
             sink_k = ks.clone() if sink_k is None else torch.cat([sink_k, ks], dim=2)
             sink_v = vs.clone() if sink_v is None else torch.cat([sink_v, vs], dim=2)
             sink_rot = rot if sink_rot is None else torch.cat([sink_rot, rot], dim=1)
-        rest_k, rest_v = centered[:, :, n_sink:], values[:, :, n_sink:]
+        rest_k, rest_v = keys[:, :, n_sink:], values[:, :, n_sink:]
         plans = None
         if rest_k.shape[2]:
+            if self.pre_rope:  # un-rotate: R(-p) k, p the position id each key was fed with
+                slots = torch.arange(self.seen + n_sink, self.seen + n_new, device=device)
+                rot = slots[None, :] - pads[:, None] - base  # (B, n)
+                rest_k = rope.move(rest_k, -rot)
             plans = (self.k.plan(rest_k), self.v.plan(rest_v))
 
         # -- commit (nothing below raises) -----------------------------------------------
@@ -279,6 +348,7 @@ class SlimLayer:
                 self.runs.append([rest_k.shape[2], base])
         self.seen += n_new
         self._base = base
+        self._rope = rope
 
         out = self.segments() if segments else self.read(self.dtype)
         self._evict()
@@ -300,14 +370,24 @@ class SlimLayer:
         delta = want - self._base - self.sink_rot  # (B, S)
         if not bool((delta != 0).any()):
             return self.sink_k
-        return _move_centered(self.rotary, self.sink_k, delta, self.k_bias)
+        return self.rotary.move(self.sink_k, delta)
 
     def _run_deltas(self) -> tuple[tuple[int, int], ...]:
         """(tokens, delta) per run of stream keys, oldest first: each run's keys must be moved by
-        ``delta = run base - current base`` positions. Empty when every delta is 0."""
-        if all(b == self._base for _, b in self.runs):
+        ``delta = run base - current base`` positions. Empty when every delta is 0 (or the stream is
+        pre-RoPE: its keys are rotated to their read positions, :meth:`_read_positions`)."""
+        if self.pre_rope or all(b == self._base for _, b in self.runs):
             return ()
         return tuple((n, b - self._base) for n, b in self.runs)
+
+    def _read_positions(self) -> torch.Tensor | None:
+        """(B, L) int64: where each K stream key sits in the current frame (its true position minus the
+        current base) — what a pre-RoPE stream is rotated to on read. None unless ``pre_rope``."""
+        if not self.pre_rope or not len(self.k):
+            return None
+        first = self.seen - len(self.k)
+        slots = torch.arange(first, self.seen, device=self.pads.device)
+        return slots[None, :] - self.pads[:, None] - self._base
 
     def segments(self) -> Segments:
         """A frozen view of what is stored now (valid until the next update)."""
@@ -327,7 +407,10 @@ class SlimLayer:
             dtype=self.dtype,
             k_runs=self._run_deltas(),
             rotary=self.rotary,
-            k_bias=self.k_bias,
+            k_basis=self.k.basis,
+            v_basis=self.v.basis,
+            k_pos=self._read_positions(),
+            rope=self._rope if self.pre_rope else None,
         )
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -353,7 +436,10 @@ class SlimLayer:
             for name in ("k", "v"):
                 stream = getattr(self, name)
                 sinks = getattr(self, f"sink_{name}")
-                pool = torch.cat([sinks, stream.front(k, sinks.dtype)], dim=2)  # (B, H, n + k, D)
+                front = stream.front(k, sinks.dtype)  # (B, H, k, D) in the stream's basis
+                if name == "k" and self.pre_rope:  # back to the rotation they were fed with, as sinks hold
+                    front = self._rope.move(front, self._stream_rot(k))
+                pool = torch.cat([sinks, front], dim=2)  # (B, H, n + k, D)
                 idx_full = idx.expand(-1, pool.shape[1], -1, pool.shape[3])
                 setattr(self, f"sink_{name}", torch.gather(pool, 2, idx_full))
             pool_rot = torch.cat([self.sink_rot, self._stream_rot(k)], dim=1)  # (B, n + k)
@@ -433,15 +519,6 @@ def _drop_runs(runs: list[list[int]], k: int, *, from_back: bool = False) -> Non
         k -= take
         if run[0] == 0:
             runs.pop(-1 if from_back else 0)
-
-
-def _move_centered(rotary: Rotary, keys: torch.Tensor, delta, bias: torch.Tensor | None) -> torch.Tensor:
-    """Move centered keys ``k - b`` by ``delta`` positions as the uncentered keys would move:
-    ``R(delta)(k_c + b) - b`` — so every key keeps the same ``-q.b`` offset and centering stays exact."""
-    if bias is None:
-        return rotary.move(keys, delta)
-    b = bias.to(device=keys.device, dtype=torch.float32)[None, :, None, :]
-    return (rotary.move(keys.float() + b, delta) - b).to(keys.dtype)
 
 
 def _bytes(t: torch.Tensor | None) -> int:

@@ -16,13 +16,28 @@ layer subtracts it, :mod:`kvslim.layer`).
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from .biasfile import CHANNEL_ORDERS, fingerprint_hex, read_layers, tensor_name
+from .biasfile import (
+    CHANNEL_ORDERS,
+    LLAMA_CPP_PERMUTES_K,
+    LLAMA_CPP_PERMUTES_K_ARCH,
+    file_channel_order,
+    fingerprint_hex,
+    llama_cpp_permutes,
+    permute_from_llama_cpp,
+    permute_rotated,
+    read_layers,
+    tensor_name,
+)
+
+#: The CLI's name for ``allow_other_model=True``, quoted in messages.
+ANY_MODEL_FLAG = "--kv-mean-center-any-model"
 
 
 @dataclass(eq=False)
@@ -44,8 +59,10 @@ class BiasSet:
     tensors: one float32 tensor ``(H_kv, D)`` per attention layer, index = model layer index.
         A set read from a file whose tensors are 1-D (the fork writes 1-D) holds ``(H_kv * D,)``
         tensors unless :func:`~kvslim.biasfile.read_bias_file` was given the head shape.
-    k_rot: the basis: True if K was calibrated after a Hadamard rotation (no kvslim option
-        rotates K yet, so kvslim always writes False).
+    k_rot: the basis: True if K was calibrated after a Hadamard rotation (``rotate='k'``/``'kv'``;
+        :mod:`kvslim.hadamard`).
+    pre_rope: True if K was calibrated before RoPE (``pre_rope=True``; kvslim only, the fork has no
+        such basis).
     model_fingerprint: kvslim's model fingerprint, ``sha256:<64 hex>``
         (:func:`kvslim.models.model_fingerprint`), stored as the bare hex digits in
         ``kv_mean_center.model_sha256``; None if unknown (also for a file whose ``model_sha256`` is
@@ -57,11 +74,14 @@ class BiasSet:
         llama.cpp's order).
     n_tokens, text_sha256, ctx, n_chunks: the calibration run (tokens used, sha256 of the text's
         UTF-8 bytes, chunk length, number of chunks); None if unknown (e.g. a fork-written file).
+    architecture: the GGUF ``general.architecture`` of a file that has one (kvslim writes none; it
+        decides the channel order of a file in llama.cpp's order); None otherwise.
     stats: K spread measured during calibration (in memory only, never written).
     """
 
     tensors: list[torch.Tensor]
     k_rot: bool = False
+    pre_rope: bool = False
     model_fingerprint: str | None = None
     cache_type: str | None = None
     channel_order: str | None = CHANNEL_ORDERS[0]
@@ -69,6 +89,7 @@ class BiasSet:
     text_sha256: str | None = None
     ctx: int | None = None
     n_chunks: int | None = None
+    architecture: str | None = None
     stats: KStats | None = field(default=None, repr=False)
 
     @property
@@ -79,6 +100,7 @@ class BiasSet:
         """Everything but the tensors, as a plain dict."""
         return {
             "k_rot": self.k_rot,
+            "pre_rope": self.pre_rope,
             "model_fingerprint": self.model_fingerprint,
             "cache_type": self.cache_type,
             "channel_order": self.channel_order,
@@ -86,6 +108,7 @@ class BiasSet:
             "text_sha256": self.text_sha256,
             "ctx": self.ctx,
             "n_chunks": self.n_chunks,
+            "architecture": self.architecture,
         }
 
     def summary_rows(self) -> list[dict]:
@@ -117,19 +140,40 @@ def load_mean_center(
     n_kv_heads: int | Sequence[int],
     head_dim: int | Sequence[int],
     model_fingerprint: str | None = None,
+    allow_other_model: bool = False,
+    model_type: str | None = None,
     k_rot: bool = False,
+    pre_rope: bool = False,
+    k_format: str | None = None,
+    key_dtype: torch.dtype | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> list[torch.Tensor]:
-    """Per-layer K biases for a cache, validated against the model's shapes.
+    """Per-layer K biases for a cache, validated against the model, in the cache's channel order.
 
     value: a bias file path (str / PathLike), a :class:`BiasSet`, or a list of per-layer tensors
-        (each ``(H_kv, D)`` or 1-D ``(H_kv * D,)``, channel fastest).
+        (each ``(H_kv, D)`` or 1-D ``(H_kv * D,)``, channel fastest, in transformers' order).
     n_layers, n_kv_heads, head_dim: the model's (``n_kv_heads`` / ``head_dim`` may be per-layer lists).
-    model_fingerprint: the model's fingerprint; checked against the file's only when both are known.
-    k_rot: the basis the cache stores K in; a file recording another basis is refused (as the fork does).
+    model_fingerprint: the model's (:func:`kvslim.models.model_fingerprint`); when the file records
+        kvslim's fingerprint too and they differ, the file was calibrated for another model (a base
+        vs an instruct checkpoint of one family has the same shapes): ValueError, unless
+        ``allow_other_model=True``, which warns and uses it (centering stays exact; only its benefit
+        is in doubt).
+    model_type: the model's ``config.model_type``. A file in llama.cpp's channel order (the fork's
+        files, which record no order, and kvslim's ``--llama-cpp-order`` files) is converted to
+        transformers' order when llama.cpp permutes K for the architecture (the file's
+        ``general.architecture`` when it has one, else ``model_type``); without either, such a file
+        is refused rather than read in the wrong order.
+    k_rot, pre_rope: the basis the cache stores K in (Hadamard-rotated; before RoPE); a file recording
+        another basis is refused (as the fork does for k_rot; a file without the pre-RoPE key is post-RoPE).
+        A rotated file in llama.cpp's channel order is converted in the rotated basis
+        (:func:`~kvslim.biasfile.permute_rotated`, the block rule of :mod:`kvslim.hadamard`).
+    k_format, key_dtype: the K storage format and the dtype of the model's keys, when known. A bias
+        larger than the format can store (:func:`bias_limit`; a centered key ``k - bias`` would
+        overflow every block) or than ``key_dtype`` holds is refused here, not mid-generation.
     Returns ``n_layers`` tensors ``(H_kv, D)`` in ``dtype`` on the CPU.
     Raises ValueError naming the tensor and what was expected vs found: a missing or extra layer, a
-    wrong element count, shape or dtype, non-finite values, a basis or fingerprint mismatch.
+    wrong element count, shape or dtype, non-finite or impossibly large values, a basis, channel
+    order or fingerprint mismatch.
     """
     check_positive_int("n_layers", n_layers)
     heads = _per_layer("n_kv_heads", n_kv_heads, n_layers)
@@ -138,12 +182,15 @@ def load_mean_center(
     if isinstance(value, (str, os.PathLike)):
         where = os.fspath(value)
         layers, meta = read_layers(value)
+        order = file_channel_order(meta)
     elif isinstance(value, BiasSet):
         where = "the given BiasSet"
         layers, meta = dict(enumerate(value.tensors)), value.metadata()
+        order = file_channel_order(meta)  # None: read from a fork file, llama.cpp's order
     elif isinstance(value, (list, tuple)):
         where = "the given tensors"
         layers = dict(enumerate(value))
+        order = CHANNEL_ORDERS[0]
     else:
         raise ValueError(
             f"mean_center must be a bias file path, a BiasSet or a list of per-layer tensors; "
@@ -154,19 +201,23 @@ def load_mean_center(
         basis = {True: "rotated (k_rot=true)", False: "unrotated (k_rot=false)"}
         raise ValueError(
             f"{where} was calibrated in the {basis[bool(file_k_rot)]} K basis, but this cache stores K "
-            f"{basis[bool(k_rot)]}; recalibrate with matching settings"
+            f"{basis[bool(k_rot)]}; recalibrate with matching settings (kvslim calibrate "
+            f"--kv-rotate {'k' if k_rot else 'none'})"
         )
-    if meta.get("channel_order") not in (None, CHANNEL_ORDERS[0]):
+    file_pre = bool(meta.get("pre_rope"))
+    if file_pre != bool(pre_rope):
+        basis = {True: "pre-RoPE (k_pre_rope=true)", False: "post-RoPE (no k_pre_rope)"}
         raise ValueError(
-            f"{where} holds K channels in {meta['channel_order']!r} order, kvslim's cache stores them in "
-            f"{CHANNEL_ORDERS[0]!r} order; use a file calibrated without --llama-cpp-order "
-            f"(or convert it with kvslim.biasfile.from_llama_cpp_order)"
+            f"{where} was calibrated in the {basis[file_pre]} K basis, but this cache stores K "
+            f"{basis[bool(pre_rope)]}; recalibrate with matching settings (kvslim calibrate"
+            f"{' --kv-pre-rope' if pre_rope else ''})"
         )
     file_fp = meta.get("model_fingerprint")
     if file_fp and model_fingerprint and fingerprint_hex(file_fp) != fingerprint_hex(model_fingerprint):
-        raise ValueError(
-            f"{where} was calibrated for another model: its fingerprint is {file_fp[:23]}..., "
-            f"this model's is {model_fingerprint[:23]}...; recalibrate for this model"
+        _other_model(
+            f"{where} was calibrated for another model: the file records model fingerprint "
+            f"{_short(file_fp)}, this model's is {_short(model_fingerprint)}",
+            allow_other_model,
         )
     extra = sorted(il for il in layers if il >= n_layers)
     if extra:
@@ -179,7 +230,89 @@ def load_mean_center(
             raise ValueError(
                 f"{tensor_name(il)} missing; {where} has {len(layers)} layers, the model has {n_layers}"
             )
-    return [check_layer(layers[il], il, heads[il], dims[il], where=where).to(dtype) for il in range(n_layers)]
+    tensors = [check_layer(layers[il], il, heads[il], dims[il], where=where) for il in range(n_layers)]
+    permute = False
+    if order == CHANNEL_ORDERS[1]:
+        arch = meta.get("architecture")
+        known = arch in LLAMA_CPP_PERMUTES_K_ARCH and model_type in LLAMA_CPP_PERMUTES_K
+        if known and LLAMA_CPP_PERMUTES_K_ARCH[arch] != LLAMA_CPP_PERMUTES_K[model_type]:
+            _other_model(
+                f"{where} comes from a GGUF {arch!r} model (general.architecture), this model is "
+                f"a {model_type!r}, whose K channels llama.cpp orders differently",
+                allow_other_model,
+            )
+        if not arch and model_type is None:
+            raise ValueError(
+                f"{where} holds K channels in llama.cpp's order ("
+                + (
+                    "kv_mean_center.channel_order = llama.cpp"
+                    if meta.get("channel_order")
+                    else "a file without kv_mean_center.channel_order is the llama.cpp fork's"
+                )
+                + "), which differs from transformers' for some architectures (llama); pass the "
+                "model's model_type (SlimCache does, given config=) so it can be converted"
+            )
+        permute = llama_cpp_permutes(model_type, arch)
+    if permute:
+        for il, t in enumerate(tensors):
+            if t.shape[1] % 2:
+                raise ValueError(f"{tensor_name(il)} ({where}): llama.cpp's order needs an even head_dim")
+        # a rotated bias is the mean of H P k: back to kvslim's H k through the unrotated basis
+        tensors = [permute_rotated(t, False) if file_k_rot else permute_from_llama_cpp(t) for t in tensors]
+    limit = bias_limit(k_format, key_dtype)
+    for il, t in enumerate(tensors):
+        biggest = float(t.abs().max())
+        if biggest > limit.value:
+            raise ValueError(
+                f"{tensor_name(il)} ({where}): a value of magnitude {biggest:.4g}, but {limit.why} "
+                f"hold at most {limit.value:.6g}; a key centered by it would overflow (is this a K "
+                f"mean at all?)"
+            )
+    return [t.to(dtype) for t in tensors]
+
+
+@dataclass(frozen=True)
+class BiasLimit:
+    value: float
+    why: str
+
+
+def bias_limit(k_format: str | None = None, key_dtype: torch.dtype | None = None) -> BiasLimit:
+    """The largest |bias| that can be right: a centered key ``k - bias`` must fit the K storage
+    format (:func:`kvslim.formats.ggml.ggml_max_abs`: its fp16 block scale times the code range;
+    for an unknown format, the most permissive mean-centering format) and the model's key dtype."""
+    from .config import MEAN_CENTER_FORMATS
+    from .formats.ggml import GGML_KINDS, ggml_max_abs
+
+    if k_format is not None and k_format in GGML_KINDS:
+        best = BiasLimit(ggml_max_abs(k_format), f"{k_format} blocks")
+    else:  # unknown (or not a block format): the most permissive block format that allows centering
+        blocks = [name for name in MEAN_CENTER_FORMATS if name in GGML_KINDS]
+        widest = max((ggml_max_abs(name) for name in blocks), default=float(torch.finfo(torch.float32).max))
+        best = BiasLimit(widest, f"the mean-centering formats' blocks ({', '.join(blocks)})")
+    if key_dtype is not None and key_dtype.is_floating_point:
+        dtype_max = float(torch.finfo(key_dtype).max)
+        if dtype_max < best.value:
+            best = BiasLimit(dtype_max, f"{str(key_dtype).replace('torch.', '')} keys")
+    return best
+
+
+def _short(fingerprint: str) -> str:
+    return "sha256:" + fingerprint_hex(fingerprint)[:16] + "..."
+
+
+def _other_model(message: str, allow: bool) -> None:
+    if not allow:
+        raise ValueError(
+            f"{message}; recalibrate for this model (kvslim calibrate), or pass allow_other_model=True "
+            f"(CLI: {ANY_MODEL_FLAG}) to use it anyway"
+        )
+    warnings.warn(
+        f"{message}; using it anyway (allow_other_model): attention stays exact, but the bias may not "
+        "center this model's keys",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def check_layer(t, il: int, n_kv_heads: int, head_dim: int, *, where: str) -> torch.Tensor:

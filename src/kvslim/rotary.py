@@ -19,7 +19,7 @@ so a move applies the pure rotation. This module knows nothing about transformer
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,8 @@ class Rotary:
 
     inv_freq: torch.Tensor
     offset: int = 0
+    #: the last :meth:`table` computed (every layer of a forward asks for the same one)
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def rotary_dim(self) -> int:
@@ -44,6 +46,31 @@ class Rotary:
         )  # (..., R/2)
         emb = torch.cat([freqs, freqs], dim=-1)  # (..., R)
         return emb.cos().float(), emb.sin().float()
+
+    def table(self, positions: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of ``positions[b, t] * inv_freq[i]``: (B, T, R/2) float32 each, angles in float64.
+
+        Pre-RoPE keys are rotated on read by these angles (:class:`kvslim.kernels.KeyTransform`). The last
+        table is kept (``nbytes``): every layer of a forward reads keys at the same positions."""
+        key = (tuple(positions.shape), str(torch.device(device)))
+        hit = self._memo.get("table")
+        if hit is not None and hit[0] == key and torch.equal(hit[1], positions):
+            return hit[2], hit[3]
+        pos = positions.detach().clone()
+        freqs = pos.to(device=device, dtype=torch.float64)[..., None] * self.inv_freq.to(
+            device=device, dtype=torch.float64
+        )  # (B, T, R/2)
+        cos, sin = freqs.cos().float(), freqs.sin().float()
+        self._memo["table"] = (key, pos, cos, sin)
+        return cos, sin
+
+    def nbytes(self) -> int:
+        """Bytes held: the frequencies and the last :meth:`table`."""
+        n = self.inv_freq.numel() * self.inv_freq.element_size()
+        hit = self._memo.get("table")
+        if hit is not None:
+            n += sum(t.numel() * t.element_size() for t in hit[1:])
+        return n
 
     def move(self, x: torch.Tensor, delta: torch.Tensor | int) -> torch.Tensor:
         """``R(delta) x`` for x (B, H, T, D) rotated keys or queries.

@@ -12,7 +12,8 @@ noisy machine hit every mode alike. Every forward goes through :mod:`kvslim.gene
 - :mod:`.streaming`: StreamingLLM flatness, decode step time against tokens seen (:class:`SeenRow`);
 - :mod:`.memory`: cache bytes, weight bytes per step, bandwidth, process RSS (:class:`MemoryProbe`);
 - :mod:`.timing`: the timed decode step and the statistics the measurements share;
-- :mod:`.suite`: :func:`run_bench`, all of it in one call, and its :class:`BenchResult`.
+- :mod:`.suite`: :func:`run_bench`, all of it in one call, and its :class:`BenchResult`;
+- :mod:`.plot`: :func:`plot_bench`, ms/token and cache MiB against context length as a PNG.
 
 This package knows nothing about argument parsing or printing (see :mod:`kvslim.cli.bench`).
 """
@@ -39,6 +40,7 @@ from .modes import (
     peer_availability,
     resolve_attn,
 )
+from .plot import plot_bench
 from .streaming import SeenRow, measure_streaming
 from .suite import BenchResult, run_bench
 
@@ -63,6 +65,7 @@ __all__ = [
     "measure_decode",
     "measure_streaming",
     "peer_availability",
+    "plot_bench",
     "resolve_attn",
     "run_bench",
     "stored_tokens",

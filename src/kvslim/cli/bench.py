@@ -7,10 +7,19 @@ Parsing and printing only; the work is :func:`kvslim.bench.run_bench`.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-from .common import UserError, add_model_flags, format_table, write_json
+from .common import (
+    UserError,
+    add_model_flags,
+    check_bias_file,
+    check_model_args,
+    check_output,
+    format_table,
+    load_model_from_args,
+    seed_int,
+    write_json,
+)
 
 DEFAULT_CONFIGS = ["none", "int8", "int4", "q8_0", "q4_0", "none,sink=4,window=1020"]
 SMOKE_CONFIGS = ["int4", "q4_0,sink=4,window=28"]
@@ -115,7 +124,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         choices=["sdpa", "kvslim", "auto"],
         help="attention implementation (auto: kvslim when registered, else sdpa)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random token sequences (default: 0)")
+    parser.add_argument(
+        "--seed", type=seed_int, default=0, help="seed of the random token sequences (default: 0)"
+    )
     parser.add_argument("--json", default=None, metavar="FILE", help="also write every number as JSON")
     parser.add_argument(
         "--smoke",
@@ -150,20 +161,21 @@ def run(args: argparse.Namespace) -> int:
         configs = args.config or SMOKE_CONFIGS
         bandwidth_bytes = 16 << 20
     prefill = None if args.prefill_lengths == "all" else args.prefill_lengths
-    if args.json:
-        out_dir = os.path.dirname(os.path.abspath(args.json))
-        if not os.path.isdir(out_dir):
-            raise UserError(f"--json {args.json}: directory {out_dir} does not exist")
+    check_output("--json", args.json)
+    from ..config import parse_spec
+
+    for spec in [*configs, *(args.seen_config or [])]:
+        check_bias_file(f"--config {spec}: mean_center", parse_spec(spec).mean_center)
+    check_model_args(args)
 
     import torch
 
     from ..bench import resolve_attn, run_bench
-    from ..models import load_model
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     attn = resolve_attn(args.attn)  # fails fast, before the model loads
-    model, _ = load_model(args.model, device=args.device, dtype=args.dtype)
+    model, _ = load_model_from_args(args)
     result = run_bench(
         model,
         configs,

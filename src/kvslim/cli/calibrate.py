@@ -1,7 +1,8 @@
 """``kvslim calibrate``: measure the K mean-centering bias of a model on a text, write it as GGUF.
 
 Parsing and printing only; the work is :func:`kvslim.calibrate.collect_k_means` and
-:func:`kvslim.biasfile.write_bias_file`.
+:func:`kvslim.biasfile.write_bias_file` (atomic: a failed write leaves --out as it was, and the
+``wrote ...`` line is printed only after the file is in place).
 """
 
 from __future__ import annotations
@@ -11,8 +12,17 @@ import hashlib
 import os
 import sys
 
-from ..config import MEAN_CENTER_FORMATS
-from .common import UserError, add_model_flags, format_table
+from ..config import MEAN_CENTER_FORMATS, ROTATE
+from .common import (
+    UserError,
+    add_model_flags,
+    check_input_file,
+    check_model_args,
+    check_output,
+    format_table,
+    load_model_from_args,
+    read_text_file,
+)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -40,34 +50,38 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--llama-cpp-order",
         action="store_true",
         help="write each head's K channels in llama.cpp's order, for its --kv-mean-center "
-        "(permuted for llama-arch models; kvslim itself refuses such a file)",
+        "(permuted for llama-arch models; kvslim converts such a file back when loading it)",
+    )
+    parser.add_argument(
+        "--kv-rotate",
+        default="none",
+        choices=ROTATE,
+        help="calibrate for a cache storing K Hadamard-rotated (k or kv; records k_rot=true) (default: none)",
+    )
+    parser.add_argument(
+        "--kv-pre-rope",
+        action="store_true",
+        help="calibrate for a cache storing K before RoPE (records k_pre_rope=true)",
     )
     parser.add_argument("--out", required=True, metavar="BIAS.gguf", help="output bias file (GGUF)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
-    if not os.path.isfile(args.text):
-        raise UserError(f"--text {args.text}: no such file")
-    out_dir = os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(out_dir):
-        raise UserError(f"--out {args.out}: directory {out_dir} does not exist")
     for flag, value in (("--ctx", args.ctx), ("--chunks", args.chunks), ("--max-tokens", args.max_tokens)):
         if value is not None and value < 1:
             raise UserError(f"{flag} must be a positive integer, got {value}")
-    try:
-        with open(args.text, encoding="utf-8") as f:
-            text = f.read()
-    except UnicodeDecodeError as e:
-        raise UserError(f"--text {args.text}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    if not text.strip():
-        raise UserError(f"--text {args.text}: the file is empty")
+    if args.llama_cpp_order and args.kv_pre_rope:
+        raise UserError("--llama-cpp-order cannot be combined with --kv-pre-rope: llama.cpp caches K after RoPE")
+    check_input_file("--text", args.text)
+    check_output("--out", args.out)
+    text = read_text_file("--text", args.text)
+    check_model_args(args)
 
     from ..biasfile import to_llama_cpp_order, write_bias_file
     from ..calibrate import collect_k_means
-    from ..models import load_model
 
-    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    model, tokenizer = load_model_from_args(args)
     bias = collect_k_means(
         model,
         tokenizer,
@@ -77,10 +91,12 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         progress=not args.no_progress and sys.stderr.isatty(),
         cache_type=args.cache_type,
+        rotate=args.kv_rotate in ("k", "kv"),
+        pre_rope=args.kv_pre_rope,
     )
     if args.llama_cpp_order:
         bias = to_llama_cpp_order(bias, model.config.model_type)
-    write_bias_file(args.out, bias)
+    write_bias_file(args.out, bias)  # atomic: on failure --out is unchanged (one-line error, exit 2)
 
     rows = bias.summary_rows()
     print(
@@ -103,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"wrote {args.out} ({os.path.getsize(args.out)} bytes, sha256 {digest[:12]}...): "
         f"{bias.n_layers} layers, K format {bias.cache_type}, channel order {bias.channel_order}, "
+        f"K basis {'rotated' if bias.k_rot else 'unrotated'}{', pre-RoPE' if bias.pre_rope else ''}, "
         f"model {bias.model_fingerprint}"
     )
     return 0

@@ -1,14 +1,18 @@
-"""Helpers shared by the subcommands: errors as one line, the cache flags, tables, JSON."""
+"""Helpers shared by the subcommands: errors as one line, the model and cache flags, the checks
+every command runs before loading a model (device, output paths, bias files, text), tables, JSON."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
+import os
 
-from ..config import CacheConfig
+from ..config import DEFAULT_PRE_ROPE, DEFAULT_ROTATE, ROTATE, CacheConfig
 from ..formats import format_names
-from .errors import UserError, fail  # noqa: F401  (re-exported for the subcommands)
+from .errors import UserError, fail, say  # noqa: F401  (re-exported for the subcommands)
+
+#: torch.Generator.manual_seed takes a 64-bit unsigned seed.
+SEED_MAX = 2**64 - 1
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +27,132 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         default="float32",
         choices=["float32", "bfloat16", "float16"],
         help="model dtype (default: float32)",
+    )
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="hash every file of the embedded model's converted copy before loading it "
+        "(damage is otherwise found by sizes, the weights' fingerprint and failed loads)",
+    )
+
+
+def load_model_from_args(args: argparse.Namespace):
+    """``(model, tokenizer)`` for the model flags (a one-line ValueError on any failure)."""
+    from ..models import load_model
+
+    return load_model(args.model, device=args.device, dtype=args.dtype, verify=args.verify)
+
+
+def check_model_args(args: argparse.Namespace) -> None:
+    """Cheap checks of --model and --device, before seconds of imports and loading."""
+    from ..models import resolve_spec
+
+    resolve_spec(args.model)  # a missing path or package: one line now
+    check_device(args.device)
+
+
+def check_device(text: str) -> None:
+    """UserError unless ``text`` names a torch device that can hold tensors on this machine."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device {text}: not a torch device (e.g. cpu, cuda, cuda:1, mps)") from None
+    if device.type == "meta":
+        raise UserError("--device meta holds shapes but no data: a model cannot run on it; use cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {text}: CUDA is not available in this torch build or on this machine")
+    try:
+        torch.empty(1, device=device)
+    except Exception as e:  # RuntimeError, AssertionError ("not compiled with ..."), AttributeError
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first.split(". ")[0].rstrip(".")  # torch's dispatcher errors run on for sentences
+        raise UserError(f"--device {text}: not available on this machine ({first})") from None
+
+
+def check_output(flag: str, path: str | None) -> None:
+    """UserError unless ``path`` (an output file) can be written: its directory exists and it is
+    not a directory. Run before the model loads, so a typo costs nothing."""
+    if path is None:
+        return
+    from ..atomic import WriteError, check_writable_target
+
+    try:
+        check_writable_target(path, flag)
+    except WriteError as e:
+        raise UserError(str(e)) from None
+
+
+def check_input_file(flag: str, path: str | None, hint: str = "") -> None:
+    if path is not None and not os.path.isfile(path):
+        what = "is a directory, expected a file" if os.path.isdir(path) else "no such file"
+        raise UserError(f"{flag} {path}: {what}{hint}")
+
+
+def check_bias_file(flag: str, path: str | None) -> None:
+    """UserError unless ``path`` is a readable, well-formed bias file (shapes are checked against the
+    model later, by SlimCache)."""
+    if path is None:
+        return
+    check_input_file(flag, path, " (make one with `kvslim calibrate`)")
+    from ..biasfile import read_layers
+
+    try:
+        read_layers(path)
+    except ValueError as e:
+        raise UserError(f"{flag}: {e}") from None
+
+
+def read_text_file(flag: str, path: str) -> str:
+    """A UTF-8 text file's contents; UserError for a missing, non-UTF-8 or empty file."""
+    check_input_file(flag, path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise UserError(f"{flag} {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not text.strip():
+        raise UserError(f"{flag} {path}: the file is empty")
+    return text
+
+
+def seed_int(text: str) -> int:
+    """argparse type of --seed: an integer in [0, 2^64 - 1] (what torch's generator takes)."""
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, {SEED_MAX}], got {text!r}") from None
+    if not 0 <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, {SEED_MAX}], got {text}")
+    return value
+
+
+def bias_cache_maker(model, args: argparse.Namespace):
+    """``make_cache(CacheConfig) -> SlimCache`` for ``model`` that hands every bias file the model's
+    fingerprint (a file calibrated for another model is an error unless --kv-mean-center-any-model)."""
+    from ..cache import SlimCache
+
+    fingerprint: list[str] = []
+
+    def make(cfg: CacheConfig):
+        kwargs = {}
+        if cfg.mean_center is not None:
+            if not fingerprint:
+                from ..models import model_fingerprint
+
+                fingerprint.append(model_fingerprint(model))
+            kwargs = dict(model_fingerprint=fingerprint[0], allow_other_model=args.kv_mean_center_any_model)
+        return SlimCache.from_config(cfg, config=model.config, **kwargs)
+
+    return make
+
+
+def add_any_model_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kv-mean-center-any-model",
+        action="store_true",
+        help="use a bias file calibrated for another model (a warning instead of an error)",
     )
 
 
@@ -61,6 +191,19 @@ def add_cache_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-mean-center", default=None, metavar="FILE", help="K mean-centering bias file (GGUF)"
     )
+    parser.add_argument(
+        "--kv-rotate",
+        default=DEFAULT_ROTATE,
+        choices=ROTATE,
+        help=f"store K, V or both Hadamard-rotated (attention unchanged; default: {DEFAULT_ROTATE})",
+    )
+    parser.add_argument(
+        "--kv-pre-rope",
+        action="store_true",
+        default=DEFAULT_PRE_ROPE,
+        help="store K before RoPE and rotate it on read (KVQuant)",
+    )
+    add_any_model_flag(parser)
 
 
 def cache_config_from_args(args: argparse.Namespace) -> CacheConfig:
@@ -74,6 +217,8 @@ def cache_config_from_args(args: argparse.Namespace) -> CacheConfig:
         group_size=args.kv_group_size,
         residual=args.kv_residual,
         mean_center=args.kv_mean_center,
+        rotate=args.kv_rotate,
+        pre_rope=args.kv_pre_rope,
     )
 
 
@@ -101,7 +246,33 @@ def format_table(headers: list[str], rows: list[list], floatfmt: str = ".4g") ->
     return "\n".join(out)
 
 
-def write_json(path: str, obj) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=False)
-        f.write("\n")
+def write_json(path: str, obj, flag: str = "--json") -> None:
+    """Write ``obj`` as strict JSON, atomically (:mod:`kvslim.atomic`). A float that is not a number
+    (NaN, inf) is written as null, and a stderr note says which values and why."""
+    from ..atomic import write_json as atomic_write_json
+
+    clean, bad = json_safe(obj)
+    atomic_write_json(path, clean, what=flag)
+    if bad:
+        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        say(
+            f"kvslim: note: {flag} {path}: {len(bad)} value(s) are not numbers (NaN or infinite, e.g. a "
+            f"ratio with nothing to divide by) and were written as null: {shown}"
+        )
+
+
+def json_safe(obj, where: str = "") -> tuple[object, list[str]]:
+    """``obj`` with every non-finite float replaced by None, and the paths of those values."""
+    bad: list[str] = []
+
+    def walk(value, path: str):
+        if isinstance(value, float) and not math.isfinite(value):
+            bad.append(path or "(top)")
+            return None
+        if isinstance(value, dict):
+            return {k: walk(v, f"{path}.{k}" if path else str(k)) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [walk(v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return value
+
+    return walk(obj, where), bad

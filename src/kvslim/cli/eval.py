@@ -13,7 +13,21 @@ import importlib.util
 import os
 import sys
 
-from .common import UserError, add_model_flags, format_table, write_json
+from .common import (
+    UserError,
+    add_any_model_flag,
+    add_model_flags,
+    bias_cache_maker,
+    check_bias_file,
+    check_input_file,
+    check_model_args,
+    check_output,
+    format_table,
+    load_model_from_args,
+    read_text_file,
+    seed_int,
+    write_json,
+)
 
 #: The modes measured when no --config is given.
 DEFAULT_CONFIGS = ("fp8", "int8", "int4", "int2", "q8_0", "q4_0", "q4_1")
@@ -32,11 +46,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
             default=None,
             metavar="SPEC",
             help="a cache mode FORMAT[,key=value...] (keys: k, v, sink, window, group, residual, v_group, "
-            "mean_center); repeatable; the reference 'none' is always included "
+            "mean_center, positions, residual_dtype, rotate, pre_rope); repeatable; the reference 'none' is always included "
             f"(default: {' '.join(DEFAULT_CONFIGS)})",
         )
-        p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+        p.add_argument(
+            "--json", default=None, metavar="FILE", help="also write the results as JSON (NaN as null)"
+        )
         p.add_argument("--no-progress", action="store_true", help="no progress bars")
+        add_any_model_flag(p)
         return p
 
     p = add("ppl", "teacher-forced perplexity, KL divergence and top-1 agreement through the cache")
@@ -91,7 +108,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--trials", type=int, default=3, metavar="K", help="random keys per length and depth (3)")
     p.add_argument("--chunk", type=int, default=64, metavar="C", help="prompt tokens per forward (64)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the keys (0)")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the keys (0)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,11 +117,14 @@ def run(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------------------------
 def _specs(args) -> list[str]:
-    """The --config specs, validated now (before a model loads): ValueError names a bad one."""
+    """The --config specs, validated now (before a model loads): ValueError names a bad one, a
+    bias file (mean_center=) that is missing or malformed, or a bad --model / --device."""
     from ..evaluate import resolve_modes
 
     specs = list(args.config or DEFAULT_CONFIGS)
-    resolve_modes(specs)
+    for mode in resolve_modes(specs):
+        check_bias_file(f"--config {mode.label}: mean_center", mode.config.mean_center)
+    check_model_args(args)
     return specs
 
 
@@ -134,30 +154,15 @@ def _positive(flag: str, value: int | None) -> None:
 
 
 def _check_out(flag: str, path: str | None) -> None:
-    if path is None:
-        return
-    out_dir = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(out_dir):
-        raise UserError(f"{flag} {path}: directory {out_dir} does not exist")
+    check_output(flag, path)
 
 
 def _read_text(path: str) -> str:
-    if not os.path.isfile(path):
-        raise UserError(f"--text {path}: no such file")
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except UnicodeDecodeError as e:
-        raise UserError(f"--text {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    if not text.strip():
-        raise UserError(f"--text {path}: the file is empty")
-    return text
+    return read_text_file("--text", path)
 
 
 def _load(args):
-    from ..models import load_model
-
-    return load_model(args.model, device=args.device, dtype=args.dtype)
+    return load_model_from_args(args)
 
 
 def _model_name(args) -> str:
@@ -184,6 +189,11 @@ def _ppl(args) -> int:
         ("--bucket", args.bucket),
     ):
         _positive(flag, value)
+    if args.tokens is not None and args.tokens < 2:
+        raise UserError(
+            f"--tokens must be >= 2, got {args.tokens}: perplexity scores each token after the first "
+            f"(at least one token is fed first, one scored)"
+        )
     _check_out("--json", args.json)
     _check_out("--plot", args.plot)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
@@ -213,7 +223,13 @@ def _ppl(args) -> int:
         file=sys.stderr,
     )
     report = compare_perplexity(
-        model, ids, specs, prefill=prefill, chunk=args.chunk, progress=_progress(args)
+        model,
+        ids,
+        specs,
+        prefill=prefill,
+        chunk=args.chunk,
+        progress=_progress(args),
+        make_cache=bias_cache_maker(model, args),
     )
     records = report.records(args.bucket)
     rows = [
@@ -243,18 +259,26 @@ def _ppl(args) -> int:
         args,
     )
     if args.plot:
-        plot_ppl_curves(
-            report, args.plot, bucket=args.bucket, title=f"{os.path.basename(args.text)}, {n} tokens"
-        )
+        from ..atomic import atomic_path
+
+        with atomic_path(args.plot, verify=_check_png, what="--plot") as tmp:
+            plot_ppl_curves(
+                report, str(tmp), bucket=args.bucket, title=f"{os.path.basename(args.text)}, {n} tokens"
+            )
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
+
+
+def _check_png(path) -> None:
+    with open(path, "rb") as f:
+        if f.read(8) != b"\x89PNG\r\n\x1a\n":
+            raise ValueError("the plot written is not a PNG file")
 
 
 def _greedy(args) -> int:
     _positive("--tokens", args.tokens)
     _check_out("--json", args.json)
-    if args.prompts is not None and not os.path.isfile(args.prompts):
-        raise UserError(f"--prompts {args.prompts}: no such file")
+    check_input_file("--prompts", args.prompts)
     specs = _specs(args)
 
     from ..evaluate import greedy_prefix_match, load_prompts, resolve_modes
@@ -262,7 +286,13 @@ def _greedy(args) -> int:
     prompts = load_prompts(args.prompts) if args.prompts else None
     model, tokenizer = _load(args)
     report = greedy_prefix_match(
-        model, tokenizer, prompts, specs, tokens=args.tokens, progress=_progress(args)
+        model,
+        tokenizer,
+        prompts,
+        specs,
+        tokens=args.tokens,
+        progress=_progress(args),
+        make_cache=bias_cache_maker(model, args),
     )
     names = [p.name for p in report.results[0].prompts]
     rows = [[r.config, r.prefix_match_mean, *(p.prefix_match for p in r.prompts)] for r in report.results]
@@ -345,6 +375,7 @@ def _passkey(args) -> int:
         seed=args.seed,
         chunk=args.chunk,
         progress=_progress(args),
+        make_cache=bias_cache_maker(model, args),
     )
     cells = report.results[0].cells
     headers = ["config", "all", *(f"{c.length}@{c.depth:g}" for c in cells)]

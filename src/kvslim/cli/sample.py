@@ -4,7 +4,10 @@ Parsing and printing only: the model comes from :func:`kvslim.models.load_model`
 :meth:`kvslim.SlimCache.from_config`, the tokens from :func:`kvslim.generate.generate`.
 
 stdout gets the generated text and nothing else (flushed per token); stderr gets one banner line
-before and a report after, also after Ctrl-C.
+before and a report after, also after Ctrl-C (exit 130) and SIGTERM (exit 143). A reader of stdout
+that leaves (``| head``) stops the generation, and the report still goes to stderr (exit 0); if
+stderr's reader has gone too (``2>&1 | head``) the exit code is 2. --report-json and --rss-log are
+written atomically (the log replaces its target when the run ends).
 """
 
 from __future__ import annotations
@@ -14,7 +17,20 @@ import math
 import os
 import sys
 
-from .common import UserError, add_cache_flags, add_model_flags, cache_config_from_args, write_json
+from .common import (
+    UserError,
+    add_cache_flags,
+    add_model_flags,
+    bias_cache_maker,
+    cache_config_from_args,
+    check_bias_file,
+    check_model_args,
+    check_output,
+    load_model_from_args,
+    seed_int,
+    write_json,
+)
+from .errors import interrupt_code, say, silence
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (embedded)"
 RSS_LOG_EVERY = 500
@@ -23,7 +39,10 @@ RSS_LOG_EVERY = 500
 def configure(parser: argparse.ArgumentParser) -> None:
     add_model_flags(parser)
     parser.add_argument(
-        "--prompt", default=None, metavar="TEXT", help="the prompt (default: stdin, trailing newlines dropped)"
+        "--prompt",
+        default=None,
+        metavar="TEXT",
+        help="the prompt (default: stdin, trailing newlines dropped)",
     )
     parser.add_argument(
         "--tokens", type=int, default=128, metavar="N", help="tokens to generate (default: 128)"
@@ -38,7 +57,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--top-p", type=float, default=0.95, metavar="P", help="nucleus sampling mass (default: 0.95)"
     )
-    parser.add_argument("--seed", type=int, default=None, metavar="S", help="seed for reproducible sampling")
+    parser.add_argument(
+        "--seed",
+        type=seed_int,
+        default=None,
+        metavar="S",
+        help="seed for reproducible sampling (0 .. 2^64-1)",
+    )
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     parser.add_argument(
         "--ignore-eos",
@@ -65,23 +90,24 @@ def run(args: argparse.Namespace) -> int:
     _check_args(args)
     prompt = _read_prompt(args)
 
-    from .. import SlimCache
+    from ..atomic import AtomicFile
     from ..generate import StreamDecoder, generate
-    from ..models import is_converted, load_model
+    from ..models import check_cache_writable, is_converted
     from ..shapes import ModelShapes
 
     if args.model is None and not is_converted():
-        print(
-            "kvslim: converting the embedded model once (about 25 s); later starts take seconds",
-            file=sys.stderr,
-        )
-    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+        check_cache_writable()  # a read-only cache: one error line, not a notice and then an error
+        say("kvslim: converting the embedded model once (about 25 s); later starts take seconds")
+    model, tokenizer = load_model_from_args(args)
     input_ids = _encode(tokenizer, prompt, args.chat).to(model.device)  # (1, T)
     shapes = ModelShapes.from_config(model.config)
     _check_context(args, cache_config, input_ids.shape[1], shapes.max_position_embeddings)
+    no_quantizing = _nothing_quantized(args, cache_config, input_ids.shape[1])
 
-    cache = SlimCache.from_config(cache_config, config=model.config)
-    print(_banner(args, cache_config, model, shapes.head_dim), file=sys.stderr, flush=True)
+    cache = bias_cache_maker(model, args)(cache_config)
+    say(_banner(args, cache_config, model, shapes.head_dim, quantizes=no_quantizing is None))
+    if no_quantizing:
+        say(f"kvslim: warning: {no_quantizing}")
 
     eos = None if args.ignore_eos else _eos_ids(model, tokenizer)
     gen = generate(
@@ -95,8 +121,8 @@ def run(args: argparse.Namespace) -> int:
         eos_token_id=eos,
     )
     decoder = StreamDecoder(tokenizer, input_ids[0].tolist())
-    rss_log = open(args.rss_log, "w") if args.rss_log else None  # noqa: SIM115 (closed in finally)
-    interrupted = False
+    rss_log = AtomicFile(args.rss_log, "w", what="--rss-log") if args.rss_log else None
+    code = 0
     out = sys.stdout
     try:
         if rss_log:
@@ -108,26 +134,28 @@ def run(args: argparse.Namespace) -> int:
                 out.flush()
             if rss_log and event.step % RSS_LOG_EVERY == 0:
                 rss_log.write(f"{event.step},{current_rss_bytes()}\n")
-                rss_log.flush()
-    except KeyboardInterrupt:
-        interrupted = True
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: stop, still report
+        code = interrupt_code(e)
     except BrokenPipeError:  # `kvslim sample ... | head`: the reader left; stop, still report
         out = None
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        silence(sys.stdout)  # no second error at exit
     finally:
         gen.close()
-        if rss_log:
-            rss_log.write(f"{gen.stats.new_tokens},{current_rss_bytes()}\n")
-            rss_log.close()
+        if rss_log and not rss_log.closed:
+            try:
+                rss_log.write(f"{gen.stats.new_tokens},{current_rss_bytes()}\n")
+                rss_log.commit()
+            finally:
+                rss_log.discard()  # a no-op after a commit; removes the temporary file after a failure
     if out is not None:
         out.write(decoder.flush() + "\n")
         out.flush()
 
-    report = build_report(cache, gen.stats, args=args, interrupted=interrupted)
-    print(format_report(report), file=sys.stderr)
+    report = build_report(cache, gen.stats, args=args, interrupted=code != 0)
+    say(format_report(report))  # if stderr's reader has gone too, main() exits 2
     if args.report_json:
-        write_json(args.report_json, report)
-    return 130 if interrupted else 0
+        write_json(args.report_json, report, flag="--report-json")
+    return code
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,39 +170,33 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.kv_mean_center is not None and not os.path.isfile(args.kv_mean_center):
-        raise UserError(
-            f"--kv-mean-center {args.kv_mean_center}: no such file (make one with `kvslim calibrate`)"
-        )
-    for flag, path in (("--report-json", args.report_json), ("--rss-log", args.rss_log)):
-        if path is not None:
-            parent = os.path.dirname(os.path.abspath(path))
-            if not os.path.isdir(parent):
-                raise UserError(f"{flag} {path}: directory {parent} does not exist")
-    from ..models import resolve_spec
-
-    resolve_spec(args.model)  # a missing path or package: one line now, not after seconds of imports
-    import torch
-
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        raise UserError(
-            f"--device {args.device!r} is not a torch device (e.g. cpu, cuda, cuda:1, mps)"
-        ) from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(
-            f"--device {args.device}: CUDA is not available in this torch build or on this machine"
-        )
+    check_bias_file("--kv-mean-center", args.kv_mean_center)
+    check_output("--report-json", args.report_json)
+    check_output("--rss-log", args.rss_log)
+    check_model_args(args)
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is not None:
+        try:
+            args.prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            # argv bytes that are not UTF-8 arrive as lone surrogates (U+DC80..U+DCFF = byte 0x80..0xFF)
+            char = args.prompt[e.start]
+            byte = f"byte 0x{ord(char) - 0xDC00:02x}" if 0xDC80 <= ord(char) <= 0xDCFF else repr(char)
+            raise UserError(f"--prompt is not UTF-8 text ({byte} at character {e.start})") from None
         return args.prompt
     if sys.stdin is None or sys.stdin.isatty():
         raise UserError("no prompt: pass --prompt TEXT or pipe the prompt on stdin")
+    buffer = getattr(sys.stdin, "buffer", None)
+    try:
+        text = buffer.read().decode("utf-8") if buffer is not None else sys.stdin.read()
+    except UnicodeDecodeError as e:
+        raise UserError(
+            f"the prompt on stdin is not UTF-8 text ({e.reason} at byte {e.start}); pass UTF-8"
+        ) from None
     # `echo TEXT | kvslim sample`: the newline is echo's, not the prompt's (it changes the answer).
-    return sys.stdin.read().rstrip("\r\n")
+    return text.rstrip("\r\n")
 
 
 def _encode(tokenizer, prompt: str, chat: bool):
@@ -217,7 +239,30 @@ def _check_context(args, cache_config, prompt_tokens: int, context: int | None) 
             f"{message}; bound the cache with --streaming-llm-window M (StreamingLLM), lower --tokens, "
             f"or pass --allow-beyond-context to generate past it anyway"
         )
-    print(f"kvslim: warning: {message}; quality degrades past it", file=sys.stderr)
+    say(f"kvslim: warning: {message}; quality degrades past it")
+
+
+def _nothing_quantized(args, cache_config, prompt_tokens: int) -> str | None:
+    """Why this run quantizes nothing although a lossy format was asked for (no token will ever
+    leave the full-precision residual), or None."""
+    c = cache_config
+    if c.k_format == "none" and c.v_format == "none":
+        return None
+    start = c.residual + c.group_size  # tokens held (beyond the sinks) when the first group is encoded
+    seen = prompt_tokens + args.tokens - 1  # the last token is generated, never stored
+    held = seen - c.sink if c.window is None else min(seen - c.sink, c.window)
+    if held >= start:
+        return None
+    why = (
+        f"the window holds {c.window} tokens"
+        if c.window is not None and c.window < start
+        else f"this run stores at most {max(held, 0)} (prompt {prompt_tokens} + --tokens {args.tokens})"
+    )
+    return (
+        f"nothing will be quantized: the newest {c.residual} tokens stay at full precision and older "
+        f"ones are encoded {c.group_size} at a time, so quantizing starts at {start} stored tokens, "
+        f"but {why}; lower --kv-group-size / --kv-residual"
+    )
 
 
 def _eos_ids(model, tokenizer) -> list[int]:
@@ -246,13 +291,16 @@ def _bits_for(fmt: str, role: str, model, head_dim: int, cache_config) -> float:
     return codec.bits_per_element(head_dim)
 
 
-def _banner(args, cache_config, model, head_dim: int) -> str:
+def _banner(args, cache_config, model, head_dim: int, quantizes: bool = True) -> str:
     c = cache_config
     k_bits = _bits_for(c.k_format, "k", model, head_dim, c)
     v_bits = _bits_for(c.v_format, "v", model, head_dim, c)
     parts = [f"K {c.k_format} ({k_bits:.2f} bits/elem), V {c.v_format} ({v_bits:.2f} bits/elem)"]
     if c.k_format != "none" or c.v_format != "none":
-        parts.append(f"group {c.group_size}/residual {c.residual}")
+        parts.append(
+            f"group {c.group_size}/residual {c.residual}"
+            + ("" if quantizes else " (nothing quantized in this run)")
+        )
     parts.append("unbounded" if c.window is None else f"sink {c.sink}/window {c.window}")
     if c.mean_center:
         parts.append(f"K mean-centered ({os.path.basename(c.mean_center)})")
@@ -294,7 +342,9 @@ def format_report(r: dict) -> str:
     fp16 = r["fp16_full_cache_bytes"]
     ratio = f"{r['cache_bytes'] / fp16:.3f}x" if fp16 else "n/a"
     live = r.get("live_bytes")
-    live = f" (stored tokens {_mib(live)}, the rest preallocated)" if live and live != r["cache_bytes"] else ""
+    live = (
+        f" (stored tokens {_mib(live)}, the rest preallocated)" if live and live != r["cache_bytes"] else ""
+    )
     lines = [
         ("interrupted | " if r.get("interrupted") else "")
         + f"tokens seen {r['tokens_seen']} | tokens stored {stored}",

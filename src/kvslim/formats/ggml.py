@@ -26,7 +26,13 @@ The bytes are identical to ``gguf.quants.quantize`` (gguf-py, itself bit-exact w
 - q4_0/q5_0 pick the element of largest magnitude *with its sign* (the first one on ties) and set
   ``d = max / -8`` (``-16``), so that element maps to code 0; codes are ``trunc(x * id + 8.5)``
   (``16.5``) clamped to the range, i.e. rounding half up after the offset;
-- q4_1/q5_1 use ``trunc((x - min) * id + 0.5)``.
+- q4_1/q5_1 use ``trunc((x - min) * id + 0.5)``; the stored ``min`` of a block whose minimum is
+  zero carries the sign gguf-py gives it: numpy's ``min``/``max`` keep the later of equal values,
+  so a zero extreme is the block's *last* zero, ``-0.0`` or ``0.0`` (a block of mixed-sign zeros,
+  e.g. tiny values rounded, stores ``m`` as ``0x8000`` or ``0x0000`` accordingly). torch's reductions
+  pick either. That is numpy's x86 behaviour (SSE/AVX ``minps`` return the second operand on ties);
+  ggml's C reference keeps the *first* zero instead, and ARM's ``fmin`` prefers ``-0.0``: the sign of a
+  zero ``m`` is the one place the three can differ, and it never changes a decoded value.
 
 Divisions by 15, 31 and 127 divide by a device tensor, not a Python scalar: CUDA turns division
 by a CPU scalar into a multiplication by its reciprocal, which is not bit-exact.
@@ -47,6 +53,8 @@ import torch
 
 from .base import FORMATS, Block, Codec, Encoded, Format, check_finite
 
+#: Largest finite fp16, the bound on every stored ``d`` and ``m``.
+FP16_MAX = 65504.0
 #: Elements per block of every legacy GGML kind (ggml's QK4_0 = QK8_0 = ... = 32). Each format's
 #: block (elements, bytes) is a fact of its registered class below; the C kernels check theirs
 #: against it when they load.
@@ -149,9 +157,27 @@ def _q4_0_dq(blk):
     return _bytes_fp32(blk[..., :2]) * (_unnibble(blk[..., 2:]).float() - 8)
 
 
+def _zero_min_signs(blocks: torch.Tensor, data: torch.Tensor, mn: torch.Tensor, offset: int) -> torch.Tensor:
+    """Give every stored ``m`` that is zero the sign gguf-py stores: that of the block's last zero.
+
+    blocks: fp32 (..., 32); data: uint8 (..., block_bytes) with ``m`` (fp16, little-endian) at
+    ``offset``; mn: (...,) the blocks' minima. Only the sign bit of a zero ``m`` changes (its codes
+    and ``d`` do not depend on it), so this runs after the fact on the few blocks concerned.
+    """
+    rows = (mn == 0).nonzero(as_tuple=True)  # a sync, only reached when some block's min is zero
+    b = blocks[rows]  # (n, 32)
+    lanes = torch.arange(1, BLOCK + 1, device=b.device, dtype=b.dtype)  # 1..32, exact in fp32
+    last_zero = b.gather(-1, ((b == 0) * lanes).argmax(-1, keepdim=True))[:, 0]  # (n,) +-0.0
+    data = data.clone()
+    data[(*rows, torch.full_like(rows[0], offset + 1))] = torch.signbit(last_zero).to(torch.uint8) << 7
+    return data
+
+
 def _q4_1(b):
     mn, mx = b.amin(-1, keepdim=True), b.amax(-1, keepdim=True)  # faster than aminmax on CPU
-    d = _divide(mx - mn, 15.0)
+    # + 0.0: a block of zeros gets d = +0 as in gguf-py (max - min = +0 there; torch's amin/amax may
+    # pick zeros of opposite signs and give -0). Zero minima are signed in quantize_ggml.
+    d = _divide(mx - mn, 15.0) + 0.0
     q = _trunc_codes((b - mn) * _inverse(d) + 0.5, 15)
     return torch.cat([_fp16_bytes(d), _fp16_bytes(mn), _nibbles(q)], -1), torch.cat([d, mn], -1)
 
@@ -174,7 +200,7 @@ def _q5_0_dq(blk):
 
 def _q5_1(b):
     mn, mx = b.amin(-1, keepdim=True), b.amax(-1, keepdim=True)
-    d = _divide(mx - mn, 31.0)
+    d = _divide(mx - mn, 31.0) + 0.0  # see _q4_1
     q = _trunc_codes((b - mn) * _inverse(d) + 0.5, 31)
     data = torch.cat([_fp16_bytes(d), _fp16_bytes(mn), _high_bits(q), _nibbles(q)], -1)
     return data, torch.cat([d, mn], -1)
@@ -212,8 +238,15 @@ def quantize_ggml(x: torch.Tensor, kind: str) -> torch.Tensor:
     data, meta = fmt.quantize_block(blocks)  # (..., n_blocks, block_bytes), (..., n_blocks, 1 or 2)
     # One host sync on the small fp16 metadata: it is non-finite for non-finite input (the block
     # reductions behind d and m propagate NaN and inf; argmax picks a NaN) and on fp16 overflow of d
-    # or m (where gguf would store inf) -- no full isfinite pass over the input.
-    if not bool(torch.isfinite(meta.to(torch.float16)).all()):
+    # or m (where gguf would store inf) -- no full isfinite pass over the input. The same sync says
+    # whether a block's stored minimum m is zero (its sign is then fixed, see the module docstring).
+    checks = [~torch.isfinite(meta.to(torch.float16)).all()]
+    if fmt.min_offset is not None:
+        checks.append((meta[..., 1] == 0).any())
+    bad, *zero_min = torch.stack(checks).tolist()
+    if zero_min and zero_min[0] and not bad:
+        data = _zero_min_signs(blocks, data, meta[..., 1], fmt.min_offset)
+    if bad:
         check_finite(x, f"{kind} input")
         raise ValueError(
             f"{kind} cannot store values spanning [{float(x.min()):g}, {float(x.max()):g}]: a block's fp16 "
@@ -276,9 +309,15 @@ class _GGMLFormat(Format):
 
     ``quantize_block``: fp32 blocks (..., 32) -> (uint8 bytes (..., block_bytes), fp16-bound metadata
     (..., 1 or 2)); ``dequantize_block``: uint8 (..., block_bytes) -> fp32 (..., 32).
+    ``max_abs``: the largest magnitude a block can hold, set by its fp16 ``d`` (and ``m``) staying
+    below 65504: ``65504 * 127`` for q8_0 (``d = amax / 127``), ``65504 * 8`` / ``* 16`` for q4_0 /
+    q5_0 (``d = max / -8``, ``/ -16``), 65504 for q4_1 / q5_1 (the block minimum is stored as ``m``).
     """
 
     symmetric = True
+    max_abs: float = FP16_MAX
+    #: byte offset of the fp16 block minimum ``m`` (q4_1, q5_1); None for the symmetric kinds.
+    min_offset: int | None = None
     family = MappingProxyType({"k": "ggml", "v": "ggml"})
     quantize_block: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     dequantize_block: Callable[[torch.Tensor], torch.Tensor]
@@ -291,6 +330,7 @@ class Q8_0Format(_GGMLFormat, name="q8_0"):
     summary = "llama.cpp q8_0: blocks of 32, int8 codes + fp16 scale (8.5 bits)"
     bits = 8
     mean_center = True
+    max_abs = FP16_MAX * 127
     block = Block(BLOCK, 34)
     quantize_block = staticmethod(_q8_0)
     dequantize_block = staticmethod(_q8_0_dq)
@@ -300,6 +340,7 @@ class Q4_0Format(_GGMLFormat, name="q4_0"):
     summary = "llama.cpp q4_0: blocks of 32, 4-bit codes + fp16 scale (4.5 bits)"
     bits = 4
     mean_center = True
+    max_abs = FP16_MAX * 8
     block = Block(BLOCK, 18)
     quantize_block = staticmethod(_q4_0)
     dequantize_block = staticmethod(_q4_0_dq)
@@ -309,6 +350,7 @@ class Q4_1Format(_GGMLFormat, name="q4_1"):
     summary = "llama.cpp q4_1: blocks of 32, 4-bit codes + fp16 scale and min (5 bits)"
     bits = 4
     symmetric = False
+    min_offset = 2
     block = Block(BLOCK, 20)
     quantize_block = staticmethod(_q4_1)
     dequantize_block = staticmethod(_q4_1_dq)
@@ -318,6 +360,7 @@ class Q5_0Format(_GGMLFormat, name="q5_0"):
     summary = "llama.cpp q5_0: blocks of 32, 5-bit codes + fp16 scale (5.5 bits)"
     bits = 5
     mean_center = True
+    max_abs = FP16_MAX * 16
     block = Block(BLOCK, 22)
     quantize_block = staticmethod(_q5_0)
     dequantize_block = staticmethod(_q5_0_dq)
@@ -327,9 +370,15 @@ class Q5_1Format(_GGMLFormat, name="q5_1"):
     summary = "llama.cpp q5_1: blocks of 32, 5-bit codes + fp16 scale and min (6 bits)"
     bits = 5
     symmetric = False
+    min_offset = 2
     block = Block(BLOCK, 24)
     quantize_block = staticmethod(_q5_1)
     dequantize_block = staticmethod(_q5_1_dq)
+
+
+def ggml_max_abs(kind: str) -> float:
+    """The largest magnitude a block of ``kind`` can store (see ``_GGMLFormat.max_abs``)."""
+    return _kind(kind).max_abs
 
 
 #: name -> (elements per block, bytes per block), read from the registered formats above.

@@ -5,6 +5,8 @@ Two functions, one per matmul of attention, over the *encoded* body of a stream 
 
     k_scores(q, codec, enc, offset)   -> (B, H, M, T)   q @ K^T,  K = codec.decode(enc, fp32, offset)
     v_weighted(p, codec, enc, offset) -> (B, H, M, D)   p @ V,    V = codec.decode(enc, fp32, offset)
+    k_scores(q, codec, enc, offset, transform)          q @ K'^T, K' = the decoded keys with a
+                                                        :class:`KeyTransform` applied per token
 
 ``q``: (B, H_kv, M, D) fp32 (the GQA group of each KV head folded into M, softmax scale applied);
 ``p``: (B, H_kv, M, T) fp32 probabilities. Both need a contiguous last dim only: slices of bigger
@@ -26,6 +28,12 @@ the backends of :data:`PREFERENCE` in order, ``cpu`` the C kernels then the refe
 the Triton programs then the reference, ``torch`` the reference only. A kernel that does not cover a
 call (a tensor on another device, long query axis, failed build, Triton missing) passes it to the
 next backend, ending at the reference.
+
+Scores with a :class:`KeyTransform` (pre-RoPE keys, whose rotation is applied on read; a Hadamard
+basis together with it) go to a backend's ``k_scores_transformed`` when it has one — the C kernels
+apply the transform to each decoded tile, in L1 — else to the reference's, which decodes
+:data:`.reference.TRANSFORM_TILE` tokens at a time (a bounded fp32 scratch, never a copy of the
+history).
 """
 
 from __future__ import annotations
@@ -48,6 +56,24 @@ KernelFn = Callable[[torch.Tensor, Codec, Encoded, int], torch.Tensor]
 
 
 @dataclass(frozen=True)
+class KeyTransform:
+    """What turns a decoded stored key into the key attention scores against, per token, in this order:
+
+    1. ``bias`` (H_kv, D) float32 added (the mean-centering zero point; None: none);
+    2. ``hadamard`` (a :class:`~kvslim.hadamard.Hadamard`) applied (None: none);
+    3. RoPE: channel pair ``(o + i, o + i + R/2)`` of token ``t`` (body index) rotated by the angle whose
+       cosine and sine are ``cos[b, t, i]`` / ``sin[b, t, i]``, ``cos``/``sin`` (B or 1, T, R/2) float32,
+       ``o = rope_offset`` (None: no rotation).
+    """
+
+    bias: torch.Tensor | None = None
+    hadamard: object | None = None
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+    rope_offset: int = 0
+
+
+@dataclass(frozen=True)
 class Kernel:
     """One backend's pair of kernels for one codec family.
 
@@ -58,6 +84,8 @@ class Kernel:
     k_scores: KernelFn
     v_weighted: KernelFn
     supports: Callable[[torch.Tensor, Codec, Encoded], bool] = lambda x, codec, enc: True
+    #: ``(q, codec, enc, offset, transform) -> scores`` with a :class:`KeyTransform`; None: the reference's
+    k_scores_transformed: Callable | None = None
 
 
 #: (backend, family) -> Kernel
@@ -178,15 +206,26 @@ def _check_heads(x: torch.Tensor, enc: Encoded, what: str) -> None:
         )
 
 
-def k_scores(q: torch.Tensor, codec: Codec, enc: Encoded, offset: int = 0) -> torch.Tensor:
-    """Scores of the queries against the encoded keys: (B, H, M, D) -> (B, H, M, T) fp32."""
+def k_scores(
+    q: torch.Tensor, codec: Codec, enc: Encoded, offset: int = 0, transform: KeyTransform | None = None
+) -> torch.Tensor:
+    """Scores of the queries against the encoded keys: (B, H, M, D) -> (B, H, M, T) fp32; with a
+    ``transform``, against the decoded keys transformed per token (:class:`KeyTransform`)."""
     q = _as_input(q, "q", "(B, H_kv, M, D)")
     t = _tokens(enc)
     _check_heads(q, enc, "q")
     if t == 0:
         return q.new_zeros((*q.shape[:3], 0))
     _, kernel = select(q, codec, enc)
-    return kernel.k_scores(q, codec, enc, offset)
+    if transform is None:
+        return kernel.k_scores(q, codec, enc, offset)
+    if transform.cos is not None and (transform.cos.shape[-2] != t or transform.sin.shape != transform.cos.shape):
+        raise ValueError(
+            f"the RoPE angles cover {transform.cos.shape[-2]} tokens (sin {tuple(transform.sin.shape)}), "
+            f"the encoded body {t}"
+        )
+    fn = kernel.k_scores_transformed or reference.k_scores_transformed
+    return fn(q, codec, enc, offset, transform)
 
 
 def v_weighted(p: torch.Tensor, codec: Codec, enc: Encoded, offset: int = 0) -> torch.Tensor:
@@ -243,6 +282,7 @@ for _family in ("affine_k", "affine_v", "ggml", "fp8", "cast"):
 __all__ = [
     "BACKENDS",
     "Kernel",
+    "KeyTransform",
     "available",
     "codec_family",
     "get_backend",

@@ -6,7 +6,16 @@ when one is refused) into ``<cache>/kernels/<hash>.so``, where ``<cache>`` is
 :func:`kvslim.paths.cache_dir` and the hash covers the sources, the flags, the
 compiler's version and the machine (``-march=native`` code is only reused on the CPU it was built for).
 The file is written under a temporary name and renamed into place, so processes building at the same
-time never load a half-written library. A build takes a second or two.
+time never load a half-written library; a lock on the directory (``flock``) makes concurrent first
+uses compile once, the others waiting and then loading that build. A build takes a second or two.
+Temporaries left by killed builds (older than an hour) are removed.
+
+The directory is trusted only if this user owns it and no one else can write to it (a library
+loaded from a directory others can write to runs their code); a directory we own but others can
+write to is tightened (``chmod go-w``). A directory that is read-only, owned by someone else or
+cannot be created: the kernels are built in a private temporary directory instead, removed once
+loaded, with a one-line warning -- a compile on every run rather than the slow PyTorch reference.
+A cached library that is not a regular file owned by us, writable only by us, is rebuilt.
 
 Loading checks the library against the format registry: it asks the C side, by format name, for
 its row-format code and the block layout its decoder reads (``kv_row_format``), and refuses a
@@ -24,16 +33,19 @@ dims 0..2); a last dim that is not contiguous is copied first.
 from __future__ import annotations
 
 import array
+import contextlib
 import ctypes
 import hashlib
 import os
 import platform
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -119,46 +131,139 @@ def _compiler_version(compiler: list[str]) -> str:
     return out.stdout.strip() or out.stderr.strip()
 
 
+#: Prefix of the private build directories used when the cache directory cannot be trusted.
+PRIVATE_PREFIX = "kvslim-kernels-"
+#: Temporaries (killed builds, private directories) older than this are removed.
+STALE_S = 3600.0
+
+
 def build(force: bool = False) -> tuple[Path, str]:
     """Compile the kernels unless an up-to-date build is cached. Returns (path, flags used).
 
+    The cache is ``<cache>/kernels`` when :func:`build_dir` trusts it, else a private temporary
+    directory (a warning says so; the caller removes it after loading, see :func:`library`).
     Raises RuntimeError with the compiler's message when no flag set compiles.
     """
     compiler = find_compiler()
     if compiler is None:
         raise RuntimeError("no C compiler found (set $CC, or install cc/gcc/clang)")
     key = _build_key(compiler, _compiler_version(compiler))
-    out_dir = paths.cache_dir() / "kernels"
+    out_dir = build_dir()
     target = out_dir / f"{key}.so"
     flags_file = out_dir / f"{key}.flags"
-    if target.exists() and not force:
-        flags = flags_file.read_text() if flags_file.exists() else "?"
-        return target, flags
-    out_dir.mkdir(parents=True, exist_ok=True)
-    errors = []
-    for variant in FLAG_VARIANTS:
-        fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".so", dir=out_dir)
-        os.close(fd)
-        cmd = [*compiler, *BASE_FLAGS, *variant, "-o", tmp, *map(str, _sources())]
-        try:
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            if res.returncode == 0:
-                flags = " ".join(BASE_FLAGS + variant)
-                _atomic_write_text(flags_file, flags)
-                os.replace(tmp, target)  # atomic: a concurrent build replaces an identical file
-                return target, flags
-            errors.append(f"{' '.join(variant) or '(no extra flags)'}: {res.stderr.strip()[-400:]}")
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+    with _dir_lock(out_dir):  # concurrent first uses: one compiles, the others wait and reuse it
+        _remove_stale(out_dir)
+        if not force and _trusted_file(target):
+            flags = flags_file.read_text() if flags_file.is_file() else "?"
+            return target, flags
+        errors = []
+        for variant in FLAG_VARIANTS:
+            fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".so", dir=out_dir)
+            os.close(fd)
+            cmd = [*compiler, *BASE_FLAGS, *variant, "-o", tmp, *map(str, _sources())]
+            try:
+                res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+                if res.returncode == 0:
+                    flags = " ".join(BASE_FLAGS + variant)
+                    from ..atomic import write_text
+
+                    write_text(flags_file, flags, what="kernel flags")
+                    os.chmod(tmp, 0o755)  # mkstemp's 0o600 + exec; never group/other-writable
+                    os.replace(tmp, target)  # atomic: a concurrent build replaces an identical file
+                    return target, flags
+                errors.append(f"{' '.join(variant) or '(no extra flags)'}: {res.stderr.strip()[-400:]}")
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
     raise RuntimeError(f"{compiler[0]} failed to build the kvslim kernels:\n" + "\n".join(errors))
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+def build_dir() -> Path:
+    """Where the kernels are built and cached: ``<cache>/kernels`` if it can be created and trusted
+    (:func:`untrusted_dir`), else a fresh private temporary directory, with a one-line warning."""
+    shared = paths.cache_dir() / "kernels"
+    try:
+        shared.mkdir(mode=0o700, parents=True, exist_ok=True)
+        problem = untrusted_dir(shared)
+    except OSError as e:
+        problem = f"cannot be created ({e.strerror or e})"
+    if problem is None:
+        return shared
+    _remove_stale_private()
+    private = Path(tempfile.mkdtemp(prefix=PRIVATE_PREFIX))
+    warnings.warn(
+        f"kvslim: the kernel cache {shared} {problem}; building the C kernels in a private temporary "
+        f"directory instead, on every run (a compile of a second or two each; set KVSLIM_CACHE_DIR to a "
+        f"directory you own to keep the build)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return private
+
+
+def untrusted_dir(path: Path) -> str | None:
+    """Why a library must not be built into or loaded from ``path`` (None: it can be): owned by
+    another user, writable by others (tightened with ``chmod go-w`` when we own it), or not
+    writable by us (a read-only file system)."""
+    st = path.stat()
+    if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+        return f"is owned by another user (uid {st.st_uid})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        try:
+            os.chmod(path, stat.S_IMODE(st.st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
+        except OSError:
+            return f"is writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return "is not writable (a read-only file system or directory)"
+    return None
+
+
+def _trusted_file(path: Path) -> bool:
+    """A cached library that may be loaded: a regular file (not a link), ours, writable only by us."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return False
+    if not stat.S_ISREG(st.st_mode) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return False
+    return not hasattr(os, "geteuid") or st.st_uid == os.geteuid()
+
+
+@contextlib.contextmanager
+def _dir_lock(directory: Path):
+    """An exclusive ``flock`` on the directory itself (no lock file is left behind); a no-op where
+    flock is unavailable."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover (Windows)
+        yield
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _remove_stale(directory: Path) -> None:
+    """Remove temporaries (``.<key>.*``) of builds killed more than an hour ago."""
+    now = time.time()
+    for entry in directory.glob(".*"):
+        with contextlib.suppress(OSError):
+            if entry.is_file() and now - entry.stat().st_mtime > STALE_S:
+                entry.unlink()
+
+
+def _remove_stale_private() -> None:
+    """Remove private build directories of this user left by killed processes."""
+    now = time.time()
+    for entry in Path(tempfile.gettempdir()).glob(PRIVATE_PREFIX + "*"):
+        with contextlib.suppress(OSError):
+            st = entry.lstat()
+            mine = not hasattr(os, "geteuid") or st.st_uid == os.geteuid()
+            if mine and stat.S_ISDIR(st.st_mode) and now - st.st_mtime > STALE_S:
+                shutil.rmtree(entry, ignore_errors=True)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -217,7 +322,11 @@ def _load() -> None:
             "the C kernels read GGML's little-endian fp16 fields and need a little-endian host"
         )
     path, flags = build()
-    lib = ctypes.CDLL(str(path))
+    try:
+        lib = ctypes.CDLL(str(path))
+    finally:
+        if path.parent.name.startswith(PRIVATE_PREFIX):  # loaded (mapped): the file is not needed
+            shutil.rmtree(path.parent, ignore_errors=True)
     _declare(lib)
     if lib.kv_abi_version() != ABI_VERSION:
         raise RuntimeError(f"{path} has ABI {lib.kv_abi_version()}, expected {ABI_VERSION}")

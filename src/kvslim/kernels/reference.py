@@ -22,6 +22,10 @@ import torch
 
 from ..formats import Codec, Encoded
 
+#: Tokens decoded at a time by :func:`k_scores_transformed`: its fp32 scratch is at most this many tokens
+#: per (batch, head), whatever the length of the history.
+TRANSFORM_TILE = 256
+
 
 def k_scores(q: torch.Tensor, codec: Codec, enc: Encoded, offset: int = 0) -> torch.Tensor:
     """q: (B, H, M, D) fp32 -> scores (B, H, M, T) fp32 against the T encoded keys."""
@@ -33,3 +37,37 @@ def v_weighted(p: torch.Tensor, codec: Codec, enc: Encoded, offset: int = 0) -> 
     """p: (B, H, M, T) fp32 -> p @ V (B, H, M, D) fp32 over the T encoded values."""
     v = codec.decode(enc, torch.float32, offset)  # (B, H, T, D)
     return torch.matmul(p, v)
+
+
+def apply_transform(rows: torch.Tensor, tr, start: int) -> torch.Tensor:
+    """Stored keys (B, H, n, D) fp32 (tokens ``start .. start + n`` of the body) -> the keys attention
+    scores against: ``tr.bias`` added, ``tr.hadamard`` applied, RoPE at ``tr.cos``/``tr.sin``'s angles.
+    Returns a new fp32 tensor (rows is not written)."""
+    x = rows.float()
+    if tr.bias is not None:
+        x = x + tr.bias.to(device=x.device, dtype=torch.float32)[None, :, None, :]
+    if tr.hadamard is not None:
+        x = tr.hadamard.apply(x)
+    if tr.cos is not None:
+        n = x.shape[2]
+        c = tr.cos[:, None, start : start + n].to(x.device)  # (B|1, 1, n, R/2)
+        s = tr.sin[:, None, start : start + n].to(x.device)
+        o, h = tr.rope_offset, tr.cos.shape[-1]
+        a, b = x[..., o : o + h], x[..., o + h : o + 2 * h]
+        x = x.clone() if x is rows else x
+        x[..., o : o + h], x[..., o + h : o + 2 * h] = a * c - b * s, b * c + a * s
+    return x
+
+
+def k_scores_transformed(q: torch.Tensor, codec: Codec, enc: Encoded, offset: int, tr) -> torch.Tensor:
+    """q: (B, H, M, D) fp32 -> scores (B, H, M, T) against ``apply_transform`` of the decoded keys.
+
+    Decodes :data:`TRANSFORM_TILE` tokens at a time: the scratch is bounded, never a copy of the history."""
+    t = next(iter(enc.token.values())).shape[2]
+    out = q.new_empty((*q.shape[:3], t))
+    for lo in range(0, t, TRANSFORM_TILE):
+        hi = min(t, lo + TRANSFORM_TILE)
+        part, off = enc.narrow(lo, hi, offset, codec.token_group) if (lo, hi) != (0, t) else (enc, offset)
+        rows = apply_transform(codec.decode(part, torch.float32, off), tr, lo)  # (B, H, n, D)
+        out[..., lo:hi] = torch.matmul(q, rows.transpose(-1, -2))
+    return out

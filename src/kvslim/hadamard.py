@@ -1,0 +1,109 @@
+"""Hadamard rotation of stored K / V: spread channel outliers before quantization (QuaRot, RotateKV).
+
+QuaRot (Ashkboos et al., 2024) and RotateKV (Su et al., 2025) rotate keys and values by an
+orthonormal Hadamard matrix before quantizing them: a channel with a large outlier is spread over
+all channels of its block, so a per-block or per-token scale wastes less range on it. llama.cpp does
+the same since PR #21038 (April 2026) whenever its K or V cache is quantized
+(``LLAMA_ATTN_ROT_DISABLE=1`` turns it off). Attention is unchanged: ``H`` is orthonormal, so
+``(H q) . (H k) = q . k`` and ``sum_i p_i H v_i = H (sum_i p_i v_i)`` — kvslim rotates the query once
+and the attention output back once, never the history.
+
+The matrix (the rule, documented in docs/quality.md):
+
+- ``H_n`` is the normalized Sylvester Hadamard matrix of order ``n`` (a power of two), built by the
+  recursion of llama.cpp's ``ggml_gen_hadamard``: ``H_1 = [1/sqrt(n)]``, ``H_2s = [[H_s, H_s],
+  [H_s, -H_s]]``, i.e. ``H[i, j] = (-1)^popcount(i & j) / sqrt(n)``. It is symmetric and its own
+  inverse (``H @ H = I``).
+- A head of ``D`` channels is rotated block-diagonally by ``H_b`` with ``b`` the largest power of two
+  that divides ``D`` (``D = 64 -> one H_64``, ``D = 96 -> three H_32``, ``D = 80 -> five H_16``).
+  That is llama.cpp's rule for K (which rotates only when ``D % 64 == 0``); llama.cpp rotates V with
+  64-blocks whatever ``D``, kvslim uses the K rule for both. Blocks smaller than :data:`MIN_BLOCK`
+  are refused (an odd head_dim cannot be rotated at all).
+
+This module knows nothing about caches, positions or transformers.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+#: Smallest Hadamard block kvslim rotates with: a head_dim whose largest power-of-two divisor is smaller
+#: is refused (a rotation over a handful of channels spreads an outlier over too few to matter).
+MIN_BLOCK = 16
+
+
+def block_size(head_dim: int) -> int:
+    """The Hadamard block of a head of ``head_dim`` channels: the largest power of two dividing it.
+
+    Raises ValueError when that is below :data:`MIN_BLOCK`."""
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+        raise ValueError(f"head_dim must be a positive integer, got {head_dim!r}")
+    block = head_dim & -head_dim
+    if block < MIN_BLOCK:
+        raise ValueError(
+            f"a Hadamard rotation needs a head_dim divisible by {MIN_BLOCK} (it rotates blocks of the largest power "
+            f"of two dividing head_dim); head_dim {head_dim} gives blocks of {block}: use rotate='none'"
+        )
+    return block
+
+
+@functools.lru_cache(maxsize=16)
+def sylvester(n: int) -> torch.Tensor:
+    """The normalized Sylvester Hadamard matrix ``(n, n)`` float64 (n a power of two), built exactly as
+    llama.cpp's ``ggml_gen_hadamard`` builds it (in float64 here)."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Sylvester Hadamard matrix needs a power-of-two order, got {n}")
+    h = torch.zeros(n, n, dtype=torch.float64)
+    h[0, 0] = 1.0 / n**0.5
+    s = 1
+    while s < n:
+        top = h[:s, :s].clone()
+        h[s : 2 * s, :s] = top
+        h[:s, s : 2 * s] = top
+        h[s : 2 * s, s : 2 * s] = -top
+        s *= 2
+    return h
+
+
+@dataclass(frozen=True)
+class Hadamard:
+    """The block-diagonal rotation of ``dim`` channels by ``H_block`` (see the module docstring).
+
+    ``apply(x)`` rotates the last dim of ``x``; the matrix is symmetric and its own inverse, so the same
+    call rotates back. Rotation runs in float32 and returns float32.
+    """
+
+    dim: int
+    block: int
+
+    @classmethod
+    def for_head_dim(cls, head_dim: int) -> Hadamard:
+        return cls(head_dim, block_size(head_dim))
+
+    def matrix(self, device=None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The full ``(dim, dim)`` block-diagonal matrix."""
+        h = sylvester(self.block)
+        full = torch.block_diag(*[h] * (self.dim // self.block))
+        return full.to(device=device, dtype=dtype)
+
+    def block_matrix(self, device=None) -> torch.Tensor:
+        """``H_block`` in float32 on ``device`` (memoized per device)."""
+        return _block_f32(self.block, str(torch.device(device) if device is not None else torch.device("cpu")))
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """``H x`` along the last dim of ``x`` (..., dim) -> float32 (..., dim)."""
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"Hadamard rotation of {self.dim} channels got a last dim of {x.shape[-1]}")
+        h = self.block_matrix(x.device)
+        xf = x.float()
+        shape = xf.shape
+        out = xf.reshape(*shape[:-1], self.dim // self.block, self.block) @ h  # H symmetric: x @ H = (H x^T)^T
+        return out.reshape(shape)
+
+
+@functools.lru_cache(maxsize=16)
+def _block_f32(block: int, device: str) -> torch.Tensor:
+    return sylvester(block).to(device=device, dtype=torch.float32)
