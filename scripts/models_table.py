@@ -2,8 +2,10 @@
 which attention path serves it, and the bytes per token at 4,096 tokens for none / int4 / q4_0 against
 transformers' default cache (DynamicCache) — all from the families' default (full-size) configs.
 
-No model is built: each attention layer's cache is fed random K/V of the shapes the model would cache
-(bf16, batch 1, 4,096 tokens in one update), so the bytes are exact for the K/V part. Linear-attention
+No model is built: attention layers are fed random K/V of the shapes the model would cache (bf16,
+batch 1, 4,096 tokens in one update; one layer per layer type and one head, scaled by the heads and
+layers of that type — storage is per head and per layer, so this is exact), so the bytes are exact for
+the K/V part. Linear-attention
 (SSM / conv) layers keep a constant-size recurrent state that needs the model to fill; it does not grow
 with the tokens and is left out of the per-token column (counted by ``nbytes()`` at run time).
 
@@ -46,22 +48,30 @@ def _config(cls_name: str):
     return cls()
 
 
-def _feed(cache, shapes, layers, tokens: int) -> None:
+def _kv_layer_bytes(cache, shapes, tokens: int) -> int:
+    """K/V bytes of every attention layer after ``tokens`` tokens, exactly, at a fraction of the cost:
+    layers of one type have one shape and heads are stored independently, so one layer of each type is
+    fed one head of random bf16 K/V and its bytes are scaled by the heads and the layers of that type."""
     g = torch.Generator().manual_seed(0)
-    for i, layer in enumerate(layers):
-        if not hasattr(layer, "update") or type(layer).__name__ in ("DummyLayer", "LinearAttentionLayer"):
+    first: dict[str, int] = {}
+    count: dict[str, int] = {}
+    for i, layer in enumerate(cache.layers):
+        if type(layer).__name__ in ("DummyLayer", "LinearAttentionLayer"):
             continue
-        k = torch.randn(1, shapes.n_kv_heads, tokens, shapes.k_head_dim, generator=g).to(torch.bfloat16)
-        v = torch.randn(1, shapes.n_kv_heads, tokens, shapes.v_head_dim, generator=g).to(torch.bfloat16)
-        cache.update(k, v, i)
-
-
-def _tensor_bytes(cache) -> int:
+        kind = getattr(layer, "layer_type", None) or ("sliding" if getattr(layer, "is_sliding", False) else "full")
+        first.setdefault(kind, i)
+        count[kind] = count.get(kind, 0) + 1
     total = 0
-    for layer in cache.layers:
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
+    for kind, i in first.items():
+        k = torch.randn(1, 1, tokens, shapes.k_head_dim, generator=g).to(torch.bfloat16)
+        v = torch.randn(1, 1, tokens, shapes.v_head_dim, generator=g).to(torch.bfloat16)
+        cache.update(k, v, i)
+        layer = cache.layers[i]
+        if hasattr(layer, "store"):
+            one = layer.store.nbytes()
+        else:
+            one = sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
+        total += one * shapes.n_kv_heads * count[kind]
     return total
 
 
@@ -81,24 +91,22 @@ def row(name: str, cls_name: str, tokens: int) -> dict:
     except Exception as e:  # noqa: BLE001 - reported in the table
         out["supported"] = f"no: {e}"
         return out
-    types: dict[str, int] = {}
-    for layer in probe.layers:
-        kind = getattr(layer, "layer_type", None) or type(layer).__name__
-        types[kind] = types.get(kind, 0) + 1
-    out["layer_types"] = types
+    out["layer_types"] = {kind: row["layers"] for kind, row in probe.layer_type_bytes().items()}
     out["kv_layers"] = len(probe.stores())
     out["layers"] = len(probe.layers)
     out["supported"] = "yes"
     mla = shapes.k_head_dim != shapes.v_head_dim
     out["attention_path"] = "materializing (expands the latent)" if mla else "compressed on decode (kvslim.enable)"
     dyn = DynamicCache(config=config)
-    _feed(dyn, shapes, dyn.layers, tokens)
-    out["dynamic_bytes_per_token"] = _tensor_bytes(dyn) / tokens
+    out["dynamic_bytes_per_token"] = _kv_layer_bytes(dyn, shapes, tokens) / tokens
     for fmt in FORMATS:
-        cache = kvslim.SlimCache(kv_quantize=fmt, config=config)
-        _feed(cache, shapes, cache.layers, tokens)
-        kv = sum(s.nbytes() for s in cache.stores())
-        out[f"{fmt}_bytes_per_token"] = kv / tokens
+        try:
+            cache = kvslim.SlimCache(kv_quantize=fmt, config=config)
+        except ValueError as e:  # e.g. a block format and a head_dim that is not a multiple of 32
+            out[f"{fmt}_bytes_per_token"] = None
+            out[f"{fmt}_why"] = str(e)
+            continue
+        out[f"{fmt}_bytes_per_token"] = _kv_layer_bytes(cache, shapes, tokens) / tokens
     return out
 
 
@@ -124,10 +132,13 @@ def main() -> int:
             continue
         types = ", ".join(f"{n} {t}" for t, n in r["layer_types"].items())
         dyn = r["dynamic_bytes_per_token"]
+        ratio = f"{r['int4_bytes_per_token'] / dyn:.2f}x" if dyn else "-"
+        cells = [
+            "n/a" if r[f"{f}_bytes_per_token"] is None else f"{r[f'{f}_bytes_per_token']:,.0f}" for f in FORMATS
+        ]
         print(
             f"| {r['family']} | {r['layers']} ({types}) | {r['kv_layers']} | {r['attention_path']} | {dyn:,.0f} | "
-            f"{r['none_bytes_per_token']:,.0f} | {r['int4_bytes_per_token']:,.0f} | {r['q4_0_bytes_per_token']:,.0f} | "
-            f"{r['int4_bytes_per_token'] / dyn:.2f}x |"
+            f"{' | '.join(cells)} | {ratio} |"
         )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
