@@ -75,6 +75,15 @@ def _kv_layer_bytes(cache, shapes, tokens: int) -> int:
     return total
 
 
+def _supports_sdpa(config) -> bool:
+    """Whether the family's model classes run through transformers' attention interface (sdpa)."""
+    import importlib
+
+    module = importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))
+    bases = [getattr(module, n) for n in dir(module) if n.endswith("PreTrainedModel") and n != "PreTrainedModel"]
+    return all(getattr(b, "_supports_sdpa", False) for b in bases) if bases else False
+
+
 def row(name: str, cls_name: str, tokens: int) -> dict:
     from transformers import DynamicCache
 
@@ -95,8 +104,14 @@ def row(name: str, cls_name: str, tokens: int) -> dict:
     out["kv_layers"] = len(probe.stores())
     out["layers"] = len(probe.layers)
     out["supported"] = "yes"
-    mla = shapes.k_head_dim != shapes.v_head_dim
-    out["attention_path"] = "materializing (expands the latent)" if mla else "compressed on decode (kvslim.enable)"
+    from kvslim.shapes import is_mla
+
+    if is_mla(config):
+        out["attention_path"] = "materializing (expands the latent)"
+    elif not _supports_sdpa(config):
+        out["attention_path"] = "materializing (eager attention only)"
+    else:
+        out["attention_path"] = "compressed on decode (kvslim.enable)"
     dyn = DynamicCache(config=config)
     out["dynamic_bytes_per_token"] = _kv_layer_bytes(dyn, shapes, tokens) / tokens
     for fmt in FORMATS:
