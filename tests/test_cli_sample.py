@@ -10,7 +10,7 @@ pytest.importorskip("kvslim.cache", reason="src/kvslim/cache.py (SlimCache) does
 
 from kvslim import models  # noqa: E402
 from kvslim.cli import main  # noqa: E402
-from kvslim.generate import StreamDecoder  # noqa: E402
+from kvslim.textstream import StreamDecoder  # noqa: E402
 
 PROMPT = "The night sky"
 

@@ -9,7 +9,6 @@ from transformers import DynamicCache
 from conftest import tiny_model
 from kvslim.generate import (
     GenerationStats,
-    StreamDecoder,
     decode_one_token,
     generate,
     greedy,
@@ -20,6 +19,7 @@ from kvslim.generate import (
     sample_next,
     teacher_forced,
 )
+from kvslim.textstream import StreamDecoder
 
 
 def _ids(batch, tokens, seed=0, vocab=128):

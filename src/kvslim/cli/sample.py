@@ -91,9 +91,10 @@ def run(args: argparse.Namespace) -> int:
     prompt = _read_prompt(args)
 
     from ..atomic import AtomicFile
-    from ..generate import StreamDecoder, generate
+    from ..generate import generate
     from ..models import check_cache_writable, is_converted
     from ..shapes import ModelShapes
+    from ..textstream import StreamDecoder
 
     if args.model is None and not is_converted():
         check_cache_writable()  # a read-only cache: one error line, not a notice and then an error
