@@ -217,18 +217,29 @@ class SlimCache(Cache):
             token), ``q8_0``/``q4_0``/``q4_1``/``q5_0``/``q5_1`` (llama.cpp blocks of 32 channels).
         k_quantize, v_quantize: per-tensor overrides.
         sink, window: StreamingLLM; after every update each layer holds at most ``sink + window``
-            tokens: the first ``sink`` seen and the last ``window``. ``window=None``: unbounded.
+            tokens: the first ``sink`` seen and the last ``window``. ``window=None``: unbounded; the first
+            ``sink`` tokens are then still kept apart at full precision (RotateKV's attention-sink-aware
+            quantization: nothing is evicted, the sinks are never quantized).
         group_size, residual: KIVI. The newest ``residual`` tokens stay at full precision; older ones
             leave it ``group_size`` at a time and are encoded together, once (per-channel K shares
             scales across the group). Between ``residual`` and ``residual + group_size - 1`` tokens
             are at full precision; ``residual=0, group_size=1`` encodes every token on arrival.
         v_group_size: channel group of per-token affine V (None: the whole head_dim).
         mean_center: K mean-centering bias: a GGUF file path, a ``BiasSet``, or a list of per-layer
-            ``(H_kv, head_dim)`` tensors. Subtracted from every key before it is stored.
+            ``(H_kv, head_dim)`` tensors, in the basis K is stored in (``rotate``, ``pre_rope``; a file
+            records it and a mismatch is an error). Subtracted from a key when it is encoded, where
+            that lowers the key's error (per token), and added back on read.
+        rotate: ``none``, ``k``, ``v`` or ``kv``: the encoded K / V are stored rotated by an orthonormal
+            Hadamard matrix (:mod:`kvslim.hadamard`); attention rotates the query once and the output
+            back once. Needs ``config``.
+        pre_rope: the K stream holds keys before RoPE, un-rotated with the model's own RoPE and rotated
+            again on read (KVQuant); needs ``config`` and a RoPE of type default, linear, dynamic,
+            llama3 or yarn.
         positions: where StreamingLLM's kept keys sit: ``cache`` (the paper's in-cache positions: sinks
             right before the window, the distance from a query to a sink bounded by ``sink + window``)
-            or ``original`` (every key at its original position). Only the fp sinks are re-rotated.
-            See docs/streaming.md.
+            or ``original`` (every key at its original position); ``auto`` (default) is ``cache`` where
+            the model's RoPE can be moved, else ``original`` — ``cache.positions`` and ``report()`` say
+            which. Only the fp sinks are re-rotated. See docs/streaming.md.
         residual_dtype: storage of a lossy format's full-precision tokens (residual and sinks):
             ``model``, ``float16`` or ``bfloat16``.
         config: the model's config (recommended): checks the architecture, head_dim against the
@@ -237,6 +248,8 @@ class SlimCache(Cache):
             None decides it here, once, from ``config`` (True when the model uses ``"kvslim"``).
         observe: ``observe(layer_idx, keys, values)`` is called with every update's new (raw) keys and
             values before they are stored (:mod:`kvslim.calibrate` collects K means with it).
+        observe_stored: hand ``observe`` the keys in the basis the K body stores them (rotated,
+            pre-RoPE; never centered) instead of the raw keys.
         model_fingerprint: :func:`kvslim.models.model_fingerprint` of the model; a bias file recorded for
             another model is then refused unless ``allow_other_model=True`` (which warns).
 
@@ -368,6 +381,8 @@ class SlimCache(Cache):
                 pre_rope=cfg.pre_rope,
             )
         self.rotary, why = (None, "no config=model.config") if config is None else _rotary(config)
+        #: the position semantics in effect ("auto" resolved: "cache" wherever keys can be moved)
+        self.positions = cfg.positions if cfg.positions != "auto" else ("cache" if self.rotary else "original")
         if cfg.positions == "cache" and cfg.window is not None and self.rotary is None:
             raise ValueError(
                 f"positions='cache' re-rotates the sink keys, which needs the model's RoPE: {why}; "
@@ -414,7 +429,7 @@ class SlimCache(Cache):
             cfg.residual,
             cfg.group_size,
             k_bias=bias,
-            positions=cfg.positions,
+            positions=self.positions,
             rotary=self.rotary,
             fp_dtype=None if cfg.residual_dtype == "model" else getattr(torch, cfg.residual_dtype),
             k_hadamard=self._hadamard["k"],
@@ -530,6 +545,7 @@ class SlimCache(Cache):
             "kv_layers": len(self.stores()),
             "layers": len(self.layers),
             "config": self.cache_config.to_dict(),
+            "positions": self.positions,
         }
 
     def __repr__(self) -> str:
@@ -667,12 +683,20 @@ class _RopeSource:
     """The model's RoPE for each forward, for pre-RoPE storage: fixed frequencies, or dynamic NTK's, which
     the model recomputes from the longest position it is fed (transformers' ``dynamic_rope_update``). For
     those a private instance of the model's own rotary module is fed the same longest positions, so its
-    update rule (growth, and the reset below the original length) is the model's, not a copy of it."""
+    update rule (growth, and the reset below the original length) is the model's, not a copy of it.
+
+    Each key is un-rotated with the frequencies of the forward that wrote it and rotated on read with those
+    of the forward that reads it. With static frequencies that is exactly the plain cache. With dynamic NTK
+    past ``max_position_embeddings`` the frequencies change from forward to forward: a plain cache keeps
+    every key at the frequencies it was written with, pre-RoPE storage presents every key at the current
+    ones (as the model without a cache would) — a different result, said once by a warning."""
 
     def __init__(self, rotary: Rotary, emb=None):
         self.rotary = rotary
+        self._original = rotary.inv_freq
         self._emb = emb  # None: static frequencies
         self._probe = torch.zeros(1)
+        self._warned = False
 
     @property
     def dynamic(self) -> bool:
@@ -687,6 +711,16 @@ class _RopeSource:
         inv = self._emb.inv_freq.detach().to(torch.float32).cpu()
         if not torch.equal(inv, self.rotary.inv_freq):
             self.rotary = Rotary(inv, self.rotary.offset)
+            if not self._warned and not torch.equal(inv, self._original):
+                self._warned = True
+                warnings.warn(
+                    f"pre_rope with dynamic NTK RoPE past the model's original length (position {max_position}): "
+                    f"every stored key is rotated with this forward's scaled frequencies, where a plain cache keeps "
+                    f"each key at the frequencies it was written with; use pre_rope=False to reproduce the plain "
+                    f"cache (docs/quality.md)",
+                    UserWarning,
+                    stacklevel=4,
+                )
         return self.rotary
 
 

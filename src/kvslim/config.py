@@ -29,10 +29,12 @@ MEAN_CENTER_FORMATS: tuple[str, ...] = tuple(
 )
 
 
-#: StreamingLLM position semantics (kvslim.layer): "cache" is the paper's, "original" the vanilla one.
-POSITIONS = ("cache", "original")
-#: The default, chosen by measurement (docs/streaming.md).
-DEFAULT_POSITIONS = "original"
+#: StreamingLLM position semantics (kvslim.layer): "cache" is the paper's, "original" the vanilla one;
+#: "auto" is "cache" wherever the model's RoPE lets kvslim move a key, else "original" (report() says which).
+POSITIONS = ("auto", "cache", "original")
+#: The default, chosen by measurement (docs/streaming.md: "cache" holds perplexity flat at 3x the
+#: training context where "original" explodes).
+DEFAULT_POSITIONS = "auto"
 #: Storage of a lossy format's full-precision tokens: the model's dtype or a 16-bit float.
 RESIDUAL_DTYPES = ("model", "float16", "bfloat16")
 #: The default, chosen by measurement (docs/quality.md).
@@ -50,7 +52,9 @@ class CacheConfig:
 
     kv_quantize: storage format of K and V unless overridden (``none`` = the model's dtype).
     k_quantize / v_quantize: per-tensor overrides (None = ``kv_quantize``).
-    sink: StreamingLLM sink tokens kept forever (>= 0).
+    sink: the first ``sink`` tokens are kept at full precision (>= 0): StreamingLLM's attention sinks, kept
+        forever with a window; without one (RotateKV's attention-sink-aware quantization) nothing is
+        evicted and the sinks are simply never quantized.
     window: StreamingLLM window of most recent tokens (> 0), or None for an unbounded cache.
     group_size: KIVI token group of per-channel K scales (and the unit in which tokens leave the
         full-precision residual).
@@ -58,7 +62,8 @@ class CacheConfig:
         (a multiple of ``group_size``; 0 quantizes every token as it arrives, as llama.cpp does).
     v_group_size: channel group of per-token V scales for affine formats (None = whole head_dim).
     mean_center: path to a K bias file (GGUF, see :mod:`kvslim.biasfile`), or None.
-    positions: where StreamingLLM's kept keys sit (see :mod:`kvslim.layer`, docs/streaming.md):
+    positions: where StreamingLLM's kept keys sit (see :mod:`kvslim.layer`, docs/streaming.md),
+        ``auto`` (default: ``cache`` where the model's RoPE allows it, else ``original``),
         ``cache`` (the paper: the kept tokens as one contiguous sequence, sinks right before the
         window) or ``original`` (every key at its original position; query-to-sink distances grow
         with the stream). Only matters with a window.
@@ -114,11 +119,6 @@ class CacheConfig:
         check_int("sink", self.sink, minimum=0)
         if self.window is not None:
             check_int("window", self.window, minimum=1, hint="or None for an unbounded cache")
-        if self.sink and self.window is None:
-            raise ValueError(
-                f"sink={self.sink} needs a window: StreamingLLM keeps the sinks plus the last `window` tokens; "
-                f"set window (e.g. window=1020) or sink=0"
-            )
         check_int("group_size", self.group_size, minimum=1)
         check_int("residual", self.residual, minimum=0)
         if self.residual % self.group_size:
@@ -214,7 +214,16 @@ _SPEC_KEYS = {
 }
 
 #: How a spec spells a boolean.
-_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+_BOOLS = {
+    "1": True,
+    "true": True,
+    "yes": True,
+    "on": True,
+    "0": False,
+    "false": False,
+    "no": False,
+    "off": False,
+}
 
 
 def parse_spec(spec: str) -> CacheConfig:
