@@ -75,7 +75,16 @@ def main() -> int:
     parser.add_argument("--chunk", type=int, default=128)
     parser.add_argument("--config", action="append", required=True)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--plot", default=None, metavar="FILE.png", help="plot the JSON files given with --merge")
+    parser.add_argument("--merge", nargs="*", default=None, metavar="JSON", help="only plot these result files")
     args = parser.parse_args()
+    if args.merge is not None:
+        rows = []
+        for path in args.merge:
+            with open(path, encoding="utf-8") as f:
+                rows += json.load(f)
+        plot(rows, args.plot)
+        return 0
 
     from kvslim.models import load_model
 
@@ -98,6 +107,32 @@ def main() -> int:
                 with open(args.json, "w", encoding="utf-8") as f:
                     json.dump(rows, f, indent=1)
     return 0
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Perplexity per bucket start, one line per config (log scale), written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kvslim.atomic import atomic_path
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for spec in dict.fromkeys(r["config"] for r in rows):
+        pts = sorted((r["start"] + r["tokens"] / 2, r["ppl"]) for r in rows if r["config"] == spec)
+        style = "-" if len(pts) > 2 else "none"  # a few spot checks: points, not a line
+        ax.plot([x / 1000 for x, _ in pts], [y for _, y in pts], marker="o", linestyle=style, label=spec)
+    ax.axvline(8.192, color="grey", linestyle=":", label="training context (8K)")
+    ax.set_yscale("log")
+    ax.set_xlabel("position in the stream (K tokens)")
+    ax.set_ylabel("perplexity of the 1K-token bucket")
+    ax.set_title("SmolLM2-135M, StreamingLLM sink 4 + window 1020: in-cache vs original positions")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
 
 
 if __name__ == "__main__":
