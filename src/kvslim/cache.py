@@ -97,6 +97,14 @@ class SlimCacheLayer(CacheLayerMixin):
                 f"position ids moved by {base - store._base} against the tokens seen, and this model's keys "
                 f"cannot be re-rotated: feed consecutive position ids"
             )
+        if pads is not None and store.stored < store.seen and store.pads is not None:
+            old = store.pads.to(pads.device)
+            if old.shape == pads.shape and not torch.equal(old, pads):
+                raise ValueError(
+                    f"the position ids imply left padding {pads.tolist()} but this cache was filled with "
+                    f"{old.tolist()} and has evicted tokens since: feed ids that count real tokens from 0 (as "
+                    f"model.generate() does) or hand the padding with cache.set_left_padding() before the first token"
+                )
         if pads is not None or owner.padding_explicit:
             store.set_pads(pads)
         rope = None

@@ -89,9 +89,14 @@ def position_ids(cache, n_new: int, *, pads: torch.Tensor | None = None, device=
 
 
 def _rebase_period(cache) -> int | None:
+    """The cache's re-base period, when it can read a base back from the ids: a SlimCache that was
+    handed its padding (a cache fed before kvslim's loop saw it reads ids by transformers'
+    convention, where an offset would look like padding)."""
     from .cache import SlimCache
 
-    return cache.rebase_period if isinstance(cache, SlimCache) else None
+    if isinstance(cache, SlimCache) and cache.padding_explicit:
+        return cache.rebase_period
+    return None
 
 
 def _hand_padding(cache, pads: torch.Tensor | None) -> None:

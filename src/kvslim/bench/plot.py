@@ -24,7 +24,8 @@ def _decode_rows(result) -> tuple[list[dict], str]:
         raise ValueError("the bench result has no decode rows to plot (was every length skipped?)")
     model = data.get("model") or {}
     settings = data.get("settings") or {}
-    parts = [str(model.get("name") or model.get("model") or "")]
+    name = str(model.get("name") or "")
+    parts = [os.path.basename(name.rstrip("/")) or name]  # a local directory: its name, not its path
     if settings.get("attn"):
         parts.append(f"attention {settings['attn']}")
     return rows, " | ".join(p for p in parts if p)

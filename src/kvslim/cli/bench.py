@@ -129,6 +129,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", default=None, metavar="FILE", help="also write every number as JSON")
     parser.add_argument(
+        "--plot", default=None, metavar="FILE.png", help="plot ms/token and MB against context length (needs matplotlib)"
+    )
+    parser.add_argument(
         "--smoke",
         action="store_true",
         help="a seconds-long run for CI: lengths 16,32, 2 steps, small append and tokens-seen "
@@ -162,6 +165,11 @@ def run(args: argparse.Namespace) -> int:
         bandwidth_bytes = 16 << 20
     prefill = None if args.prefill_lengths == "all" else args.prefill_lengths
     check_output("--json", args.json)
+    check_output("--plot", args.plot)
+    import importlib.util
+
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise UserError("--plot needs matplotlib: pip install 'kvslim[plot]'")
     from ..config import parse_spec
 
     for spec in [*configs, *(args.seen_config or [])]:
@@ -197,6 +205,13 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, result.to_dict())
         print(f"wrote {args.json}")
+    if args.plot:
+        from ..atomic import atomic_path
+        from ..bench.plot import plot_bench
+
+        with atomic_path(args.plot, what="--plot") as tmp:
+            plot_bench(result, tmp)
+        print(f"wrote {args.plot}")
     return 0
 
 
