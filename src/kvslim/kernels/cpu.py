@@ -54,6 +54,7 @@ import torch
 from .. import paths
 from ..checks import check_int
 from ..formats import FORMATS, Codec, Encoded
+from .layout import expect, rows_contiguous
 
 ABI_VERSION = 2
 SOURCES = Path(__file__).parent / "csrc"
@@ -389,19 +390,8 @@ def _run(op: int, what: str, dims: tuple, params: tuple, parts: tuple) -> None:
         raise ValueError(f"kvslim C kernel {what} rejected its arguments (code {rc})")
 
 
-def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
-    """Make everything after dim 2 contiguous (dims 0..2 may keep any strides)."""
-    if t.dim() == 4 and (t.shape[3] <= 1 or t.stride(3) == 1):
-        return t
-    return t.contiguous()
 
 
-def _expect(t: torch.Tensor, shape: tuple, dtypes, what: str) -> None:
-    if tuple(t.shape) != shape or t.dtype not in dtypes:
-        raise ValueError(
-            f"{what} has shape {tuple(t.shape)} and dtype {t.dtype}; expected shape {shape} "
-            f"and dtype in {[str(d) for d in dtypes]}"
-        )
 
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -414,12 +404,12 @@ def _affine_k_parts(codec: Codec, enc: Encoded, b: int, h: int, t: int, d: int, 
     per = 8 // codec.bits
     g = codec.token_group
     check_int("offset", offset, minimum=0, below=g)
-    codes = _rows_contiguous(enc.token["codes"])
-    _expect(codes, (b, h, t, d // per), (torch.uint8,), f"{codec.name} K codes")
+    codes = rows_contiguous(enc.token["codes"])
+    expect(codes, (b, h, t, d // per), (torch.uint8,), f"{codec.name} K codes")
     n = -(-(offset + t) // g)
-    scale, zero = (_rows_contiguous(enc.group[k]) for k in ("scale", "zero"))
+    scale, zero = (rows_contiguous(enc.group[k]) for k in ("scale", "zero"))
     for name, s in (("scale", scale), ("zero", zero)):
-        _expect(s, (b, h, n, d), _FLOATS, f"{codec.name} K {name}")
+        expect(s, (b, h, n, d), _FLOATS, f"{codec.name} K {name}")
     return codes, scale, zero
 
 
@@ -457,13 +447,13 @@ def v_affine(p: torch.Tensor, codec: Codec, enc: Encoded, offset: int) -> torch.
     """Per-token affine V weighted sum: p (B, H, M, T) fp32 -> (B, H, M, D)."""
     b, h, m, t = p.shape
     per = 8 // codec.bits
-    codes = _rows_contiguous(enc.token["codes"])
+    codes = rows_contiguous(enc.token["codes"])
     d = codes.shape[-1] * per
     g = _v_group(codec, d)
-    _expect(codes, (b, h, t, d // per), (torch.uint8,), f"{codec.name} V codes")
-    scale, zero = (_rows_contiguous(enc.token[k]) for k in ("scale", "zero"))
+    expect(codes, (b, h, t, d // per), (torch.uint8,), f"{codec.name} V codes")
+    scale, zero = (rows_contiguous(enc.token[k]) for k in ("scale", "zero"))
     for name, s in (("scale", scale), ("zero", zero)):
-        _expect(s, (b, h, t, d // g), _FLOATS, f"{codec.name} V {name}")
+        expect(s, (b, h, t, d // g), _FLOATS, f"{codec.name} V {name}")
     out = torch.empty((b, h, m, d), dtype=torch.float32)
     _run(_OP_V_AFFINE, "v_affine", (b, h, m, t, d), (codec.bits, g), (p, codes, scale, zero, out))
     return out
@@ -483,25 +473,25 @@ def _row_parts(codec: Codec, enc: Encoded, b: int, h: int, t: int, d: int | None
     family = codec.family
     if family == "ggml":
         size, nb = codec.format.block
-        blocks = _rows_contiguous(enc.token["blocks"])
+        blocks = rows_contiguous(enc.token["blocks"])
         if d is None:
             d = blocks.shape[-1] // nb * size
-        _expect(blocks, (b, h, t, d // size * nb), (torch.uint8,), f"{codec.name} blocks")
+        expect(blocks, (b, h, t, d // size * nb), (torch.uint8,), f"{codec.name} blocks")
         if d % size:
             raise ValueError(f"{codec.name} needs a head dim that is a multiple of {size}, got {d}")
         return _row_code(codec.name), blocks, blocks, d
     if family == "fp8":
-        codes = _rows_contiguous(enc.token["codes"])
+        codes = rows_contiguous(enc.token["codes"])
         d = codes.shape[-1] if d is None else d
-        _expect(codes, (b, h, t, d), (torch.float8_e4m3fn,), "fp8 codes")
+        expect(codes, (b, h, t, d), (torch.float8_e4m3fn,), "fp8 codes")
         scale = enc.token["scale"]
-        _expect(scale, (b, h, t, 1), (torch.float32,), "fp8 scale")
+        expect(scale, (b, h, t, 1), (torch.float32,), "fp8 scale")
         return _row_code(codec.name), codes, scale, d
     if family != "cast":
         raise ValueError(f"the row kernels do not decode codec {codec.name!r} (family {family})")
-    x = _rows_contiguous(enc.token["x"])
+    x = rows_contiguous(enc.token["x"])
     d = x.shape[-1] if d is None else d
-    _expect(x, (b, h, t, d), tuple(_CAST_ROWS), f"{codec.name} tokens")
+    expect(x, (b, h, t, d), tuple(_CAST_ROWS), f"{codec.name} tokens")
     return _row_code(x.dtype), x, x, d
 
 

@@ -38,6 +38,7 @@ import torch
 
 from ..checks import check_int
 from ..formats import Codec, Encoded
+from .layout import expect, rows_contiguous
 
 #: Longest query axis (GQA group x new tokens) taken; longer (prefill) goes to the reference, whose
 #: decode + cuBLAS matmul runs on tensor cores where these fp32 ``tl.dot`` tiles do not. Unmeasured:
@@ -128,19 +129,8 @@ def programs() -> ModuleType:
 # --------------------------------------------------------------------------- layouts
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """Dims after 2 contiguous (dims 0..2 may keep any strides: the cache hands out narrowed views)."""
-    if t.dim() == 4 and (t.shape[3] <= 1 or t.stride(3) == 1):
-        return t
-    return t.contiguous()
 
 
-def _expect(t: torch.Tensor, shape: tuple, dtypes, what: str) -> None:
-    if tuple(t.shape) != shape or t.dtype not in dtypes:
-        raise ValueError(
-            f"{what} has shape {tuple(t.shape)} and dtype {t.dtype}; expected shape {shape} "
-            f"and dtype in {[str(d) for d in dtypes]}"
-        )
 
 
 def _ggml_ok(codec: Codec) -> bool:
@@ -188,48 +178,48 @@ def _layout(codec: Codec, enc: Encoded, b: int, h: int, t: int, d: int | None, o
     family = codec.family
     if family in ("affine_k", "affine_v"):
         per = 8 // codec.bits
-        codes = _rows(enc.token["codes"])
+        codes = rows_contiguous(enc.token["codes"])
         d = codes.shape[-1] * per if d is None else d
-        _expect(codes, (b, h, t, d // per), (torch.uint8,), f"{codec.name} {codec.role.upper()} codes")
+        expect(codes, (b, h, t, d // per), (torch.uint8,), f"{codec.name} {codec.role.upper()} codes")
         if d % per:
             raise ValueError(f"{codec.name} packs {per} codes per byte: head dim {d} is not a multiple")
         if family == "affine_k":
             g = codec.token_group
             check_int("offset", offset, minimum=0, below=g)
             n = -(-(offset + t) // g)
-            scale, zero = (_rows(enc.group[k]) for k in ("scale", "zero"))
+            scale, zero = (rows_contiguous(enc.group[k]) for k in ("scale", "zero"))
             for name, s in (("scale", scale), ("zero", zero)):
-                _expect(s, (b, h, n, d), _FLOATS, f"{codec.name} K {name}")
+                expect(s, (b, h, n, d), _FLOATS, f"{codec.name} K {name}")
             return _Layout(prog.AFFINE_K.value, codec.bits, 0, codes, scale, zero, g), d
-        scale, zero = (_rows(enc.token[k]) for k in ("scale", "zero"))
+        scale, zero = (rows_contiguous(enc.token[k]) for k in ("scale", "zero"))
         n = scale.shape[-1]
         if n < 1 or d % n:
             raise ValueError(f"{codec.name} V has {n} scales per token, which does not divide head dim {d}")
         for name, s in (("scale", scale), ("zero", zero)):
-            _expect(s, (b, h, t, n), _FLOATS, f"{codec.name} V {name}")
+            expect(s, (b, h, t, n), _FLOATS, f"{codec.name} V {name}")
         return _Layout(prog.AFFINE_V.value, codec.bits, 0, codes, scale, zero, d // n), d
     if family == "ggml":
         if not _ggml_ok(codec):
             raise ValueError(f"the Triton kernels do not read {codec.name} blocks of {codec.format.block}")
         size, nb = codec.format.block
-        blocks = _rows(enc.token["blocks"])
+        blocks = rows_contiguous(enc.token["blocks"])
         d = blocks.shape[-1] // nb * size if d is None else d
         if d % size:
             raise ValueError(f"{codec.name} needs a head dim that is a multiple of {size}, got {d}")
-        _expect(blocks, (b, h, t, d // size * nb), (torch.uint8,), f"{codec.name} blocks")
+        expect(blocks, (b, h, t, d // size * nb), (torch.uint8,), f"{codec.name} blocks")
         return _Layout(prog.GGML[codec.name].value, 8, nb, blocks, blocks, blocks, 1), d
     if family == "fp8":
-        codes = _rows(enc.token["codes"])
+        codes = rows_contiguous(enc.token["codes"])
         d = codes.shape[-1] if d is None else d
-        _expect(codes, (b, h, t, d), (torch.float8_e4m3fn,), "fp8 codes")
+        expect(codes, (b, h, t, d), (torch.float8_e4m3fn,), "fp8 codes")
         scale = enc.token["scale"]
-        _expect(scale, (b, h, t, 1), (torch.float32,), "fp8 scale")
+        expect(scale, (b, h, t, 1), (torch.float32,), "fp8 scale")
         codes = codes.view(torch.uint8)  # decoded from its bits: no fp8 support needed on the GPU
         return _Layout(prog.FP8.value, 8, 0, codes, scale, codes, 1), d
     if family == "cast":
-        x = _rows(enc.token["x"])
+        x = rows_contiguous(enc.token["x"])
         d = x.shape[-1] if d is None else d
-        _expect(x, (b, h, t, d), _FLOATS, f"{codec.name} tokens")
+        expect(x, (b, h, t, d), _FLOATS, f"{codec.name} tokens")
         return _Layout(prog.CAST.value, 8, 0, x, x, x, 1), d
     raise ValueError(f"the Triton kernels do not read codec {codec.name!r} (family {family})")
 
