@@ -69,8 +69,13 @@ def test_no_prompt_and_a_terminal(capsys, monkeypatch):
 
 @pytest.fixture
 def sample(real_model, monkeypatch, capsys, tmp_path):
-    """Run ``kvslim sample`` on the session model; return (exit code, stdout, stderr, report)."""
+    """Run ``kvslim sample`` on the session model; return (exit code, stdout, stderr, report).
+
+    ``kvslim sample`` switches the model to the kvslim attention; the session model is shared, so its
+    attention implementation is put back afterwards (other tests compare sdpa paths exactly)."""
     monkeypatch.setattr(models, "load_model", lambda *a, **k: real_model)
+    model = real_model[0]
+    before = model.config._attn_implementation
 
     def run(*argv, prompt=PROMPT):
         report = tmp_path / "report.json"
@@ -78,7 +83,8 @@ def sample(real_model, monkeypatch, capsys, tmp_path):
         out, err = capsys.readouterr()
         return code, out, err, (json.loads(report.read_text()) if report.exists() else None)
 
-    return run
+    yield run
+    model.set_attn_implementation(before)
 
 
 @pytest.mark.slow
