@@ -498,7 +498,7 @@ def test_residual_dtype_stores_fp_tokens_in_16_bits(dtype_name):
     ids = _prompt(length=40)
     kw = dict(kv_quantize="int4", sink=2, window=30, group_size=4, residual=8, config=model.config)
     with torch.no_grad():
-        ref_cache = SlimCache(**kw)
+        ref_cache = SlimCache(residual_dtype="model", **kw)
         ref = _prefill_then_decode(model, ref_cache, ids, 12)
         cache = SlimCache(residual_dtype=dtype_name, **kw)
         got = _prefill_then_decode(model, cache, ids, 12)
@@ -517,3 +517,24 @@ def test_residual_dtype_stores_fp_tokens_in_16_bits(dtype_name):
     assert mixed.layers[0].store.v.fp.data.dtype == torch.float32  # V is lossless: the model's dtype
     with pytest.raises(ValueError, match="residual_dtype must be one of"):
         SlimCache(residual_dtype="fp8")
+
+
+def test_residual_dtype_auto_is_float16_for_fp32_models_and_the_model_dtype_otherwise():
+    """The default: an fp32 model's full-precision tokens in float16 (docs/quality.md measured it free), a
+    16-bit model's in its own dtype; a value float16 cannot hold is a clear error, never an inf."""
+    kw = dict(kv_quantize="int4", sink=2, window=30, group_size=4, residual=8)
+    ids = _prompt(length=20)
+    for dtype, want in ((torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)):
+        model = tiny_model("llama", dtype=dtype)
+        cache = SlimCache(config=model.config, **kw)
+        assert cache.cache_config.residual_dtype == "auto"
+        with torch.no_grad():
+            forward(model, ids, cache)
+        store = cache.layers[0].store
+        assert store.k.fp.data.dtype == want and store.sink_k.dtype == want and store.sink_v.dtype == want, dtype
+    cache = SlimCache(**kw)
+    big = torch.full((1, 2, 3, 32), 1e6)
+    with pytest.raises(ValueError, match="beyond float16's range.*residual_dtype='model'"):
+        cache.update(big, big.clone(), 0)
+    assert cache.get_seq_length() == 0  # nothing half-stored
+    SlimCache(residual_dtype="model", **kw).update(big, big.clone(), 0)  # the model's dtype holds it

@@ -1358,14 +1358,7 @@ def test_fork_file_through_slimcache_and_the_cli(capsys, model_dir, tmp_path, ti
     path.write_bytes(
         fork_file({il: llama_cpp_permute(t.reshape(H * D, 1), H).reshape(-1) for il, t in enumerate(ours)})
     )
-    try:
-        cache = SlimCache(kv_quantize="q4_0", mean_center=path, config=model.config)
-    except ValueError as e:
-        if "model_type" in str(e):
-            pytest.skip(
-                "cache.py does not hand load_mean_center the model's model_type yet (issue #16, lead)"
-            )
-        raise
+    cache = SlimCache(kv_quantize="q4_0", mean_center=path, config=model.config)
     for got, want in zip(cache._biases, ours, strict=True):  # the biases the layers subtract
         assert np.array_equal(got.numpy(), want)
     code, out, err = run_cli(

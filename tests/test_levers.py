@@ -33,8 +33,11 @@ class ExactFormat(NoneFormat):
 
 @pytest.fixture
 def exact_codecs(monkeypatch):
-    """SlimCache builds its codecs with an exact lossy one (whatever the format name says)."""
+    """SlimCache builds its codecs with an exact lossy one (whatever the format name says), and keeps the
+    full-precision tokens in the model's dtype (the default residual_dtype 'auto' would round an fp32
+    model's to float16: not exact)."""
     monkeypatch.setattr(cache_mod, "make_codec", lambda name, role, **kw: ExactFormat().codec(role))
+    monkeypatch.setitem(cache_mod._FP_DTYPES, "auto", None)
 
 
 def _ids(batch=1, length=30, seed=0):
@@ -45,7 +48,9 @@ def _left_pad(ids: torch.Tensor, pads: list[int]):
     rows, masks = [], []
     for b, p in enumerate(pads):
         rows.append(torch.cat([torch.zeros(p, dtype=torch.long), ids[b, : ids.shape[1] - p]]))
-        masks.append(torch.cat([torch.zeros(p, dtype=torch.long), torch.ones(ids.shape[1] - p, dtype=torch.long)]))
+        masks.append(
+            torch.cat([torch.zeros(p, dtype=torch.long), torch.ones(ids.shape[1] - p, dtype=torch.long)])
+        )
     return torch.stack(rows), torch.stack(masks)
 
 
@@ -54,7 +59,9 @@ def _logits(model, cache, ids, mask=None, prefill=9, chunk=1):
     pads = None if mask is None else (mask == 0).sum(1)
     out = []
     with torch.no_grad():
-        for s, e in [(0, prefill)] + [(t, min(t + chunk, ids.shape[1])) for t in range(prefill, ids.shape[1], chunk)]:
+        for s, e in [(0, prefill)] + [
+            (t, min(t + chunk, ids.shape[1])) for t in range(prefill, ids.shape[1], chunk)
+        ]:
             m = None if mask is None else mask[:, :e]
             out.append(forward(model, ids[:, s:e], cache, pads=pads, attention_mask=m, logits_to_keep=0))
     return torch.cat(out, dim=1)
@@ -72,7 +79,9 @@ def test_hadamard_is_orthonormal_and_its_own_inverse(n):
     assert torch.equal(h, h.T)
     # an independent definition: H[i, j] = (-1)^popcount(i & j) / sqrt(n)
     i = torch.arange(n)
-    sign = torch.tensor([[(-1) ** bin(a & b).count("1") for b in range(n)] for a in range(n)], dtype=torch.float64)
+    sign = torch.tensor(
+        [[(-1) ** bin(a & b).count("1") for b in range(n)] for a in range(n)], dtype=torch.float64
+    )
     torch.testing.assert_close(sylvester(n), sign / n**0.5, atol=1e-15, rtol=0)
     x = torch.randn(3, 5, n, generator=torch.Generator().manual_seed(n))
     torch.testing.assert_close(Hadamard(n, n).apply(Hadamard(n, n).apply(x)), x, atol=5e-6, rtol=0)
@@ -117,7 +126,12 @@ def test_levers_give_the_plain_cache_logits(exact_codecs, rotate, pre_rope, attn
     ids, mask = _left_pad(_ids(batch=3, length=26, seed=1), [0, 2, 5])
     ref = _logits(model, DynamicCache(config=model.config), ids, mask)
     cache = SlimCache(
-        kv_quantize="q4_0", residual=residual, group_size=group, rotate=rotate, pre_rope=pre_rope, config=model.config
+        kv_quantize="q4_0",
+        residual=residual,
+        group_size=group,
+        rotate=rotate,
+        pre_rope=pre_rope,
+        config=model.config,
     )
     assert cache.compressed_attention == (attn == "kvslim")
     got = _logits(model, cache, ids, mask)
@@ -127,20 +141,64 @@ def test_levers_give_the_plain_cache_logits(exact_codecs, rotate, pre_rope, attn
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "kvslim"])
+def test_sinks_without_a_window_with_every_lever(exact_codecs, attn):
+    """sink=2 without a window (the first tokens kept apart at full precision, nothing evicted) with rotation,
+    pre-RoPE and a left-padded batch: the plain cache's logits."""
+    model = tiny_model("llama", attn_implementation=attn)
+    ids, mask = _left_pad(_ids(batch=2, length=24, seed=14), [0, 3])
+    ref = _logits(model, DynamicCache(config=model.config), ids, mask)
+    cache = SlimCache(
+        kv_quantize="q4_0", sink=2, residual=4, group_size=2, rotate="kv", pre_rope=True, config=model.config
+    )
+    got = _logits(model, cache, ids, mask)
+    store = cache.stores()[0]
+    assert (store.sink_len, store.stored, store.seen) == (2, 24, 24)
+    keep = mask.bool()
+    torch.testing.assert_close(got[keep], ref[keep], atol=1e-5, rtol=1e-5)
+
+
+def test_sinks_without_a_window_are_never_quantized():
+    model = tiny_model("llama")
+    ids = _ids(length=30, seed=15)
+    dyn = DynamicCache(config=model.config)
+    cache = SlimCache(
+        kv_quantize="int2", sink=3, residual=0, group_size=4, residual_dtype="model", config=model.config
+    )
+    with torch.no_grad():
+        forward(model, ids, dyn)
+        forward(model, ids, cache)
+    keys, values = cache.stores()[1].read(torch.float32)
+    assert cache.stored_tokens() == 30 and cache.policy.capacity is None
+    assert torch.equal(keys[:, :, :3], dyn.layers[1].keys[:, :, :3])  # the first tokens: exactly the model's
+    assert torch.equal(values[:, :, :3], dyn.layers[1].values[:, :, :3])
+    assert not torch.equal(keys[:, :, 3:6], dyn.layers[1].keys[:, :, 3:6])  # the rest: int2
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "kvslim"])
 @pytest.mark.parametrize("rotate, pre_rope", [("kv", False), ("none", True), ("kv", True)])
 @pytest.mark.parametrize("positions", ["original", "cache"])
 def test_levers_compose_with_streaming_and_rebasing(exact_codecs, rotate, pre_rope, attn, positions):
-    """Sinks + window far past the window, re-based position ids: the levers change nothing."""
+    """Sinks + window far past the window, re-based position ids, a left-padded batch (whose sinks slide over
+    the pads, taking keys back from the stream): the levers change nothing."""
     model = tiny_model("llama", attn_implementation=attn)
-    ids = _ids(length=70, seed=2)
-    kw = dict(kv_quantize="q4_0", residual=4, group_size=2, sink=2, window=9, positions=positions, config=model.config)
+    ids, mask = _left_pad(_ids(batch=2, length=70, seed=2), [0, 13])
+    kw = dict(
+        kv_quantize="q4_0",
+        residual=4,
+        group_size=2,
+        sink=2,
+        window=9,
+        positions=positions,
+        config=model.config,
+    )
     plain = SlimCache(**kw)
     plain.rebase_period = 16
     levers = SlimCache(rotate=rotate, pre_rope=pre_rope, **kw)
     levers.rebase_period = 16
-    a = _logits(model, plain, ids, chunk=3)
-    b = _logits(model, levers, ids, chunk=3)
-    torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    a = _logits(model, plain, ids, mask, chunk=3)
+    b = _logits(model, levers, ids, mask, chunk=3)
+    keep = mask.bool()
+    torch.testing.assert_close(b[keep], a[keep], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "kvslim"])
@@ -152,7 +210,9 @@ def test_centering_in_any_basis_is_exact(exact_codecs, rotate, pre_rope, attn):
     ids, mask = _left_pad(_ids(batch=2, length=24, seed=3), [0, 3])
     ref = _logits(model, DynamicCache(config=model.config), ids, mask)
     g = torch.Generator().manual_seed(4)
-    bias = BiasSet([torch.randn(2, 32, generator=g) * 5 for _ in range(2)], k_rot=rotate != "none", pre_rope=pre_rope)
+    bias = BiasSet(
+        [torch.randn(2, 32, generator=g) * 5 for _ in range(2)], k_rot=rotate != "none", pre_rope=pre_rope
+    )
     cache = SlimCache(
         kv_quantize="q4_0", residual=4, group_size=2, rotate=rotate, pre_rope=pre_rope, mean_center=bias,
         config=model.config,
@@ -160,6 +220,34 @@ def test_centering_in_any_basis_is_exact(exact_codecs, rotate, pre_rope, attn):
     got = _logits(model, cache, ids, mask)
     keep = mask.bool()
     torch.testing.assert_close(got[keep], ref[keep], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q5_0", "q8_0"])
+@pytest.mark.parametrize("rotated", [False, True])
+def test_centering_never_makes_a_key_worse(fmt, rotated):
+    """Per token, the stored key is at least as close as without centering (each token is centered only
+    where that lowers its own error): a short "sink" key far from the mean stays uncentered, typical keys
+    near the mean are centered."""
+    from kvslim.buffers import CENTERED, BodyBasis, Stream
+    from kvslim.formats import make_codec
+
+    g = torch.Generator().manual_seed(12)
+    mean = torch.randn(2, 64, generator=g) * 4
+    x = mean[None, :, None, :] + torch.randn(1, 2, 40, 64, generator=g)  # typical keys: mean + noise
+    x[:, :, 0] = torch.randn(1, 2, 64, generator=g) * 0.2  # a sink: short, far from the mean
+    had = Hadamard.for_head_dim(64) if rotated else None
+    basis = BodyBasis(had, had.apply(mean) if rotated else mean)
+    codec = make_codec(fmt, "k")
+    cent, plain = Stream(codec, 0, basis=basis), Stream(codec, 0, basis=BodyBasis(had))
+    cent.append(x)
+    plain.append(x)
+    err_c = (cent.materialize(torch.float32) - x).pow(2).sum(-1)
+    err_p = (plain.materialize(torch.float32) - x).pow(2).sum(-1)
+    assert bool((err_c <= err_p * (1 + 1e-5) + 1e-9).all())
+    flags = cent.body().token[CENTERED][..., 0]
+    assert not bool(flags[:, :, 0].any())  # the sink is stored as it is
+    assert float(flags[:, :, 1:].float().mean()) > 0.9  # the rest centered
+    assert float(err_c[:, :, 1:].mean()) < 0.5 * float(err_p[:, :, 1:].mean())
 
 
 # -- pre-RoPE and the model's RoPE variants ----------------------------------------------------------------
@@ -193,13 +281,27 @@ def test_pre_rope_round_trip_for_scaled_ropes(exact_codecs, rope):
     torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
 
 
+def test_pre_rope_dynamic_ntk_past_the_original_length_warns(exact_codecs):
+    model = tiny_model("llama", max_position_embeddings=16, rope_parameters=ROPES["dynamic"])
+    ids = _ids(length=24, seed=16)
+    cache = SlimCache(kv_quantize="q4_0", residual=0, group_size=1, pre_rope=True, config=model.config)
+    a = _logits(model, DynamicCache(config=model.config), ids, prefill=8)
+    with pytest.warns(UserWarning, match="dynamic NTK RoPE past the model's original length"):
+        b = _logits(model, cache, ids, prefill=8)
+    torch.testing.assert_close(b[:, :16], a[:, :16], atol=1e-5, rtol=1e-5)  # exact up to the original length
+
+
 @pytest.mark.parametrize("rope", ["default", "linear", "llama3", "yarn"])
 def test_pre_rope_decode_matches_for_static_ropes(exact_codecs, rope):
     model = tiny_model("llama", max_position_embeddings=16, rope_parameters=ROPES[rope])
     kvslim.enable(model)
     ids = _ids(length=30, seed=6)
     a = _logits(model, DynamicCache(config=model.config), ids)
-    b = _logits(model, SlimCache(kv_quantize="q4_0", residual=4, group_size=2, pre_rope=True, config=model.config), ids)
+    b = _logits(
+        model,
+        SlimCache(kv_quantize="q4_0", residual=4, group_size=2, pre_rope=True, config=model.config),
+        ids,
+    )
     torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
 
 
@@ -212,7 +314,9 @@ def test_pre_rope_refuses_other_ropes():
             "short_factor": [1.0] * 16, "long_factor": [2.0] * 16,
         },
     )  # fmt: skip
-    with pytest.raises(ValueError, match="pre_rope=True supports RoPE types default, linear, dynamic, llama3, yarn"):
+    with pytest.raises(
+        ValueError, match="pre_rope=True supports RoPE types default, linear, dynamic, llama3, yarn"
+    ):
         SlimCache(kv_quantize="int4", pre_rope=True, config=cfg)
     with pytest.raises(ValueError, match="pre_rope=True needs config"):
         SlimCache(kv_quantize="int4", pre_rope=True)
@@ -223,7 +327,9 @@ def test_pre_rope_refuses_other_ropes():
 
 def _bias(k_rot=False, pre_rope=False, scale=0.5):
     g = torch.Generator().manual_seed(7)
-    return BiasSet([torch.randn(2, 32, generator=g) * scale for _ in range(2)], k_rot=k_rot, pre_rope=pre_rope)
+    return BiasSet(
+        [torch.randn(2, 32, generator=g) * scale for _ in range(2)], k_rot=k_rot, pre_rope=pre_rope
+    )
 
 
 @pytest.mark.parametrize(
@@ -232,8 +338,20 @@ def _bias(k_rot=False, pre_rope=False, scale=0.5):
         (False, False, "k", False, r"unrotated \(k_rot=false\) K basis, but this cache stores K rotated"),
         (True, False, "none", False, r"rotated \(k_rot=true\) K basis, but this cache stores K unrotated"),
         (True, False, "v", False, "k_rot"),  # rotating V alone leaves K unrotated
-        (False, False, "none", True, r"post-RoPE \(no k_pre_rope\) K basis, but this cache stores K pre-RoPE"),
-        (False, True, "none", False, r"pre-RoPE \(k_pre_rope=true\) K basis, but this cache stores K post-RoPE"),
+        (
+            False,
+            False,
+            "none",
+            True,
+            r"post-RoPE \(no k_pre_rope\) K basis, but this cache stores K pre-RoPE",
+        ),
+        (
+            False,
+            True,
+            "none",
+            False,
+            r"pre-RoPE \(k_pre_rope=true\) K basis, but this cache stores K post-RoPE",
+        ),
     ],
 )
 def test_basis_mismatch_is_an_error(tmp_path, file_rot, file_pre, rotate, pre_rope, match):
@@ -280,7 +398,9 @@ def test_calibrate_in_the_stored_basis(tmp_path):
                 second = dyn.layers[0].keys
     rot0 = SlimCache(config=model.config).rotary
     pos = torch.arange(48)
-    unrot = torch.cat([rot0.move(first, -pos[None].expand(1, -1)), rot0.move(second, -pos[None].expand(1, -1))], 2)
+    unrot = torch.cat(
+        [rot0.move(first, -pos[None].expand(1, -1)), rot0.move(second, -pos[None].expand(1, -1))], 2
+    )
     torch.testing.assert_close(pre.tensors[0], unrot.double().mean(dim=(0, 2)).float(), atol=1e-5, rtol=1e-5)
     path = tmp_path / "rot.gguf"
     write_bias_file(path, rot)
@@ -293,38 +413,29 @@ def test_calibrate_in_the_stored_basis(tmp_path):
     SlimCache(kv_quantize="q4_0", rotate="k", mean_center=path, config=model.config)
 
 
-def test_calibrate_cli_records_the_basis(tmp_path):
-    """``kvslim calibrate --kv-rotate k --kv-pre-rope`` on a tiny model saved to disk writes both keys."""
-    from gguf import GGUFReader
-
+@pytest.mark.slow
+def test_calibrate_cli_records_the_basis(tmp_path, license_text):
+    """``kvslim calibrate --kv-rotate k --kv-pre-rope`` writes both basis keys; the file loads into the
+    matching cache of the embedded model and is refused by the plain one."""
+    from kvslim.biasfile import read_bias_file
     from kvslim.cli import main
+    from kvslim.models import load_model
 
-    model = tiny_model("llama")
-    model_dir = tmp_path / "m"
-    model.save_pretrained(model_dir)
     text = tmp_path / "t.txt"
-    text.write_text("x")
-    if not _tokenizer_for(model_dir):
-        pytest.skip("no tokenizer can be saved offline here")
+    text.write_text(license_text)
     out = tmp_path / "b.gguf"
-    # a 1-character text: calibrate says on stderr how many tokens a useful bias needs, and still writes
-    rc = main(["calibrate", "--model", str(model_dir), "--text", str(text), "--kv-rotate", "k", "--kv-pre-rope",
-               "--out", str(out), "--no-progress"])  # fmt: skip
-    assert rc == 0
-    r = GGUFReader(out)
-    assert bool(r.get_field("kv_mean_center.k_rot").contents()) is True
-    assert bool(r.get_field("kv_mean_center.k_pre_rope").contents()) is True
-
-
-def _tokenizer_for(model_dir) -> bool:
-    try:
-        from kvslim.models import load_model
-
-        _, tok = load_model(None)
-    except Exception:  # noqa: BLE001
-        return False
-    tok.save_pretrained(model_dir)
-    return True
+    args = ["calibrate", "--text", str(text), "--ctx", "128", "--max-tokens", "128", "--kv-rotate", "k",
+            "--kv-pre-rope", "--out", str(out), "--no-progress"]  # fmt: skip
+    assert main(args) == 0
+    b = read_bias_file(out)
+    assert (b.k_rot, b.pre_rope) == (True, True)
+    model, _ = load_model(None)
+    SlimCache(kv_quantize="q4_0", rotate="k", pre_rope=True, mean_center=out, config=model.config,
+              allow_other_model=True)  # fmt: skip
+    with pytest.raises(ValueError, match="k_rot"):
+        SlimCache(kv_quantize="q4_0", rotate="none", pre_rope=False, mean_center=out, config=model.config)
+    auto = SlimCache(kv_quantize="q4_0", mean_center=out, config=model.config, allow_other_model=True)
+    assert (auto.rotate, auto.pre_rope) == ("kv", True)  # 'auto' takes the basis the file records
 
 
 def _llama_cpp_channel(d: int) -> np.ndarray:
@@ -368,7 +479,9 @@ def test_fork_rotated_file_in_llama_cpp_order_centers_what_kvslim_stores(tmp_pat
     for il in range(2):
         k = dyn.layers[il].keys[0].double().numpy()  # (H, T, D), transformers' order, after RoPE
         llama_k = k[..., src]  # llama.cpp's order
-        fork[il] = np.einsum("ij,htj->hti", hm.astype(np.float64), llama_k).mean(axis=1).astype(np.float32)  # H P k
+        fork[il] = (
+            np.einsum("ij,htj->hti", hm.astype(np.float64), llama_k).mean(axis=1).astype(np.float32)
+        )  # H P k
         want.append(torch.from_numpy(np.einsum("ij,htj->hti", hm.astype(np.float64), k).mean(axis=1)).float())
     path = tmp_path / "fork.gguf"
     w = GGUFWriter(str(path), arch="")
@@ -391,7 +504,9 @@ def test_fork_rotated_file_in_llama_cpp_order_centers_what_kvslim_stores(tmp_pat
     there = to_llama_cpp_order(ours, "llama")
     for il in range(2):
         torch.testing.assert_close(there.tensors[il], torch.from_numpy(fork[il]), atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(from_llama_cpp_order(there, "llama").tensors[il], want[il], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            from_llama_cpp_order(there, "llama").tensors[il], want[il], atol=1e-5, rtol=1e-5
+        )
     with pytest.raises(ValueError, match="no llama.cpp counterpart"):
         to_llama_cpp_order(BiasSet([t.clone() for t in want], pre_rope=True), "llama")
 
@@ -415,23 +530,30 @@ def test_transformed_scores_match_decode_then_transform(backend, fmt, rotated, c
     x = torch.randn(b, h, t - t % codec.token_group + codec.token_group, d, generator=g) * 2
     enc = codec.encode(x)
     offset = 3 if codec.token_group > 1 else 0
-    enc, offset = enc.narrow(offset, x.shape[2] - 2, 0, codec.token_group) if codec.token_group > 1 else (enc, 0)
+    enc, offset = (
+        enc.narrow(offset, x.shape[2] - 2, 0, codec.token_group) if codec.token_group > 1 else (enc, 0)
+    )
     n = next(iter(enc.token.values())).shape[2]
     q = torch.randn(b, h, m, d, generator=g)
     bias = torch.randn(h, d, generator=g) if centered else None
     had = Hadamard.for_head_dim(d) if rotated else None
-    rot = Rotary(1.0 / 10000 ** (torch.arange(0, 48, 2).float() / 48), offset=8)  # partial rotary after 8 channels
+    rot = Rotary(
+        1.0 / 10000 ** (torch.arange(0, 48, 2).float() / 48), offset=8
+    )  # partial rotary after 8 channels
     pos = torch.arange(n)[None, :] + torch.tensor([[100], [7]])  # (B, n): per-row positions
     cos, sin = rot.table(pos, "cpu")
-    tr = kernels.KeyTransform(bias=bias, hadamard=had, cos=cos, sin=sin, rope_offset=8)
+    flags = (torch.rand(b, h, n, 1, generator=g) < 0.7).to(torch.uint8) if centered else None
+    tr = kernels.KeyTransform(bias=bias, hadamard=had, cos=cos, sin=sin, rope_offset=8, centered=flags)
     kernels.set_backend(backend)
     try:
+        served = kernels.select(q, codec, enc)[1].k_scores_transformed
+        assert (served is not None) == (backend == "cpu")  # the C kernels transform in-tile, no reference
         got = kernels.k_scores(q, codec, enc, offset, tr)
     finally:
         kernels.set_backend(None)
     keys = codec.decode(enc, torch.float64, offset)
     if bias is not None:
-        keys = keys + bias.double()[None, :, None, :]
+        keys = keys + bias.double()[None, :, None, :] * flags.double()
     if had is not None:
         keys = keys @ had.matrix(dtype=torch.float64)
     keys = rot.move(keys.float(), pos).double()
@@ -442,28 +564,82 @@ def test_transformed_scores_match_decode_then_transform(backend, fmt, rotated, c
 # -- bytes, config, CLI ----------------------------------------------------------------------------------
 
 
-def test_nbytes_count_the_rotation_and_angle_tables():
+def test_nbytes_count_the_angle_table():
     model = tiny_model("llama")
     kvslim.enable(model)
-    cache = SlimCache(kv_quantize="int4", residual=0, group_size=4, rotate="kv", pre_rope=True, config=model.config)
+    cache = SlimCache(
+        kv_quantize="int4", residual=0, group_size=4, rotate="kv", pre_rope=True, config=model.config
+    )
     _logits(model, cache, _ids(length=20, seed=11), prefill=8)
+    from test_cache import _real_tensor_bytes
+
     comp = cache.components()
-    assert comp["hadamard"] == 4 * 32 * 32  # one float32 H_32, shared by K, V and every layer
-    assert comp["rotary"] > 16 * 4  # the frequencies and the last angle table
-    assert cache.nbytes() == sum(comp.values())
+    assert comp["rotary"] > 2 * 16 * 4  # two copies of the frequencies (moves, pre-RoPE) and the last angle table
+    assert cache.nbytes() == sum(comp.values()) == _real_tensor_bytes(cache)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "q4_0,residual=0,group=1",
+        "q8_0,k=q4_0,group=4,residual=8,sink=2,window=30",
+        "q4_0,sink=4,residual=8,group=4",
+    ],
+)
+@pytest.mark.parametrize("levers", ["", ",rotate=kv", ",rotate=kv,pre_rope=1"])
+def test_memory_formula_counts_centering_flags(spec, levers):
+    """kvslim.evaluate.cache_bytes == the stored tensors of a centered (and rotated / pre-RoPE) cache."""
+    from kvslim.evaluate.memory import ModelShape, cache_bytes
+
+    model = tiny_model("llama")
+    bias = _bias(k_rot="rotate" in levers, pre_rope="pre_rope" in levers)
+    cfg = kvslim.parse_spec(spec + levers)
+    cache = SlimCache.from_config(cfg, config=model.config, mean_center=bias)
+    shape = ModelShape.from_config(model.config, torch.float32)
+    _logits(model, cache, _ids(length=40, seed=13), prefill=20)
+    want = cache_bytes(shape, cfg.replace(mean_center="<tensors>"), 40, prefill=20)
+    assert want == (cache.stored_tokens(), cache.live_nbytes())
 
 
 def test_spec_keys_and_validation():
     c = kvslim.parse_spec("int2,rotate=kv,pre_rope=1")
-    assert (c.rotate, c.pre_rope, c.rotate_k, c.rotate_v) == ("kv", True, True, True)
+    assert (c.rotate, c.pre_rope) == ("kv", True)
     assert kvslim.parse_spec(c.to_spec()) == c
     assert kvslim.parse_spec("int2,pre_rope=false").pre_rope is False
-    with pytest.raises(ValueError, match="rotate must be one of none, k, v, kv"):
+    auto = kvslim.parse_spec("int2")
+    assert (auto.rotate, auto.pre_rope) == ("auto", "auto") and auto.to_spec() == "int2"
+    assert kvslim.parse_spec("int2,pre_rope=auto,rotate=none").to_spec() == "int2,rotate=none"
+    with pytest.raises(ValueError, match="rotate must be one of auto, none, k, v, kv"):
         kvslim.parse_spec("int2,rotate=q")
-    with pytest.raises(ValueError, match="pre_rope must be 1 or 0"):
+    with pytest.raises(ValueError, match="pre_rope must be 1, 0 or auto"):
         kvslim.parse_spec("int2,pre_rope=maybe")
-    with pytest.raises(ValueError, match="pre_rope must be True or False"):
+    with pytest.raises(ValueError, match="pre_rope must be True, False or 'auto'"):
         SlimCache(pre_rope="yes")
+
+
+def test_auto_levers_follow_the_format_and_the_bias_file():
+    """The defaults (docs/quality.md "Low-bit levers"): every quantized tensor rotated, pre-RoPE keys for
+    2-bit K; K's basis as a bias file records it; nothing without a config."""
+    model = tiny_model("llama")
+
+    def chosen(**kw):
+        c = SlimCache(config=model.config, **kw)
+        assert (c.report()["rotate"], c.report()["pre_rope"]) == (c.rotate, c.pre_rope)
+        return c.rotate, c.pre_rope
+
+    assert chosen(kv_quantize="int2") == ("kv", True)
+    assert chosen(kv_quantize="int4") == ("kv", False)
+    assert chosen(kv_quantize="int8", k_quantize="int2") == ("kv", True)
+    assert chosen(kv_quantize="q4_0") == ("kv", False)
+    assert chosen(kv_quantize="none") == ("none", False)
+    assert chosen(kv_quantize="none", k_quantize="q4_0") == ("k", False)
+    assert chosen(kv_quantize="int2", rotate="none", pre_rope=False) == ("none", False)
+    assert chosen(kv_quantize="q4_0", mean_center=_bias()) == ("v", False)  # the file: K unrotated, post-RoPE
+    assert chosen(kv_quantize="q4_0", mean_center=_bias(k_rot=True, pre_rope=True)) == ("kv", True)
+    c = SlimCache(kv_quantize="int2")
+    assert (c.rotate, c.pre_rope) == ("none", False)
+    odd = tiny_model("llama", hidden_size=96, num_attention_heads=4, num_key_value_heads=2)  # head_dim 24
+    assert (SlimCache(kv_quantize="int4", config=odd.config).rotate) == "none"
 
 
 def test_sample_flags_reach_the_cache():
@@ -475,4 +651,6 @@ def test_sample_flags_reach_the_cache():
     add_cache_flags(p)
     cfg = cache_config_from_args(p.parse_args(["--kv-quantize", "int2", "--kv-rotate", "v", "--kv-pre-rope"]))
     assert (cfg.rotate, cfg.pre_rope) == ("v", True)
-    assert cache_config_from_args(p.parse_args([])).rotate == "none"
+    assert cache_config_from_args(p.parse_args(["--kv-pre-rope", "off"])).pre_rope is False
+    default = cache_config_from_args(p.parse_args([]))
+    assert (default.rotate, default.pre_rope) == ("auto", "auto")

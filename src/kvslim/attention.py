@@ -37,6 +37,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import kernels
+from .buffers import CENTERED
 from .layer import Segments
 
 NAME = "kvslim"
@@ -117,6 +118,7 @@ def _stream_scores(qf: torch.Tensor, kv: Segments) -> list[torch.Tensor]:
                 cos=cos,
                 sin=sin,
                 rope_offset=kv.rope.offset,
+                centered=kv.k_body.token.get(CENTERED),
             )
             parts.append(kernels.k_scores(qf, kv.k_codec, kv.k_body, kv.k_offset, tr))
         if n_res:
@@ -149,7 +151,9 @@ def _body_scores(q: torch.Tensor, kv: Segments, enc, offset: int) -> torch.Tenso
     scores = kernels.k_scores(qb, kv.k_codec, enc, offset)
     if basis.bias is not None:  # + (H q) . bias: the centered keys' zero point, added back
         b = basis.bias.to(device=q.device, dtype=torch.float32)  # (Hkv, D)
-        scores = scores + torch.einsum("bhmd,hd->bhm", qb, b)[..., None]
+        qbias = torch.einsum("bhmd,hd->bhm", qb, b)[..., None]  # (B, Hkv, M, 1)
+        flags = enc.token.get(CENTERED)  # (B, Hkv, n, 1): which tokens were stored centered
+        scores = scores + (qbias if flags is None else qbias * flags[..., 0].to(torch.float32)[:, :, None, :])
     return scores
 
 
@@ -165,8 +169,11 @@ def kvslim_attention(module, query, key, value, attention_mask, dropout: float =
         kwargs.get("softcap") is not None
         or kwargs.get("position_bias") is not None
         or kwargs.get("sinks") is not None
+        or (key.k_body is None and key.v_body is None)
     ):
         # Features the compressed path does not implement: same result through the materializing path.
+        # And nothing encoded (a lossless cache, or a lossy one whose tokens are all still at full precision):
+        # no codes to read, so sdpa on the stored tokens -- bit for bit what the plain cache computes.
         k, v = key.materialize()
         return sdpa_attention_forward(
             module, query, k, v, attention_mask, dropout=dropout, scaling=scaling, **kwargs

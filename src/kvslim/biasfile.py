@@ -414,7 +414,9 @@ def read_bias_file(
         tensors = [
             check_layer(t, il, n_kv_heads, head_dim, where=os.fspath(path)) for il, t in enumerate(tensors)
         ]
-    return BiasSet(tensors=tensors, **{**meta, "k_rot": bool(meta["k_rot"]), "pre_rope": bool(meta["pre_rope"])})
+    return BiasSet(
+        tensors=tensors, **{**meta, "k_rot": bool(meta["k_rot"]), "pre_rope": bool(meta["pre_rope"])}
+    )
 
 
 def file_channel_order(meta: dict) -> str:
@@ -515,7 +517,9 @@ def to_llama_cpp_order(bias: BiasSet, model_type: str) -> BiasSet:
     if bias.channel_order != CHANNEL_ORDERS[0]:
         raise ValueError(f"expected a bias in {CHANNEL_ORDERS[0]!r} order, got {bias.channel_order!r}")
     if bias.pre_rope:
-        raise ValueError("a bias of pre-RoPE keys (k_pre_rope) has no llama.cpp counterpart: llama.cpp caches K after RoPE")
+        raise ValueError(
+            "a bias of pre-RoPE keys (k_pre_rope) has no llama.cpp counterpart: llama.cpp caches K after RoPE"
+        )
     tensors = _two_d(bias.tensors)
     if _permutes(model_type):
         tensors = [permute_rotated(t, True) if bias.k_rot else permute_to_llama_cpp(t) for t in tensors]

@@ -97,6 +97,10 @@ class TimeBuffer:
         return per * len(self)
 
 
+#: Name of the per-token part an adaptively centered body carries: 1 where the token was stored centered.
+CENTERED = "centered"
+
+
 @dataclass(frozen=True)
 class BodyBasis:
     """The basis a stream's encoded body is stored in, relative to the tokens appended to the stream:
@@ -104,7 +108,13 @@ class BodyBasis:
     basis, None: no centering). ``decode`` is its exact inverse, ``H (y + bias)`` (H is its own inverse),
     so a stored token decodes to the token appended up to the format's error: the bias acts as a fixed
     per-channel zero point (centering never relies on softmax invariance, whatever else the layer keeps
-    at full precision)."""
+    at full precision).
+
+    Centering is per token (:meth:`encode_adaptive`, for per-token formats): each token is stored centered
+    only where that lowers its own round-trip error, and a ``centered`` token part (B, H, T, 1) uint8
+    records the choice. A token far from the mean — the attention sink, whose key is short while the mean
+    is long — is stored as it is, so centering never makes a token's key worse than not centering
+    (docs/quality.md, "Centering and the attention sink")."""
 
     hadamard: Hadamard | None = None
     bias: torch.Tensor | None = None
@@ -129,11 +139,31 @@ class BodyBasis:
         y = self.hadamard.apply(x) if self.hadamard is not None else x.float()
         return y - self._bias(y) if self.bias is not None else y
 
-    def decode(self, y: torch.Tensor) -> torch.Tensor:
-        """(B, H, T, D) decoded body tokens -> float32 in the basis the tokens were appended in."""
+    def encode_adaptive(self, codec: Codec, x: torch.Tensor) -> Encoded:
+        """Encode (B, H, T, D) tokens with a per-token codec, each centered or not, whichever round-trips
+        closer (ties: centered); the choice is the ``centered`` token part (B, H, T, 1) uint8."""
+        y = self.hadamard.apply(x) if self.hadamard is not None else x.float()
+        b = self._bias(y)
+        centered, plain = codec.encode(y - b), codec.encode(y)
+        err_c = (codec.decode(centered, torch.float32) - (y - b)).pow(2).sum(-1)  # (B, H, T)
+        err_p = (codec.decode(plain, torch.float32) - y).pow(2).sum(-1)
+        flag = err_c <= err_p
+        token = {}
+        for name, tc in centered.token.items():
+            f = flag.reshape(*flag.shape, *([1] * (tc.dim() - 3)))
+            token[name] = torch.where(f, tc, plain.token[name])
+        token[CENTERED] = flag.to(torch.uint8)[..., None]
+        return Encoded(token=token, group=dict(centered.group))
+
+    def decode(self, y: torch.Tensor, centered: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, H, T, D) decoded body tokens -> float32 in the basis the tokens were appended in.
+
+        centered: the body's ``centered`` part (B, H, T, 1) (None: every token was centered)."""
         if self.identity:
             return y
-        y = y.float() + self._bias(y) if self.bias is not None else y.float()
+        y = y.float()
+        if self.bias is not None:
+            y = y + (self._bias(y) if centered is None else self._bias(y) * centered.to(y.dtype))
         return self.hadamard.apply(y) if self.hadamard is not None else y
 
     def decode_sum(self, out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -163,14 +193,14 @@ class Stream:
         residual: int,
         unit: int = 1,
         min_slack: int = 64,
-        fp_dtype: torch.dtype | None = None,
+        fp_dtype: torch.dtype | str | None = None,
         basis: BodyBasis | None = None,
     ):
         self.codec = codec
         #: the basis of the encoded body (None: the tokens as appended); a lossless stream has no body
         self.basis = basis if basis is not None and not basis.identity and codec.lossy else None
-        #: dtype of the full-precision tokens of a lossy stream (None: as given); a lossless stream's
-        #: tokens are its storage and keep theirs
+        #: dtype of the full-precision tokens of a lossy stream (None: as given; "auto": float16 for
+        #: float32 tokens, else as given); a lossless stream's tokens are its storage and keep theirs
         self.fp_dtype = fp_dtype if codec.lossy else None
         self.residual_cap = residual if codec.lossy else 0
         if unit % codec.token_group:
@@ -195,13 +225,29 @@ class Stream:
         """x: (B, H, C, D) new tokens, already in their final (e.g. mean-centered) form."""
         self.commit(self.plan(x))
 
+    def cast(self, x: torch.Tensor) -> torch.Tensor:
+        """Full-precision tokens (B, H, C, D) in this stream's fp storage dtype. A finite value beyond
+        float16's range is a ValueError (never an inf in the cache)."""
+        dtype = self.fp_dtype
+        if dtype == "auto":
+            dtype = torch.float16 if x.dtype == torch.float32 else None
+        if dtype is None or x.dtype == dtype:
+            return x
+        y = x.to(dtype)
+        if dtype == torch.float16 and not bool(torch.isfinite(y).all()) and bool(torch.isfinite(x).all()):
+            big = float(x.abs().max())
+            raise ValueError(
+                f"a K/V value of magnitude {big:.4g} is beyond float16's range (65504), where this cache keeps "
+                "its full-precision tokens: use residual_dtype='model' (or 'bfloat16')"
+            )
+        return y
+
     def plan(self, x: torch.Tensor) -> _Plan:
         """Everything appending x (B, H, C, D) will do, computed without changing the stream: the
         encoding of the tokens that leave the residual (the step that can fail) is done here."""
         if not self.codec.lossy:
             return _Plan(None, 0, x)
-        if self.fp_dtype is not None:
-            x = x.to(self.fp_dtype)
+        x = self.cast(x)
         g = self.unit
         n_fp = len(self.fp)
         ready = ((n_fp + x.shape[2] - self.residual_cap) // g) * g  # tokens that leave the residual now
@@ -215,8 +261,13 @@ class Stream:
         return _Plan(enc, n_fp, x[:, :, ready - n_fp :])
 
     def _encode(self, x: torch.Tensor) -> Encoded:
-        """Tokens leaving the residual (B, H, n, D) -> their encoding, in the body's basis."""
-        return self.codec.encode(x if self.basis is None else self.basis.encode(x))
+        """Tokens leaving the residual (B, H, n, D) -> their encoding, in the body's basis (centered per
+        token where the codec is per token, :meth:`BodyBasis.encode_adaptive`)."""
+        if self.basis is None:
+            return self.codec.encode(x)
+        if self.basis.bias is not None and self.codec.token_group == 1:
+            return self.basis.encode_adaptive(self.codec, x)
+        return self.codec.encode(self.basis.encode(x))
 
     def commit(self, plan: _Plan) -> None:
         """Apply a :meth:`plan` (made on this stream's current state; nothing here can fail)."""
@@ -276,7 +327,9 @@ class Stream:
             return None
         if self.basis is None:
             return self.codec.decode(self.body(), dtype, self.offset)
-        return self.basis.decode(self.codec.decode(self.body(), torch.float32, self.offset)).to(dtype)
+        body = self.body()
+        decoded = self.codec.decode(body, torch.float32, self.offset)
+        return self.basis.decode(decoded, body.token.get(CENTERED)).to(dtype)
 
     def materialize(self, dtype: torch.dtype) -> torch.Tensor | None:
         """All stream tokens, oldest first: (B, H, L, D) in ``dtype``."""

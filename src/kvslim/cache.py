@@ -239,17 +239,22 @@ class SlimCache(Cache):
             that lowers the key's error (per token), and added back on read.
         rotate: ``none``, ``k``, ``v`` or ``kv``: the encoded K / V are stored rotated by an orthonormal
             Hadamard matrix (:mod:`kvslim.hadamard`); attention rotates the query once and the output
-            back once. Needs ``config``.
+            back once. Needs ``config``. ``auto`` (default): every quantized tensor that can be rotated,
+            K as a bias file records it. ``cache.rotate`` and ``report()`` say what was chosen.
         pre_rope: the K stream holds keys before RoPE, un-rotated with the model's own RoPE and rotated
             again on read (KVQuant); needs ``config`` and a RoPE of type default, linear, dynamic,
-            llama3 or yarn.
+            llama3 or yarn. ``auto`` (default): on for 2-bit K where the model's RoPE allows it, and as
+            a bias file records it. ``cache.pre_rope`` says what was chosen. (docs/quality.md,
+            "Low-bit levers", for the measurements behind both defaults.)
         positions: where StreamingLLM's kept keys sit: ``cache`` (the paper's in-cache positions: sinks
             right before the window, the distance from a query to a sink bounded by ``sink + window``)
             or ``original`` (every key at its original position); ``auto`` (default) is ``cache`` where
             the model's RoPE can be moved, else ``original`` — ``cache.positions`` and ``report()`` say
             which. Only the fp sinks are re-rotated. See docs/streaming.md.
         residual_dtype: storage of a lossy format's full-precision tokens (residual and sinks):
-            ``model``, ``float16`` or ``bfloat16``.
+            ``auto`` (default: ``float16`` when the model's K/V are float32, else the model's dtype),
+            ``model``, ``float16`` or ``bfloat16``. A value beyond float16's range is an error naming
+            ``residual_dtype="model"``, never an inf.
         config: the model's config (recommended): checks the architecture, head_dim against the
             formats, and the bias file against the model's shapes up front.
         compressed_attention: whether decode steps hand the ``kvslim`` attention the stored segments;
@@ -352,23 +357,14 @@ class SlimCache(Cache):
                     raise ValueError(
                         f"{role}_quantize={codec.name!r} cannot store this model's KV: {e}"
                     ) from None
-        #: the Hadamard rotation of each encoded tensor (None: not rotated), see kvslim.hadamard
-        self._hadamard: dict[str, Hadamard | None] = {"k": None, "v": None}
-        if cfg.rotate_k or cfg.rotate_v:
-            if self._shapes is None:
-                raise ValueError(f"rotate={cfg.rotate!r} needs config=model.config (the Hadamard size is the head_dim's)")
-            for role, on in (("k", cfg.rotate_k), ("v", cfg.rotate_v)):
-                if on:
-                    dim = self._shapes.k_head_dim if role == "k" else self._shapes.v_head_dim
-                    try:
-                        self._hadamard[role] = Hadamard.for_head_dim(dim)
-                    except ValueError as e:
-                        raise ValueError(f"rotate={cfg.rotate!r}: {role}: {e}") from None
-        self._rope_source = None
-        if cfg.pre_rope:
-            if config is None:
-                raise ValueError("pre_rope=True needs config=model.config (it un-rotates keys with the model's RoPE)")
-            self._rope_source = _rope_source(config)
+        # The low-bit levers in effect, "auto" resolved (docs/quality.md, "Low-bit levers"):
+        self._hadamard, self._rope_source = _levers(cfg, config, self._shapes, self._codecs, mean_center)
+        #: which encoded tensors are stored Hadamard-rotated: "none", "k", "v" or "kv"
+        self.rotate = {(False, False): "none", (True, False): "k", (False, True): "v", (True, True): "kv"}[
+            (self._hadamard["k"] is not None, self._hadamard["v"] is not None)
+        ]
+        #: whether the K stream holds keys before RoPE
+        self.pre_rope = self._rope_source is not None
         if mean_center is not None:
             if self._shapes is None:
                 raise ValueError(
@@ -385,8 +381,8 @@ class SlimCache(Cache):
                 allow_other_model=allow_other_model,
                 model_type=self._shapes.model_type,
                 k_format=cfg.k_format,
-                k_rot=cfg.rotate_k,
-                pre_rope=cfg.pre_rope,
+                k_rot=self._hadamard["k"] is not None,
+                pre_rope=self.pre_rope,
             )
         self.rotary, why = (None, "no config=model.config") if config is None else _rotary(config)
         #: the position semantics in effect ("auto" resolved: "cache" wherever keys can be moved)
@@ -439,10 +435,10 @@ class SlimCache(Cache):
             k_bias=bias,
             positions=self.positions,
             rotary=self.rotary,
-            fp_dtype=None if cfg.residual_dtype == "model" else getattr(torch, cfg.residual_dtype),
+            fp_dtype=_FP_DTYPES[cfg.residual_dtype],
             k_hadamard=self._hadamard["k"],
             v_hadamard=self._hadamard["v"],
-            pre_rope=cfg.pre_rope,
+            pre_rope=self.pre_rope,
         )
 
     def _replicate(self) -> SlimCacheLayer:
@@ -506,9 +502,9 @@ class SlimCache(Cache):
                 out[name] = out.get(name, 0) + n
         out["linear_state"] = sum(_linear_state_bytes(layer) for layer in self.layers)
         rotaries = {id(r): r for r in (self.rotary, getattr(self._rope_source, "rotary", None)) if r is not None}
-        out["rotary"] = sum(r.nbytes() for r in rotaries.values())  # frequencies (+ pre-RoPE's angle table)
-        blocks = {h.block for h in self._hadamard.values() if h is not None}
-        out["hadamard"] = sum(4 * b * b for b in blocks)  # one float32 block matrix per size, shared
+        # frequencies (+ pre-RoPE's angle table); the Hadamard block matrices are module-level, shared by every
+        # cache (kvslim.hadamard: 4 * block^2 bytes per block size, 16 KiB for 64), not held here
+        out["rotary"] = sum(r.nbytes() for r in rotaries.values())
         return out
 
     def layer_type_bytes(self) -> dict[str, dict[str, int]]:
@@ -554,6 +550,8 @@ class SlimCache(Cache):
             "layers": len(self.layers),
             "config": self.cache_config.to_dict(),
             "positions": self.positions,
+            "rotate": self.rotate,
+            "pre_rope": self.pre_rope,
         }
 
     def __repr__(self) -> str:
@@ -682,6 +680,80 @@ def _rotary_embedding(config):
     return emb, ""
 
 
+#: residual_dtype -> what a Stream is told (None: the model's dtype; "auto": decided per tensor dtype)
+_FP_DTYPES = {"auto": "auto", "model": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _levers(cfg: CacheConfig, config, shapes: ModelShapes | None, codecs: dict, mean_center):
+    """The Hadamard rotation per tensor and the pre-RoPE rope source a cache uses, ``auto`` resolved.
+
+    Explicit values are honoured or refused with the reason. ``rotate='auto'``: every lossy tensor whose
+    head_dim allows a rotation, K as a bias file records it (``k_rot``). ``pre_rope='auto'``: as a bias
+    file records it (``k_pre_rope``); without one, for 2-bit K (int2) when the model's RoPE allows it —
+    measured (docs/quality.md, "Low-bit levers"): -26% to -29% KLD for int2 on top of rotation, -10% for
+    int4, nothing for per-token formats, at a several-fold K-score cost. Nothing is automatic without
+    ``config`` or for MLA latents."""
+    basis = _bias_basis(mean_center) if mean_center is not None else None
+    plain = shapes is None or is_mla(text_config(config))
+    hadamard: dict[str, Hadamard | None] = {"k": None, "v": None}
+    for role in ("k", "v"):
+        if cfg.rotate == "auto":
+            if plain or not codecs[role].lossy:
+                continue
+            if role == "k" and basis is not None and not basis[0]:
+                continue
+            dim = shapes.k_head_dim if role == "k" else shapes.v_head_dim
+            try:
+                hadamard[role] = Hadamard.for_head_dim(dim)
+            except ValueError:
+                if role == "k" and basis is not None:
+                    raise  # the bias file asks for it
+            continue
+        if role not in cfg.rotate.replace("none", ""):
+            continue
+        if shapes is None:
+            raise ValueError(f"rotate={cfg.rotate!r} needs config=model.config (the Hadamard size is the head_dim's)")
+        dim = shapes.k_head_dim if role == "k" else shapes.v_head_dim
+        try:
+            hadamard[role] = Hadamard.for_head_dim(dim)
+        except ValueError as e:
+            raise ValueError(f"rotate={cfg.rotate!r}: {role}: {e}") from None
+    pre = cfg.pre_rope
+    if pre == "auto":
+        if basis is not None:
+            pre = basis[1]
+        elif plain or codecs["k"].bits is None or codecs["k"].bits > 2:
+            pre = False
+        else:
+            try:
+                return hadamard, _rope_source(config)
+            except ValueError:
+                return hadamard, None
+    if not pre:
+        return hadamard, None
+    if config is None:
+        raise ValueError("pre_rope=True needs config=model.config (it un-rotates keys with the model's RoPE)")
+    return hadamard, _rope_source(config)
+
+
+def _bias_basis(mean_center) -> tuple[bool, bool] | None:
+    """``(k_rot, pre_rope)`` a bias records (a file's keys, a BiasSet's fields; plain tensors: unrotated,
+    post-RoPE), or None when it cannot be read here (loading it says why)."""
+    from .meancenter import BiasSet
+
+    if isinstance(mean_center, BiasSet):
+        return bool(mean_center.k_rot), bool(mean_center.pre_rope)
+    if isinstance(mean_center, (str, os.PathLike)):
+        from .biasfile import read_layers
+
+        try:
+            _, meta = read_layers(mean_center)
+        except (OSError, ValueError):
+            return None
+        return bool(meta.get("k_rot")), bool(meta.get("pre_rope"))
+    return False, False
+
+
 #: RoPE variants pre-RoPE storage un-rotates and rotates again on read: the static ones, and dynamic NTK
 #: (its frequencies are recomputed per forward, as the model does).
 PRE_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -703,7 +775,6 @@ class _RopeSource:
         self.rotary = rotary
         self._original = rotary.inv_freq
         self._emb = emb  # None: static frequencies
-        self._probe = torch.zeros(1)
         self._warned = False
 
     @property
@@ -715,7 +786,7 @@ class _RopeSource:
         if self._emb is None:
             return self.rotary
         with torch.no_grad():
-            self._emb(self._probe, torch.tensor([[int(max_position)]]))  # runs the model's frequency update
+            self._emb(torch.zeros(1), torch.tensor([[int(max_position)]]))  # runs the model's frequency update
         inv = self._emb.inv_freq.detach().to(torch.float32).cpu()
         if not torch.equal(inv, self.rotary.inv_freq):
             self.rotary = Rotary(inv, self.rotary.offset)

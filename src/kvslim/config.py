@@ -35,15 +35,21 @@ POSITIONS = ("auto", "cache", "original")
 #: The default, chosen by measurement (docs/streaming.md: "cache" holds perplexity flat at 3x the
 #: training context where "original" explodes).
 DEFAULT_POSITIONS = "auto"
-#: Storage of a lossy format's full-precision tokens: the model's dtype or a 16-bit float.
-RESIDUAL_DTYPES = ("model", "float16", "bfloat16")
-#: The default, chosen by measurement (docs/quality.md).
-DEFAULT_RESIDUAL_DTYPE = "model"
-#: Which encoded tensors are stored Hadamard-rotated (kvslim.hadamard): none, K, V or both.
-ROTATE = ("none", "k", "v", "kv")
-#: The defaults, chosen by measurement (docs/quality.md, "Low-bit levers").
-DEFAULT_ROTATE = "none"
-DEFAULT_PRE_ROPE = False
+#: Storage of a lossy format's full-precision tokens: the model's dtype or a 16-bit float; "auto" is
+#: float16 when the model's K/V are float32 and the model's dtype otherwise.
+RESIDUAL_DTYPES = ("auto", "model", "float16", "bfloat16")
+#: The default, chosen by measurement (docs/quality.md, "Residual and sinks": float16 costs no measurable
+#: quality against an fp32 model and halves the full-precision part; a 16-bit model keeps its own dtype).
+DEFAULT_RESIDUAL_DTYPE = "auto"
+#: Which encoded tensors are stored Hadamard-rotated (kvslim.hadamard): none, K, V or both; "auto" is
+#: decided by the cache (SlimCache.rotate says what it chose).
+ROTATE = ("auto", "none", "k", "v", "kv")
+#: pre_rope: True, False, or "auto" (decided by the cache; SlimCache.pre_rope says what it chose).
+PRE_ROPE = (True, False, "auto")
+#: The defaults, chosen by measurement (docs/quality.md, "Low-bit levers"): the cache decides, per format
+#: and from a bias file's recorded basis.
+DEFAULT_ROTATE = "auto"
+DEFAULT_PRE_ROPE = "auto"
 
 
 @dataclass(frozen=True)
@@ -68,11 +74,14 @@ class CacheConfig:
         window) or ``original`` (every key at its original position; query-to-sink distances grow
         with the stream). Only matters with a window.
     residual_dtype: how a lossy format's full-precision tokens (the residual and the sinks) are stored:
-        ``model`` (the model's dtype), ``float16`` or ``bfloat16``. Lossless ``none`` always keeps the
-        model's dtype.
+        ``auto`` (default: ``float16`` for an fp32 model, the model's dtype for a 16-bit one), ``model``
+        (the model's dtype), ``float16`` or ``bfloat16``. Lossless ``none`` always keeps the model's dtype.
     rotate: which encoded tensors are stored rotated by an orthonormal Hadamard matrix (QuaRot /
-        llama.cpp's attention rotation): ``none``, ``k``, ``v`` or ``kv``. Attention is unchanged.
-    pre_rope: store K before RoPE (KVQuant) and rotate it on read; needs the model's RoPE.
+        llama.cpp's attention rotation): ``none``, ``k``, ``v`` or ``kv``; ``auto`` (default) lets the
+        cache decide (:class:`~kvslim.SlimCache`: every lossy tensor it can rotate; K as a bias file
+        records). Attention is unchanged.
+    pre_rope: store K before RoPE (KVQuant) and rotate it on read; needs the model's RoPE. ``auto``
+        (default) lets the cache decide (2-bit K where the model's RoPE allows it; as a bias file records).
     A ``mean_center`` bias must have been calibrated in the basis K is stored in (``rotate`` with K,
     ``pre_rope``); the bias file records it.
     """
@@ -89,7 +98,7 @@ class CacheConfig:
     positions: str = DEFAULT_POSITIONS
     residual_dtype: str = DEFAULT_RESIDUAL_DTYPE
     rotate: str = DEFAULT_ROTATE
-    pre_rope: bool = DEFAULT_PRE_ROPE
+    pre_rope: bool | str = DEFAULT_PRE_ROPE
 
     def __post_init__(self):
         if self.rotate not in ROTATE:
@@ -97,8 +106,10 @@ class CacheConfig:
                 f"rotate must be one of {', '.join(ROTATE)} (which encoded tensors are stored Hadamard-rotated), "
                 f"got {self.rotate!r}"
             )
-        if not isinstance(self.pre_rope, bool):
-            raise ValueError(f"pre_rope must be True or False (store K before RoPE), got {self.pre_rope!r}")
+        if not (isinstance(self.pre_rope, bool) or self.pre_rope == "auto"):
+            raise ValueError(
+                f"pre_rope must be True, False or 'auto' (store K before RoPE), got {self.pre_rope!r}"
+            )
         if self.residual_dtype not in RESIDUAL_DTYPES:
             raise ValueError(
                 f"residual_dtype must be one of {', '.join(RESIDUAL_DTYPES)} (how a lossy format's full-precision "
@@ -149,14 +160,6 @@ class CacheConfig:
         return self.v_quantize or self.kv_quantize
 
     @property
-    def rotate_k(self) -> bool:
-        return self.rotate in ("k", "kv")
-
-    @property
-    def rotate_v(self) -> bool:
-        return self.rotate in ("v", "kv")
-
-    @property
     def capacity(self) -> int | None:
         """Tokens stored per layer at most (sink + window), or None when unbounded."""
         return None if self.window is None else self.sink + self.window
@@ -187,7 +190,9 @@ class CacheConfig:
         if self.rotate != DEFAULT_ROTATE:
             parts.append(f"rotate={self.rotate}")
         if self.pre_rope != DEFAULT_PRE_ROPE:
-            parts.append(f"pre_rope={int(self.pre_rope)}")
+            parts.append(
+                f"pre_rope={self.pre_rope if isinstance(self.pre_rope, str) else int(self.pre_rope)}"
+            )
         return ",".join(parts)
 
     def to_dict(self) -> dict:
@@ -249,8 +254,13 @@ def parse_spec(spec: str) -> CacheConfig:
         if field_name in kwargs:
             raise ValueError(f"cache spec {spec!r}: key {key!r} given twice")
         if conv is bool:
+            if value.lower() == "auto":
+                kwargs[field_name] = "auto"
+                continue
             if value.lower() not in _BOOLS:
-                raise ValueError(f"cache spec {spec!r}: {key} must be 1 or 0 (true/false), got {value!r}")
+                raise ValueError(
+                    f"cache spec {spec!r}: {key} must be 1, 0 or auto (true/false), got {value!r}"
+                )
             kwargs[field_name] = _BOOLS[value.lower()]
             continue
         if conv is int:

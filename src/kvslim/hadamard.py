@@ -91,7 +91,9 @@ class Hadamard:
 
     def block_matrix(self, device=None) -> torch.Tensor:
         """``H_block`` in float32 on ``device`` (memoized per device)."""
-        return _block_f32(self.block, str(torch.device(device) if device is not None else torch.device("cpu")))
+        return _block_f32(
+            self.block, str(torch.device(device) if device is not None else torch.device("cpu"))
+        )
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """``H x`` along the last dim of ``x`` (..., dim) -> float32 (..., dim)."""
@@ -100,7 +102,9 @@ class Hadamard:
         h = self.block_matrix(x.device)
         xf = x.float()
         shape = xf.shape
-        out = xf.reshape(*shape[:-1], self.dim // self.block, self.block) @ h  # H symmetric: x @ H = (H x^T)^T
+        out = (
+            xf.reshape(*shape[:-1], self.dim // self.block, self.block) @ h
+        )  # H symmetric: x @ H = (H x^T)^T
         return out.reshape(shape)
 
 

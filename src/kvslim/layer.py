@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .buffers import BodyBasis, Stream
+from .buffers import CENTERED, BodyBasis, Stream
 from .formats import Codec, Encoded
 from .hadamard import Hadamard
 from .policy import KeepPolicy
@@ -111,11 +111,11 @@ class Segments:
             if body is not None:
                 decoded = codec.decode(body, dtype if basis is None else torch.float32, offset)
                 if basis is not None:
-                    decoded = basis.decode(decoded)
+                    decoded = basis.decode(decoded, body.token.get(CENTERED))
             stream = [t for t in (decoded, res) if t is not None and t.shape[2]]
             if stream and role == "k" and self.k_pos is not None:
                 joined = torch.cat([t.float() for t in stream], dim=2)
-                stream = [self.rope.move(joined, self.k_pos)]
+                stream = [self.rope.rotate(joined, self.k_pos)]
             stream = [t.to(dtype) for t in stream]
             if stream and role == "k" and self.k_runs:
                 stream = [self._move_runs(torch.cat(stream, dim=2))]
@@ -314,10 +314,7 @@ class SlimLayer:
         sink_k, sink_v, sink_rot = self.sink_k, self.sink_v, self.sink_rot
         if n_sink:
             ks, vs = keys[:, :, :n_sink], values[:, :, :n_sink]
-            if self.k.fp_dtype is not None:
-                ks = ks.to(self.k.fp_dtype)
-            if self.v.fp_dtype is not None:
-                vs = vs.to(self.v.fp_dtype)
+            ks, vs = self.k.cast(ks), self.v.cast(vs)
             slots = torch.arange(self.seen, self.seen + n_sink, device=device)  # (n,)
             rot = slots[None, :] - pads[:, None] - base  # (B, n): the position ids these keys were fed
             sink_k = ks.clone() if sink_k is None else torch.cat([sink_k, ks], dim=2)

@@ -17,6 +17,11 @@ What a *spec* (the ``--model`` flag) means, in the order it is tried:
   environment allows it and the hub answers within seconds (transformers' own retries take ~25 s
   to give up on a machine without network, which is too long to wait for a typo).
 
+``tensor_parallel=True`` (a process started by ``torchrun``, its process group already joined with
+:func:`kvslim.distributed.init_from_env`) loads a directory, a hub id or the embedded model's converted copy
+with transformers' ``tp_plan="auto"``: each rank holds a block of the KV heads. The model is checked first
+(:func:`kvslim.distributed.check_tensor_parallel`); a GGUF file, unpacked whole, is refused.
+
 Every failure to load is a ValueError or FileNotFoundError with a one-line message (a directory
 with a broken ``config.json`` or no weights, a truncated GGUF, an unwritable cache directory), never
 a library's traceback.
@@ -162,6 +167,7 @@ def load_model(
     dtype: torch.dtype | str = torch.float32,
     attn_implementation: str = "sdpa",
     verify: bool = False,
+    tensor_parallel: bool = False,
 ):
     """Load ``(model, tokenizer)`` for ``spec`` (see the module docstring and :func:`resolve_spec`),
     in eval mode, on ``device``, in ``dtype``.
@@ -169,6 +175,10 @@ def load_model(
     verify: for the embedded model, hash every file of the converted copy against its marker
         before loading (a second or two); without it sizes are checked, and hashes only when
         something looks wrong. Ignored for other specs.
+    tensor_parallel: shard the model over the ranks of the initialized default process group
+        (transformers' ``tp_plan="auto"``); ``device`` is then where transformers put this rank
+        (:func:`kvslim.distributed.init_from_env` returns it) and is not moved to. Every rank must call
+        it with the same arguments.
 
     transformers' progress bars show only while a GGUF is being unpacked (the slow case).
     Raises FileNotFoundError for a missing path or package, ValueError (one line) for a model that
@@ -179,6 +189,8 @@ def load_model(
     dtype = _as_dtype(dtype)
     kind, where = resolve_spec(spec)
     kwargs = dict(attn_implementation=attn_implementation)
+    if tensor_parallel:
+        return _load_tensor_parallel(kind, where, dtype, verify=verify, **kwargs)
     if kind == "embedded":
         model, tokenizer = _load_embedded(where, dtype, verify=verify, **kwargs)
     elif kind == "dir":
@@ -192,6 +204,67 @@ def load_model(
         model, tokenizer = _from_hub(where, dtype, **kwargs)
     model = model.to(device=device, dtype=dtype).eval()
     return model, tokenizer
+
+
+def _load_tensor_parallel(kind: str, where, dtype: torch.dtype, *, verify: bool, **kwargs):
+    """``(model, tokenizer)`` sharded over the default process group's ranks (``load_model``'s
+    ``tensor_parallel``): checked on its config before the weights load, then on the shards."""
+    import torch.distributed as dist
+
+    from . import distributed
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            "tensor_parallel=True needs the process group joined first: kvslim.distributed.init_from_env() "
+            "under torchrun"
+        )
+    world = dist.get_world_size()
+    if kind == "gguf":
+        raise ValueError(
+            f"GGUF file {where}: transformers unpacks a GGUF whole, so it cannot be loaded tensor parallel; "
+            f"save it once as a directory (from_pretrained(..., gguf_file=...).save_pretrained(DIR)) and pass DIR"
+        )
+    marker = None
+    if kind == "embedded":
+        gguf = where
+        where = converted_dir(gguf)
+        problem = _copy_problem(where, hashes=verify) if (where / _MARKER).is_file() else "not converted yet"
+        if problem is not None:
+            raise ValueError(
+                f"the embedded model's converted copy {where} is not usable ({problem}); run `kvslim sample "
+                f"--prompt hi --tokens 1` once without torchrun to convert it, then start torchrun again"
+            )
+        marker = _read_marker(where)
+    if kind in ("dir", "embedded"):
+        from transformers import AutoConfig
+
+        config = _one_line(f"cannot read the model config in {where}", AutoConfig.from_pretrained, where)
+        distributed.check_tensor_parallel(config, world)
+    kwargs["distributed_config"] = _tp_config()
+    if kind == "hub":
+        model, tokenizer = _from_hub(where, dtype, **kwargs)
+    else:
+        with _quiet_progress():
+            model, tokenizer = _one_line(
+                f"cannot load the model in {where}", _from_dir, where, dtype, **kwargs
+            )
+    distributed.check_tensor_parallel(model.config, world)  # a hub model's config is first seen here
+    distributed.rank_kv_heads(model)  # the shards fall on whole heads of a separate k_proj, or ValueError
+    recorded = marker.get("fingerprint") if marker else None
+    if recorded and dtype in (torch.float32, torch.bfloat16) and model_fingerprint(model) != recorded:
+        raise ValueError(
+            f"the embedded model's converted copy {where} does not match the fingerprint recorded at conversion; "
+            f"run once without torchrun to convert it again"
+        )
+    return model.eval(), tokenizer
+
+
+def _tp_config():
+    """transformers' tensor-parallel request: ``DistributedConfig(tp_plan="auto")`` (5.x; the size is the
+    process group's)."""
+    from transformers.distributed import DistributedConfig
+
+    return DistributedConfig(tp_plan="auto")
 
 
 def _one_line(what: str, load, *args, **kwargs):
@@ -232,11 +305,18 @@ def model_fingerprint(model: torch.nn.Module, samples: int = 4096) -> str:
     K mean-centering bias files record it (``kv_mean_center.model_sha256``, see
     :mod:`kvslim.biasfile`) and loading compares it: any change to what is hashed makes every
     existing bias file look calibrated for another model.
+
+    A tensor-parallel model's sharded weights (DTensors) are gathered whole first (``full_tensor()``,
+    one tensor at a time), so every rank computes the single-process fingerprint. That gather is a
+    collective: every rank must call this, and does so in the same (sorted) order.
     """
+    dtensor = _dtensor_type()
     h = hashlib.sha256()
     state = model.state_dict()
     for name in sorted(state):
         tensor = state[name].detach()
+        if dtensor is not None and isinstance(tensor, dtensor):
+            tensor = tensor.full_tensor()  # a collective: (global shape), the same on every rank
         flat = tensor.reshape(-1)
         if flat.numel() > samples:
             flat = flat[:: flat.numel() // samples][:samples]  # (samples,) evenly strided, a view
@@ -244,6 +324,15 @@ def model_fingerprint(model: torch.nn.Module, samples: int = 4096) -> str:
         h.update(f"{name}:{tuple(tensor.shape)};".encode())
         h.update(values.view(torch.int16).numpy().tobytes())
     return "sha256:" + h.hexdigest()
+
+
+def _dtensor_type():
+    """``torch.distributed.tensor.DTensor``, or None when this torch has no torch.distributed."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,11 @@
 """Which positions a layer keeps: everything, or StreamingLLM's sinks + window.
 
 Xiao et al., 2023, "Efficient Streaming Language Models with Attention Sinks": keep the first
-``sink`` tokens (they anchor softmax) and the last ``window`` tokens; evict the middle.
+``sink`` tokens (they anchor softmax) and the last ``window`` tokens; evict the middle. Without a
+window nothing is evicted, and ``sink`` only says which tokens the layer keeps apart, at full
+precision: RotateKV's attention-sink-aware quantization (Su et al., 2025) — the first tokens' keys sit
+far from every other key, and a quantizer (or a mean-centering bias) fitted to the others serves them
+badly (docs/quality.md).
 
 This module decides *how many* tokens go where and *how many* leave; it never touches storage
 (see :mod:`kvslim.layer`). Deviations from the paper, all deliberate:
@@ -30,7 +34,7 @@ import torch
 
 @dataclass(frozen=True)
 class KeepPolicy:
-    """sink >= 0 tokens kept forever, window > 0 most recent tokens, or window None: keep all."""
+    """sink >= 0 first tokens kept apart (forever), window > 0 most recent tokens, or window None: keep all."""
 
     sink: int = 0
     window: int | None = None
@@ -45,8 +49,6 @@ class KeepPolicy:
 
     def n_to_sinks(self, sink_len: int, n_new: int) -> int:
         """How many of ``n_new`` arriving tokens fill the sink segment (the first tokens seen)."""
-        if not self.bounded:
-            return 0
         return max(0, min(self.sink - sink_len, n_new))
 
     def n_to_evict(self, stored: int) -> int:

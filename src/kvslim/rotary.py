@@ -32,7 +32,7 @@ class Rotary:
 
     inv_freq: torch.Tensor
     offset: int = 0
-    #: the last :meth:`table` computed (every layer of a forward asks for the same one)
+    #: the angle table :meth:`table` keeps over a range of positions (every layer of a forward reads it)
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -50,26 +50,61 @@ class Rotary:
     def table(self, positions: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of ``positions[b, t] * inv_freq[i]``: (B, T, R/2) float32 each, angles in float64.
 
-        Pre-RoPE keys are rotated on read by these angles (:class:`kvslim.kernels.KeyTransform`). The last
-        table is kept (``nbytes``): every layer of a forward reads keys at the same positions."""
-        key = (tuple(positions.shape), str(torch.device(device)))
-        hit = self._memo.get("table")
-        if hit is not None and hit[0] == key and torch.equal(hit[1], positions):
-            return hit[2], hit[3]
-        pos = positions.detach().clone()
-        freqs = pos.to(device=device, dtype=torch.float64)[..., None] * self.inv_freq.to(
-            device=device, dtype=torch.float64
-        )  # (B, T, R/2)
-        cos, sin = freqs.cos().float(), freqs.sin().float()
-        self._memo["table"] = (key, pos, cos, sin)
+        Pre-RoPE keys are rotated on read by these angles (:class:`kvslim.kernels.KeyTransform`). Rows of
+        consecutive positions (the usual case) are served as views into a table kept over a range of
+        positions, which grows by at least a quarter when a forward reaches past it — amortized O(new
+        positions) per step, shared by every layer; other position sets are computed directly. The kept
+        table counts in :meth:`nbytes`. The result must not be written."""
+        device = torch.device(device)
+        b, t = positions.shape
+        if t == 0:
+            empty = torch.empty(b, 0, self.inv_freq.shape[0], device=device)
+            return empty, empty
+        first = positions[:, :1]
+        if not bool((positions - first == torch.arange(t, device=positions.device)).all()):
+            return self._angles(positions.to(device))
+        starts = [int(p) for p in first[:, 0].tolist()]
+        lo, hi = min(starts), max(starts) + t
+        kept = self._memo.get("range")
+        if kept is None or kept[2] != str(device) or lo < kept[0] or hi > kept[1]:
+            if kept is not None and kept[2] == str(device):
+                lo, hi = min(lo, kept[0]), max(hi, kept[1])
+            hi += max(64, (hi - lo) // 4)  # room for the next positions
+            cos, sin = self._angles(torch.arange(lo, hi, device=device)[None])
+            kept = (lo, hi, str(device), cos[0], sin[0])
+            self._memo["range"] = kept
+        base, rc, rs = kept[0], kept[3], kept[4]
+        if len(set(starts)) == 1:
+            s = starts[0] - base
+            return rc[None, s : s + t].expand(b, -1, -1), rs[None, s : s + t].expand(b, -1, -1)
+        cos = torch.stack([rc[s - base : s - base + t] for s in starts])
+        sin = torch.stack([rs[s - base : s - base + t] for s in starts])
         return cos, sin
 
+    def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (B, T, R/2) float32 of positions (B, T) times inv_freq, computed in float64."""
+        freqs = positions.to(dtype=torch.float64)[..., None] * self.inv_freq.to(
+            device=positions.device, dtype=torch.float64
+        )
+        return freqs.cos().float(), freqs.sin().float()
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``R(positions[b, t])`` applied to x (B, H, T, D) — pre-RoPE keys rotated to their positions — with the
+        angles of :meth:`table` (shared by the layers of a forward). Returns float32."""
+        cos, sin = self.table(positions, x.device)  # (B, T, R/2)
+        cos, sin = cos[:, None], sin[:, None]
+        o, h = self.offset, cos.shape[-1]
+        out = x.float().clone()
+        a, b = out[..., o : o + h], out[..., o + h : o + 2 * h]
+        out[..., o : o + h], out[..., o + h : o + 2 * h] = a * cos - b * sin, b * cos + a * sin
+        return out
+
     def nbytes(self) -> int:
-        """Bytes held: the frequencies and the last :meth:`table`."""
+        """Bytes held: the frequencies and the kept range of :meth:`table`."""
         n = self.inv_freq.numel() * self.inv_freq.element_size()
-        hit = self._memo.get("table")
-        if hit is not None:
-            n += sum(t.numel() * t.element_size() for t in hit[1:])
+        kept = self._memo.get("range")
+        if kept is not None:
+            n += sum(x.numel() * x.element_size() for x in kept[3:])
         return n
 
     def move(self, x: torch.Tensor, delta: torch.Tensor | int) -> torch.Tensor:

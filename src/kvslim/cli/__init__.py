@@ -11,6 +11,15 @@ a user's mistake, a library's ValueError, any OSError (a full disk, a read-only 
 file-size limit), a warning (one ``kvslim: warning:`` line), Ctrl-C at any moment -- imports included
 (130) --, SIGTERM (143, after the same clean stop as Ctrl-C), and a reader that closed the pipe of
 stdout or stderr (the rest of the output is dropped, exit 2).
+
+Under ``torchrun`` (``WORLD_SIZE`` > 1; ``sample`` and ``eval`` load the model tensor parallel) every rank
+runs the same command and rank 0 alone speaks: the other ranks' stdout and stderr go to /dev/null for the
+whole run (their text, banners, warnings, progress bars, and transformers' and gloo's messages would repeat
+rank 0's). An error is every rank's alike -- the same arguments, files and model --, or the consequence of
+a peer's failure (a collective that lost its peer, torchrun's SIGTERM to the survivors), so rank 0's line
+is the one shown; a rank that dies of an unexpected exception prints one line of its own
+(``kvslim: error: rank N: ...``), since rank 0 may not share it. The process group is left at the end (after
+a barrier when the run succeeded).
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import os
 import signal
 import sys
 import threading
@@ -74,20 +84,84 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     received: list[int] = []  # signals that arrived during this run
     errors.LOST_FDS.clear()
+    rank = _torchrun_rank()
+    with _quiet_rank(rank):
+        try:
+            with _signals_as_exceptions(received), _warnings_as_lines():
+                code = _main(argv, received)
+            # stderr's reader left (`2>&1 | head`): messages (a report, a warning) were lost
+            return 2 if code == 0 and stderr_lost() else code
+        except KeyboardInterrupt as e:  # also during the imports of a subcommand
+            code = interrupt_code(e)
+            why = " (SIGTERM)" if code != EXIT_SIGINT else ""
+            if rank is not None and why:  # torchrun stops the survivors of a failed rank this way
+                why = " (SIGTERM: torchrun stops every rank when one fails or when it is stopped itself)"
+            return fail("interrupted" + why, code)
+        except BrokenPipeError:
+            # The reader of stdout or stderr has gone (`kvslim ... 2>&1 | head -c 10`): nothing more can
+            # be shown; drop the rest quietly instead of a traceback at exit.
+            silence(sys.stdout)
+            silence(sys.stderr)
+            return 2
+        except Exception as e:
+            # a bug: rank 0 shows the traceback (as one process would); another rank one line of its own
+            if not rank:
+                raise
+            _say_anyway(f"kvslim: error: rank {rank}: {type(e).__name__}: {one_line(str(e))}")
+            return 1
+
+
+def _torchrun_rank() -> int | None:
+    """This process's rank when ``torchrun`` started several (``WORLD_SIZE`` > 1), else None. Read from the
+    environment: the top-level CLI imports no torch."""
     try:
-        with _signals_as_exceptions(received), _warnings_as_lines():
-            code = _main(argv, received)
-        # stderr's reader left (`2>&1 | head`): messages (a report, a warning) were lost
-        return 2 if code == 0 and stderr_lost() else code
-    except KeyboardInterrupt as e:  # also during the imports of a subcommand
-        code = interrupt_code(e)
-        return fail("interrupted" + (" (SIGTERM)" if code != EXIT_SIGINT else ""), code)
-    except BrokenPipeError:
-        # The reader of stdout or stderr has gone (`kvslim ... 2>&1 | head -c 10`): nothing more can
-        # be shown; drop the rest quietly instead of a traceback at exit.
-        silence(sys.stdout)
-        silence(sys.stderr)
-        return 2
+        if int(os.environ.get("WORLD_SIZE") or 1) > 1:
+            return int(os.environ.get("RANK") or 0)
+    except ValueError:
+        pass  # malformed: kvslim.distributed says so when the run gets there
+    return None
+
+
+#: The real stderr of a quiet rank (a duplicate of fd 2 made before it was pointed at /dev/null).
+_REAL_STDERR: list[int] = []
+
+
+@contextlib.contextmanager
+def _quiet_rank(rank: int | None):
+    """On a rank other than 0, stdout and stderr point at /dev/null while the run lasts: the file descriptors
+    (C++ and child output) and ``sys.stdout`` / ``sys.stderr`` (which may write elsewhere, as under pytest's
+    capture). Restored afterwards."""
+    if not rank:
+        yield
+        return
+    streams = (sys.stdout, sys.stderr)
+    for stream in streams:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            stream.flush()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    null = open(os.devnull, "w")  # noqa: SIM115 - closed below
+    _REAL_STDERR.append(saved[2])
+    try:
+        for fd in saved:
+            os.dup2(devnull, fd)
+        sys.stdout = sys.stderr = null
+        yield
+    finally:
+        sys.stdout, sys.stderr = streams
+        null.close()
+        for fd, copy in saved.items():
+            os.dup2(copy, fd)
+            os.close(copy)
+        os.close(devnull)
+        _REAL_STDERR.pop()
+
+
+def _say_anyway(line: str) -> None:
+    """One line on the real stderr, also from a quiet rank."""
+    fd = _REAL_STDERR[-1] if _REAL_STDERR else 2
+    with contextlib.suppress(OSError):
+        os.write(fd, (line + "\n").encode("utf-8", "replace"))
 
 
 def _main(argv: list[str], received: list[int]) -> int:
@@ -102,12 +176,15 @@ def _main(argv: list[str], received: list[int]) -> int:
         top.print_help()
         return 2
     name = argv[0]
+    ok = False
     try:
         module = importlib.import_module(SUBCOMMANDS[name][0])
         parser = _Parser(prog=f"kvslim {name}", description=SUBCOMMANDS[name][1])
         module.configure(parser)
         args = parser.parse_args(argv[1:])
-        return int(module.run(args) or 0)
+        code = int(module.run(args) or 0)
+        ok = code == 0
+        return code
     except (UserError, ValueError, OSError) as e:
         if received:  # the error is the interrupt's doing (a library swallowed it and failed later)
             raise (Terminated() if received[-1] == signal.SIGTERM else KeyboardInterrupt()) from e
@@ -116,6 +193,50 @@ def _main(argv: list[str], received: list[int]) -> int:
         # UserError: the user's mistake; ValueError: the library's validation, naming what was wrong;
         # OSError: a missing or unwritable file, a full disk, a read-only file system, ...
         return fail(_os_error(e) if isinstance(e, OSError) else str(e))
+    except RuntimeError as e:
+        if not _distributed_error(e):
+            raise
+        # a collective that failed: a peer died (its own line says why) or the group waited out its timeout
+        return fail(
+            f"lost the other ranks ({_first_sentence(str(e))}): another rank failed, or they stalled past the "
+            "process group's 60 s timeout"
+        )
+    finally:
+        _leave_process_group(ok)
+
+
+def _distributed_error(e: BaseException) -> bool:
+    """Whether ``e`` is a failed collective: torch.distributed's own errors (DistBackendError,
+    DistNetworkError, DistStoreError, ...), or gloo's, which arrive as plain RuntimeErrors naming gloo
+    ("gloo/transport/tcp/pair.cc:537] Read error ... Connection reset by peer", "Timed out waiting")."""
+    dist = sys.modules.get("torch.distributed")
+    kind = getattr(dist, "DistError", None) if dist is not None else None
+    if kind is not None and isinstance(e, kind):
+        return True
+    text = str(e).lower()
+    return _torchrun_rank() is not None and ("gloo" in text or "nccl" in text)
+
+
+def _first_sentence(text: str) -> str:
+    """gloo's message without its source location and advice: "Read error [127.0.0.1]:34223: Connection
+    reset by peer" out of "[.../gloo/transport/tcp/pair.cc:537] Read error ...: Connection reset by peer.
+    This is typically caused by ..."."""
+    line = one_line(text)
+    if line.startswith("[") and "] " in line:
+        line = line.split("] ", 1)[1]
+    return line.split(". ", 1)[0].rstrip(".")
+
+
+def _leave_process_group(ok: bool) -> None:
+    """Leave the process group a tensor-parallel run joined (after a barrier when it succeeded, so that no
+    rank tears gloo down while a peer still talks to it). Nothing outside torchrun: a caller's own group, if
+    any, is the caller's."""
+    if _torchrun_rank() is None or "torch.distributed" not in sys.modules:
+        return
+    from ..distributed import shutdown
+
+    with contextlib.suppress(RuntimeError):  # the barrier lost a peer after the work was done: nothing to add
+        shutdown(wait=ok)
 
 
 def _os_error(e: OSError) -> str:

@@ -55,7 +55,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-rotate",
         default="none",
-        choices=ROTATE,
+        choices=[r for r in ROTATE if r != "auto"],
         help="calibrate for a cache storing K Hadamard-rotated (k or kv; records k_rot=true) (default: none)",
     )
     parser.add_argument(
@@ -72,7 +72,9 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise UserError(f"{flag} must be a positive integer, got {value}")
     if args.llama_cpp_order and args.kv_pre_rope:
-        raise UserError("--llama-cpp-order cannot be combined with --kv-pre-rope: llama.cpp caches K after RoPE")
+        raise UserError(
+            "--llama-cpp-order cannot be combined with --kv-pre-rope: llama.cpp caches K after RoPE"
+        )
     check_input_file("--text", args.text)
     check_output("--out", args.out)
     text = read_text_file("--text", args.text)

@@ -37,10 +37,37 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def load_model_from_args(args: argparse.Namespace):
-    """``(model, tokenizer)`` for the model flags (a one-line ValueError on any failure)."""
+    """``(model, tokenizer)`` for the model flags (a one-line ValueError on any failure).
+
+    Started by ``torchrun`` (``WORLD_SIZE`` > 1 in the environment): joins the process group first (gloo on
+    the CPU, NCCL on CUDA, a 60 s timeout: :func:`kvslim.distributed.init_from_env`), then loads the model
+    tensor parallel, each rank holding a block of its KV heads; every rank runs the command alike and
+    :func:`is_main_rank` alone prints."""
     from ..models import load_model
 
+    if distributed_run():
+        from .. import distributed
+
+        device = distributed.init_from_env(args.device)  # ValueError for a device the ranks cannot run on
+        return load_model(
+            args.model, device=device, dtype=args.dtype, verify=args.verify, tensor_parallel=True
+        )
     return load_model(args.model, device=args.device, dtype=args.dtype, verify=args.verify)
+
+
+def distributed_run() -> bool:
+    """Whether this process is one of several started by ``torchrun`` (``WORLD_SIZE`` > 1 in the environment;
+    known before any process group is joined)."""
+    from ..distributed import env_world_size
+
+    return env_world_size() > 1
+
+
+def is_main_rank() -> bool:
+    """Whether this process prints and writes files: always alone, rank 0 under ``torchrun``."""
+    from ..distributed import env_rank
+
+    return not distributed_run() or env_rank() == 0
 
 
 def check_model_args(args: argparse.Namespace) -> None:
@@ -130,10 +157,14 @@ def seed_int(text: str) -> int:
 
 def bias_cache_maker(model, args: argparse.Namespace):
     """``make_cache(CacheConfig) -> SlimCache`` for ``model`` that hands every bias file the model's
-    fingerprint (a file calibrated for another model is an error unless --kv-mean-center-any-model)."""
+    fingerprint (a file calibrated for another model is an error unless --kv-mean-center-any-model).
+
+    Under ``torchrun`` the cache is this rank's (:func:`kvslim.distributed.rank_cache`): its KV heads, the
+    bias file cut to them."""
     from ..cache import SlimCache
 
     fingerprint: list[str] = []
+    sharded = distributed_run()
 
     def make(cfg: CacheConfig):
         kwargs = {}
@@ -143,6 +174,10 @@ def bias_cache_maker(model, args: argparse.Namespace):
 
                 fingerprint.append(model_fingerprint(model))
             kwargs = dict(model_fingerprint=fingerprint[0], allow_other_model=args.kv_mean_center_any_model)
+        if sharded:
+            from ..distributed import rank_cache
+
+            return rank_cache(model, **cfg.to_dict(), **kwargs)  # what SlimCache.from_config passes
         return SlimCache.from_config(cfg, config=model.config, **kwargs)
 
     return make
@@ -195,13 +230,17 @@ def add_cache_flags(parser: argparse.ArgumentParser) -> None:
         "--kv-rotate",
         default=DEFAULT_ROTATE,
         choices=ROTATE,
-        help=f"store K, V or both Hadamard-rotated (attention unchanged; default: {DEFAULT_ROTATE})",
+        help="store K, V or both Hadamard-rotated (attention unchanged); auto: every quantized tensor, K as "
+        f"the bias file records (default: {DEFAULT_ROTATE})",
     )
     parser.add_argument(
         "--kv-pre-rope",
-        action="store_true",
+        nargs="?",
+        const="on",
         default=DEFAULT_PRE_ROPE,
-        help="store K before RoPE and rotate it on read (KVQuant)",
+        choices=("auto", "on", "off"),
+        help="store K before RoPE and rotate it on read (KVQuant); auto: 2-bit K (int2) and as the bias file "
+        f"records (default: {DEFAULT_PRE_ROPE}; the flag alone: on)",
     )
     add_any_model_flag(parser)
 
@@ -218,7 +257,7 @@ def cache_config_from_args(args: argparse.Namespace) -> CacheConfig:
         residual=args.kv_residual,
         mean_center=args.kv_mean_center,
         rotate=args.kv_rotate,
-        pre_rope=args.kv_pre_rope,
+        pre_rope={"on": True, "off": False}.get(args.kv_pre_rope, args.kv_pre_rope),
     )
 
 

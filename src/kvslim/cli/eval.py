@@ -4,6 +4,10 @@ Subcommands ``ppl``, ``greedy``, ``memory`` and ``passkey``. Parsing and printin
 :mod:`kvslim.evaluate` (``compare_perplexity``, ``greedy_prefix_match``, ``memory_table``,
 ``passkey``). Every ``--config SPEC`` is one mode (``FORMAT[,key=value...]``, see
 :func:`kvslim.config.parse_spec`); the reference ``none`` is always run and reported first.
+
+Under ``torchrun`` the model is loaded tensor parallel (:func:`kvslim.cli.common.load_model_from_args`), every
+rank measures alike through caches for its own KV heads, and rank 0 alone prints, shows progress bars and
+writes --json and --plot: the numbers are one process's (each rank sees the whole logits).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from .common import (
     check_model_args,
     check_output,
     format_table,
+    is_main_rank,
     load_model_from_args,
     read_text_file,
     seed_int,
@@ -162,7 +167,13 @@ def _read_text(path: str) -> str:
 
 
 def _load(args):
-    return load_model_from_args(args)
+    from .. import enable
+
+    model, tokenizer = load_model_from_args(args)
+    # decode steps read the compressed codes directly, as users run it (prefill chunks are plain sdpa); the
+    # materializing path gives the same numbers to float rounding (tests/test_attention.py), slower
+    enable(model)
+    return model, tokenizer
 
 
 def _model_name(args) -> str:
@@ -170,11 +181,11 @@ def _model_name(args) -> str:
 
 
 def _progress(args) -> bool:
-    return not args.no_progress and sys.stderr.isatty()
+    return not args.no_progress and sys.stderr.isatty() and is_main_rank()
 
 
 def _out(obj, args) -> None:
-    if args.json:
+    if args.json and is_main_rank():
         write_json(args.json, obj)
         print(f"wrote {args.json}", file=sys.stderr)
 
@@ -258,7 +269,7 @@ def _ppl(args) -> int:
         },
         args,
     )
-    if args.plot:
+    if args.plot and is_main_rank():
         from ..atomic import atomic_path
 
         with atomic_path(args.plot, verify=_check_png, what="--plot") as tmp:

@@ -8,6 +8,11 @@ before and a report after, also after Ctrl-C (exit 130) and SIGTERM (exit 143). 
 that leaves (``| head``) stops the generation, and the report still goes to stderr (exit 0); if
 stderr's reader has gone too (``2>&1 | head``) the exit code is 2. --report-json and --rss-log are
 written atomically (the log replaces its target when the run ends).
+
+Under ``torchrun`` (tensor parallel, see :func:`kvslim.cli.common.load_model_from_args`) every rank runs the
+same decode loop with the same seed (drawn on rank 0 when --seed is not given), so every rank draws the same
+tokens; rank 0 alone prints the text, the banner and the report and writes the files, and the report's bytes
+are the whole cache's, summed over the ranks (:func:`kvslim.distributed.reduce_report`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from .common import (
     check_bias_file,
     check_model_args,
     check_output,
+    distributed_run,
+    is_main_rank,
     load_model_from_args,
     seed_int,
     write_json,
@@ -33,6 +40,7 @@ from .common import (
 from .errors import interrupt_code, say, silence
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (embedded)"
+_HASH_MOD = (1 << 61) - 1  # a prime below 2^62: what kvslim.distributed.agree compares
 RSS_LOG_EVERY = 500
 
 
@@ -109,10 +117,13 @@ def run(args: argparse.Namespace) -> int:
     no_quantizing = _nothing_quantized(args, cache_config, input_ids.shape[1])
 
     cache = bias_cache_maker(model, args)(cache_config)
-    say(_banner(args, cache_config, model, shapes.head_dim, quantizes=no_quantizing is None))
+    say(_banner(args, cache_config, model, shapes.head_dim, quantizes=no_quantizing is None, cache=cache))
     if no_quantizing:
         say(f"kvslim: warning: {no_quantizing}")
 
+    from ..distributed import agree, reduce_report, shared_seed
+
+    sharded, main_rank = distributed_run(), is_main_rank()
     eos = None if args.ignore_eos else _eos_ids(model, tokenizer)
     gen = generate(
         model,
@@ -121,28 +132,34 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.tokens,
         temperature=args.temperature,
         top_p=args.top_p,
-        seed=args.seed,
+        seed=shared_seed(args.seed) if args.temperature > 0 else args.seed,  # every rank the same draws
         eos_token_id=eos,
     )
     decoder = StreamDecoder(tokenizer, input_ids[0].tolist())
-    rss_log = AtomicFile(args.rss_log, "w", what="--rss-log") if args.rss_log else None
+    rss_log = AtomicFile(args.rss_log, "w", what="--rss-log") if args.rss_log and main_rank else None
     code = 0
-    out = sys.stdout
+    out = sys.stdout if main_rank else None  # the other ranks decode too (the same tokens), silently
+    drawn = 0  # a running hash of the tokens: every rank must have drawn the same (checked at the end)
     try:
         if rss_log:
             rss_log.write("step,rss_bytes\n")
         for event in gen:
+            drawn = (drawn * 1_000_003 + event.tokens[0] + 1) % _HASH_MOD
             piece = decoder.push(event.tokens[0])
-            if piece:
-                out.write(piece)
-                out.flush()
+            if piece and out is not None:
+                try:
+                    out.write(piece)
+                    out.flush()
+                except BrokenPipeError:  # `kvslim sample ... | head`: the reader left; stop, still report
+                    out = None
+                    silence(sys.stdout)  # no second error at exit
+                    if not sharded:
+                        break
+                    # under torchrun the other ranks decode on, and every step is a collective: keep in step
             if rss_log and event.step % RSS_LOG_EVERY == 0:
                 rss_log.write(f"{event.step},{current_rss_bytes()}\n")
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: stop, still report
         code = interrupt_code(e)
-    except BrokenPipeError:  # `kvslim sample ... | head`: the reader left; stop, still report
-        out = None
-        silence(sys.stdout)  # no second error at exit
     finally:
         gen.close()
         if rss_log and not rss_log.closed:
@@ -152,10 +169,26 @@ def run(args: argparse.Namespace) -> int:
             finally:
                 rss_log.discard()  # a no-op after a commit; removes the temporary file after a failure
     if out is not None:
-        out.write(decoder.flush() + "\n")
-        out.flush()
+        try:
+            out.write(decoder.flush() + "\n")
+            out.flush()
+        except BrokenPipeError:
+            if not sharded:
+                raise
+            silence(sys.stdout)  # the ranks still sum the report's bytes together below
 
+    if code == 0 and sharded and not agree(drawn):  # a collective: never after an interrupt
+        raise ValueError(
+            "the ranks drew different tokens, so the text above is rank 0's alone: their logits differ "
+            "(a collective that is not bit-identical on every rank?)"
+        )
     report = build_report(cache, gen.stats, args=args, interrupted=code != 0)
+    if code == 0:
+        report = reduce_report(report)  # the whole cache, summed over the ranks (a collective; alone: as is)
+    elif sharded:  # not summed after an interrupt: a peer may be gone, and the sum would wait for it
+        report["bytes_of_rank"] = 0
+    if not main_rank:
+        return code
     say(format_report(report))  # if stderr's reader has gone too, main() exits 2
     if args.report_json:
         write_json(args.report_json, report, flag="--report-json")
@@ -295,7 +328,7 @@ def _bits_for(fmt: str, role: str, model, head_dim: int, cache_config) -> float:
     return codec.bits_per_element(head_dim)
 
 
-def _banner(args, cache_config, model, head_dim: int, quantizes: bool = True) -> str:
+def _banner(args, cache_config, model, head_dim: int, quantizes: bool = True, cache=None) -> str:
     c = cache_config
     k_bits = _bits_for(c.k_format, "k", model, head_dim, c)
     v_bits = _bits_for(c.v_format, "v", model, head_dim, c)
@@ -305,7 +338,14 @@ def _banner(args, cache_config, model, head_dim: int, quantizes: bool = True) ->
             f"group {c.group_size}/residual {c.residual}"
             + ("" if quantizes else " (nothing quantized in this run)")
         )
-    parts.append("unbounded" if c.window is None else f"sink {c.sink}/window {c.window}")
+    if c.window is None:
+        parts.append("unbounded" + (f", first {c.sink} at full precision" if c.sink else ""))
+    else:
+        parts.append(f"sink {c.sink}/window {c.window}")
+    if cache is not None and cache.rotate != "none":
+        parts.append(f"{cache.rotate.upper()} Hadamard-rotated")
+    if cache is not None and cache.pre_rope:
+        parts.append("K pre-RoPE")
     if c.mean_center:
         parts.append(f"K mean-centered ({os.path.basename(c.mean_center)})")
     model_name = DEFAULT_MODEL_NAME if args.model is None else args.model
@@ -349,13 +389,16 @@ def format_report(r: dict) -> str:
     live = (
         f" (stored tokens {_mib(live)}, the rest preallocated)" if live and live != r["cache_bytes"] else ""
     )
+    ranks = f" across {r['ranks']} ranks" if r.get("ranks", 1) > 1 else ""
+    if r.get("bytes_of_rank") is not None:
+        ranks = f" on rank {r['bytes_of_rank']} alone (interrupted: not summed over the ranks)"
     lines = [
         ("interrupted | " if r.get("interrupted") else "")
         + f"tokens seen {r['tokens_seen']} | tokens stored {stored}",
-        f"cache {_mib(r['cache_bytes'])}{live} | fp16 full cache {_mib(fp16)} | ratio {ratio}",
+        f"cache {_mib(r['cache_bytes'])}{ranks}{live} | fp16 full cache {_mib(fp16)} | ratio {ratio}",
         f"prefill {r['prompt_tokens']} tokens at {_rate(r['prefill_tokens_per_s'])} | "
         f"generated {r['new_tokens']} tokens, decode at {_rate(r['decode_tokens_per_s'])} | "
-        f"peak RSS {_mib(r['peak_rss_bytes'])}",
+        f"peak RSS {_mib(r['peak_rss_bytes'])}" + (" (rank 0)" if ranks else ""),
     ]
     return "\n".join("kvslim: " + line for line in lines)
 

@@ -127,29 +127,42 @@ class MemoryRow:
         return self.fp32_full_bytes / self.bytes if self.bytes else float("nan")
 
 
+def fp_bytes(residual_dtype: str, codec, shape: ModelShape) -> int:
+    """Bytes per element of a stream's full-precision tokens (sinks and residual): the model's dtype for
+    a lossless codec; for a lossy one as ``residual_dtype`` says (``auto``: 2 for an fp32 model)."""
+    if not codec.lossy or residual_dtype == "model":
+        return shape.dtype_bytes
+    if residual_dtype == "auto":
+        return 2 if shape.dtype_bytes == 4 else shape.dtype_bytes
+    return 2  # float16 / bfloat16
+
+
 def cache_bytes(
     shape: ModelShape, config: CacheConfig, seen: int, *, prefill: int | None = None, batch: int = 1
 ) -> tuple[int, int]:
     """``(stored tokens, bytes)`` a SlimCache of ``config`` holds after ``seen`` tokens: a first forward
     of ``prefill`` tokens (None: every token on its own), then one token per step.
 
-    Mirrors :class:`kvslim.layer.SlimLayer`: per layer, sinks in the model dtype, then per stream
+    Mirrors :class:`kvslim.layer.SlimLayer`: per layer, sinks in their stream's full-precision dtype
+    (:func:`fp_bytes`), then per stream
     encoded tokens (token parts per token, group parts per group, as the codec really encodes them)
-    and a full-precision residual, plus a float32 ``(H_kv, D)`` mean-centering bias. Counts the stored
+    and a full-precision residual, plus a float32 ``(H_kv, D)`` mean-centering bias and, for a centered K
+    body, one byte per token and head (``kvslim.buffers.CENTERED``). Counts the stored
     tensors only, not the buffers' preallocated slack (see ``SlimCache.nbytes``).
     """
     check_int("seen", seen, 0, "tokens fed to the cache")
-    bounded = config.window is not None
-    n_sink = min(seen, config.sink) if bounded else 0
+    n_sink = min(seen, config.sink)  # with or without a window, the first tokens are kept apart
     arrived = seen - n_sink
     first = 1 if prefill is None else max(1, min(prefill, seen))
-    first_stream = first - (min(first, config.sink) if bounded else 0)
-    per_elem_fp = batch * shape.kv_heads * shape.head_dim * shape.dtype_bytes  # one token, one stream
-    total = 2 * n_sink * per_elem_fp
+    first_stream = first - min(first, config.sink)
+    total = 0
     stream_len = 0
     for role, fmt in (("k", config.k_format), ("v", config.v_format)):
         codec = make_codec(fmt, role, group_size=config.group_size, v_group_size=config.v_group_size)
         codec.check_head_dim(shape.head_dim)
+        # one full-precision token of this stream (its sinks and residual): residual_dtype for a lossy codec
+        per_elem_fp = batch * shape.kv_heads * shape.head_dim * fp_bytes(config.residual_dtype, codec, shape)
+        total += n_sink * per_elem_fp
         tok_bytes, grp_bytes = _codec_costs(codec, shape)
         body, groups, fp = stream_layout(
             arrived,
@@ -161,6 +174,8 @@ def cache_bytes(
             prefill=first_stream,
         )
         total += round(batch * (body * tok_bytes + groups * grp_bytes)) + fp * per_elem_fp
+        if role == "k" and config.mean_center is not None and codec.token_group == 1:
+            total += batch * body * shape.kv_heads  # a byte per token and head: stored centered or not
         stream_len = body + fp
     if config.mean_center is not None:
         total += shape.kv_heads * shape.head_dim * 4

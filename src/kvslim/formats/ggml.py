@@ -85,8 +85,25 @@ def _divide(v: torch.Tensor, by: float) -> torch.Tensor:
 
 
 def _abs_max_signed(blocks: torch.Tensor) -> torch.Tensor:
-    """(..., 32) -> (..., 1): the element of largest magnitude, sign kept, first one on ties."""
-    return blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))
+    """(..., 32) -> (..., 1): the element of largest magnitude, sign kept, first one on ties.
+
+    From amax and amin (two vectorized reductions, ~3x faster on CPU than abs + argmax + gather);
+    only blocks whose max and -min tie need the first one's sign, found the slow way."""
+    mx, mn = blocks.amax(-1, keepdim=True), blocks.amin(-1, keepdim=True)
+    out = torch.where(-mn > mx, mn, mx)
+    tie = -mn == mx  # also every all-zero block: the sign of its first zero is d's
+    if bool(tie.any()):  # a host sync; NaN blocks never tie (quantize_ggml refuses them after)
+        rows = tie[..., 0].nonzero(as_tuple=True)
+        b = blocks[rows]
+        out = out.clone()
+        out[rows] = b.gather(-1, b.abs().argmax(-1, keepdim=True))
+    return out
+
+
+def _nibbles_of_floats(f: torch.Tensor) -> torch.Tensor:
+    """Codes as whole floats in [0, 15] (..., 32) -> uint8 (..., 16), as :func:`_nibbles`: packed while
+    still float (exact below 256), then one conversion."""
+    return (f[..., :16] + 16 * f[..., 16:]).to(torch.int32).to(torch.uint8)
 
 
 def _nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -149,8 +166,8 @@ def _q8_0_dq(blk):
 
 def _q4_0(b):
     d = _abs_max_signed(b) / -8  # power of two: exact everywhere
-    q = _trunc_codes(b * _inverse(d) + 8.5, 15)
-    return torch.cat([_fp16_bytes(d), _nibbles(q)], -1), d
+    q = torch.floor(b * _inverse(d) + 8.5).clamp_(0, 15)  # = _trunc_codes, kept float
+    return torch.cat([_fp16_bytes(d), _nibbles_of_floats(q)], -1), d
 
 
 def _q4_0_dq(blk):
@@ -178,8 +195,8 @@ def _q4_1(b):
     # + 0.0: a block of zeros gets d = +0 as in gguf-py (max - min = +0 there; torch's amin/amax may
     # pick zeros of opposite signs and give -0). Zero minima are signed in quantize_ggml.
     d = _divide(mx - mn, 15.0) + 0.0
-    q = _trunc_codes((b - mn) * _inverse(d) + 0.5, 15)
-    return torch.cat([_fp16_bytes(d), _fp16_bytes(mn), _nibbles(q)], -1), torch.cat([d, mn], -1)
+    q = torch.floor((b - mn) * _inverse(d) + 0.5).clamp_(0, 15)  # = _trunc_codes, kept float
+    return torch.cat([_fp16_bytes(d), _fp16_bytes(mn), _nibbles_of_floats(q)], -1), torch.cat([d, mn], -1)
 
 
 def _q4_1_dq(blk):

@@ -59,7 +59,8 @@ KernelFn = Callable[[torch.Tensor, Codec, Encoded, int], torch.Tensor]
 class KeyTransform:
     """What turns a decoded stored key into the key attention scores against, per token, in this order:
 
-    1. ``bias`` (H_kv, D) float32 added (the mean-centering zero point; None: none);
+    1. ``bias`` (H_kv, D) float32 added (the mean-centering zero point; None: none) — to the tokens whose
+       ``centered`` flag (B, H_kv, T, 1) uint8 is set (None: to every token);
     2. ``hadamard`` (a :class:`~kvslim.hadamard.Hadamard`) applied (None: none);
     3. RoPE: channel pair ``(o + i, o + i + R/2)`` of token ``t`` (body index) rotated by the angle whose
        cosine and sine are ``cos[b, t, i]`` / ``sin[b, t, i]``, ``cos``/``sin`` (B or 1, T, R/2) float32,
@@ -71,6 +72,7 @@ class KeyTransform:
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
     rope_offset: int = 0
+    centered: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -219,7 +221,9 @@ def k_scores(
     _, kernel = select(q, codec, enc)
     if transform is None:
         return kernel.k_scores(q, codec, enc, offset)
-    if transform.cos is not None and (transform.cos.shape[-2] != t or transform.sin.shape != transform.cos.shape):
+    if transform.cos is not None and (
+        transform.cos.shape[-2] != t or transform.sin.shape != transform.cos.shape
+    ):
         raise ValueError(
             f"the RoPE angles cover {transform.cos.shape[-2]} tokens (sin {tuple(transform.sin.shape)}), "
             f"the encoded body {t}"
@@ -257,10 +261,21 @@ def _cpu_ok(extra=None):
     return supports
 
 
-register("cpu", "affine_k", Kernel(cpu.k_affine, reference.v_weighted, _cpu_ok()), cpu.status)
+register(
+    "cpu",
+    "affine_k",
+    Kernel(cpu.k_affine, reference.v_weighted, _cpu_ok(), k_scores_transformed=cpu.k_affine_transformed),
+    cpu.status,
+)
 register("cpu", "affine_v", Kernel(reference.k_scores, cpu.v_affine, _cpu_ok(cpu.affine_v_supported)))
 for _family in ("ggml", "fp8", "cast"):
-    register("cpu", _family, Kernel(cpu.k_rows, cpu.v_rows, _cpu_ok(cpu.rows_supported)))
+    register(
+        "cpu",
+        _family,
+        Kernel(
+            cpu.k_rows, cpu.v_rows, _cpu_ok(cpu.rows_supported), k_scores_transformed=cpu.k_rows_transformed
+        ),
+    )
 
 
 def _triton_ok(x: torch.Tensor, codec: Codec, enc: Encoded) -> bool:

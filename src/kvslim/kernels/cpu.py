@@ -56,7 +56,7 @@ from ..checks import check_int
 from ..formats import FORMATS, Codec, Encoded
 from .layout import expect, rows_contiguous
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 SOURCES = Path(__file__).parent / "csrc"
 BASE_FLAGS = ["-O3", "-shared", "-fPIC", "-std=c11", "-ffp-contract=fast"]
 #: Tried in order; the first set the compiler accepts is used.
@@ -81,8 +81,8 @@ _NAMED_ROWS = ("ggml", "fp8")
 
 _I = ctypes.c_int
 #: kv_run's operations and its argument layout (see the end of csrc/kvslim_kernels.c)
-_OP_K_ROWS, _OP_V_ROWS, _OP_K_AFFINE, _OP_V_AFFINE = range(4)
-_NPARAM = 4
+_OP_K_ROWS, _OP_V_ROWS, _OP_K_AFFINE, _OP_V_AFFINE, _OP_K_ROWS_T, _OP_K_AFFINE_T = range(6)
+_NPARAM = 8
 
 
 # --------------------------------------------------------------------------- build and load
@@ -376,7 +376,7 @@ def _reset_for_tests() -> None:
 
 
 def _run(op: int, what: str, dims: tuple, params: tuple, parts: tuple) -> None:
-    """Call kv_run: dims (B, H, M, T, D), up to 4 int params, tensors (B, H, N, ...) whose dims after 2
+    """Call kv_run: dims (B, H, M, T, D), up to 8 int params, tensors (B, H, N, ...) whose dims after 2
     are contiguous, passed as (pointer, element strides of dims 0..2, dtype code)."""
     vals = [*dims, torch.get_num_threads(), *params, *(0,) * (_NPARAM - len(params))]
     for t in parts:
@@ -388,10 +388,6 @@ def _run(op: int, what: str, dims: tuple, params: tuple, parts: tuple) -> None:
         raise MemoryError(f"kvslim C kernel {what}: out of memory for its scratch buffers")
     if rc:
         raise ValueError(f"kvslim C kernel {what} rejected its arguments (code {rc})")
-
-
-
-
 
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -425,6 +421,61 @@ def k_affine(q: torch.Tensor, codec: Codec, enc: Encoded, offset: int) -> torch.
         (b, h, m, t, d),
         (codec.bits, codec.token_group, offset),
         (q, codes, scale, zero, out),
+    )
+    return out
+
+
+def _transform_parts(q: torch.Tensor, tr, t: int) -> tuple[tuple, tuple]:
+    """The C side's (hblock, rhalf, roff, has_bias, has_flags) and (bias, cos, sin, flags) parts of a
+    KeyTransform.
+
+    bias: (1, H, 1, D) fp32; cos/sin: (B, 1, T, R/2) fp32, batch stride 0 when shared by every row;
+    flags: the ``centered`` part (B, H, T, 1) uint8. Absent parts repeat q (never read)."""
+    b, h, _, d = q.shape
+    bias = q
+    if tr.bias is not None:
+        bias = tr.bias.to(dtype=torch.float32, device=q.device).contiguous()
+        expect(bias, (h, d), (torch.float32,), "transform bias")
+        bias = bias[None, :, None, :]
+    hblock = 0 if tr.hadamard is None else int(tr.hadamard.block)
+    if hblock and (hblock & (hblock - 1) or d % hblock):
+        raise ValueError(f"a Hadamard block of {hblock} does not tile head_dim {d}")
+    cos = sin = q
+    rhalf = roff = 0
+    if tr.cos is not None:
+        rhalf, roff = int(tr.cos.shape[-1]), int(tr.rope_offset)
+        if roff < 0 or roff + 2 * rhalf > d:
+            raise ValueError(f"rotary channels {roff}..{roff + 2 * rhalf} exceed head_dim {d}")
+        parts = []
+        for name, a in (("cos", tr.cos), ("sin", tr.sin)):
+            a = a.to(dtype=torch.float32, device=q.device).contiguous()
+            if a.dim() != 3 or a.shape[0] not in (1, b) or tuple(a.shape[1:]) != (t, rhalf):
+                raise ValueError(
+                    f"transform {name} has shape {tuple(a.shape)}, expected ({b} or 1, {t}, {rhalf})"
+                )
+            parts.append(a[:, None].expand(b, 1, t, rhalf))  # stride 0 over a shared batch
+        cos, sin = parts
+    flags = q
+    if tr.centered is not None:
+        flags = rows_contiguous(tr.centered)
+        expect(flags, (b, h, t, 1), (torch.uint8,), "transform centered flags")
+    has = (int(tr.bias is not None), int(tr.centered is not None))
+    return (hblock, rhalf, roff, *has), (bias, cos, sin, flags)
+
+
+def k_affine_transformed(q: torch.Tensor, codec: Codec, enc: Encoded, offset: int, tr) -> torch.Tensor:
+    """Per-channel affine K scores against transformed keys (kvslim.kernels.KeyTransform): (B, H, M, T)."""
+    b, h, m, d = q.shape
+    t = enc.token["codes"].shape[2]
+    codes, scale, zero = _affine_k_parts(codec, enc, b, h, t, d, offset)
+    params, extra = _transform_parts(q, tr, t)
+    out = torch.empty((b, h, m, t), dtype=torch.float32)
+    _run(
+        _OP_K_AFFINE_T,
+        "k_affine_transformed",
+        (b, h, m, t, d),
+        (codec.bits, codec.token_group, offset, *params),
+        (q, codes, scale, zero, out, *extra),
     )
     return out
 
@@ -510,6 +561,17 @@ def k_rows(q: torch.Tensor, codec: Codec, enc: Encoded, offset: int) -> torch.Te
     fmt, x, xs, d = _row_parts(codec, enc, b, h, t, d)
     out = torch.empty((b, h, m, t), dtype=torch.float32)
     _run(_OP_K_ROWS, "k_rows", (b, h, m, t, d), (fmt,), (q, x, xs, out))
+    return out
+
+
+def k_rows_transformed(q: torch.Tensor, codec: Codec, enc: Encoded, offset: int, tr) -> torch.Tensor:
+    """Per-token formats against transformed keys (kvslim.kernels.KeyTransform): (B, H, M, T)."""
+    b, h, m, d = q.shape
+    t = next(iter(enc.token.values())).shape[2]
+    fmt, x, xs, d = _row_parts(codec, enc, b, h, t, d)
+    params, extra = _transform_parts(q, tr, t)
+    out = torch.empty((b, h, m, t), dtype=torch.float32)
+    _run(_OP_K_ROWS_T, "k_rows_transformed", (b, h, m, t, d), (fmt, 0, 0, *params), (q, x, xs, out, *extra))
     return out
 
 

@@ -45,7 +45,12 @@ def apply_transform(rows: torch.Tensor, tr, start: int) -> torch.Tensor:
     Returns a new fp32 tensor (rows is not written)."""
     x = rows.float()
     if tr.bias is not None:
-        x = x + tr.bias.to(device=x.device, dtype=torch.float32)[None, :, None, :]
+        bias = tr.bias.to(device=x.device, dtype=torch.float32)[None, :, None, :]
+        if tr.centered is not None:
+            bias = bias * tr.centered[:, :, start : start + x.shape[2]].to(
+                device=x.device, dtype=torch.float32
+            )
+        x = x + bias
     if tr.hadamard is not None:
         x = tr.hadamard.apply(x)
     if tr.cos is not None:

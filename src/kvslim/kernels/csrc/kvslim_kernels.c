@@ -26,6 +26,12 @@
  *     checked against kvslim's format registry when the library loads),
  *     fp32, fp16, bf16, fp8 e4m3 with a per-token fp32 scale: a row decoder per format.
  *
+ * Transformed K scores (OP_K_ROWS_T, OP_K_AFFINE_T): each decoded tile row is turned into the key attention
+ * scores against before the dot products, in L1: a per-(head, channel) bias added (mean-centering's zero
+ * point), a block-diagonal Hadamard rotation (in-place fast Walsh-Hadamard transform, normalized), then
+ * RoPE at the token's own angle from cos/sin tables (pre-RoPE keys, rotated on read). KIVI K is decoded
+ * with its scales then (the fold into the query does not commute with a per-token rotation).
+ *
  * Parallelism: OpenMP over (batch, head, token chunk) tasks, with the caller's thread count (fewer for
  * small calls, see KV_GRAIN). V sums are reduced over the chunks of a (batch, head) at the end, on the
  * calling thread. Without OpenMP everything runs on one thread.
@@ -34,6 +40,7 @@
  * nothing here can check that a pointer and its strides stay inside a tensor.
  */
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -45,7 +52,7 @@
 #include <immintrin.h>
 #endif
 
-#define KV_ABI_VERSION 2
+#define KV_ABI_VERSION 3
 
 #if defined(__GNUC__) || defined(__clang__)
 #define KV_INLINE static inline __attribute__((always_inline))
@@ -442,6 +449,85 @@ static void v_tile(const float *restrict p, int64_t ps, int M, int D, const floa
         for (int j = 0; j < n; j++) axpy(acc + m * D, p[m * ps + j], rows + (int64_t)j * D, D);
 }
 
+/* --------------------------------------------------------------------------------- key transform */
+
+/* What turns a decoded stored key into the key attention scores against (see kvslim.kernels.KeyTransform):
+ * bias (H, D) fp32 added when has_bias (only to tokens whose uint8 flag (B, H, T) is set, when has_flags);
+ * Hadamard blocks of hblock (0: none); RoPE on channel pairs (roff + i, roff + rhalf + i), i < rhalf
+ * (0: none), at angles cos/sin (B or broadcast, T, rhalf) fp32. */
+typedef struct {
+    int hblock, rhalf, roff, has_bias, has_flags;
+    const kv_part *bias, *cos, *sin, *flags;
+} kv_tr;
+
+/* In-place unnormalized Walsh-Hadamard transform of n (a power of two) floats: Sylvester order, the
+ * butterflies of H_2 = [[1, 1], [1, -1]] applied per bit, which is H_n = H_2 (x) ... (x) H_2. */
+KV_INLINE void fwht(float *restrict x, int n) {
+    /* the first three butterflies within each run of 8 (one AVX register: each stage is a lane permute and
+     * a multiply-add with a sign pattern, p + s * v), then runs of h >= 8 that vectorize as they are */
+#if defined(__AVX2__) && defined(__FMA__)
+    if (n >= 8) {
+        const __m256 s1 = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1), s2 = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
+        const __m256 s4 = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
+        for (int i = 0; i + 8 <= n; i += 8) {
+            __m256 v = _mm256_loadu_ps(x + i);
+            v = _mm256_fmadd_ps(v, s1, _mm256_permute_ps(v, 0xB1)); /* swap neighbours */
+            v = _mm256_fmadd_ps(v, s2, _mm256_permute_ps(v, 0x4E)); /* swap pairs */
+            v = _mm256_fmadd_ps(v, s4, _mm256_permute2f128_ps(v, v, 1)); /* swap halves */
+            _mm256_storeu_ps(x + i, v);
+        }
+    } else
+#endif
+    for (int i = 0; i + 8 <= n; i += 8) {
+        float *v = x + i;
+        const float a0 = v[0] + v[1], a1 = v[0] - v[1], a2 = v[2] + v[3], a3 = v[2] - v[3];
+        const float a4 = v[4] + v[5], a5 = v[4] - v[5], a6 = v[6] + v[7], a7 = v[6] - v[7];
+        const float b0 = a0 + a2, b1 = a1 + a3, b2 = a0 - a2, b3 = a1 - a3;
+        const float b4 = a4 + a6, b5 = a5 + a7, b6 = a4 - a6, b7 = a5 - a7;
+        v[0] = b0 + b4, v[1] = b1 + b5, v[2] = b2 + b6, v[3] = b3 + b7;
+        v[4] = b0 - b4, v[5] = b1 - b5, v[6] = b2 - b6, v[7] = b3 - b7;
+    }
+    for (int h = n < 8 ? 1 : 8; h < n; h *= 2)
+        for (int i = 0; i < n; i += 2 * h) {
+            float *restrict u = x + i, *restrict w = x + i + h;
+            KV_SIMD
+            for (int j = 0; j < h; j++) {
+                const float a = u[j], b = w[j];
+                u[j] = a + b;
+                w[j] = a - b;
+            }
+        }
+}
+
+/* rows[j] (natural channel order) for tokens t .. t + n - 1 of (b, h), transformed in place. */
+static void transform_rows(const kv_tr *tr, float *restrict rows, int n, int D, int b, int h, int t) {
+    const float *bias = tr->has_bias ? (const float *)at(tr->bias, 0, h, 0) : NULL;
+    const float norm = tr->hblock ? 1.0f / sqrtf((float)tr->hblock) : 1.0f;
+    for (int j = 0; j < n; j++) {
+        float *restrict r = rows + (int64_t)j * D;
+        if (bias && (!tr->has_flags || *at(tr->flags, b, h, t + j))) {
+            KV_SIMD
+            for (int d = 0; d < D; d++) r[d] += bias[d];
+        }
+        if (tr->hblock) {
+            for (int blk = 0; blk < D; blk += tr->hblock) fwht(r + blk, tr->hblock);
+            KV_SIMD
+            for (int d = 0; d < D; d++) r[d] *= norm;
+        }
+        if (tr->rhalf) {
+            const float *restrict c = (const float *)at(tr->cos, b, 0, t + j);
+            const float *restrict s = (const float *)at(tr->sin, b, 0, t + j);
+            float *restrict x = r + tr->roff, *restrict y = r + tr->roff + tr->rhalf;
+            KV_SIMD
+            for (int i = 0; i < tr->rhalf; i++) {
+                const float a = x[i], e = y[i];
+                x[i] = a * c[i] - e * s[i];
+                y[i] = e * c[i] + a * s[i];
+            }
+        }
+    }
+}
+
 /* --------------------------------------------------------------------------------- per-token tasks */
 
 KV_INLINE void decode_tile(int fmt, const kv_part *x, const kv_part *xs, int D, int b, int h, int t, int n,
@@ -453,12 +539,13 @@ KV_INLINE void decode_tile(int fmt, const kv_part *x, const kv_part *xs, int D, 
 }
 
 KV_INLINE void k_rows_task(int fmt, const kv_part *q, const kv_part *x, const kv_part *xs, const kv_part *out,
-                           int M, int D, int b, int h, int t0, int t1, float *restrict rows) {
+                           int M, int D, int b, int h, int t0, int t1, float *restrict rows, const kv_tr *tr) {
     const float *qb = (const float *)at(q, b, h, 0);
     float *ob = (float *)at(out, b, h, 0);
     for (int t = t0; t < t1; t += TILE) {
         const int n = t1 - t < TILE ? t1 - t : TILE;
         decode_tile(fmt, x, xs, D, b, h, t, n, rows);
+        if (tr) transform_rows(tr, rows, n, D, b, h, t);
         k_tile(qb, q->s2, NULL, M, D, rows, n, ob, out->s2, t);
     }
 }
@@ -515,6 +602,45 @@ KV_INLINE void k_affine_task(int bits, const kv_part *q, const kv_part *codes, c
     }
 }
 
+/* KIVI K decoded with its scales (natural channel order), transformed, dotted with the unfolded queries.
+ * The group's scales and zeros are permuted into plane order once per group, so a token's decode is an
+ * unpack, a vectorized multiply-add, and one un-permuting copy. scratch: rows (TILE * D), plane-order
+ * codes (D), scale and zero (2 * D), their plane-order copies (2 * D). */
+KV_INLINE void k_affine_t_task(int bits, const kv_part *q, const kv_part *codes, const kv_part *sc, const kv_part *zr,
+                               const kv_part *out, int M, int D, int G, int offset, int b, int h, int t0, int t1,
+                               float *restrict scratch, const kv_tr *tr) {
+    const int per = 8 / bits, np = D / per;
+    float *rows = scratch, *tmp = rows + TILE * D, *s = tmp + D, *z = s + D, *sp = z + D, *zp = sp + D;
+    const float *qb = (const float *)at(q, b, h, 0);
+    float *ob = (float *)at(out, b, h, 0);
+    for (int t = t0; t < t1;) {
+        const int g = (offset + t) / G;
+        const int gend = (g + 1) * G - offset;
+        load_floats(at(sc, b, h, g), sc->dtype, s, D);
+        load_floats(at(zr, b, h, g), zr->dtype, z, D);
+        for (int i = 0; i < per; i++)
+            for (int jj = 0; jj < np; jj++) {
+                sp[i * np + jj] = s[per * jj + i];
+                zp[i * np + jj] = z[per * jj + i];
+            }
+        const int stop = t1 < gend ? t1 : gend;
+        for (; t < stop; t += TILE) {
+            const int n = stop - t < TILE ? stop - t : TILE;
+            for (int j = 0; j < n; j++) {
+                float *restrict r = rows + (int64_t)j * D;
+                unpack_planes(at(codes, b, h, t + j), tmp, np, bits, NULL, NULL, 1);
+                KV_SIMD
+                for (int k = 0; k < D; k++) tmp[k] = tmp[k] * sp[k] + zp[k];
+                for (int i = 0; i < per; i++)
+                    for (int jj = 0; jj < np; jj++) r[per * jj + i] = tmp[i * np + jj];
+            }
+            transform_rows(tr, rows, n, D, b, h, t);
+            k_tile(qb, q->s2, NULL, M, D, rows, n, ob, out->s2, t);
+        }
+        t = stop;
+    }
+}
+
 /* --------------------------------------------------------------------------------- KIVI V */
 
 /* acc (plane order) += p[m, t] * (code * scale + zero) over a chunk; channel groups of g (g % per == 0). */
@@ -547,6 +673,7 @@ typedef struct {
     const kv_part *x, *p1, *p2, *p3, *out; /* q or p; codes/rows; scale or fp8 scale; zero; output */
     const kv_dims *dm;
     float *part;
+    const kv_tr *tr; /* transformed K ops only, else NULL */
 } kv_call;
 
 static void run_task(const kv_call *k, int64_t task, float *scratch);
@@ -577,7 +704,7 @@ static int run_tasks(const kv_call *k, int64_t ntasks, int nt, size_t scratch_fl
     return err;
 }
 
-enum { OP_K_ROWS = 0, OP_V_ROWS = 1, OP_K_AFFINE = 2, OP_V_AFFINE = 3 };
+enum { OP_K_ROWS = 0, OP_V_ROWS = 1, OP_K_AFFINE = 2, OP_V_AFFINE = 3, OP_K_ROWS_T = 4, OP_K_AFFINE_T = 5 };
 
 /* The always-inline task bodies, instantiated per format (fmt / bits are constants in each case). */
 static void run_task(const kv_call *k, int64_t task, float *scratch) {
@@ -588,20 +715,23 @@ static void run_task(const kv_call *k, int64_t task, float *scratch) {
     float *acc = k->part ? k->part + task * M * D : NULL;
 #define KV_ROWS(FMT)                                                                                            \
     case FMT:                                                                                                   \
-        if (k->op == OP_K_ROWS)                                                                                 \
-            k_rows_task(FMT, k->x, k->p1, k->p2, k->out, M, D, b, h, t0, t1, scratch);                          \
+        if (k->op == OP_K_ROWS || k->op == OP_K_ROWS_T)                                                         \
+            k_rows_task(FMT, k->x, k->p1, k->p2, k->out, M, D, b, h, t0, t1, scratch, k->tr);                   \
         else                                                                                                    \
             v_rows_task(FMT, k->x, k->p1, k->p2, M, D, b, h, t0, t1, scratch, acc);                             \
         return;
 #define KV_AFFINE(BITS)                                                                                         \
     case BITS:                                                                                                  \
-        if (k->op == OP_K_AFFINE)                                                                               \
+        if (k->op == OP_K_AFFINE_T)                                                                             \
+            k_affine_t_task(BITS, k->x, k->p1, k->p2, k->p3, k->out, M, D, k->group, k->offset, b, h, t0, t1,   \
+                            scratch, k->tr);                                                                    \
+        else if (k->op == OP_K_AFFINE)                                                                          \
             k_affine_task(BITS, k->x, k->p1, k->p2, k->p3, k->out, M, D, k->group, k->offset, b, h, t0, t1,       \
                           scratch);                                                                             \
         else                                                                                                    \
             v_affine_task(BITS, k->x, k->p1, k->p2, k->p3, M, D, k->group, b, h, t0, t1, scratch, acc);         \
         return;
-    if (k->op == OP_K_ROWS || k->op == OP_V_ROWS) {
+    if (k->op == OP_K_ROWS || k->op == OP_V_ROWS || k->op == OP_K_ROWS_T) {
         switch (k->fmt) {
             KV_ROWS(R_Q8_0)
             KV_ROWS(R_Q4_0)
@@ -653,7 +783,16 @@ static int run_call(kv_call *k) {
     const int is_v = k->op == OP_V_ROWS || k->op == OP_V_AFFINE;
     size_t scratch;
     int per = 1;
-    if (k->op == OP_K_ROWS || k->op == OP_V_ROWS) {
+    if (k->tr) {
+        const kv_tr *tr = k->tr;
+        if (tr->hblock && (tr->hblock & (tr->hblock - 1) || D % tr->hblock)) return KV_EARG;
+        if (tr->rhalf < 0 || tr->roff < 0 || tr->roff + 2 * tr->rhalf > D) return KV_EARG;
+    }
+    if (k->op == OP_K_AFFINE_T) {
+        if (k->bits != 8 && k->bits != 4 && k->bits != 2) return KV_EARG;
+        if (D % (8 / k->bits) || k->group < 1 || k->offset < 0 || k->offset >= k->group) return KV_EARG;
+        scratch = (size_t)(TILE + 5) * D; /* rows, plane-order codes, scale, zero, their plane-order copies */
+    } else if (k->op == OP_K_ROWS || k->op == OP_V_ROWS || k->op == OP_K_ROWS_T) {
         if (k->fmt < R_Q8_0 || k->fmt > R_FP8 || (D % QK != 0 && k->fmt <= R_Q5_1)) return KV_EARG;
         scratch = (size_t)TILE * D;
     } else {
@@ -723,22 +862,29 @@ void kv_test_half_to_float(const uint16_t *src, float *dst, int64_t n, int porta
 
 /* --------------------------------------------------------------------------------- the entry point */
 
-#define KV_NPARAM 4 /* kernel parameters after the 6 dims */
+#define KV_NPARAM 8 /* kernel parameters after the 6 dims */
 
 /* One call for every kernel (ctypes marshals one int64 array much faster than several structs):
  *   args = B, H, M, T, D, nthreads, param[4], then per tensor part: data, s0, s1, s2, dtype.
  *   OP_K_ROWS:   param fmt;                 parts q, x, xs (fp8 scale, else = x), out
  *   OP_V_ROWS:   param fmt;                 parts p, x, xs, out
  *   OP_K_AFFINE: params bits, G, offset;    parts q, codes, scale, zero, out
- *   OP_V_AFFINE: params bits, g;            parts p, codes, scale, zero, out */
+ *   OP_V_AFFINE: params bits, g;            parts p, codes, scale, zero, out
+ *   OP_K_ROWS_T:   params fmt, -, -, hblock, rhalf, roff, has_bias, has_flags;  parts q, x, xs, out, bias,
+ *                  cos, sin, flags
+ *   OP_K_AFFINE_T: params bits, G, offset, hblock, rhalf, roff, has_bias, has_flags;  parts q, codes, scale,
+ *                  zero, out, bias, cos, sin, flags
+ * (bias: (1, H, 1, D) fp32; cos/sin: (B or stride 0, 1, T, rhalf) fp32; flags (B, H, T, 1) uint8; unused
+ * parts may repeat q.) */
 int kv_run(int op, const int64_t *args) {
-    if (op < OP_K_ROWS || op > OP_V_AFFINE) return KV_EARG;
+    if (op < OP_K_ROWS || op > OP_K_AFFINE_T) return KV_EARG;
     kv_dims dm = {(int32_t)args[0], (int32_t)args[1], (int32_t)args[2], (int32_t)args[3], (int32_t)args[4],
                   (int32_t)args[5]};
     if (dm.B < 1 || dm.H < 1 || dm.M < 1 || dm.T < 1 || dm.D < 1) return KV_EARG;
     const int64_t *prm = args + 6;
-    kv_part pt[5];
-    const int nparts = op == OP_K_ROWS || op == OP_V_ROWS ? 4 : 5;
+    kv_part pt[9];
+    static const int NPARTS[] = {4, 4, 5, 5, 8, 9};
+    const int nparts = NPARTS[op];
     for (int i = 0; i < nparts; i++) {
         const int64_t *a = args + 6 + KV_NPARAM + 5 * i;
         pt[i].data = (const void *)(intptr_t)a[0];
@@ -748,14 +894,22 @@ int kv_run(int op, const int64_t *args) {
         pt[i].dtype = (int32_t)a[4];
         pt[i].unused = 0;
     }
-    kv_call k = {.op = op, .x = &pt[0], .p1 = &pt[1], .p2 = &pt[2], .dm = &dm};
-    if (nparts == 4) {
+    kv_call k = {.op = op, .x = &pt[0], .p1 = &pt[1], .p2 = &pt[2], .dm = &dm, .tr = NULL};
+    kv_tr tr;
+    if (op == OP_K_ROWS_T || op == OP_K_AFFINE_T) {
+        const int first = op == OP_K_ROWS_T ? 4 : 5; /* the bias part */
+        tr = (kv_tr){.hblock = (int)prm[3], .rhalf = (int)prm[4], .roff = (int)prm[5], .has_bias = (int)prm[6],
+                     .has_flags = (int)prm[7], .bias = &pt[first], .cos = &pt[first + 1], .sin = &pt[first + 2],
+                     .flags = &pt[first + 3]};
+        k.tr = &tr;
+    }
+    if (op == OP_K_ROWS || op == OP_V_ROWS || op == OP_K_ROWS_T) {
         k.fmt = (int)prm[0];
         k.out = &pt[3];
     } else {
         k.bits = (int)prm[0];
         k.group = (int)prm[1];
-        k.offset = op == OP_K_AFFINE ? (int)prm[2] : 0;
+        k.offset = op == OP_K_AFFINE || op == OP_K_AFFINE_T ? (int)prm[2] : 0;
         k.p3 = &pt[3];
         k.out = &pt[4];
     }
