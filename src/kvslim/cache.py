@@ -690,9 +690,9 @@ def _levers(cfg: CacheConfig, config, shapes: ModelShapes | None, codecs: dict, 
     Explicit values are honoured or refused with the reason. ``rotate='auto'``: every lossy tensor whose
     head_dim allows a rotation, K as a bias file records it (``k_rot``). ``pre_rope='auto'``: as a bias
     file records it (``k_pre_rope``); without one, for 2-bit K (int2) when the model's RoPE allows it —
-    measured (docs/quality.md, "Low-bit levers"): -26% to -29% KLD for int2 on top of rotation, -10% for
-    int4, nothing for per-token formats, at a several-fold K-score cost. Nothing is automatic without
-    ``config`` or for MLA latents."""
+    measured (docs/quality.md, "Low-bit levers"): -44% KLD for int2 on top of rotation, -12% for int4,
+    +14% (worse) for q4_0 without a bias; it costs a rotation of every stored key per step in the score
+    kernel. Nothing is automatic without ``config`` or for MLA latents."""
     basis = _bias_basis(mean_center) if mean_center is not None else None
     plain = shapes is None or is_mla(text_config(config))
     hadamard: dict[str, Hadamard | None] = {"k": None, "v": None}
