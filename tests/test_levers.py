@@ -654,3 +654,29 @@ def test_sample_flags_reach_the_cache():
     assert cache_config_from_args(p.parse_args(["--kv-pre-rope", "off"])).pre_rope is False
     default = cache_config_from_args(p.parse_args([]))
     assert (default.rotate, default.pre_rope) == ("auto", "auto")
+
+
+def test_auto_rotation_leaves_16_bit_storage_alone():
+    """fp16/bf16 storage is a cast: rotating it adds rounding (a bf16 cache of a bf16 model is exact) and can
+    overflow fp16 (a rotation grows a value by up to sqrt(block)). fp8 and the integer formats are rotated."""
+    model = tiny_model("llama")
+    assert {f: SlimCache(kv_quantize=f, config=model.config).rotate for f in ("fp16", "bf16", "fp8", "int4", "q4_0")} == {
+        "fp16": "none", "bf16": "none", "fp8": "kv", "int4": "kv", "q4_0": "kv"
+    }
+    cache = SlimCache(kv_quantize="fp16", residual=0, group_size=1, config=model.config)
+    k = torch.full((1, 2, 4, 32), 20000.0)
+    cache.update(k, k.clone(), 0)  # fits fp16 unrotated (a rotated 20000 * sqrt(32) would not)
+    keys, _ = cache.stores()[0].read(torch.float32)
+    assert torch.equal(keys, k)
+
+
+def test_encoded_tokens_are_not_rounded_to_the_residual_dtype_first():
+    """residual_dtype 'auto' (float16 for an fp32 model) applies to what stays at full precision only: a value
+    beyond float16's range that goes straight to the encoder is stored, not refused."""
+    model = tiny_model("llama")
+    k = torch.randn(1, 2, 8, 32)
+    k[..., 0] = 1e5
+    cache = SlimCache(kv_quantize="q8_0", residual=0, group_size=1, config=model.config)
+    cache.update(k, k.clone(), 0)
+    keys, _ = cache.stores()[0].read(torch.float32)
+    torch.testing.assert_close(keys, k, atol=1e5 / 127, rtol=0)

@@ -247,18 +247,19 @@ class Stream:
         encoding of the tokens that leave the residual (the step that can fail) is done here."""
         if not self.codec.lossy:
             return _Plan(None, 0, x)
-        x = self.cast(x)
+        # Only what stays in the residual is cast to its storage dtype; tokens that go straight to the
+        # encoder are encoded from the values given (never rounded to, or refused by, float16 first).
         g = self.unit
         n_fp = len(self.fp)
         ready = ((n_fp + x.shape[2] - self.residual_cap) // g) * g  # tokens that leave the residual now
         if ready <= n_fp:
             if ready <= 0:
-                return _Plan(None, 0, x)
-            return _Plan(self._encode(self.fp.view()[:, :, :ready]), ready, x)
+                return _Plan(None, 0, self.cast(x))
+            return _Plan(self._encode(self.fp.view()[:, :, :ready]), ready, self.cast(x))
         # A long chunk (prefill): encode straight from it; only the newest tokens enter the residual.
         head = x[:, :, : ready - n_fp]
-        enc = self._encode(head if n_fp == 0 else torch.cat([self.fp.view(), head], dim=2))
-        return _Plan(enc, n_fp, x[:, :, ready - n_fp :])
+        enc = self._encode(head if n_fp == 0 else torch.cat([self.fp.view().to(x.dtype), head], dim=2))
+        return _Plan(enc, n_fp, self.cast(x[:, :, ready - n_fp :]))
 
     def _encode(self, x: torch.Tensor) -> Encoded:
         """Tokens leaving the residual (B, H, n, D) -> their encoding, in the body's basis (centered per

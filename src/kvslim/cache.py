@@ -687,7 +687,7 @@ _FP_DTYPES = {"auto": "auto", "model": None, "float16": torch.float16, "bfloat16
 def _levers(cfg: CacheConfig, config, shapes: ModelShapes | None, codecs: dict, mean_center):
     """The Hadamard rotation per tensor and the pre-RoPE rope source a cache uses, ``auto`` resolved.
 
-    Explicit values are honoured or refused with the reason. ``rotate='auto'``: every lossy tensor whose
+    Explicit values are honoured or refused with the reason. ``rotate='auto'``: every quantized (not fp16/bf16) tensor whose
     head_dim allows a rotation, K as a bias file records it (``k_rot``). ``pre_rope='auto'``: as a bias
     file records it (``k_pre_rope``); without one, for 2-bit K (int2) when the model's RoPE allows it —
     measured (docs/quality.md, "Low-bit levers"): -44% KLD for int2 on top of rotation, -12% for int4,
@@ -698,8 +698,8 @@ def _levers(cfg: CacheConfig, config, shapes: ModelShapes | None, codecs: dict, 
     hadamard: dict[str, Hadamard | None] = {"k": None, "v": None}
     for role in ("k", "v"):
         if cfg.rotate == "auto":
-            if plain or not codecs[role].lossy:
-                continue
+            if plain or not codecs[role].lossy or codecs[role].family == "cast":
+                continue  # fp16/bf16 storage: a rotation only adds rounding (and can overflow fp16)
             if role == "k" and basis is not None and not basis[0]:
                 continue
             dim = shapes.k_head_dim if role == "k" else shapes.v_head_dim

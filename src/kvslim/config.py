@@ -78,7 +78,7 @@ class CacheConfig:
         (the model's dtype), ``float16`` or ``bfloat16``. Lossless ``none`` always keeps the model's dtype.
     rotate: which encoded tensors are stored rotated by an orthonormal Hadamard matrix (QuaRot /
         llama.cpp's attention rotation): ``none``, ``k``, ``v`` or ``kv``; ``auto`` (default) lets the
-        cache decide (:class:`~kvslim.SlimCache`: every lossy tensor it can rotate; K as a bias file
+        cache decide (:class:`~kvslim.SlimCache`: every quantized tensor it can rotate, not fp16/bf16; K as a bias file
         records). Attention is unchanged.
     pre_rope: store K before RoPE (KVQuant) and rotate it on read; needs the model's RoPE. ``auto``
         (default) lets the cache decide (2-bit K where the model's RoPE allows it; as a bias file records).
