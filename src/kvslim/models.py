@@ -248,7 +248,8 @@ def _load_tensor_parallel(kind: str, where, dtype: torch.dtype, *, verify: bool,
             model, tokenizer = _one_line(
                 f"cannot load the model in {where}", _from_dir, where, dtype, **kwargs
             )
-    distributed.check_tensor_parallel(model.config, world)  # a hub model's config is first seen here
+    if kind == "hub":  # a hub model's config is first seen here (the others were checked above)
+        distributed.check_tensor_parallel(model.config, world)
     distributed.rank_kv_heads(model)  # the shards fall on whole heads of a separate k_proj, or ValueError
     recorded = marker.get("fingerprint") if marker else None
     if recorded and dtype in (torch.float32, torch.bfloat16) and model_fingerprint(model) != recorded:

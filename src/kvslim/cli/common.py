@@ -36,23 +36,30 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def load_model_from_args(args: argparse.Namespace):
+def load_model_from_args(args: argparse.Namespace, *, kvslim_attention: bool = False):
     """``(model, tokenizer)`` for the model flags (a one-line ValueError on any failure).
+
+    kvslim_attention: switch the model to the ``kvslim`` attention (:func:`kvslim.enable`): decode steps
+    read the compressed codes directly (prefill chunks are plain sdpa); the materializing path gives the
+    same numbers to float rounding (tests/test_attention.py), slower.
 
     Started by ``torchrun`` (``WORLD_SIZE`` > 1 in the environment): joins the process group first (gloo on
     the CPU, NCCL on CUDA, a 60 s timeout: :func:`kvslim.distributed.init_from_env`), then loads the model
     tensor parallel, each rank holding a block of its KV heads; every rank runs the command alike and
     :func:`is_main_rank` alone prints."""
+    from .. import enable
     from ..models import load_model
 
     if distributed_run():
         from .. import distributed
 
         device = distributed.init_from_env(args.device)  # ValueError for a device the ranks cannot run on
-        return load_model(
+        model, tokenizer = load_model(
             args.model, device=device, dtype=args.dtype, verify=args.verify, tensor_parallel=True
         )
-    return load_model(args.model, device=args.device, dtype=args.dtype, verify=args.verify)
+    else:
+        model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, verify=args.verify)
+    return (enable(model) if kvslim_attention else model), tokenizer
 
 
 def distributed_run() -> bool:

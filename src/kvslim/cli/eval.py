@@ -167,13 +167,7 @@ def _read_text(path: str) -> str:
 
 
 def _load(args):
-    from .. import enable
-
-    model, tokenizer = load_model_from_args(args)
-    # decode steps read the compressed codes directly, as users run it (prefill chunks are plain sdpa); the
-    # materializing path gives the same numbers to float rounding (tests/test_attention.py), slower
-    enable(model)
-    return model, tokenizer
+    return load_model_from_args(args, kvslim_attention=True)  # decode on the codes, as users run it
 
 
 def _model_name(args) -> str:

@@ -107,10 +107,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model is None and not is_converted():
         check_cache_writable()  # a read-only cache: one error line, not a notice and then an error
         say("kvslim: converting the embedded model once (about 25 s); later starts take seconds")
-    model, tokenizer = load_model_from_args(args)
-    from .. import enable
-
-    enable(model)  # decode reads the compressed codes directly (prefill chunks are plain sdpa)
+    model, tokenizer = load_model_from_args(args, kvslim_attention=True)
     input_ids = _encode(tokenizer, prompt, args.chat).to(model.device)  # (1, T)
     shapes = ModelShapes.from_config(model.config)
     _check_context(args, cache_config, input_ids.shape[1], shapes.max_position_embeddings)
