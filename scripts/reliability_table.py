@@ -321,6 +321,29 @@ def main() -> None:
         os.chown(foreign / "kernels", 65534, 65534)
         run("kernel cache owned by another user", bench, KVSLIM_CACHE_DIR=str(foreign))
 
+    # issue 23: unusual input
+    link = WORK / "link.gguf"
+    link.symlink_to("/dev/null")
+    run("issue 23: calibrate --out a symlink (to /dev/null)", [*calib, "--out", link])
+    run("issue 23: calibrate --out a device node", [*calib, "--out", "/dev/null"])
+    run("issue 23: calibrate --ctx past the model's context", [*calib, "--ctx", "6000", "--out", WORK / "c.gguf"])
+    run("issue 23: temperature and top-p below float precision", [*sample, "--temperature", "1e-40", "--top-p", "1e-300"])
+    run("issue 23: bench --threads 100000", ["bench", "--smoke", "--model", m, "--threads", "100000"])
+    run("issue 23: WORLD_SIZE=2 RANK=1 outside torchrun", sample, WORLD_SIZE="2", RANK="1", cmd_note=f"{show(sample)}` with `WORLD_SIZE=2 RANK=1")
+    run("issue 23: a rotation of unquantized K/V", [*sample, "--kv-quantize", "none", "--kv-rotate", "kv"])
+    run("issue 23: eval ppl --plot plot.txt", ["eval", "ppl", "--model", m, "--text", text, "--plot", WORK / "plot.txt"])
+    run("issue 23: stdout closed", sample, preexec=lambda: os.close(1), cmd_note=f"{show(sample)} >&-")
+    run("issue 23: a cache flag out of range", [*sample, "--streaming-llm-sink", "-1"])
+    latin1 = WORK / "prompts.txt"
+    latin1.write_bytes(b"caf\xe9\n")
+    run("issue 23: a non-UTF-8 --prompts file", ["eval", "greedy", "--model", m, "--prompts", latin1])
+    fp32 = WORK / "fp32.gguf"
+    run("issue 23: calibrate in float32", [*calib, "--out", fp32])
+    run(
+        "issue 23: that file with --dtype float16",
+        [*sample, "--dtype", "float16", "--kv-quantize", "q4_0", "--kv-mean-center", fp32],
+    )
+
     for path in mounts:
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
     print("| case | command | exit | stderr (errors and warnings; `$W` = a temporary directory) |")

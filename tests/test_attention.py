@@ -70,8 +70,10 @@ def test_compressed_path_equals_materializing_path(arch, spec):
         kvslim.enable(model)
         got = _run(model, SlimCache(config=model.config, **spec), ids, 17)
     # fp32 summation order differs; in lossy formats a 1e-7 change in a deeper layer's K can flip a code
-    # at a rounding tie, so the bound is a little above fp32 rounding (a wrong mask or segment is O(0.1)).
-    torch.testing.assert_close(got, ref, atol=5e-4, rtol=1e-4)
+    # at a rounding tie (measured: qwen3 + q4_0 flips one on this CPU, a 1.3e-3 logit change, where the CI
+    # machine of an earlier round did not), so the bound is above one flipped code and far below a wrong mask
+    # or segment (O(0.1)).
+    torch.testing.assert_close(got, ref, atol=5e-3, rtol=1e-4)
 
 
 def test_compressed_path_is_taken():

@@ -145,18 +145,54 @@ def test_validation(model):
 
 
 def test_attn_auto_falls_back_to_sdpa(monkeypatch):
-    monkeypatch.setattr(modes, "kvslim_attention_available", lambda: False)
+    """'auto' is kvslim where transformers knows the 'kvslim' attention (resolving registers it), sdpa where
+    it does not: the registration is taken away (a transformers that refuses it), not the check itself."""
+    from transformers import AttentionInterface
+
+    from kvslim import attention
+
+    assert bench.resolve_attn("auto") == "kvslim"
+    assert "kvslim" in AttentionInterface()
+    monkeypatch.delitem(AttentionInterface._global_mapping, attention.NAME)
+    monkeypatch.setattr(attention, "register", lambda: None)
     assert bench.resolve_attn("auto") == "sdpa"
+    assert bench.resolve_attn("sdpa") == "sdpa"
     with pytest.raises(ValueError, match="kvslim"):
         bench.resolve_attn("kvslim")
-    monkeypatch.setattr(modes, "kvslim_attention_available", lambda: True)
-    assert bench.resolve_attn("auto") == "kvslim"
+
+
+class _Packed(torch.Tensor):
+    """A wrapper tensor subclass like optimum-quanto's quantized tensors: a float tensor on the outside,
+    its bytes in inner tensors (uint8 codes, float scales) that ``__tensor_flatten__`` names."""
+
+    @staticmethod
+    def __new__(cls, codes, scale):
+        return torch.Tensor._make_wrapper_subclass(cls, codes.shape, dtype=torch.float32)
+
+    def __init__(self, codes, scale):
+        self._codes, self._scale = codes, scale
+
+    def __tensor_flatten__(self):
+        return ["_codes", "_scale"], None
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(func)
 
 
 def test_cache_nbytes_counts_quantized_payloads():
-    # A tensor subclass that flattens into inner tensors is counted through them, storages once.
-    t = torch.zeros(10, dtype=torch.uint8)
-    assert memory._tensor_bytes({"a": t, "b": (t, torch.zeros(4))}, set()) == 10 + 16
+    """A transformers-style cache (``layers``, tensors as layer attributes) holding a quantized tensor
+    subclass is counted through its inner tensors (codes + scales, not the 4-byte float it poses as), and a
+    storage shared by two attributes once."""
+    from types import SimpleNamespace
+
+    codes, scale = torch.zeros(6, 10, dtype=torch.uint8), torch.zeros(6, 1)
+    packed = _Packed(codes, scale)
+    shared = torch.zeros(8, dtype=torch.float16)
+    cache = SimpleNamespace(
+        layers=[SimpleNamespace(keys=packed, values=shared), SimpleNamespace(keys=(shared, torch.zeros(4)))]
+    )
+    assert memory.cache_nbytes(cache) == 60 + 24 + 16 + 16
 
 
 @pytest.fixture

@@ -42,7 +42,7 @@ def ids():
 
 @pytest.fixture(scope="module")
 def bias(model, ids):
-    return collect_k_means_from_ids(model, ids, ctx=128, progress=False)
+    return collect_k_means_from_ids(model, ids, ctx=128, progress=False, rotate=False)  # the post-RoPE keys as given
 
 
 def random_bias(seed=0, **meta) -> BiasSet:
@@ -358,9 +358,10 @@ def test_cli_calibrate_real_model(tmp_path, capsys, license_text):
     assert "ratio" in printed and "wrote" in printed
     b = read_bias_file(out)
     assert b.n_layers == 30 and b.tensors[0].shape == (3, 64)
-    assert (b.n_tokens, b.n_chunks, b.ctx, b.cache_type, b.k_rot) == (256, 2, 128, "q4_0", False)
+    # k_rot: by default the basis the default cache stores a quantized K in (Hadamard-rotated, head_dim 64)
+    assert (b.n_tokens, b.n_chunks, b.ctx, b.cache_type, b.k_rot) == (256, 2, 128, "q4_0", True)
     assert b.model_fingerprint.startswith("sha256:")
     tensors = load_mean_center(
-        out, n_layers=30, n_kv_heads=3, head_dim=64, model_fingerprint=b.model_fingerprint
+        out, n_layers=30, n_kv_heads=3, head_dim=64, model_fingerprint=b.model_fingerprint, k_rot=True
     )
     assert all(torch.isfinite(t).all() for t in tensors)

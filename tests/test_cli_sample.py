@@ -38,7 +38,7 @@ def _error(capsys, argv) -> str:
         (["--tokens", "0"], "--tokens must be >= 1"),
         (["--temperature", "-1"], "--temperature must be >= 0"),
         (["--top-p", "0"], "--top-p must be in (0, 1]"),
-        (["--kv-residual", "100"], "residual=100 is not a multiple of group_size=32"),
+        (["--kv-residual", "100"], "--kv-residual=100 is not a multiple of --kv-group-size=32"),
         (["--report-json", "/tmp/kvslim-no-such-dir/r.json"], "does not exist"),
     ],
 )
@@ -54,13 +54,16 @@ def test_unknown_format_is_rejected(capsys):
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
-def test_no_prompt_and_a_terminal(capsys, monkeypatch):
+def test_no_prompt_and_a_terminal(capsys, monkeypatch, tmp_path):
+    """No --prompt and stdin a terminal: one line before anything loads. ``--model`` names a directory, so
+    the check of the default model (the embedded package) is not needed; nothing is loaded from it."""
+
     class Tty:
         def isatty(self):
             return True
 
     monkeypatch.setattr("sys.stdin", Tty())
-    assert "no prompt" in _error(capsys, [])
+    assert "no prompt" in _error(capsys, ["--model", str(tmp_path)])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -514,6 +514,8 @@ def test_cli_rank_other_than_0_is_quiet(monkeypatch, capfd, rank):
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # as torchrun sets them (without them: not a torchrun launch)
+    monkeypatch.setenv("MASTER_PORT", "29500")
     code = main(["sample", "--prompt", "hi", "--tokens", "0"])
     out, err = capfd.readouterr()
     assert code == 2 and out == ""

@@ -75,15 +75,38 @@ def _kl(ref, got):
     return (p.exp() * (p - q)).sum(-1)
 
 
+#: KL(DynamicCache || SlimCache) measured per family on CPU fp32 (40 tokens, group 4, residual 4): int4, q8_0.
+#: They span nine decades (LFM2 has few attention layers; Cohere2 keeps most in its sliding window).
+MEASURED_KL = {
+    "gemma3": (1.59e-4, 5.22e-7),
+    "gpt_oss": (3.01e-2, 5.26e-6),
+    "cohere2": (3.98e-7, 2.29e-9),
+    "olmo3": (6.84e-3, 3.00e-5),
+    "llama4": (1.49e-3, 7.60e-6),
+    "mistral_sliding": (1.36e-3, 6.42e-6),
+    "qwen3_next": (3.53e-3, 1.10e-5),
+    "falcon_h1": (1.40e-3, 5.08e-6),
+    "bamba": (4.06e-4, 2.70e-6),
+    "jamba": (1.19e-3, 9.90e-6),
+    "lfm2": (5.36e-10, 5.43e-12),
+    "deepseek_v3": (2.24e-3, 6.40e-6),
+    "gemma3n": (1.26e-3, 1.56e-5),
+}
+
+
 @pytest.mark.parametrize("fmt", ["int4", "q8_0"])
 def test_lossy_formats_bounded_kl(family, fmt):
+    """Each lossy format costs the KL measured for the family, within a factor of 2 either way (the old bound,
+    int4 < 0.1, held for int2 codes too): no quantization at all, a rounding bug, or int2 codes in place of
+    int4 (2.4x to 36x the int4 KL but for DeepSeek-V3's 1.5x) shows."""
     name, model = family
     ids = _ids(length=40, seed=3)
     ref = _teacher_logits(model, DynamicCache(config=model.config), ids)
     cache = SlimCache(kv_quantize=fmt, group_size=4, residual=4, config=model.config)
     got = _teacher_logits(model, cache, ids)
     kl = _kl(ref, got).mean().item()
-    assert kl < (0.1 if fmt == "int4" else 0.01), (name, kl)
+    measured = MEASURED_KL[name][["int4", "q8_0"].index(fmt)]
+    assert measured / 2 < kl < measured * 2, (name, fmt, kl, measured)
 
 
 def test_streaming_llm_applies_to_full_attention_layers_only(family):
@@ -142,7 +165,7 @@ def test_mla_latent_of_different_widths():
     cache = SlimCache(kv_quantize="q8_0", residual=0, group_size=1, config=model.config)
     _teacher_logits(model, cache, _ids(length=10))
     store = cache.layers[0].store
-    assert store.kv_shape == (1, 1, 64) and store._v_dim == 32
+    assert store.kv_shape == (1, 1, 64) and store.read(torch.float32)[1].shape == (1, 1, 10, 32)
     assert cache.fp16_full_cache_bytes(10) == 4 * 1 * 10 * (64 + 32) * 2
     assert cache.rotary is None and not cache.compressed_attention  # attention sees the expanded K/V
     with pytest.raises(ValueError, match="positions='cache' re-rotates"):

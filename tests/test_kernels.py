@@ -13,9 +13,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
+from kernel_helpers import assert_scaled_close, case_codec, cases, encoded_view, probs, queries
 from kvslim import kernels
-from kvslim.formats import FORMATS, Block, Encoded, format_names, get_format, make_codec
-from kvslim.kernels import cpu, reference
+from kvslim.formats import FORMATS, Block, Encoded, get_format, make_codec
+from kvslim.kernels import clib, cpu, reference
 
 D = 64
 #: (B, H_kv, M, T): batch 1/2, KV heads 1/3, queries 1/3/9, tokens 1/7/64/300
@@ -28,7 +29,6 @@ SHAPES = [
     (2, 3, 3, 64),
     (1, 1, 3, 300),
 ]
-REL = 1e-5  # of the score scale sum_d |q_d| |K_td| (and sum_t p_t |V_td|)
 
 
 @pytest.fixture
@@ -50,69 +50,6 @@ def _one_thread_default_backend():
     yield
     torch.set_num_threads(threads)
     kernels.set_backend(None)
-
-
-def _data(b, h, t, d, gen, dtype=torch.float32):
-    """Keys/values with per-channel means (what K mean-centering and affine zeros are about)."""
-    mean = torch.randn(1, h, 1, d, generator=gen) * 3
-    return (torch.randn(b, h, t, d, generator=gen) * 2 + mean).to(dtype)
-
-
-def encoded_view(codec, b, h, t, offset, gen, dtype=torch.float32, d=D) -> Encoded:
-    """t encoded tokens starting ``offset`` tokens into their first group, as views: one extra head,
-    a whole group before and one after (TimeBuffer-like strides on dims 0..2)."""
-    g = codec.token_group
-    n = -(-(offset + t) // g)  # groups the tokens touch
-    x = _data(b, h + 1, (n + 2) * g, d, gen, dtype)  # (B, H+1, (1 + n + 1) * G, D)
-    enc = codec.encode(x)
-    start = g + offset
-    return Encoded(
-        token={k: v[:, 1:, start : start + t] for k, v in enc.token.items()},
-        group={k: v[:, 1:, 1 : 1 + n] for k, v in enc.group.items()},
-    )
-
-
-def _queries(b, h, m, gen, d=D):
-    """q (B, H, M, D) as a view: rows of a bigger tensor (dims 0..2 strides not contiguous)."""
-    return (torch.randn(b, h, m + 2, d, generator=gen) * d**-0.5)[:, :, 1 : 1 + m]
-
-
-def _probs(b, h, m, t, gen):
-    """p (B, H, M, T): the body's slice of a softmax over more positions (sinks before, residual after)."""
-    full = torch.softmax(torch.randn(b, h, m, t + 6, generator=gen) * 3, dim=-1)
-    return full[..., 4 : 4 + t]
-
-
-def assert_scaled_close(out, ref, scale, what):
-    assert out.shape == ref.shape and out.dtype == torch.float32, (out.shape, ref.shape, out.dtype)
-    err = (out - ref).abs()
-    bad = err > REL * scale + 1e-30
-    if bad.any():
-        rel = (err / scale.clamp_min(1e-30)).max().item()
-        raise AssertionError(
-            f"{what}: {int(bad.sum())} of {err.numel()} beyond {REL} (max relative {rel:.3g})"
-        )
-
-
-AFFINE = ("int8", "int4", "int2")
-
-
-def _cases(k_groups=(8,)):
-    """(name, role, group): K token groups for per-channel K, V channel groups for per-token affine V."""
-    out = []
-    for name in format_names():
-        for role in ("k", "v"):
-            groups = (k_groups if role == "k" else (None, 16, 32)) if name in AFFINE else (None,)
-            out += [
-                pytest.param(name, role, g, id=f"{name}-{role}" + (f"-g{g}" if g else "")) for g in groups
-            ]
-    return out
-
-
-def _codec(name, role, group):
-    if name in AFFINE and role == "k":
-        return make_codec(name, role, group_size=group)
-    return make_codec(name, role, v_group_size=group)
 
 
 def _offsets(codec):
@@ -150,16 +87,16 @@ def decode64(codec, enc: Encoded, offset: int) -> torch.Tensor:
     return codes * scale + zero
 
 
-@pytest.mark.parametrize("name,role,group", _cases())
+@pytest.mark.parametrize("name,role,group", cases())
 def test_reference_equals_float64_decode_and_matmul(name, role, group):
     """The reference against scores and sums computed in float64 from an independent decode, within
     fp32 rounding of the products' magnitudes."""
-    codec = _codec(name, role, group)
+    codec = case_codec(name, role, group)
     gen = torch.Generator().manual_seed(1)
     for offset in _offsets(codec):
         enc = encoded_view(codec, 2, 3, 13, offset, gen)
         full = decode64(codec, enc, offset)  # (B, H, T, D)
-        q, p = _queries(2, 3, 3, gen), _probs(2, 3, 3, 13, gen)
+        q, p = queries(2, 3, 3, gen), probs(2, 3, 3, 13, gen)
         what = f"{name}-{role} {offset=}"
         ref = q.double() @ full.mT
         assert_scaled_close(
@@ -171,25 +108,25 @@ def test_reference_equals_float64_decode_and_matmul(name, role, group):
         )
 
 
-@pytest.mark.parametrize("name,role,group", _cases(k_groups=(8, 32)))
+@pytest.mark.parametrize("name,role,group", cases(k_groups=(8, 32)))
 def test_c_kernels_equal_reference(c_kernels, name, role, group):
-    codec = _codec(name, role, group)
+    codec = case_codec(name, role, group)
     gen = torch.Generator().manual_seed(sum(map(ord, f"{name}{role}{group}")))
     dtypes = [torch.float32, torch.bfloat16, torch.float16] if name == "none" else [torch.float32]
     for i, (b, h, m, t) in enumerate(SHAPES):
         offset = _offsets(codec)[i % len(_offsets(codec))]
-        enc = encoded_view(codec, b, h, t, offset, gen, dtypes[i % len(dtypes)])
+        enc = encoded_view(codec, b, h, t, offset, gen, dtype=dtypes[i % len(dtypes)])
         full = codec.decode(enc, torch.float32, offset)  # (B, H, T, D)
         what = f"{name}-{role} B={b} H={h} M={m} T={t} offset={offset}"
         if role == "k":
-            q = _queries(b, h, m, gen)
+            q = queries(b, h, m, gen)
             backend, kernel = kernels.select(q, codec, enc)
             assert backend == "cpu" and kernel.k_scores is not reference.k_scores, what
             out = kernels.k_scores(q, codec, enc, offset)
             ref = reference.k_scores(q, codec, enc, offset)
             assert_scaled_close(out, ref, q.abs() @ full.abs().transpose(-1, -2), what)
         else:
-            p = _probs(b, h, m, t, gen)
+            p = probs(b, h, m, t, gen)
             backend, kernel = kernels.select(p, codec, enc)
             assert backend == "cpu" and kernel.v_weighted is not reference.v_weighted, what
             out = kernels.v_weighted(p, codec, enc, offset)
@@ -204,13 +141,13 @@ def test_c_kernels_every_offset_and_long_query_axis(c_kernels):
     for offset in range(8):
         enc = encoded_view(codec, 1, 2, 37, offset, gen)
         full = codec.decode(enc, torch.float32, offset)
-        q = _queries(1, 2, 5, gen)
+        q = queries(1, 2, 5, gen)
         out = kernels.k_scores(q, codec, enc, offset)
         assert_scaled_close(
             out, reference.k_scores(q, codec, enc, offset), q.abs() @ full.abs().mT, f"{offset=}"
         )
     for m, backend in ((cpu.MAX_M, "cpu"), (cpu.MAX_M + 1, "torch")):
-        q = _queries(1, 2, m, gen)
+        q = queries(1, 2, m, gen)
         assert kernels.select(q, codec, enc)[0] == backend
         assert_scaled_close(
             kernels.k_scores(q, codec, enc, 7),
@@ -235,12 +172,12 @@ def test_c_kernels_other_head_dims(c_kernels, d):
             full = codec.decode(enc, torch.float32, offset)
             what = f"{name}-{role} D={d}"
             if role == "k":
-                q = _queries(1, 3, 3, gen, d)
+                q = queries(1, 3, 3, gen, d)
                 assert kernels.select(q, codec, enc)[0] == "cpu", what
                 out, ref = kernels.k_scores(q, codec, enc, offset), reference.k_scores(q, codec, enc, offset)
                 assert_scaled_close(out, ref, q.abs() @ full.abs().mT, what)
             else:
-                p = _probs(1, 3, 3, 45, gen)
+                p = probs(1, 3, 3, 45, gen)
                 assert kernels.select(p, codec, enc)[0] == "cpu", what
                 out, ref = kernels.v_weighted(p, codec, enc), reference.v_weighted(p, codec, enc)
                 assert_scaled_close(out, ref, p.abs() @ full.abs(), what)
@@ -265,19 +202,19 @@ def test_c_kernels_threaded(c_kernels):
         ("q5_0", "v", None, 0),
         ("int2", "v", None, 0),
     ):
-        codec = _codec(name, role, group)
+        codec = case_codec(name, role, group)
         for b, h, m, t in ((1, 3, 3, 2500), (2, 3, 9, 700)):
             enc = encoded_view(codec, b, h, t, offset, gen)
             full = codec.decode(enc, torch.float32, offset)
             if role == "k":
-                q = _queries(b, h, m, gen)
+                q = queries(b, h, m, gen)
                 out, ref = (
                     _threaded(kernels.k_scores, q, codec, enc, offset),
                     reference.k_scores(q, codec, enc, offset),
                 )
                 assert_scaled_close(out, ref, q.abs() @ full.abs().mT, f"{name}-{role} {t}")
             else:
-                p = _probs(b, h, m, t, gen)
+                p = probs(b, h, m, t, gen)
                 out, ref = _threaded(kernels.v_weighted, p, codec, enc), reference.v_weighted(p, codec, enc)
                 assert_scaled_close(out, ref, p.abs() @ full.abs(), f"{name}-{role} {t}")
 
@@ -287,7 +224,7 @@ def test_unsupported_layouts_fall_back_to_the_reference(c_kernels):
     codec = make_codec("int2", "v", v_group_size=2)
     gen = torch.Generator().manual_seed(4)
     enc = encoded_view(codec, 1, 3, 20, 0, gen)
-    p = _probs(1, 3, 3, 20, gen)
+    p = probs(1, 3, 3, 20, gen)
     assert kernels.select(p, codec, enc)[0] == "torch"
     assert torch.equal(kernels.v_weighted(p, codec, enc), reference.v_weighted(p, codec, enc))
     meta = torch.empty(1, 3, 3, 20, device="meta")  # any non-CPU device: the reference
@@ -334,11 +271,11 @@ def test_c_row_decoders_match_the_registry(monkeypatch):
     """The C library decodes every registered GGML / fp8 format and cast dtype, with the GGML block
     layouts of the registry; a layout that disagrees is refused. Loads the library directly: a refusal
     would make the c_kernels fixture skip, and must fail here instead."""
-    if cpu.find_compiler() is None:
+    if clib.find_compiler() is None:
         pytest.skip("no C compiler")
-    lib = ctypes.CDLL(str(cpu.build()[0]))
-    cpu._declare(lib)
-    codes = cpu.row_codes(lib)
+    lib = ctypes.CDLL(str(clib.build()[0]))
+    clib._declare(lib)
+    codes = clib.row_codes(lib)
     named = [f for f in FORMATS.values() if {"ggml", "fp8"} & set(f.family.values())]
     assert {f.name for f in named} == {"fp8", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"}
     assert set(codes) == {f.name for f in named} | {torch.float32, torch.float16, torch.bfloat16}
@@ -349,7 +286,7 @@ def test_c_row_decoders_match_the_registry(monkeypatch):
         RuntimeError,
         match="q4_0 as blocks of 32 elements in 18 bytes, the format registry says 32 elements in 19",
     ):
-        cpu.row_codes(lib)
+        clib.row_codes(lib)
 
 
 # --------------------------------------------------------------------------- dispatch
@@ -359,7 +296,7 @@ def test_backend_choice_and_available():
     codec = make_codec("q8_0", "k")
     gen = torch.Generator().manual_seed(5)
     enc = encoded_view(codec, 1, 3, 10, 0, gen)
-    q = _queries(1, 3, 3, gen)
+    q = queries(1, 3, 3, gen)
     kernels.set_backend("torch")
     assert kernels.get_backend() == "torch" and kernels.select(q, codec, enc)[0] == "torch"
     assert kernels.available()["active"] == "torch"
@@ -418,18 +355,18 @@ def test_empty_body():
 def test_build_is_cached_and_safe_when_concurrent(monkeypatch, tmp_path):
     """Two builds at once into an empty cache: one file, no temp files left, then reused as is.
     (A one-line source stands in for the kernels: the machinery is what is tested here.)"""
-    if cpu.find_compiler() is None:
+    if clib.find_compiler() is None:
         pytest.skip("no C compiler")
     src = tmp_path / "src"
     src.mkdir()
     (src / "k.c").write_text("int kv_abi_version(void) { return 1; }\n")
-    monkeypatch.setattr(cpu, "SOURCES", src)
+    monkeypatch.setattr(clib, "SOURCES", src)
     monkeypatch.setenv("KVSLIM_CACHE_DIR", str(tmp_path / "cache"))
     results, errors = [], []
 
     def build():
         try:
-            results.append(cpu.build())
+            results.append(clib.build())
         except Exception as e:  # surfaced below
             errors.append(e)
 
@@ -446,15 +383,15 @@ def test_build_is_cached_and_safe_when_concurrent(monkeypatch, tmp_path):
         [path.name, path.stem + ".flags"]
     )  # no temp left
     mtime = path.stat().st_mtime_ns
-    assert cpu.build()[0] == path and path.stat().st_mtime_ns == mtime  # cached: not rebuilt
+    assert clib.build()[0] == path and path.stat().st_mtime_ns == mtime  # cached: not rebuilt
     (src / "k.c").write_text("int kv_abi_version(void) { return 2; }\n")
-    assert cpu.build()[0] != path  # a changed source is a new build
+    assert clib.build()[0] != path  # a changed source is a new build
 
 
 def test_build_failure_warns_once_and_uses_the_reference(monkeypatch, tmp_path):
     monkeypatch.setenv("KVSLIM_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    cpu._reset_for_tests()
+    clib._reset_for_tests()
     try:
         with pytest.warns(RuntimeWarning, match="C kernels unavailable"):
             ok, why = cpu.status()
@@ -465,9 +402,9 @@ def test_build_failure_warns_once_and_uses_the_reference(monkeypatch, tmp_path):
             codec = make_codec("q4_0", "k")
             gen = torch.Generator().manual_seed(7)
             enc = encoded_view(codec, 1, 3, 10, 0, gen)
-            q = _queries(1, 3, 3, gen)
+            q = queries(1, 3, 3, gen)
             assert kernels.select(q, codec, enc)[0] == "torch"
             assert torch.equal(kernels.k_scores(q, codec, enc), reference.k_scores(q, codec, enc))
             assert kernels.available()["active"] == "torch"
     finally:
-        cpu._reset_for_tests()  # the next use loads the real build again
+        clib._reset_for_tests()  # the next use loads the real build again

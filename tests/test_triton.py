@@ -27,12 +27,14 @@ import torch
 
 pytest.importorskip("triton", reason="Triton is not installed (pip install 'kvslim[gpu]')")
 
+from kernel_helpers import assert_scaled_close, case_codec, cases, encoded_view, probs, queries  # noqa: E402
 from kvslim import kernels  # noqa: E402
 from kvslim.formats import Block, Encoded, format_names, make_codec  # noqa: E402
 from kvslim.kernels import gpu, reference  # noqa: E402
 
-AFFINE = ("int8", "int4", "int2")
-REL = 1e-5
+#: (name, role, group): K token groups 8/32 for per-channel K, V channel groups for affine V (2 = a group
+#: smaller than a byte of int2 codes)
+CASES = cases(k_groups=(8, 32), v_groups=(None, 16, 2))
 #: (B, H_kv, M, T, D): cycled through per case, with the case's offsets
 SHAPES = [
     (1, 1, 1, 1, 64),
@@ -67,65 +69,6 @@ def triton_backend():
     kernels.set_backend(None)
 
 
-def _data(b, h, t, d, gen, dtype=torch.float32):
-    """Keys/values with per-channel means (what affine zeros and K mean-centering are about)."""
-    mean = torch.randn(1, h, 1, d, generator=gen) * 3
-    return (torch.randn(b, h, t, d, generator=gen) * 2 + mean).to(dtype)
-
-
-def encoded_view(codec, b, h, t, offset, gen, d, dtype=torch.float32) -> Encoded:
-    """t encoded tokens starting ``offset`` tokens into their first group, as views: one extra head,
-    a whole group before and one after (strides of a bigger buffer on dims 0..2)."""
-    g = codec.token_group
-    n = -(-(offset + t) // g)  # groups the tokens touch
-    enc = codec.encode(_data(b, h + 1, (n + 2) * g, d, gen, dtype))  # (B, H+1, (1 + n + 1) * G, D)
-    start = g + offset
-    return Encoded(
-        token={k: v[:, 1:, start : start + t] for k, v in enc.token.items()},
-        group={k: v[:, 1:, 1 : 1 + n] for k, v in enc.group.items()},
-    )
-
-
-def _queries(b, h, m, d, gen):
-    """q (B, H, M, D) as a view: rows of a bigger tensor."""
-    return (torch.randn(b, h, m + 2, d, generator=gen) * d**-0.5)[:, :, 1 : 1 + m]
-
-
-def _probs(b, h, m, t, gen):
-    """p (B, H, M, T): the body's slice of a softmax over more positions (sinks, residual)."""
-    return torch.softmax(torch.randn(b, h, m, t + 6, generator=gen) * 3, dim=-1)[..., 4 : 4 + t]
-
-
-def assert_scaled_close(out, ref, scale, what):
-    assert out.shape == ref.shape and out.dtype == torch.float32, (what, out.shape, ref.shape, out.dtype)
-    err = (out - ref).abs()
-    bad = err > REL * scale + 1e-30
-    if bad.any():
-        rel = (err / scale.clamp_min(1e-30)).max().item()
-        raise AssertionError(
-            f"{what}: {int(bad.sum())} of {err.numel()} beyond {REL} (max relative {rel:.3g})"
-        )
-
-
-def _cases():
-    """(name, role, group): K token groups 8/32 for per-channel K, V channel groups for affine V
-    (2 = a group smaller than a byte of int2 codes)."""
-    out = []
-    for name in format_names():
-        for role in ("k", "v"):
-            groups = ((8, 32) if role == "k" else (None, 16, 2)) if name in AFFINE else (None,)
-            out += [
-                pytest.param(name, role, g, id=f"{name}-{role}" + (f"-g{g}" if g else "")) for g in groups
-            ]
-    return out
-
-
-def _codec(name, role, group):
-    if name in AFFINE and role == "k":
-        return make_codec(name, role, group_size=group)
-    return make_codec(name, role, v_group_size=group)
-
-
 def _offsets(codec):
     g = codec.token_group
     return [0] if g == 1 else [1, g - 1, 0, g // 2]
@@ -134,7 +77,7 @@ def _offsets(codec):
 def _check(codec, enc, offset, b, h, m, t, d, gen, what):
     """K scores and V sums of this body through the dispatcher (which must pick triton) vs the reference."""
     full = codec.decode(enc, torch.float32, offset)  # (B, H, T, D)
-    q, p = _queries(b, h, m, d, gen), _probs(b, h, m, t, gen)
+    q, p = queries(b, h, m, gen, d), probs(b, h, m, t, gen)
     for x in (q, p):
         assert kernels.select(x, codec, enc)[0] == "triton", what
     ref = reference.k_scores(q, codec, enc, offset)
@@ -143,9 +86,9 @@ def _check(codec, enc, offset, b, h, m, t, d, gen, what):
     assert_scaled_close(kernels.v_weighted(p, codec, enc, offset), ref, p.abs() @ full.abs(), f"V {what}")
 
 
-@pytest.mark.parametrize("name,role,group", _cases())
+@pytest.mark.parametrize("name,role,group", CASES)
 def test_triton_equals_reference(triton_backend, name, role, group):
-    codec = _codec(name, role, group)
+    codec = case_codec(name, role, group)
     gen = torch.Generator().manual_seed(sum(map(ord, f"{name}{role}{group}")))
     dtypes = [torch.float32, torch.bfloat16, torch.float16] if name == "none" else [torch.float32]
     offsets = _offsets(codec)
@@ -180,7 +123,7 @@ def test_scale_dtypes_and_query_rows_past_one_tile(triton_backend):
     codec = make_codec("q4_1", "k")
     enc = encoded_view(codec, 1, 2, 50, 0, gen, 64)
     full = codec.decode(enc, torch.float32)
-    q, p = _queries(1, 2, 70, 64, gen), _probs(1, 2, 70, 50, gen)
+    q, p = queries(1, 2, 70, gen, 64), probs(1, 2, 70, 50, gen)
     assert kernels.select(q, codec, enc)[0] == "torch"  # past MAX_M
     assert_scaled_close(
         gpu.k_scores(q, codec, enc, 0), reference.k_scores(q, codec, enc), q.abs() @ full.abs().mT, "K M=70"
@@ -241,9 +184,9 @@ def test_cuda_equals_reference(monkeypatch):
     every case above plus a long body (many V splits). One test: one skip on a CPU machine, not 33."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     kernels.set_backend("auto")
-    for case in _cases():
+    for case in CASES:
         name, role, group = case.values
-        codec = _codec(name, role, group)
+        codec = case_codec(name, role, group)
         gen = torch.Generator().manual_seed(sum(map(ord, f"{name}{role}{group}")))
         offsets = _offsets(codec)
         for i, (b, h, m, t, d) in enumerate([*SHAPES, (1, 2, 8, 5000, 128)]):
@@ -253,7 +196,7 @@ def test_cuda_equals_reference(monkeypatch):
                 {k: v.cuda() for k, v in enc.token.items()}, {k: v.cuda() for k, v in enc.group.items()}
             )
             full = codec.decode(enc, torch.float32, offset)
-            q, p = _queries(b, h, m, d, gen).cuda(), _probs(b, h, m, t, gen).cuda()
+            q, p = queries(b, h, m, gen, d).cuda(), probs(b, h, m, t, gen).cuda()
             what = f"{case.id} B={b} H={h} M={m} T={t} D={d} {offset=}"
             assert kernels.select(q, codec, enc)[0] == "triton", what
             ref = reference.k_scores(q, codec, enc, offset)
@@ -331,7 +274,7 @@ def test_dispatch_takes_cpu_tensors_only_when_asked_by_name(monkeypatch):
     codec = make_codec("q8_0", "k")
     gen = torch.Generator().manual_seed(5)
     enc = encoded_view(codec, 1, 3, 10, 0, gen, 64)
-    q = _queries(1, 3, 3, 64, gen)
+    q = queries(1, 3, 3, gen, 64)
     kernels.set_backend("auto")
     assert kernels.select(q, codec, enc)[0] in ("cpu", "torch")  # never the interpreter by default
     kernels.set_backend("triton")
@@ -339,7 +282,7 @@ def test_dispatch_takes_cpu_tensors_only_when_asked_by_name(monkeypatch):
     info = kernels.available()
     assert info["active"] == "triton" and info["backends"]["triton"]["available"]
     assert set(info["backends"]["triton"]["families"]) == {"affine_k", "affine_v", "ggml", "fp8", "cast"}
-    assert kernels.select(_queries(1, 3, gpu.MAX_M + 1, 64, gen), codec, enc)[0] == "torch"
+    assert kernels.select(queries(1, 3, gpu.MAX_M + 1, gen, 64), codec, enc)[0] == "torch"
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert kernels.select(q, codec, enc)[0] == "torch"  # no interpreter: CPU tensors are not Triton's
     if not torch.cuda.is_available():
@@ -363,3 +306,37 @@ def test_layouts_are_checked_before_any_pointer_is_read(triton_backend):
     v = make_codec("q4_0", "v")
     with pytest.raises(ValueError, match="q4_0 blocks"):
         gpu.v_weighted(torch.zeros(1, 3, 1, 8), v, encoded_view(v, 1, 3, 7, 0, gen, 64), 0)
+
+
+def test_ragged_engine_step_on_the_triton_kernels(triton_backend, monkeypatch):
+    """A ragged decode step (kvslim.generate.forward_rows: rows of different lengths, formats and evicted
+    ranges, no padding to the longest) with the Triton kernels under the interpreter gives the logits of the
+    same step on the CPU kernels, row by row."""
+    import kvslim
+    from conftest import tiny_model
+    from kvslim import SlimCache
+    from kvslim import generate as gen
+
+    model = kvslim.enable(tiny_model("llama", num_hidden_layers=1))
+    specs = ["int4,sink=2,window=40,group=8,residual=8", "q4_0,residual=0,group=1", "int8,group=8,residual=8", "q8_0,sink=2,window=20,residual=0,group=1"]
+    lens = [70, 9, 33, 50]
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 128, (1, n), generator=g) for n in lens]
+    out, used = {}, []
+    real_select = kernels.select
+
+    def spy(*a, **k):
+        used.append(real_select(*a, **k)[0])
+        return real_select(*a, **k)
+
+    monkeypatch.setattr(kernels, "select", spy)
+    for backend in ("cpu", "triton"):
+        kernels.set_backend(backend)
+        caches = [SlimCache.from_config(kvslim.parse_spec(s), config=model.config) for s in specs]
+        with torch.inference_mode():
+            for p, c in zip(prompts, caches, strict=True):
+                gen.prefill(model, p, c)
+            used.clear()
+            out[backend] = gen.forward_rows(model, [5, 6, 7, 8], caches)
+        assert used and set(used) == {backend}
+    assert torch.allclose(out["triton"], out["cpu"], atol=1e-4, rtol=1e-4)

@@ -34,6 +34,10 @@ def enable(model):
     """
     from .attention import NAME, register
 
+    if not callable(getattr(model, "set_attn_implementation", None)):
+        raise ValueError(
+            f"enable() needs a loaded transformers model (a PreTrainedModel), got {type(model).__name__}"
+        )
     register()
     model.set_attn_implementation(NAME)
     return model

@@ -42,6 +42,14 @@ def check_writable_target(path: str | os.PathLike, what: str = "output") -> Path
     target = Path(path)
     if target.is_dir():
         raise WriteError(f"{what} {os.fspath(path)}: is a directory, expected a file path")
+    # The final rename would replace a symlink (or a device, a FIFO) with a regular file: refuse instead.
+    if target.is_symlink():
+        raise WriteError(
+            f"{what} {os.fspath(path)}: is a symbolic link (to {os.readlink(target)}), expected a regular file "
+            f"path; pass the link's target itself"
+        )
+    if target.exists() and not target.is_file():
+        raise WriteError(f"{what} {os.fspath(path)}: is not a regular file (a device or a pipe), expected a file path")
     parent = target.parent if str(target.parent) else Path(".")
     if not parent.is_dir():
         raise WriteError(f"{what} {os.fspath(path)}: directory {parent.resolve()} does not exist")
@@ -277,15 +285,25 @@ def replace_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> bool:
     return True
 
 
-def remove_stale_temporaries(directory: str | os.PathLike, max_age_s: float = 3600.0) -> None:
-    """Remove kvslim temporary files older than ``max_age_s`` in ``directory`` (left by a killed
-    process; a live writer's temporary is younger)."""
+def remove_stale(directory: str | os.PathLike, pattern: str, max_age_s: float = 3600.0) -> None:
+    """Remove what killed processes left in ``directory``: entries matching the glob ``pattern``, owned
+    by this user and untouched for ``max_age_s`` seconds (a live writer's temporary is younger); a file
+    is unlinked, a directory removed whole, a link left alone. Errors are ignored (another process may
+    be removing the same entries). The one stale-temporary cleaner: kernel builds (:mod:`kvslim.kernels.clib`),
+    their private build directories, and what else writes temporaries beside its target."""
+    import shutil
+    import stat
     import time
 
     now = time.time()
     with contextlib.suppress(OSError):
-        for entry in Path(directory).iterdir():
-            if TMP_TAG in entry.name:
-                with contextlib.suppress(OSError):
-                    if entry.is_file() and now - entry.stat().st_mtime > max_age_s:
-                        entry.unlink()
+        for entry in Path(directory).glob(pattern):
+            with contextlib.suppress(OSError):
+                st = entry.lstat()
+                mine = not hasattr(os, "geteuid") or st.st_uid == os.geteuid()
+                if not mine or now - st.st_mtime <= max_age_s:
+                    continue
+                if stat.S_ISDIR(st.st_mode):
+                    shutil.rmtree(entry, ignore_errors=True)
+                elif stat.S_ISREG(st.st_mode):
+                    entry.unlink()

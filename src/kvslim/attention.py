@@ -75,7 +75,8 @@ def compressed_attention(query: torch.Tensor, kv: Segments, attention_mask, scal
         causal = torch.ones(q_len, t, dtype=torch.bool, device=scores.device).tril(t - q_len)
         scores = scores.masked_fill(~causal.repeat(rep, 1), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    probs = torch.nan_to_num(probs, nan=0.0)  # rows with nothing to attend to (pad queries)
+    if attention_mask is not None:
+        probs = torch.nan_to_num(probs, nan=0.0)  # rows with nothing to attend to (pad queries)
 
     n_sink = 0 if kv.v_sink is None else kv.v_sink.shape[2]
     n_body = kv.n_body("v")
@@ -158,11 +159,40 @@ def _body_scores(q: torch.Tensor, kv: Segments, enc, offset: int) -> torch.Tenso
 
 
 def kvslim_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
-    """The registered attention function: compressed attention for Segments, sdpa otherwise."""
+    """The registered attention function: compressed attention for Segments, row by row for a ragged step's
+    :class:`~kvslim.ragged.RaggedSegments`, sdpa otherwise."""
+    from .ragged import RaggedSegments
+
+    if isinstance(key, RaggedSegments):
+        return _ragged_attention(module, query, key, dropout, scaling, kwargs)
     if not isinstance(key, Segments):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    return _segments_attention(module, query, key, attention_mask, dropout, scaling, kwargs)
+
+
+def _ragged_attention(module, query, key, dropout, scaling, kwargs):
+    """query (B, Hq, 1, D): row ``b`` attends to every token row ``b`` stores (no mask: a decode token sees its
+    whole row), each on its own Segments; a filler row's output is 0. Returns (B, 1, Hq, D)."""
+    outs = []
+    for b, seg in enumerate(key.rows):
+        if seg is None:
+            outs.append(query.new_zeros(1, query.shape[2], query.shape[1], _ragged_v_dim(key)))
+            continue
+        out, _ = _segments_attention(module, query[b : b + 1], seg, None, dropout, scaling, kwargs)
+        outs.append(out)
+    return torch.cat(outs, dim=0), None
+
+
+def _ragged_v_dim(key) -> int:
+    """V's width in a ragged step (the first real row's)."""
+    real = next(s for s in key.rows if s is not None)
+    return real.v_res.shape[-1] if real.v_res is not None else real.v_sink.shape[-1]
+
+
+def _segments_attention(module, query, key: Segments, attention_mask, dropout, scaling, kwargs):
+    """Attention of ``query`` (B, Hq, q, D) over one cache's Segments; returns ((B, q, Hq, Dv), None)."""
     if dropout and module.training:
         raise ValueError("kvslim attention is an inference path: dropout is not supported")
     if (

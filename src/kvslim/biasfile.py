@@ -7,7 +7,7 @@ next to ``general.type = kv-mean-center``, ``kv_mean_center.schema_version``, ``
 order, calibration text and chunks); it reads files of either tool. See docs/mean-center.md.
 
 Deterministic files (as gguf-py's imatrix): tensors in layer order, keys in a fixed order, no
-timestamps, so the same :class:`~kvslim.meancenter.BiasSet` always gives the same bytes.
+timestamps, so the same :class:`~kvslim.biasset.BiasSet` always gives the same bytes.
 
 Deviation from the fork: for llama-arch models llama.cpp's converter permutes the K channels
 (interleaved vs rotate-half RoPE), so a bias is only portable after :func:`to_llama_cpp_order` /
@@ -35,13 +35,11 @@ import dataclasses
 import os
 import re
 import struct
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from .meancenter import BiasSet
+from .biasset import CHANNEL_ORDERS, BiasSet, check_layer, tensor_name
 
 #: ``general.type`` of a bias file (the fork's value).
 FILE_TYPE = "kv-mean-center"
@@ -51,8 +49,6 @@ SCHEMA_VERSION = 1
 KEY_PREFIX = "kv_mean_center."
 #: ``kv_mean_center.model_sha256_kind``: whose identity ``model_sha256`` holds.
 FINGERPRINT_KIND = "kvslim"
-#: ``kv_mean_center.channel_order`` values: kvslim's cache order, and llama.cpp's.
-CHANNEL_ORDERS = ("transformers", "llama.cpp")
 #: Canonical tensor names only: ``kv_bar.blk.1.k``, never ``kv_bar.blk.01.k`` (an alias of layer 1).
 _TENSOR_RE = re.compile(r"^kv_bar\.blk\.(0|[1-9][0-9]{0,5})\.k$")
 _TENSOR_LIKE = re.compile(r"^kv_bar\.blk\.")
@@ -60,11 +56,6 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 #: A bias file holds a few hundred KiB (80 layers x 8 heads x 128 channels x 4 bytes = 320 KiB);
 #: anything larger is not one (and is not read into memory to find out).
 MAX_FILE_BYTES = 64 << 20
-
-
-def tensor_name(layer: int) -> str:
-    """The GGUF tensor name of layer ``layer``'s K bias (the fork's naming)."""
-    return f"kv_bar.blk.{layer}.k"
 
 
 def fingerprint_hex(fingerprint: str) -> str:
@@ -258,7 +249,7 @@ def check_structure(data: bytes, where: str) -> None:
 
 def read_layers(path: str | os.PathLike) -> tuple[dict[int, np.ndarray], dict]:
     """Layer index -> float32 array (numpy order, 1-D or ``(H_kv, D)``) and the BiasSet metadata
-    (:meth:`~kvslim.meancenter.BiasSet.metadata`'s keys; ``k_rot`` None when the file has none,
+    (:meth:`~kvslim.biasset.BiasSet.metadata`'s keys; ``k_rot`` None when the file has none,
     ``architecture`` the file's ``general.architecture`` if any).
 
     Raises FileNotFoundError for a missing file and ValueError (one line, naming the file) for
@@ -397,9 +388,6 @@ def read_bias_file(
     2-D tensors, ``(H_kv * D,)`` for 1-D ones unless ``n_kv_heads`` and ``head_dim`` are given
     (then every tensor is validated and reshaped to ``(H_kv, D)``). Layers must be 0..n-1;
     a gap raises (use :func:`kvslim.meancenter.load_mean_center` for validation against a model)."""
-    # meancenter imports this module (a cache loads bias files through it): import it at call time.
-    from .meancenter import BiasSet, check_layer
-
     layers, meta = read_layers(path)
     missing = sorted(set(range(max(layers) + 1)) - set(layers))
     if missing:
@@ -534,7 +522,10 @@ def from_llama_cpp_order(bias: BiasSet, model_type: str | None = None) -> BiasSe
     """
     if bias.channel_order not in (None, CHANNEL_ORDERS[1]):
         raise ValueError(f"expected a bias in {CHANNEL_ORDERS[1]!r} order, got {bias.channel_order!r}")
-    tensors = _two_d(bias.tensors)
+    tensors = bias.tensors
     if llama_cpp_permutes(model_type, bias.architecture):
-        tensors = [permute_rotated(t, False) if bias.k_rot else permute_from_llama_cpp(t) for t in tensors]
+        # a rotated bias is the mean of H P k: back to kvslim's H k through the unrotated basis
+        tensors = [
+            permute_rotated(t, False) if bias.k_rot else permute_from_llama_cpp(t) for t in _two_d(tensors)
+        ]
     return dataclasses.replace(bias, tensors=tensors, channel_order=CHANNEL_ORDERS[0])

@@ -21,20 +21,36 @@ from .hadamard import Hadamard
 
 
 class TimeBuffer:
-    """A tensor ``(B, H, T, ...)`` growing along dim 2: amortized O(1) append, O(1) drop of the oldest.
+    """A tensor ``(B, H, T, ...)`` growing along dim 2, oldest entry first.
 
-    Storage is a preallocated block with slack at the end; ``start`` moves on drops. When an append
-    does not fit, the live part moves into a new block with 50% headroom (at least ``min_slack``
-    entries) — a fresh allocation, so views handed out earlier are never overwritten.
+    Two storage modes:
+
+    - growing (``capacity=None``, unbounded caches): a preallocated block with slack at the end;
+      ``start`` moves on drops. When an append does not fit, the live part moves into a new block with
+      25% headroom (at least ``min_slack`` entries) — amortized O(1) appends, a fresh allocation, so
+      views handed out earlier are never overwritten.
+    - capped (``capacity=N``, bounded caches): the block grows as above but never past ``N`` entries; once
+      it holds ``N`` it is never reallocated again as long as at most ``N`` entries are live. A drop moves
+      ``start`` (an index: nothing is copied, nothing re-encoded); when an append reaches the end of the
+      block, the live entries move to its front, in place (a copy of the live entries once per ``N - live``
+      appends, no allocation). Only a chunk that does not fit beside the live entries (a prefill chunk
+      longer than the capacity, before its eviction) grows the block past ``N``, and the drop that follows
+      gives the extra back. So a bounded cache's bytes are constant once it is full, and a short stream
+      in a long window holds only what it stores (plus slack), not the window.
+
+    Views (:meth:`view`) are valid until the next append or drop.
     """
 
-    __slots__ = ("data", "start", "end", "min_slack")
+    __slots__ = ("data", "start", "end", "min_slack", "capacity")
 
-    def __init__(self, min_slack: int = 64):
+    def __init__(self, min_slack: int = 64, capacity: int | None = None):
         self.data: torch.Tensor | None = None
         self.start = 0
         self.end = 0
         self.min_slack = min_slack
+        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
+            raise ValueError(f"capacity must be a positive number of entries or None, got {capacity!r}")
+        self.capacity = capacity
 
     def __len__(self) -> int:
         return self.end - self.start
@@ -44,19 +60,35 @@ class TimeBuffer:
         if n == 0 and self.data is not None:
             return
         if self.data is None or self.end + n > self.data.shape[2]:
-            self._realloc(len(self) + n, x)
+            live = len(self)
+            if self.capacity is not None and self.data is not None and live + n <= self.data.shape[2]:
+                self._compact()
+            else:
+                self._realloc(live + n, x)
         self.data[:, :, self.end : self.end + n] = x
         self.end += n
 
-    def _realloc(self, need: int, like: torch.Tensor) -> None:
-        """Move the live entries into a new block with room for ``need`` entries plus slack.
+    def _compact(self) -> None:
+        """Move the live entries to the front of the block, in place (fixed mode)."""
+        live = len(self)
+        if self.start and live:
+            src = self.data[:, :, self.start : self.end]
+            # overlapping source and target: copy through a temporary when they overlap
+            self.data[:, :, :live] = src.clone() if self.start < live else src
+        self.start, self.end = 0, live
 
-        Slack is a quarter of the live size (at least ``min_slack``): appends stay amortized O(1)
-        (each entry is copied about four more times at most) and the block holds at most ~25% more
-        than it stores. A fresh allocation: views handed out earlier are never overwritten.
+    def _realloc(self, need: int, like: torch.Tensor) -> None:
+        """Move the live entries into a new block with room for ``need`` entries (plus slack when growing).
+
+        Slack is a quarter of the live size (at least ``min_slack``): appends stay amortized O(1) (each
+        entry is copied about four more times at most) and the block holds at most ~25% more than it
+        stores; capped mode stops at ``capacity`` (or exactly ``need`` for a chunk past it). A fresh
+        allocation: views handed out earlier are never overwritten.
         """
         live = len(self)
         cap = need + max(self.min_slack, live // 4)
+        if self.capacity is not None:  # capped: never past the capacity unless one chunk needs more
+            cap = need if need > self.capacity else min(cap, self.capacity)
         new = like.new_empty((*like.shape[:2], cap, *like.shape[3:]))
         if live:
             new[:, :, :live] = self.data[:, :, self.start : self.end]
@@ -69,7 +101,10 @@ class TimeBuffer:
         if self.start == self.end:
             self.start = self.end = 0  # reuse the block from its beginning
         cap = self.data.shape[2] if self.data is not None else 0
-        if cap > 2 * len(self) + 2 * self.min_slack:
+        if self.capacity is not None:
+            if cap > self.capacity and len(self) <= self.capacity:
+                self._realloc(len(self), self.data[:, :, :0])  # a long chunk grew the block: back under capacity
+        elif cap > 2 * len(self) + 2 * self.min_slack:
             # A big drop (a prefill leaving the residual, a window evicting a long prompt): give the memory back.
             self._realloc(len(self), self.data[:, :, :0])
 
@@ -195,6 +230,7 @@ class Stream:
         min_slack: int = 64,
         fp_dtype: torch.dtype | str | None = None,
         basis: BodyBasis | None = None,
+        bound: int | None = None,
     ):
         self.codec = codec
         #: the basis of the encoded body (None: the tokens as appended); a lossless stream has no body
@@ -209,7 +245,10 @@ class Stream:
         self.tokens: dict[str, TimeBuffer] = {}  # encoded per-token parts
         self.groups: dict[str, TimeBuffer] = {}  # encoded per-group parts
         self.offset = 0  # tokens already evicted from the first group
-        self.fp = TimeBuffer(min_slack)  # residual (everything, for an identity codec)
+        #: at most this many tokens stay after an eviction (a bounded layer's window; None: unbounded)
+        self.bound = bound
+        self._caps = _capacities(codec, residual if codec.lossy else 0, unit, bound)
+        self.fp = TimeBuffer(min_slack, self._caps["fp"])  # residual (everything, for an identity codec)
         self.min_slack = min_slack
 
     # -- sizes ---------------------------------------------------------------------------
@@ -281,10 +320,10 @@ class Stream:
     def _append_encoded(self, enc: Encoded) -> None:
         """Append encoded tokens (a multiple of token_group) to the body."""
         for name, t in enc.token.items():
-            self.tokens.setdefault(name, TimeBuffer(self.min_slack)).append(t)
+            self.tokens.setdefault(name, TimeBuffer(self.min_slack, self._caps["token"])).append(t)
         g_slack = max(1, self.min_slack // self.codec.token_group)
         for name, t in enc.group.items():
-            self.groups.setdefault(name, TimeBuffer(g_slack)).append(t)
+            self.groups.setdefault(name, TimeBuffer(g_slack, self._caps["group"])).append(t)
 
     def drop_front(self, k: int) -> None:
         """Evict the ``k`` oldest tokens (token-granular, whatever the grouping)."""
@@ -347,6 +386,20 @@ class Stream:
         full = self.materialize(dtype)
         return full[:, :, :k]
 
+    # -- save / restore --------------------------------------------------------------------
+    def restore(self, body: Encoded, offset: int, fp: torch.Tensor | None) -> None:
+        """Fill this empty stream with what another stream of the same codec held: its :meth:`body`
+        (token parts (B, H, n_body, ...), group parts (B, H, n_groups, ...)), ``offset`` and residual
+        ``fp.view()`` (B, H, R, D) or None. Rebuilt through the buffers' own appends, so the values are
+        the same whatever the buffers' layout (kvslim.promptcache saves and loads caches with it)."""
+        if len(self) or self.tokens or self.groups:
+            raise ValueError(f"restore() fills an empty stream; this one holds {len(self)} tokens")
+        if body.token or body.group:
+            self._append_encoded(body)
+        self.offset = int(offset)
+        if fp is not None:
+            self.fp.append(fp)
+
     # -- batch ---------------------------------------------------------------------------
     def map_batch(self, fn) -> None:
         for buf in (*self.tokens.values(), *self.groups.values(), self.fp):
@@ -363,3 +416,60 @@ class Stream:
 
     def live_nbytes(self) -> int:
         return sum(b.live_nbytes() for b in (*self.tokens.values(), *self.groups.values(), self.fp))
+
+    def projected_nbytes(self, tokens: int, kv: tuple[int, int, int], dtype: torch.dtype) -> int:
+        """The most bytes this stream's buffers hold while it is fed ``tokens`` tokens (a prompt, then one per
+        step), for rows of ``kv = (B, H, D)`` tokens in ``dtype``; what a memory budget reserves.
+
+        The stored tokens with the growing buffers' slack (a quarter of the live size, at least
+        ``min_slack`` entries), for a bounded stream never past the buffers' capacities (:func:`_capacities`):
+        a prefill chunk longer than the window is a transient above this, given back at its eviction. Entry sizes come from encoding one
+        group of zeros with this stream's own codec and basis: no per-format table to keep in step.
+        """
+        b, h, d = kv
+        zeros = torch.zeros(b, h, self.unit, d, dtype=dtype)
+        fp_entry = self.cast(zeros[:, :, :1]).element_size() * b * h * d
+        held = tokens if self.bound is None else min(tokens, self.bound + 1)
+        if not self.codec.lossy or held < self.residual_cap + self.unit:
+            fp = held
+            body = 0
+        else:
+            fp = self.residual_cap + self.unit - 1
+            body = held - self.residual_cap
+        enc = self._encode(zeros) if body else None
+        tok_entry = 0 if enc is None else sum(t[:, :, :1].numel() * t.element_size() for t in enc.token.values())
+        grp_entry = 0 if enc is None else sum(t[:, :, :1].numel() * t.element_size() for t in enc.group.values())
+        groups = -(-body // self.codec.token_group) + 1 if body else 0
+        caps = self._caps  # growing buffers (capped ones: never past their capacity)
+
+        def grown(n: int, slack: int, cap: int | None) -> int:
+            size = n + max(slack, n // 4) if n else 0
+            return size if cap is None else min(size, cap)
+
+        g_slack = max(1, self.min_slack // self.codec.token_group)
+        return (
+            grown(fp, self.min_slack, caps["fp"]) * fp_entry
+            + grown(body, self.min_slack, caps["token"]) * tok_entry
+            + grown(groups, g_slack, caps["group"]) * grp_entry
+        )
+
+
+def _capacities(codec: Codec, residual: int, unit: int, bound: int | None) -> dict[str, int | None]:
+    """Entries each buffer of a stream needs at most, for a stream that keeps ``bound`` tokens after every
+    eviction and is fed one token per step (None everywhere: unbounded, growing buffers).
+
+    Before its eviction a decode step holds ``bound + 1`` tokens. A lossy stream's residual holds at least
+    ``residual`` of them (tokens leave it ``unit`` at a time, only while ``residual`` stay) and at most
+    ``residual + unit - 1`` after a step; the encoded body holds the rest: at most ``bound + 1 - residual``
+    tokens, and their per-group parts one entry per ``token_group`` tokens plus the partly evicted first
+    group. A lossless stream keeps every token in its residual. Longer chunks (prefill) grow a buffer for
+    the chunk and give the memory back at the eviction that follows (:class:`TimeBuffer`).
+    """
+    if bound is None:
+        return {"fp": None, "token": None, "group": None}
+    if not codec.lossy:
+        return {"fp": bound + 1, "token": 1, "group": 1}
+    fp = max(1, min(bound + 1, residual + unit - 1))
+    body = max(1, bound + 1 - residual)
+    groups = -(-body // codec.token_group) + 1
+    return {"fp": fp, "token": body, "group": groups}

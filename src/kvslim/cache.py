@@ -40,10 +40,10 @@ from . import attention, compat
 from .compat import DummyLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer  # by release: see compat
 from .config import DEFAULT_POSITIONS, DEFAULT_PRE_ROPE, DEFAULT_RESIDUAL_DTYPE, DEFAULT_ROTATE, CacheConfig
 from .formats import make_codec
-from .hadamard import Hadamard
 from .layer import SlimLayer
+from .levers import model_rotary, resolve_levers
 from .policy import KeepPolicy
-from .rotary import Rotary, rotate_half_reference
+from .positions import base_from_positions, max_position, pads_from_positions, rebase_period
 from .shapes import ModelShapes, is_mla, text_config
 
 
@@ -64,7 +64,42 @@ class SlimCacheLayer(CacheLayerMixin):
 
     @property
     def is_croppable(self) -> bool:
-        return self.store.stored == self.store.seen
+        """Whether :meth:`crop` can undo what transformers rolls back (assisted decoding asks once, after
+        the prefill): nothing is ever evicted (no window) and the newest tokens stay at full precision (a
+        residual, or formats that store tokens as given). A crop past the residual is refused."""
+        store = self.store
+        if store.policy.bounded or store.stored < store.seen:
+            return False
+        lossy = store.k.codec.lossy or store.v.codec.lossy
+        return not lossy or self._owner.cache_config.residual_tokens > 0
+
+    # transformers' layers hold `keys` / `values` tensors that its code and users read (DynamicCache's
+    # __iter__, output-shape checks). Here they are computed from the store on each read.
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """Every stored key, oldest first, decoded to the model's dtype: ``(B, H_kv, stored, D)``; None before
+        the first update. Computed on each read (a lossy format: the values attention sees; ``none``: the
+        stored values). Read-only."""
+        return self._decoded(0)
+
+    @keys.setter
+    def keys(self, value) -> None:
+        _refuse_assignment("keys", value)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """Every stored value, as :attr:`keys`: ``(B, H_kv, stored, D_v)`` or None. Read-only."""
+        return self._decoded(1)
+
+    @values.setter
+    def values(self, value) -> None:
+        _refuse_assignment("values", value)
+
+    def _decoded(self, which: int) -> torch.Tensor | None:
+        store = getattr(self, "store", None)  # CacheLayerMixin.__init__ assigns None before the store exists
+        if store is None or not self.is_initialized or not store.stored:
+            return None
+        return store.read(self.dtype)[which]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -84,11 +119,11 @@ class SlimCacheLayer(CacheLayerMixin):
         store = self.store
         if owner.padding_explicit:
             pads = owner.pads
-            base = _base_from_positions(position_ids, pads, store.seen, key_states.shape[2], key_states.shape[0])
+            base = base_from_positions(position_ids, pads, store.seen, key_states.shape[2], key_states.shape[0])
         else:
             pads = None
             if position_ids is not None and owner.policy.bounded and owner.policy.sink:
-                pads = _pads_from_positions(position_ids, store.seen, key_states)
+                pads = pads_from_positions(position_ids, store.seen, key_states)
             elif owner.policy.bounded and owner.policy.sink:
                 compat.warn_padding_unseen(key_states.shape[0])  # before 5.24 the ids never get here
             base = 0  # the convention's pads make every row's offset 0
@@ -109,7 +144,7 @@ class SlimCacheLayer(CacheLayerMixin):
             store.set_pads(pads)
         rope = None
         if store.pre_rope:  # the forward's own RoPE (dynamic NTK's follows the longest position fed)
-            rope = owner._rope_source.at(_max_position(position_ids, store, key_states.shape[2], base))
+            rope = owner._rope_source.at(max_position(position_ids, store, key_states.shape[2], base))
         if owner.observe is not None and owner.observe_stored:
             owner.observe(self.layer_idx, store.basis_keys(key_states, base=base, rope=rope), value_states)
         compressed = owner.compressed_attention and key_states.shape[2] <= attention.FAST_MAX_QUERY
@@ -154,11 +189,22 @@ class SlimCacheLayer(CacheLayerMixin):
         if self.store.seen:
             self.store.map_batch(lambda t: t[indices])
 
-    def offload(self):  # the store has no single keys/values tensors to move
-        pass
+    def offload(self):
+        raise ValueError(_NO_OFFLOADING)
 
     def prefetch(self):
-        pass
+        raise ValueError(_NO_OFFLOADING)
+
+
+_NO_OFFLOADING = (
+    "SlimCache does not offload layers to the CPU (its compressed store stays on the model's device); "
+    "use a smaller format or a StreamingLLM window to save device memory"
+)
+
+
+def _refuse_assignment(name: str, value) -> None:
+    if value is not None:  # CacheLayerMixin.__init__ assigns None
+        raise AttributeError(f"SlimCacheLayer.{name} is computed from the compressed store and cannot be assigned")
 
 
 class SlimHybridLayer(LinearAttentionLayer, SlimCacheLayer):
@@ -231,7 +277,9 @@ class SlimCache(Cache):
         group_size, residual: KIVI. The newest ``residual`` tokens stay at full precision; older ones
             leave it ``group_size`` at a time and are encoded together, once (per-channel K shares
             scales across the group). Between ``residual`` and ``residual + group_size - 1`` tokens
-            are at full precision; ``residual=0, group_size=1`` encodes every token on arrival.
+            are at full precision; ``residual=0, group_size=1`` encodes every token on arrival. ``auto``
+            (default): 128 without a window, with one at most a quarter of it in whole groups
+            (:attr:`CacheConfig.residual_tokens`; ``report()["residual"]`` says what was chosen).
         v_group_size: channel group of per-token affine V (None: the whole head_dim).
         mean_center: K mean-centering bias: a GGUF file path, a ``BiasSet``, or a list of per-layer
             ``(H_kv, head_dim)`` tensors, in the basis K is stored in (``rotate``, ``pre_rope``; a file
@@ -265,6 +313,11 @@ class SlimCache(Cache):
             pre-RoPE; never centered) instead of the raw keys.
         model_fingerprint: :func:`kvslim.models.model_fingerprint` of the model; a bias file recorded for
             another model is then refused unless ``allow_other_model=True`` (which warns).
+        offloading: DynamicCache's option; only False is accepted (the compressed store is not offloaded).
+
+    As DynamicCache: ``len(cache)`` layers, ``for keys, values, _ in cache`` (each layer's stored K/V decoded,
+    see :attr:`SlimCacheLayer.keys`), ``cache.layers[i].keys``. Not supported: ``torch.export`` (no pytree
+    is registered for SlimCache; its storage is not a fixed set of tensors).
 
     Sinks are stored at full precision (a handful of tokens; they anchor softmax).
 
@@ -281,7 +334,7 @@ class SlimCache(Cache):
         sink: int = 0,
         window: int | None = None,
         group_size: int = 32,
-        residual: int = 128,
+        residual: int | str = "auto",
         v_group_size: int | None = None,
         mean_center=None,
         positions: str = DEFAULT_POSITIONS,
@@ -294,7 +347,10 @@ class SlimCache(Cache):
         observe_stored: bool = False,
         model_fingerprint: str | None = None,
         allow_other_model: bool = False,
+        offloading: bool = False,
     ):
+        if offloading is not False:
+            raise ValueError(f"offloading={offloading!r}: {_NO_OFFLOADING}")
         path = os.fspath(mean_center) if isinstance(mean_center, (str, os.PathLike)) else None
         self.cache_config = CacheConfig(
             kv_quantize=kv_quantize,
@@ -358,7 +414,15 @@ class SlimCache(Cache):
                         f"{role}_quantize={codec.name!r} cannot store this model's KV: {e}"
                     ) from None
         # The low-bit levers in effect, "auto" resolved (docs/quality.md, "Low-bit levers"):
-        self._hadamard, self._rope_source = _levers(cfg, config, self._shapes, self._codecs, mean_center)
+        self._hadamard, self._rope_source = resolve_levers(cfg, config, self._shapes, self._codecs, mean_center)
+        plain_roles = [r for r in "kv" if self._hadamard[r] is not None and not self._codecs[r].lossy]
+        if plain_roles and not observe_stored:  # (observe_stored: calibration observes keys in that basis)
+            rest = "".join(r for r in cfg.rotate if r in "kv" and r not in plain_roles) or "none"
+            names = " and ".join(f"{r}_quantize='none'" for r in plain_roles)
+            raise ValueError(
+                f"rotate={cfg.rotate!r} with {names}: only encoded (quantized) tensors are stored rotated, so "
+                f"nothing would be; use rotate={rest!r} or quantize {' and '.join(r.upper() for r in plain_roles)}"
+            )
         #: which encoded tensors are stored Hadamard-rotated: "none", "k", "v" or "kv"
         self.rotate = {(False, False): "none", (True, False): "k", (False, True): "v", (True, True): "kv"}[
             (self._hadamard["k"] is not None, self._hadamard["v"] is not None)
@@ -384,7 +448,7 @@ class SlimCache(Cache):
                 k_rot=self._hadamard["k"] is not None,
                 pre_rope=self.pre_rope,
             )
-        self.rotary, why = (None, "no config=model.config") if config is None else _rotary(config)
+        self.rotary, why = (None, "no config=model.config") if config is None else model_rotary(config)
         #: the position semantics in effect ("auto" resolved: "cache" wherever keys can be moved)
         self.positions = cfg.positions if cfg.positions != "auto" else ("cache" if self.rotary else "original")
         if cfg.positions == "cache" and cfg.window is not None and self.rotary is None:
@@ -394,7 +458,7 @@ class SlimCache(Cache):
             )
         #: kvslim's loop re-bases position ids every this many tokens (None: never), see generate.py.
         # (None before transformers 5.24: the cache could not read the base back from the ids, see compat)
-        self.rebase_period = _rebase_period(self.policy, self.rotary) if compat.POSITIONS_REACH_CACHE else None
+        self.rebase_period = rebase_period(self.policy, self.rotary) if compat.POSITIONS_REACH_CACHE else None
         if self._shapes is not None:
             super().__init__(layers=[self._new_layer(i, t, kw) for i, (t, kw) in enumerate(_layer_plan(config))])
         else:
@@ -430,7 +494,7 @@ class SlimCache(Cache):
             self.policy if policy is None else policy,
             self._codecs["k"],
             self._codecs["v"],
-            cfg.residual,
+            cfg.residual_tokens,
             cfg.group_size,
             k_bias=bias,
             positions=self.positions,
@@ -482,6 +546,25 @@ class SlimCache(Cache):
         """Every byte the cache holds: codes, scales, zeros, residual, sinks, biases, bookkeeping (buffer
         slack included)."""
         return sum(self.components().values())
+
+    def projected_nbytes(self, tokens: int, *, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
+        """The most bytes this cache will hold while fed ``tokens`` tokens per row (a prompt, then one per
+        step) for ``batch`` rows of a model computing in ``dtype``: an upper bound to reserve up front (the
+        batch engine's memory budget). A bounded cache reaches it once full and never exceeds it. Needs
+        ``config`` (the KV shapes); linear-attention states are not projected (ValueError)."""
+        if self._shapes is None:
+            raise ValueError("projected_nbytes needs a cache built with config=model.config (the KV shapes)")
+        if any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in self.layers):
+            raise ValueError("projected_nbytes cannot project linear-attention states (this model has some)")
+        shapes = self._shapes
+        kv = (batch, shapes.n_kv_heads, shapes.k_head_dim)
+        held = sum(s.projected_nbytes(tokens, kv, shapes.v_head_dim, dtype) for s in self.stores())
+        rotary = self.components()["rotary"]
+        if self._rope_source is not None:  # pre-RoPE's angle table over the positions read (Rotary.table)
+            span = tokens if self.rebase_period is None else min(tokens, self.rebase_period + self.policy.capacity)
+            half = self._rope_source.rotary.inv_freq.numel()
+            rotary += (span + max(64, span // 4) + 1) * half * 4 * 2  # cos and sin, float32
+        return held + rotary
 
     def live_nbytes(self) -> int:
         """Bytes of the stored tokens alone, without preallocated buffer slack."""
@@ -552,7 +635,50 @@ class SlimCache(Cache):
             "positions": self.positions,
             "rotate": self.rotate,
             "pre_rope": self.pre_rope,
+            "residual": self.cache_config.residual_tokens,
         }
+
+    # -- prompt cache files (kvslim.promptcache) ----------------------------------------------------
+    def save(self, path, *, token_ids: torch.Tensor | None = None, model_fingerprint: str | None = None) -> dict:
+        """Write this cache to ``path`` as it is stored (no re-quantization), atomically; ``token_ids`` (B, T)
+        and ``model_fingerprint`` are recorded for the checks on load. Returns the file's header."""
+        from .promptcache import save
+
+        return save(self, path, token_ids=token_ids, model_fingerprint=model_fingerprint)
+
+    @classmethod
+    def load(cls, path, *, config, model_fingerprint: str | None = None, mean_center=None, device=None) -> SlimCache:
+        """A cache saved with :meth:`save`, rebuilt for the model of ``config`` with the file's settings; a
+        file for another model, format, levers or bias, or a damaged one, is a ValueError naming what differs
+        (:func:`kvslim.promptcache.load`, which also returns the saved token ids)."""
+        from .promptcache import load
+
+        return load(
+            path, config=config, model_fingerprint=model_fingerprint, mean_center=mean_center, device=device
+        ).cache
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """transformers' ``Cache.update``: append ``key_states`` / ``value_states`` ``(B, H_kv, T, D)`` to layer
+        ``layer_idx`` and return what attention reads. ValueError for a layer index that is not one of the
+        model's (a negative one is not counted from the end) and for a first update with no tokens."""
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:
+            raise ValueError(f"layer_idx must be an integer >= 0 (the model layer's index), got {layer_idx!r}")
+        if self.layer_class_to_replicate is None and layer_idx >= len(self.layers):
+            raise ValueError(f"layer_idx {layer_idx} is out of range: this cache has {len(self.layers)} layers")
+        if isinstance(key_states, torch.Tensor) and key_states.dim() == 4 and key_states.shape[2] == 0:
+            layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
+            if layer is None or not getattr(layer, "is_initialized", False):
+                raise ValueError(
+                    f"the first update of layer {layer_idx} has no tokens (key_states {tuple(key_states.shape)}); "
+                    f"expected (B, H_kv, T, D) with T >= 1"
+                )
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def __iter__(self):
+        """As DynamicCache's: ``(keys, values, None)`` per layer, the stored K/V decoded (None before any
+        update; layers without K/V, linear-attention or KV-sharing ones, give None too)."""
+        for layer in self.layers:
+            yield getattr(layer, "keys", None), getattr(layer, "values", None), None
 
     def __repr__(self) -> str:
         return f"SlimCache({self.cache_config.to_spec()!r}, layers={len(self.layers)})"
@@ -576,21 +702,6 @@ def _warn_materializing(cache: SlimCache) -> None:
         f"attn_implementation='kvslim') to attend on the compressed codes directly.",
         stacklevel=4,
     )
-
-
-def _pads_from_positions(position_ids: torch.Tensor, seen_before: int, keys: torch.Tensor) -> torch.Tensor:
-    """transformers' convention (module docstring): ``pads = seen - 1 - position of the newest token``.
-
-    position_ids: (B or 1, C); seen_before: tokens the layer held before these C. Returns (B,) int64.
-    """
-    batch = keys.shape[0]
-    seen = seen_before + keys.shape[2]
-    last = position_ids.reshape(-1, position_ids.shape[-1])[:, -1].to(device=keys.device, dtype=torch.long)
-    if last.shape[0] == 1 and batch > 1:
-        last = last.expand(batch)
-    elif last.shape[0] != batch:
-        raise ValueError(f"position_ids has batch {last.shape[0]} but the keys have batch {batch}")
-    return torch.clamp(seen - 1 - last, min=0)
 
 
 def _model_shapes(config) -> ModelShapes:
@@ -637,225 +748,7 @@ def _layer_kind(layer) -> str:
     return type(layer).__name__
 
 
-#: RoPE variants whose frequencies do not depend on the positions fed (a key can be moved exactly).
-STATIC_ROPE = ("default", "linear", "llama3", "yarn")
-
-
-def _rotary(config) -> tuple[Rotary | None, str]:
-    """The model's RoPE as a :class:`~kvslim.rotary.Rotary`, read from its own rotary module, or
-    ``(None, why)`` when kvslim cannot move its keys exactly."""
-    emb, why = _rotary_embedding(config)
-    if emb is None:
-        return None, why
-    rope_type = getattr(emb, "rope_type", "default")
-    if not isinstance(rope_type, str) or rope_type not in STATIC_ROPE:
-        return None, f"rope_type {rope_type!r} (frequencies that change with the positions)"
-    return Rotary(emb.inv_freq.detach().to(torch.float32).cpu()), ""
-
-
-def _rotary_embedding(config):
-    """``(the model's own rotary module built from its config, "")`` when its RoPE is the rotate-half kind
-    kvslim moves, else ``(None, why)``."""
-    import importlib
-
-    text = text_config(config)
-    if is_mla(text):
-        return None, "MLA caches its compressed latent (the rotary key sits in the value slot)"
-    module_name = type(text).__module__.replace(".configuration_", ".modeling_")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError:
-        return None, f"no modeling module {module_name}"
-    classes = [getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding")]
-    rotate_half = getattr(module, "rotate_half", None)
-    if len(classes) != 1 or rotate_half is None:
-        return None, f"{module_name} has no single rotary embedding with rotate_half"
-    probe = torch.arange(8.0)
-    if not torch.equal(rotate_half(probe), rotate_half_reference(probe)):
-        return None, "its RoPE pairs channels differently (interleaved), which kvslim does not move"
-    try:
-        emb = classes[0](config=text)
-    except Exception as e:  # noqa: BLE001 - any failure means: cannot read its frequencies
-        return None, f"{classes[0].__name__} could not be built from the config ({e})"
-    return emb, ""
-
-
 #: residual_dtype -> what a Stream is told (None: the model's dtype; "auto": decided per tensor dtype)
 _FP_DTYPES = {"auto": "auto", "model": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def _levers(cfg: CacheConfig, config, shapes: ModelShapes | None, codecs: dict, mean_center):
-    """The Hadamard rotation per tensor and the pre-RoPE rope source a cache uses, ``auto`` resolved.
-
-    Explicit values are honoured or refused with the reason. ``rotate='auto'``: every quantized (not fp16/bf16) tensor whose
-    head_dim allows a rotation, K as a bias file records it (``k_rot``). ``pre_rope='auto'``: as a bias
-    file records it (``k_pre_rope``); without one, for 2-bit K (int2) when the model's RoPE allows it —
-    measured (docs/quality.md, "Low-bit levers"): -44% KLD for int2 on top of rotation, -12% for int4,
-    +14% (worse) for q4_0 without a bias; it costs a rotation of every stored key per step in the score
-    kernel. Nothing is automatic without ``config`` or for MLA latents."""
-    basis = _bias_basis(mean_center) if mean_center is not None else None
-    plain = shapes is None or is_mla(text_config(config))
-    hadamard: dict[str, Hadamard | None] = {"k": None, "v": None}
-    for role in ("k", "v"):
-        if cfg.rotate == "auto":
-            if plain or not codecs[role].lossy or codecs[role].family == "cast":
-                continue  # fp16/bf16 storage: a rotation only adds rounding (and can overflow fp16)
-            if role == "k" and basis is not None and not basis[0]:
-                continue
-            dim = shapes.k_head_dim if role == "k" else shapes.v_head_dim
-            try:
-                hadamard[role] = Hadamard.for_head_dim(dim)
-            except ValueError:
-                if role == "k" and basis is not None:
-                    raise  # the bias file asks for it
-            continue
-        if role not in cfg.rotate.replace("none", ""):
-            continue
-        if shapes is None:
-            raise ValueError(f"rotate={cfg.rotate!r} needs config=model.config (the Hadamard size is the head_dim's)")
-        dim = shapes.k_head_dim if role == "k" else shapes.v_head_dim
-        try:
-            hadamard[role] = Hadamard.for_head_dim(dim)
-        except ValueError as e:
-            raise ValueError(f"rotate={cfg.rotate!r}: {role}: {e}") from None
-    pre = cfg.pre_rope
-    if pre == "auto":
-        if basis is not None:
-            pre = basis[1]
-        elif plain or codecs["k"].bits is None or codecs["k"].bits > 2:
-            pre = False
-        else:
-            try:
-                return hadamard, _rope_source(config)
-            except ValueError:
-                return hadamard, None
-    if not pre:
-        return hadamard, None
-    if config is None:
-        raise ValueError("pre_rope=True needs config=model.config (it un-rotates keys with the model's RoPE)")
-    return hadamard, _rope_source(config)
-
-
-def _bias_basis(mean_center) -> tuple[bool, bool] | None:
-    """``(k_rot, pre_rope)`` a bias records (a file's keys, a BiasSet's fields; plain tensors: unrotated,
-    post-RoPE), or None when it cannot be read here (loading it says why)."""
-    from .meancenter import BiasSet
-
-    if isinstance(mean_center, BiasSet):
-        return bool(mean_center.k_rot), bool(mean_center.pre_rope)
-    if isinstance(mean_center, (str, os.PathLike)):
-        from .biasfile import read_layers
-
-        try:
-            _, meta = read_layers(mean_center)
-        except (OSError, ValueError):
-            return None
-        return bool(meta.get("k_rot")), bool(meta.get("pre_rope"))
-    return False, False
-
-
-#: RoPE variants pre-RoPE storage un-rotates and rotates again on read: the static ones, and dynamic NTK
-#: (its frequencies are recomputed per forward, as the model does).
-PRE_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
-
-
-class _RopeSource:
-    """The model's RoPE for each forward, for pre-RoPE storage: fixed frequencies, or dynamic NTK's, which
-    the model recomputes from the longest position it is fed (transformers' ``dynamic_rope_update``). For
-    those a private instance of the model's own rotary module is fed the same longest positions, so its
-    update rule (growth, and the reset below the original length) is the model's, not a copy of it.
-
-    Each key is un-rotated with the frequencies of the forward that wrote it and rotated on read with those
-    of the forward that reads it. With static frequencies that is exactly the plain cache. With dynamic NTK
-    past ``max_position_embeddings`` the frequencies change from forward to forward: a plain cache keeps
-    every key at the frequencies it was written with, pre-RoPE storage presents every key at the current
-    ones (as the model without a cache would) — a different result, said once by a warning."""
-
-    def __init__(self, rotary: Rotary, emb=None):
-        self.rotary = rotary
-        self._original = rotary.inv_freq
-        self._emb = emb  # None: static frequencies
-        self._warned = False
-
-    @property
-    def dynamic(self) -> bool:
-        return self._emb is not None
-
-    def at(self, max_position: int) -> Rotary:
-        """The Rotary of a forward whose longest position id is ``max_position``."""
-        if self._emb is None:
-            return self.rotary
-        with torch.no_grad():
-            self._emb(torch.zeros(1), torch.tensor([[int(max_position)]]))  # runs the model's frequency update
-        inv = self._emb.inv_freq.detach().to(torch.float32).cpu()
-        if not torch.equal(inv, self.rotary.inv_freq):
-            self.rotary = Rotary(inv, self.rotary.offset)
-            if not self._warned and not torch.equal(inv, self._original):
-                self._warned = True
-                warnings.warn(
-                    f"pre_rope with dynamic NTK RoPE past the model's original length (position {max_position}): "
-                    f"every stored key is rotated with this forward's scaled frequencies, where a plain cache keeps "
-                    f"each key at the frequencies it was written with; use pre_rope=False to reproduce the plain "
-                    f"cache (docs/quality.md)",
-                    UserWarning,
-                    stacklevel=4,
-                )
-        return self.rotary
-
-
-def _rope_source(config) -> _RopeSource:
-    """The model's RoPE for pre-RoPE storage; ValueError naming why kvslim cannot un-rotate its keys."""
-    emb, why = _rotary_embedding(config)
-    if emb is None:
-        raise ValueError(f"pre_rope=True needs the model's RoPE, and {why}; use pre_rope=False")
-    rope_type = getattr(emb, "rope_type", "default")
-    if not isinstance(rope_type, str) or rope_type not in PRE_ROPE_TYPES:
-        raise ValueError(
-            f"pre_rope=True supports RoPE types {', '.join(PRE_ROPE_TYPES)}; this model's is {rope_type!r} "
-            f"(use pre_rope=False)"
-        )
-    rotary = Rotary(emb.inv_freq.detach().to(torch.float32).cpu())
-    return _RopeSource(rotary, emb if rope_type == "dynamic" else None)
-
-
-def _max_position(position_ids, store: SlimLayer, n_new: int, base: int) -> int:
-    """The longest position id of a forward: from the ids when the cache gets them, else from the tokens
-    seen (the layer's rule: ``slot - pads - base``)."""
-    if position_ids is not None:
-        return int(position_ids.max())
-    pads = store.pads
-    least = 0 if pads is None or pads.numel() == 0 else int(pads.min())
-    return store.seen + n_new - 1 - least - base
-
-
-def _rebase_period(policy: KeepPolicy, rotary: Rotary | None) -> int | None:
-    """How often kvslim's loop re-bases position ids (a power of two >= 2 x capacity, >= 4096), or None."""
-    if rotary is None or not policy.bounded:
-        return None
-    period = 4096
-    while period < 2 * policy.capacity:
-        period *= 2
-    return period
-
-
-def _base_from_positions(position_ids, pads, seen_before: int, n_new: int, batch: int) -> int:
-    """The base a forward's position ids were built with: ``true position - position id`` of each row's
-    newest token (the same for every row holding a real token). 0 when position ids are unknown."""
-    if position_ids is None:
-        return 0
-    last = position_ids.reshape(-1, position_ids.shape[-1])[:, -1].to(torch.long)
-    if last.shape[0] == 1 and batch > 1:
-        last = last.expand(batch)
-    pads = pads.to(last.device) if pads is not None else torch.zeros_like(last)
-    true = seen_before + n_new - 1 - pads  # (B,)
-    real = true >= 0
-    bases = (true - last)[real]
-    if bases.numel() == 0:
-        return 0
-    base = int(bases[0])
-    if bool((bases != base).any()):
-        raise ValueError(
-            f"position ids are not one offset from the tokens seen in every row (offsets {bases.tolist()}): "
-            f"hand the left padding with cache.set_left_padding(pads) or feed position ids as kvslim.generate does"
-        )
-    return base

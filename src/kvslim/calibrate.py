@@ -120,7 +120,7 @@ def collect_k_means_from_ids(
     cache_type: str = "q4_0",
     text_sha256: str | None = None,
     fingerprint: str | None = None,
-    rotate: bool = False,
+    rotate: bool | str = "auto",
     pre_rope: bool = False,
 ) -> BiasSet:
     """Mean of the cached K per (layer, kv-head, channel) over a token sequence.
@@ -133,7 +133,10 @@ def collect_k_means_from_ids(
     fingerprint: the model fingerprint to record; None computes
         :func:`kvslim.models.model_fingerprint`.
     rotate, pre_rope: the K basis to calibrate for (a cache with ``rotate='k'``/``'kv'``, ``pre_rope=True``):
-        the keys are averaged as that cache stores them, and the result records it.
+        the keys are averaged as that cache stores them, and the result records it. ``rotate='auto'``
+        (default): the basis a default cache (``rotate='auto'``) stores a quantized K in — Hadamard-rotated
+        wherever the model's head_dim allows it (:func:`default_rotate`) —, so that the default cache given
+        the file rotates and centers (a file in another basis would switch its rotation off).
     Returns a :class:`~kvslim.meancenter.BiasSet` with ``(H_kv, D)`` float32 means and
     :class:`~kvslim.meancenter.KStats`.
     """
@@ -149,6 +152,9 @@ def collect_k_means_from_ids(
     if ids.dtype.is_floating_point or ids.dtype == torch.bool:
         raise ValueError(f"input_ids must be integer token ids, got dtype {ids.dtype}")
     spans = chunk_spans(ids.numel(), ctx, chunks=chunks, max_tokens=max_tokens)
+    rotate = default_rotate(model.config) if rotate == "auto" else rotate
+    if not isinstance(rotate, bool):
+        raise ValueError(f"rotate must be True, False or 'auto', got {rotate!r}")
     n_layers = ModelShapes.from_config(model.config).n_layers
     device = next(model.parameters()).device
     sums = _KSums()
@@ -199,6 +205,22 @@ def collect_k_means_from_ids(
     )
 
 
+def default_rotate(config) -> bool:
+    """Whether a default SlimCache (``rotate='auto'``) stores a quantized K of this model Hadamard-rotated:
+    wherever a Hadamard matrix of its K head_dim exists and K is not an MLA latent. Calibrating in that basis
+    makes rotation and centering add up (docs/mean-center.md, "The default basis")."""
+    from .hadamard import Hadamard
+    from .shapes import is_mla, text_config
+
+    if is_mla(text_config(config)):
+        return False
+    try:
+        Hadamard.for_head_dim(ModelShapes.from_config(config).k_head_dim)
+    except ValueError:
+        return False
+    return True
+
+
 def collect_k_means(
     model,
     tokenizer,
@@ -210,7 +232,7 @@ def collect_k_means(
     progress: bool = True,
     cache_type: str = "q4_0",
     fingerprint: str | None = None,
-    rotate: bool = False,
+    rotate: bool | str = "auto",
     pre_rope: bool = False,
 ) -> BiasSet:
     """Calibrate on ``text``: tokenized once as a whole with the tokenizer's defaults (special

@@ -1,6 +1,6 @@
 """transformers version differences: the ONE module that knows them.
 
-kvslim supports transformers 5.0 through 5.24 (``pyproject.toml``; CI runs the fast tests against the
+kvslim supports transformers 5.6 through 5.24 (``pyproject.toml``; CI runs the fast tests against the
 oldest and the newest, see ``.ci/run``). Every place whose code depends on the release asks here; no
 other module compares versions or probes transformers with ``hasattr``.
 
@@ -22,10 +22,12 @@ KV-sharing layers            left out of the cache                  5.23: ``Dumm
 GGUF dequantize on load      implied by ``gguf_file=``              5.20: ``GgufConfig(dequantize=True)``
 ===========================  =====================================  =======================================
 
-Below 5.0: the cache itself works on 4.57 through this module (``tests/test_compat.py`` passes on
-4.57.6), but a 4.x release reads a config saved by 5.x (``rope_parameters``) without its RoPE settings
-and runs the model at the default base, silently — the embedded model's converted copy is such a
-config. That, not the cache API, sets the floor at 5.0.
+Below 5.6: the cache itself works on 4.57 through this module (``tests/test_compat.py`` passes on
+4.57.6), but 5.0-5.5 unpack the embedded model's GGUF tokenizer as a CodeLlama tokenizer that adds a BOS
+token (the model then writes other text; 5.0 also has no ``GgufConfig``), and a 4.x release reads a config
+saved by 5.x (``rope_parameters``) without its RoPE settings. The embedded model, not the cache API, sets
+the floor at 5.6 (``tests/test_embedded_conversion.py``, run by ``make compat``); the notes on releases
+before it below are kept for the cache code that still handles them.
 
 What kvslim loses before 5.24, where position ids never reach the cache:
 
@@ -44,7 +46,7 @@ import transformers
 from packaging.version import Version
 
 #: The oldest and newest transformers releases kvslim is tested against (also in pyproject.toml's range).
-OLDEST = "5.0.0"
+OLDEST = "5.6.0"
 NEWEST = "5.24.0"
 
 VERSION = Version(transformers.__version__)

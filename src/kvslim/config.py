@@ -52,6 +52,10 @@ DEFAULT_ROTATE = "auto"
 DEFAULT_PRE_ROPE = "auto"
 
 
+#: the full-precision residual of an unbounded cache (and the most ``residual="auto"`` keeps with a window)
+DEFAULT_RESIDUAL = 128
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Everything that defines a cache mode. Validated on construction.
@@ -66,6 +70,9 @@ class CacheConfig:
         full-precision residual).
     residual: KIVI full-precision residual: the most recent ``residual`` tokens are never quantized
         (a multiple of ``group_size``; 0 quantizes every token as it arrives, as llama.cpp does).
+        ``auto`` (default): 128 without a window; with one, the largest multiple of ``group_size`` that is
+        at most 128 and at most a quarter of the window, so a bounded cache is mostly encoded whatever
+        its window (:attr:`residual_tokens` is the number in effect).
     v_group_size: channel group of per-token V scales for affine formats (None = whole head_dim).
     mean_center: path to a K bias file (GGUF, see :mod:`kvslim.biasfile`), or None.
     positions: where StreamingLLM's kept keys sit (see :mod:`kvslim.layer`, docs/streaming.md),
@@ -92,7 +99,7 @@ class CacheConfig:
     sink: int = 0
     window: int | None = None
     group_size: int = 32
-    residual: int = 128
+    residual: int | str = "auto"
     v_group_size: int | None = None
     mean_center: str | None = None
     positions: str = DEFAULT_POSITIONS
@@ -131,8 +138,9 @@ class CacheConfig:
         if self.window is not None:
             check_int("window", self.window, minimum=1, hint="or None for an unbounded cache")
         check_int("group_size", self.group_size, minimum=1)
-        check_int("residual", self.residual, minimum=0)
-        if self.residual % self.group_size:
+        if self.residual != "auto":
+            check_int("residual", self.residual, minimum=0, hint="or 'auto'")
+        if self.residual != "auto" and self.residual % self.group_size:
             raise ValueError(
                 f"residual={self.residual} is not a multiple of group_size={self.group_size}: tokens leave "
                 f"the full-precision residual one group at a time, so residual must be 0 or a multiple "
@@ -160,6 +168,15 @@ class CacheConfig:
         return self.v_quantize or self.kv_quantize
 
     @property
+    def residual_tokens(self) -> int:
+        """The full-precision residual in effect: ``residual``, or what ``auto`` chose (its docstring)."""
+        if self.residual != "auto":
+            return self.residual
+        if self.window is None:
+            return DEFAULT_RESIDUAL
+        return (min(DEFAULT_RESIDUAL, self.window // 4) // self.group_size) * self.group_size
+
+    @property
     def capacity(self) -> int | None:
         """Tokens stored per layer at most (sink + window), or None when unbounded."""
         return None if self.window is None else self.sink + self.window
@@ -177,7 +194,7 @@ class CacheConfig:
             parts.append(f"window={self.window}")
         if self.group_size != 32:
             parts.append(f"group={self.group_size}")
-        if self.residual != 128:
+        if self.residual != "auto":
             parts.append(f"residual={self.residual}")
         if self.v_group_size is not None:
             parts.append(f"v_group={self.v_group_size}")
@@ -266,6 +283,9 @@ def parse_spec(spec: str) -> CacheConfig:
         if conv is int:
             if value.lower() in ("none", "") and key in ("window", "v_group"):
                 kwargs[field_name] = None
+                continue
+            if value.lower() == "auto" and key == "residual":
+                kwargs[field_name] = "auto"
                 continue
             try:
                 kwargs[field_name] = int(value)

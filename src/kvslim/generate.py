@@ -13,13 +13,8 @@ gpt-fast-style free functions that ``sample``, ``eval``, ``bench``, ``calibrate`
 - :func:`generate` runs the sampling loop and yields a :class:`TokenEvent` per step, keeping live
   :class:`GenerationStats` (readable even after a KeyboardInterrupt);
 
-Positions. The position of a new token is the number of tokens the cache has seen before it
-(``cache.get_seq_length()``), minus its row's left padding: pads sit at position 0 and a row's first
-real token at 0 too, as in transformers' ``generate()``; minus a base that keeps the ids bounded on
-endless streams through a bounded :class:`~kvslim.SlimCache` (:func:`position_ids`). Left padding is read once, from the attention
-mask at prefill (:func:`left_padding`), handed to a :class:`~kvslim.SlimCache` explicitly
-(``cache.set_left_padding``), and carried as ``pads`` to every later step. No other module builds
-position ids.
+Positions come from :mod:`kvslim.positions` (the one owner of position ids, padding and bases): every
+forward here builds its ids there, and nowhere else in kvslim are they built.
 
 This module knows nothing about how the cache stores tokens: any transformers ``Cache`` works; only
 :class:`~kvslim.SlimCache` is told the padding (it needs it to choose per-row sinks).
@@ -34,78 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from .checks import check_int
-
-# ---------------------------------------------------------------------------------------------
-# positions
-
-
-def left_padding(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Pads per row of a left-padded 2-D mask: (B, T) of 0/1 -> (B,) int64.
-
-    Raises ValueError for a mask that is not left padding (a 0 after a 1 in some row): the cache's
-    per-row sinks and these positions assume real tokens are contiguous at the end of each row.
-    """
-    if attention_mask.ndim != 2:
-        raise ValueError(f"attention_mask must be (batch, tokens), got shape {tuple(attention_mask.shape)}")
-    mask = attention_mask.long()
-    if bool((mask[:, 1:] < mask[:, :-1]).any()):
-        raise ValueError(
-            "attention_mask must be left padding (zeros, then ones, in every row); "
-            "tokenize with padding_side='left'"
-        )
-    return (mask.shape[1] - mask.sum(-1)).long()
-
-
-def left_pad_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions for a left-padded batch: ``cumsum(mask) - 1``, pads at 0.
-
-    attention_mask: (B, T) of 0/1 -> (B, T) int64. Equals :func:`position_ids` over the whole prompt
-    with ``pads = left_padding(attention_mask)``.
-    """
-    mask = attention_mask.long()
-    return (mask.cumsum(-1) - 1).clamp_(min=0)
-
-
-def position_ids(cache, n_new: int, *, pads: torch.Tensor | None = None, device=None) -> torch.Tensor:
-    """Position ids of the next ``n_new`` tokens fed through ``cache``: (1 or B, n_new) int64.
-
-    ``seen + arange(n_new) - base`` where ``seen = cache.get_seq_length()`` counts every token fed so
-    far (pads included); with ``pads`` (B,) each row is shifted left by its padding and clamped at 0.
-    ``base`` keeps the ids bounded however long a stream runs: a bounded :class:`~kvslim.SlimCache`
-    that can re-rotate keys has a ``rebase_period`` P, and ``base`` is the multiple of P at or below
-    the first new token's position (ids stay below P + n_new). The cache reads the base back from the
-    ids it is fed and keeps every key in phase (docs/streaming.md); any other cache gets base 0.
-    """
-    start = int(cache.get_seq_length())
-    base = 0
-    period = _rebase_period(cache)
-    if period:
-        first = start - (int(pads.max()) if pads is not None and pads.numel() else 0)
-        base = (max(first, 0) // period) * period
-    pos = torch.arange(start - base, start - base + n_new, device=device)[None]  # (1, n_new)
-    if pads is not None:
-        pos = (pos - pads.to(device=device)[:, None]).clamp_(min=0)  # (B, n_new)
-    return pos
-
-
-def _rebase_period(cache) -> int | None:
-    """The cache's re-base period, when it can read a base back from the ids: a SlimCache that was
-    handed its padding (a cache fed before kvslim's loop saw it reads ids by transformers'
-    convention, where an offset would look like padding)."""
-    from .cache import SlimCache
-
-    if isinstance(cache, SlimCache) and cache.padding_explicit:
-        return cache.rebase_period
-    return None
-
-
-def _hand_padding(cache, pads: torch.Tensor | None) -> None:
-    """Tell a SlimCache the batch's left padding, once, before its first token."""
-    from .cache import SlimCache
-
-    if isinstance(cache, SlimCache) and not cache.padding_explicit and cache.get_seq_length() == 0:
-        cache.set_left_padding(pads)
-
+from .positions import hand_padding, left_pad_position_ids, left_padding, position_ids  # noqa: F401 - re-exported
 
 # ---------------------------------------------------------------------------------------------
 # forwards
@@ -126,7 +50,7 @@ def forward(
     attention_mask: (B, seen + C) of 0/1 covering every token fed so far, or None (no padding).
     logits_to_keep: 0 keeps every position, k > 0 the last k. Returns (B, kept, V) float32.
     """
-    _hand_padding(cache, pads)
+    hand_padding(cache, pads)
     pos = position_ids(cache, input_ids.shape[1], pads=pads, device=input_ids.device)
     from .compat import cache_kwargs  # the cache keyword depends on the transformers release
 
@@ -134,6 +58,47 @@ def forward(
     kwargs.update(cache_kwargs(cache))
     out = model(input_ids=input_ids, use_cache=True, position_ids=pos, logits_to_keep=logits_to_keep, **kwargs)
     return out.logits.float()
+
+
+#: Ragged decode steps are padded to a multiple of this many rows (:mod:`kvslim.ragged`, "Filler rows"): the
+#: CPU BLAS (MKL here) rounds a row of a matrix product the same way for 4, 8 and 12 or more rows, and
+#: differently for 1-3, 5-7 and 9-11 (measured); padded, a row's logits do not depend on how many rows share
+#: its step.
+ROW_MULTIPLE = 4
+
+
+def forward_rows(model, tokens: Sequence[int], caches: Sequence, *, row_multiple: int = ROW_MULTIPLE) -> torch.Tensor:
+    """One ragged decode step: token ``tokens[b]`` fed through ``caches[b]`` for every row ``b`` at once.
+
+    caches: batch-1 :class:`~kvslim.SlimCache` objects of the same model (built with ``config=``, already fed
+    their prompts through :func:`prefill`), each row at its own length; the model must use the ``kvslim``
+    attention (:func:`kvslim.enable`). Each row's position id is :func:`position_ids` of its own cache; the
+    step is padded with filler rows to a multiple of ``row_multiple`` (:data:`ROW_MULTIPLE`). Returns (len(caches), V) float32:
+    row ``b``'s logits, bit-identical to the same row stepped among any other rows.
+    """
+    from .compat import cache_kwargs
+    from .ragged import RaggedCache
+
+    check_int("row_multiple", row_multiple, minimum=1)
+    if len(tokens) != len(caches) or not caches:
+        raise ValueError(f"forward_rows needs one token per cache, got {len(tokens)} tokens for {len(caches)} caches")
+    n = len(caches)
+    rows = list(caches) + [None] * (-n % row_multiple)
+    device = model.device
+    positions, bases = [], []
+    for cache in rows:
+        if cache is None:
+            positions.append(0)
+            bases.append(0)
+            continue
+        pos = int(position_ids(cache, 1)[0, 0])
+        positions.append(pos)
+        bases.append(int(cache.get_seq_length()) - pos)
+    ids = torch.tensor([list(tokens) + [0] * (len(rows) - n)], dtype=torch.long, device=device).T  # (B, 1)
+    pos = torch.tensor(positions, dtype=torch.long, device=device)[:, None]  # (B, 1)
+    ragged = RaggedCache(rows, positions, bases)
+    out = model(input_ids=ids, use_cache=True, position_ids=pos, logits_to_keep=1, **cache_kwargs(ragged))
+    return out.logits[:n, -1].float()
 
 
 def prefill(
@@ -281,14 +246,24 @@ def sample_next(
     _check_sampling(temperature, top_p)
     if temperature == 0:
         return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)  # (B, V)
+    # In float64, shifted so the top logit is 0: a tiny temperature (1e-40) then sends every other
+    # token to exp(-inf) = 0 (greedy in the limit) instead of inf / inf = NaN in float32.
+    scaled = logits.double()  # (B, V)
+    probs = torch.softmax((scaled - scaled.amax(dim=-1, keepdim=True)) / temperature, dim=-1).float()  # (B, V)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)  # (B, V) each
-        # Drop a token when the ones more likely than it already reach top_p.
+        # Drop a token when the ones more likely than it already reach top_p; the top one never is (a
+        # top_p below float precision, 1e-300, keeps it alone).
         drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
+        drop[..., 0] = False
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def check_sampling(temperature, top_p) -> None:
+    """Raise ValueError unless ``temperature >= 0`` and ``0 < top_p <= 1`` (numbers, not bools)."""
+    _check_sampling(temperature, top_p)
 
 
 def _check_sampling(temperature, top_p) -> None:

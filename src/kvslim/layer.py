@@ -192,8 +192,9 @@ class SlimLayer:
         self.pre_rope = pre_rope  # the K stream holds keys before RoPE (needs a rope at every append)
         self.k_hadamard, self.v_hadamard = k_hadamard, v_hadamard
         # fp_dtype: storage of a lossy stream's full-precision tokens (residual and sinks); None: the model's
-        self.k = Stream(k_codec, residual, group_size, min_slack, fp_dtype, BodyBasis(k_hadamard, k_bias))
-        self.v = Stream(v_codec, residual, group_size, min_slack, fp_dtype, BodyBasis(v_hadamard))
+        bound = policy.window  # a bounded stream's buffers are allocated once, at their capacity
+        self.k = Stream(k_codec, residual, group_size, min_slack, fp_dtype, BodyBasis(k_hadamard, k_bias), bound)
+        self.v = Stream(v_codec, residual, group_size, min_slack, fp_dtype, BodyBasis(v_hadamard), bound)
         self._k_bias = k_bias  # (H_kv, D) float32, subtracted from every encoded key (in the body's basis)
         self.sink_k: torch.Tensor | None = None  # (B, H, <=sink, D), as the model gave them
         self.sink_v: torch.Tensor | None = None
@@ -483,6 +484,80 @@ class SlimLayer:
         if self.kv_shape is not None and self.pads is not None:
             self.kv_shape = (self.pads.shape[0], *self.kv_shape[1:])
 
+    # -- save / restore --------------------------------------------------------------------
+    def state(self) -> dict:
+        """Everything this layer holds, as tensors (views, valid until the next update) and plain values
+        (what :mod:`kvslim.promptcache` saves; nothing is decoded or re-encoded):
+
+        ``k``/``v``: ``(body, offset, residual)`` per stream (:meth:`Stream.restore`); ``sink_k``/``sink_v``
+        (B, H, S, D) and ``sink_rot`` (B, S); ``pads``/``sink_start`` (B,); ``runs`` ``[[tokens, base], ...]``;
+        ``seen``, ``base``, ``dtype``, ``kv_shape`` (B, H_kv, D), ``v_dim``. Tensors may be None."""
+        return {
+            "k": (self.k.body(), self.k.offset, self.k.fp.view()),
+            "v": (self.v.body(), self.v.offset, self.v.fp.view()),
+            "sink_k": self.sink_k,
+            "sink_v": self.sink_v,
+            "sink_rot": self.sink_rot,
+            "pads": self.pads,
+            "sink_start": self.sink_start,
+            "runs": [list(r) for r in self.runs],
+            "seen": self.seen,
+            "base": self._base,
+            "dtype": self.dtype,
+            "kv_shape": self.kv_shape,
+            "v_dim": self._v_dim,
+        }
+
+    def restore(self, state: dict) -> None:
+        """Fill this fresh layer (built with the same settings as the one saved) from a :meth:`state`.
+        The shapes are checked against each other first (ValueError naming the part; nothing changed)."""
+        if self.seen or self.stored:
+            raise ValueError(f"restore() fills a fresh layer; this one has seen {self.seen} tokens")
+        if not state["seen"]:
+            return
+        b, h, d = state["kv_shape"]
+        v_dim = state["v_dim"]
+        n_sink = 0 if state["sink_k"] is None else state["sink_k"].shape[2]
+        want = {
+            "sink_k": (b, h, n_sink, d) if n_sink else None,
+            "sink_v": (b, h, n_sink, v_dim) if n_sink else None,
+            "sink_rot": (b, n_sink) if n_sink else None,
+            "pads": (b,),
+            "sink_start": (b,),
+        }
+        for name, shape in want.items():
+            t = state[name]
+            if (None if t is None else tuple(t.shape)) != shape:
+                got = None if t is None else tuple(t.shape)
+                raise ValueError(f"layer state: {name} has shape {got}, expected {shape}")
+        lengths = []
+        for role, dim in (("k", d), ("v", v_dim)):
+            body, _, fp = state[role]
+            n_body = {t.shape[2] for t in body.token.values()}
+            parts = [*body.token.values(), *body.group.values()] + ([] if fp is None else [fp])
+            if len(n_body) > 1 or any(tuple(t.shape[:2]) != (b, h) for t in parts):
+                raise ValueError(f"layer state: {role} stream parts disagree on batch, heads or length")
+            if fp is not None and fp.shape[3] != dim:
+                raise ValueError(f"layer state: {role} residual has head_dim {fp.shape[3]}, expected {dim}")
+            lengths.append(next(iter(n_body), 0) + (0 if fp is None else fp.shape[2]))
+        runs = [[int(n), int(base)] for n, base in state["runs"]]
+        if lengths[0] != lengths[1] or sum(n for n, _ in runs) != lengths[0]:
+            raise ValueError(
+                f"layer state: K stream holds {lengths[0]} tokens, V {lengths[1]}, runs {sum(n for n, _ in runs)}"
+            )
+        if n_sink > self.policy.sink or n_sink + lengths[0] > state["seen"]:
+            raise ValueError(
+                f"layer state: {n_sink} sinks (this layer keeps {self.policy.sink}) + {lengths[0]} stream tokens "
+                f"for {state['seen']} seen"
+            )
+        # commit (the appends below only write into fresh buffers)
+        self.k.restore(*state["k"])
+        self.v.restore(*state["v"])
+        self.sink_k, self.sink_v, self.sink_rot = state["sink_k"], state["sink_v"], state["sink_rot"]
+        self.pads, self.sink_start = state["pads"], state["sink_start"]
+        self.runs, self.seen, self._base = runs, int(state["seen"]), int(state["base"])
+        self.dtype, self.kv_shape, self._v_dim = state["dtype"], (b, h, d), int(v_dim)
+
     # -- accounting ------------------------------------------------------------------------
     def components(self) -> dict[str, int]:
         out = {**self.k.components("k"), **self.v.components("v")}
@@ -495,6 +570,20 @@ class SlimLayer:
 
     def nbytes(self) -> int:
         return sum(self.components().values())
+
+    def projected_nbytes(self, tokens: int, kv: tuple[int, int, int], v_dim: int, dtype: torch.dtype) -> int:
+        """The most bytes this layer holds while fed ``tokens`` tokens of rows ``kv = (B, H_kv, D)``
+        (V of ``v_dim`` channels) in ``dtype``: sinks, both streams (:meth:`Stream.projected_nbytes`), the
+        bias and the per-row bookkeeping. An upper bound a memory budget can reserve up front."""
+        b, h, d = kv
+        n_sink = min(tokens, self.policy.sink)
+        rest = tokens - n_sink
+        probe = torch.zeros(1, 1, 1, 1, dtype=dtype)
+        sink_entry = self.k.cast(probe).element_size() * b * h
+        total = n_sink * sink_entry * (d + v_dim) + b * n_sink * 8  # sink K, V and their rotation positions
+        total += self.k.projected_nbytes(rest, (b, h, d), dtype) + self.v.projected_nbytes(rest, (b, h, v_dim), dtype)
+        total += _bytes(self.k_bias) + 2 * b * 8  # bias; pads and sink start per row
+        return total
 
     def live_nbytes(self) -> int:
         """Bytes of the stored tokens alone (no buffer slack)."""

@@ -184,9 +184,11 @@ def load_model(
     Raises FileNotFoundError for a missing path or package, ValueError (one line) for a model that
     cannot be loaded: a hub id that cannot be had (offline and not cached, or the hub unreachable),
     a directory without a usable config or weights, an unreadable GGUF, a cache directory the
-    converted copy cannot be written to, a bad dtype.
+    converted copy cannot be written to, a bad dtype, a device torch does not know ("banana") or that
+    holds no data ("meta").
     """
     dtype = _as_dtype(dtype)
+    device = _as_device(device)
     kind, where = resolve_spec(spec)
     kwargs = dict(attn_implementation=attn_implementation)
     if tensor_parallel:
@@ -340,6 +342,21 @@ def _dtensor_type():
 # loaders
 
 
+def _as_device(device) -> torch.device:
+    """``device`` as a torch.device, checked before anything loads: ValueError for a name torch does not
+    know and for ``meta`` (a model there has no weights to run)."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            f"device {device!r} is not a torch device; expected a type and an optional index, e.g. 'cpu', 'cuda', "
+            f"'cuda:0'"
+        ) from None
+    if parsed.type == "meta":
+        raise ValueError("device 'meta' holds no weights, so the model could not run; expected e.g. 'cpu' or 'cuda'")
+    return parsed
+
+
 def _as_dtype(dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
@@ -387,14 +404,12 @@ def _from_dir(path: Path, dtype: torch.dtype, **kwargs):
 def _from_gguf(path: Path, **kwargs):
     """Unpack a GGUF into a dense float32 model (dequantize=True: never keep packed GGUF blocks,
     whose matmul kernels would change the numerics and cannot be saved)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from . import compat
 
     model = AutoModelForCausalLM.from_pretrained(
-        path.parent,
-        gguf_file=str(path),
-        quantization_config=GgufConfig(gguf_file=str(path), dequantize=True),
-        dtype=torch.float32,
-        **kwargs,
+        path.parent, **compat.gguf_load_kwargs(str(path)), dtype=torch.float32, **kwargs
     )
     # The weights are now plain tensors; drop the GGUF quantizer so the model behaves (and saves)
     # like any dense checkpoint: save_pretrained refuses a model whose quantizer is not serializable.
@@ -402,7 +417,20 @@ def _from_gguf(path: Path, **kwargs):
     if quantizer is not None:
         quantizer.remove_quantization_config(model)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=str(path))
+    _align_special_tokens(tokenizer, model.config)
     return model, tokenizer
+
+
+def _align_special_tokens(tokenizer, config) -> None:
+    """Give the tokenizer the end and padding tokens the GGUF's model config names.
+
+    transformers before 5.20 unpack a GGUF's tokenizer with ``<|im_start|>`` (id 1) as end token and no
+    padding token, while its model config says 2 (``<|im_end|>``) for both, as 5.20+ read it too; this
+    makes the converted copy the same on every supported release."""
+    for name in ("eos", "pad"):
+        token_id = getattr(config, f"{name}_token_id", None)
+        if isinstance(token_id, int) and getattr(tokenizer, f"{name}_token_id", None) != token_id:
+            setattr(tokenizer, f"{name}_token", tokenizer.convert_ids_to_tokens(token_id))
 
 
 def _load_embedded(gguf_path: Path, dtype: torch.dtype, *, verify: bool = False, **kwargs):
@@ -411,11 +439,14 @@ def _load_embedded(gguf_path: Path, dtype: torch.dtype, *, verify: bool = False,
     if fresh is not None:  # just converted: already in memory, in float32
         return fresh
     marker = _read_marker(source)
+    # The fingerprint (bfloat16-rounded samples) is the same for float32 and bfloat16 weights but not for
+    # float16 ones (rounded twice): a float16 load reads float32 and is checked; load_model casts it after.
+    load_dtype = torch.float32 if dtype == torch.float16 else dtype
     try:
         with _quiet_progress():
-            model, tokenizer = _from_dir(source, dtype, **kwargs)
+            model, tokenizer = _from_dir(source, load_dtype, **kwargs)
         recorded = marker.get("fingerprint") if marker else None
-        if recorded and dtype in (torch.float32, torch.bfloat16) and model_fingerprint(model) != recorded:
+        if recorded and model_fingerprint(model) != recorded:
             raise ValueError("the loaded weights do not match the fingerprint recorded at conversion")
     except (KeyboardInterrupt, SystemExit):
         raise
@@ -557,6 +588,9 @@ def _ensure_converted(
         ) from None
     try:
         model, tokenizer = _one_line(f"cannot convert {gguf_path}", _from_gguf, gguf_path, **kwargs)
+        # a full disk while the weights are written is a SafetensorError, not an OSError
+        from safetensors import SafetensorError
+
         try:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
@@ -564,10 +598,11 @@ def _ensure_converted(
             fsync_tree(tmp)
             if not replace_dir(tmp, final) and _copy_problem(final, hashes=False) is not None:
                 raise OSError(f"another process left a damaged copy at {final}")
-        except OSError as e:
+        except (OSError, SafetensorError) as e:
             raise ValueError(
                 f"cannot save the converted copy of {gguf_path.name} under {final.parent}: "
-                f"{e.strerror or _first_line(e)}; free some space or set KVSLIM_CACHE_DIR to a writable directory"
+                f"{getattr(e, 'strerror', None) or _first_line(e)}; free some space or set KVSLIM_CACHE_DIR to a "
+                f"writable directory"
             ) from None
     finally:
         if tmp.exists():

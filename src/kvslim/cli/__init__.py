@@ -55,6 +55,7 @@ SUBCOMMANDS = {
         "measure the quality cost of cache modes (ppl, KLD, greedy, memory, passkey)",
     ),
     "bench": ("kvslim.cli.bench", "time decode and prefill of cache modes side by side with the peers"),
+    "serve": ("kvslim.cli.serve", "an OpenAI-compatible server; conversations kept in bounded, compressed caches"),
 }
 
 
@@ -114,12 +115,32 @@ def main(argv: list[str] | None = None) -> int:
 def _torchrun_rank() -> int | None:
     """This process's rank when ``torchrun`` started several (``WORLD_SIZE`` > 1), else None. Read from the
     environment: the top-level CLI imports no torch."""
+    if _launcher_missing():
+        return None  # not started by torchrun: this process speaks (and _main says why it cannot run)
     try:
         if int(os.environ.get("WORLD_SIZE") or 1) > 1:
             return int(os.environ.get("RANK") or 0)
     except ValueError:
         pass  # malformed: kvslim.distributed says so when the run gets there
     return None
+
+
+def _launcher_missing() -> str | None:
+    """Why ``WORLD_SIZE`` > 1 cannot be a torchrun launch (``MASTER_ADDR`` / ``MASTER_PORT`` unset: a
+    variable left over in a shell), or None."""
+    try:
+        if int(os.environ.get("WORLD_SIZE") or 1) <= 1:
+            return None
+    except ValueError:
+        return None
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if not missing:
+        return None
+    return (
+        f"WORLD_SIZE={os.environ['WORLD_SIZE']} is set but {' and '.join(missing)} "
+        f"{'is' if len(missing) == 1 else 'are'} not, so this is not a torchrun launch: start it with "
+        f"`torchrun --nproc-per-node N kvslim ...`, or unset WORLD_SIZE and RANK for one process"
+    )
 
 
 #: The real stderr of a quiet rank (a duplicate of fd 2 made before it was pointed at /dev/null).
@@ -182,6 +203,11 @@ def _main(argv: list[str], received: list[int]) -> int:
         parser = _Parser(prog=f"kvslim {name}", description=SUBCOMMANDS[name][1])
         module.configure(parser)
         args = parser.parse_args(argv[1:])
+        launcher = _launcher_missing()
+        if launcher is not None:
+            raise UserError(launcher)
+        if sys.stdout is None:  # started with fd 1 closed (`>&-`): Python then has no sys.stdout at all
+            raise UserError(f"stdout is closed: kvslim {name} writes its results there; redirect it (> FILE) instead")
         code = int(module.run(args) or 0)
         ok = code == 0
         return code

@@ -7,6 +7,7 @@ Parsing and printing only; the work is :func:`kvslim.bench.run_bench`.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .common import (
@@ -24,6 +25,8 @@ from .common import (
 DEFAULT_CONFIGS = ["none", "int8", "int4", "q8_0", "q4_0", "none,sink=4,window=1020"]
 SMOKE_CONFIGS = ["int4", "q4_0,sink=4,window=28"]
 # --smoke: a seconds-long run for CI.
+#: --threads beyond this many per CPU is refused (a typo, not a setting: torch would start them all).
+MAX_THREADS_PER_CPU = 4
 SMOKE = dict(lengths=[16, 32], steps=2, warmup=1, append_lengths=[64, 256], append_reps=3, seen=[64, 256])
 
 
@@ -137,6 +140,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="a seconds-long run for CI: lengths 16,32, 2 steps, small append and tokens-seen "
         "measurements (overrides those flags)",
     )
+    parser.add_argument(
+        "--concurrency",
+        type=_int_list("--concurrency"),
+        default=None,
+        metavar="C,...",
+        help="measure many streams at once instead: aggregate decode tok/s and bytes per stream at each "
+        "concurrency and --lengths, the plain cache batched as generate() batches and transformers' continuous "
+        "batching side by side (e.g. 1,4,16)",
+    )
+    parser.add_argument(
+        "--no-continuous-batching",
+        action="store_true",
+        help="with --concurrency: leave out transformers' generate_batch (it prefills every stream)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 
@@ -149,6 +166,13 @@ def run(args: argparse.Namespace) -> int:
     ):
         if value is not None and value < minimum:
             raise UserError(f"{flag} must be an integer >= {minimum}, got {value}")
+    cpus = os.cpu_count() or 1
+    if args.threads is not None and args.threads > MAX_THREADS_PER_CPU * cpus:
+        # torch would try to start them all: "can't start new thread", then a crash
+        raise UserError(
+            f"--threads {args.threads} is more than {MAX_THREADS_PER_CPU} per CPU of this machine ({cpus} CPUs); "
+            f"use at most {MAX_THREADS_PER_CPU * cpus} (the CPU count is usually fastest)"
+        )
     settings = dict(
         lengths=args.lengths,
         steps=args.steps,
@@ -184,6 +208,8 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     attn = resolve_attn(args.attn)  # fails fast, before the model loads
     model, _ = load_model_from_args(args)
+    if args.concurrency is not None:
+        return _run_concurrency(args, model, configs, settings)
     result = run_bench(
         model,
         configs,
@@ -212,6 +238,41 @@ def run(args: argparse.Namespace) -> int:
         with atomic_path(args.plot, what="--plot") as tmp:
             plot_bench(result, tmp)
         print(f"wrote {args.plot}")
+    return 0
+
+
+def _run_concurrency(args, model, configs, settings) -> int:
+    """``--concurrency``: many streams at once (kvslim.bench.concurrency), a table and JSON."""
+    import kvslim
+
+    from ..bench.concurrency import render_concurrency, run_concurrency
+    from ..bench.modes import build_modes
+    from ..bench.suite import _logger
+
+    kvslim.enable(model)  # the engine's ragged steps attend on each row's codes
+    modes, _ = build_modes(model, configs)
+    rows = run_concurrency(
+        model,
+        modes,
+        settings["lengths"],
+        args.concurrency,
+        settings["steps"],
+        warmup=settings["warmup"],
+        seed=args.seed,
+        continuous_batching=not args.no_continuous_batching,
+        log=_logger(not args.quiet),
+    )
+    print(render_concurrency(rows))
+    if args.json:
+        write_json(
+            args.json,
+            {
+                "concurrency": [r.to_dict() for r in rows],
+                "settings": {"lengths": settings["lengths"], "concurrency": args.concurrency, "steps": settings["steps"],
+                             "threads": args.threads, "configs": list(configs)},
+            },
+        )
+        print(f"wrote {args.json}")
     return 0
 
 

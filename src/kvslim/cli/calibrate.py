@@ -54,9 +54,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--kv-rotate",
-        default="none",
-        choices=[r for r in ROTATE if r != "auto"],
-        help="calibrate for a cache storing K Hadamard-rotated (k or kv; records k_rot=true) (default: none)",
+        default="auto",
+        choices=ROTATE,
+        help="the K basis to calibrate for: k or kv (K Hadamard-rotated, records k_rot=true), none or v (K "
+        "unrotated); auto (default): as the default cache stores a quantized K, rotated wherever the "
+        "model's head_dim allows it, so that the file and the default cache's rotation add up",
     )
     parser.add_argument(
         "--kv-pre-rope",
@@ -84,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
     from ..calibrate import collect_k_means
 
     model, tokenizer = load_model_from_args(args)
+    _check_context(args.ctx, model.config)
     bias = collect_k_means(
         model,
         tokenizer,
@@ -93,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         progress=not args.no_progress and sys.stderr.isatty(),
         cache_type=args.cache_type,
-        rotate=args.kv_rotate in ("k", "kv"),
+        rotate="auto" if args.kv_rotate == "auto" else args.kv_rotate in ("k", "kv"),
         pre_rope=args.kv_pre_rope,
     )
     if args.llama_cpp_order:
@@ -125,3 +128,15 @@ def run(args: argparse.Namespace) -> int:
         f"model {bias.model_fingerprint}"
     )
     return 0
+
+
+def _check_context(ctx: int, config) -> None:
+    """--ctx past the model's trained context would average keys at positions it never saw: refused."""
+    from ..shapes import ModelShapes
+
+    context = ModelShapes.from_config(config).max_position_embeddings
+    if context and ctx > context:
+        raise UserError(
+            f"--ctx {ctx} is beyond the model's context of {context} positions (each chunk starts at position 0); "
+            f"use --ctx {context} or less"
+        )

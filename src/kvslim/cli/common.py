@@ -181,13 +181,29 @@ def bias_cache_maker(model, args: argparse.Namespace):
 
                 fingerprint.append(model_fingerprint(model))
             kwargs = dict(model_fingerprint=fingerprint[0], allow_other_model=args.kv_mean_center_any_model)
-        if sharded:
-            from ..distributed import rank_cache
+        try:
+            if sharded:
+                from ..distributed import rank_cache
 
-            return rank_cache(model, **cfg.to_dict(), **kwargs)  # what SlimCache.from_config passes
-        return SlimCache.from_config(cfg, config=model.config, **kwargs)
+                return rank_cache(model, **cfg.to_dict(), **kwargs)  # what SlimCache.from_config passes
+            return SlimCache.from_config(cfg, config=model.config, **kwargs)
+        except ValueError as e:
+            raise ValueError(_dtype_hint(str(e), model)) from None
 
     return make
+
+
+def _dtype_hint(message: str, model) -> str:
+    """A fingerprint mismatch under float16 may be the dtype's doing: its weights, rounded twice, fingerprint
+    differently from the float32 / bfloat16 ones a bias file is usually calibrated with. Say so."""
+    import torch
+
+    if "calibrated for another model" not in message or getattr(model, "dtype", None) != torch.float16:
+        return message
+    return (
+        f"{message} (this model runs in float16, whose fingerprint differs from the same model's in float32 or "
+        f"bfloat16: calibrate with --dtype float16, or pass --kv-mean-center-any-model if the file is for this model)"
+    )
 
 
 def add_any_model_flag(parser: argparse.ArgumentParser) -> None:
@@ -221,14 +237,20 @@ def add_cache_flags(parser: argparse.ArgumentParser) -> None:
         "--v-quantize", default=None, choices=names, help="V storage format (overrides --kv-quantize)"
     )
     parser.add_argument(
-        "--kv-group-size", type=int, default=32, metavar="G", help="KIVI token group (default: 32)"
+        "--kv-group-size",
+        type=_auto_or_int,
+        default="auto",
+        metavar="G",
+        help="KIVI token group (default: auto = 32, and for a window shorter than 64 the largest power of two "
+        "at most half of it, so a small window is still mostly encoded)",
     )
     parser.add_argument(
         "--kv-residual",
-        type=int,
-        default=128,
+        type=_auto_or_int,
+        default="auto",
         metavar="R",
-        help="recent tokens kept at full precision (default: 128)",
+        help="recent tokens kept at full precision, a multiple of the group (default: auto = 128, and with a "
+        "window at most a quarter of it, so a bounded cache is mostly encoded)",
     )
     parser.add_argument(
         "--kv-mean-center", default=None, metavar="FILE", help="K mean-centering bias file (GGUF)"
@@ -252,20 +274,77 @@ def add_cache_flags(parser: argparse.ArgumentParser) -> None:
     add_any_model_flag(parser)
 
 
+def _auto_or_int(value: str):
+    """A flag value: an integer or ``auto``."""
+    if value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") from None
+
+
+#: the KIVI token group the flags use unless told otherwise (the library's default too)
+DEFAULT_GROUP = 32
+
+
+def auto_group_size(group, window, residual):
+    """``--kv-group-size auto``: 32, or for a window shorter than two groups of 32 the largest power of two
+    that is at most half the window (and divides an explicit ``--kv-residual``), so that the window is mostly
+    encoded; an explicit value is returned as given."""
+    if group != "auto":
+        return group
+    if not isinstance(window, int) or window >= 2 * DEFAULT_GROUP:
+        return DEFAULT_GROUP
+    g = 1
+    while 2 * g <= window // 2:
+        g *= 2
+    while g > 1 and isinstance(residual, int) and residual % g:
+        g //= 2
+    return g
+
+
 def cache_config_from_args(args: argparse.Namespace) -> CacheConfig:
-    """Build the validated CacheConfig from the cache flags; ValueError names the flag's field."""
-    return CacheConfig(
-        kv_quantize=args.kv_quantize,
-        k_quantize=args.k_quantize,
-        v_quantize=args.v_quantize,
-        sink=args.streaming_llm_sink,
-        window=args.streaming_llm_window,
-        group_size=args.kv_group_size,
-        residual=args.kv_residual,
-        mean_center=args.kv_mean_center,
-        rotate=args.kv_rotate,
-        pre_rope={"on": True, "off": False}.get(args.kv_pre_rope, args.kv_pre_rope),
-    )
+    """Build the validated CacheConfig from the cache flags; a bad value is a UserError naming the flag
+    (the library's message names the field: ``sink must be >= 0`` -> ``--streaming-llm-sink must be >= 0``)."""
+    try:
+        return CacheConfig(
+            kv_quantize=args.kv_quantize,
+            k_quantize=args.k_quantize,
+            v_quantize=args.v_quantize,
+            sink=args.streaming_llm_sink,
+            window=args.streaming_llm_window,
+            group_size=auto_group_size(args.kv_group_size, args.streaming_llm_window, args.kv_residual),
+            residual=args.kv_residual,
+            mean_center=args.kv_mean_center,
+            rotate=args.kv_rotate,
+            pre_rope={"on": True, "off": False}.get(args.kv_pre_rope, args.kv_pre_rope),
+        )
+    except ValueError as e:
+        raise UserError(flag_names(str(e))) from None
+
+
+#: CacheConfig's field names as the cache flags spell them (for messages).
+CACHE_FLAGS = {
+    "kv_quantize": "--kv-quantize",
+    "k_quantize": "--k-quantize",
+    "v_quantize": "--v-quantize",
+    "sink": "--streaming-llm-sink",
+    "window": "--streaming-llm-window",
+    "group_size": "--kv-group-size",
+    "residual": "--kv-residual",
+    "mean_center": "--kv-mean-center",
+    "rotate": "--kv-rotate",
+    "pre_rope": "--kv-pre-rope",
+}
+
+
+def flag_names(message: str) -> str:
+    """``message`` with CacheConfig's field names (``sink``, ``group_size=32``) replaced by the flags."""
+    import re
+
+    pattern = r"(?<![\w-])(" + "|".join(sorted(CACHE_FLAGS, key=len, reverse=True)) + r")(?=\s+must\b|=)"
+    return re.sub(pattern, lambda m: CACHE_FLAGS[m.group(1)], message)
 
 
 def format_table(headers: list[str], rows: list[list], floatfmt: str = ".4g") -> str:

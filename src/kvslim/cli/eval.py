@@ -33,6 +33,7 @@ from .common import (
     seed_int,
     write_json,
 )
+from .errors import say
 
 #: The modes measured when no --config is given.
 DEFAULT_CONFIGS = ("fp8", "int8", "int4", "int2", "q8_0", "q4_0", "q4_1")
@@ -160,6 +161,25 @@ def _positive(flag: str, value: int | None) -> None:
 
 def _check_out(flag: str, path: str | None) -> None:
     check_output(flag, path)
+    if flag == "--plot" and path is not None and not path.lower().endswith(".png"):
+        raise UserError(f"--plot {path}: the plot is written as PNG; name a .png file")
+
+
+def _warn_beyond_context(n: int, specs: list[str], model) -> None:
+    """Perplexity past the model's trained context measures the model there, not the cache (a warning: a
+    long stream's dense baseline is sometimes the point, docs/streaming.md)."""
+    from ..evaluate import resolve_modes
+    from ..shapes import ModelShapes
+
+    context = ModelShapes.from_config(model.config).max_position_embeddings
+    if not context or n <= context:
+        return
+    unbounded = [m.label for m in resolve_modes(specs)[1:] if m.config.window is None]  # [0]: the reference
+    say(
+        f"kvslim: warning: --tokens {n} runs past the model's context of {context} positions in the "
+        f"uncompressed reference{' and ' + ', '.join(unbounded) if unbounded else ''} (no "
+        f"--config window); the scores there measure the model beyond its training, not the cache"
+    )
 
 
 def _read_text(path: str) -> str:
@@ -221,6 +241,7 @@ def _ppl(args) -> int:
             f"--prefill {prefill} must be smaller than --tokens {n} (at least one token is scored)"
         )
     ids = ids[:, :n]
+    _warn_beyond_context(n, specs, model)
 
     print(
         f"{_model_name(args)}: {n} tokens of {args.text}, prefill {prefill}, then {n - 1 - prefill} tokens "
@@ -288,7 +309,10 @@ def _greedy(args) -> int:
 
     from ..evaluate import greedy_prefix_match, load_prompts, resolve_modes
 
-    prompts = load_prompts(args.prompts) if args.prompts else None
+    try:
+        prompts = load_prompts(args.prompts) if args.prompts else None
+    except UnicodeDecodeError as e:
+        raise UserError(f"--prompts {args.prompts}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     model, tokenizer = _load(args)
     report = greedy_prefix_match(
         model,
@@ -307,10 +331,10 @@ def _greedy(args) -> int:
     longest = max(p.prompt_tokens + p.reference_tokens for p in report.results[0].prompts)
     for m in resolve_modes(specs)[1:]:
         c = m.config
-        if c.window is None and c.residual >= longest and (c.k_format != "none" or c.v_format != "none"):
+        if c.window is None and c.residual_tokens >= longest and (c.k_format != "none" or c.v_format != "none"):
             print(
                 f"note: {m.label}: every prompt + continuation ({longest} tokens at most) fits in the "
-                f"full-precision residual of {c.residual} tokens, so nothing was quantized; use residual=0 "
+                f"full-precision residual of {c.residual_tokens} tokens, so nothing was quantized; use residual=0 "
                 "or more --tokens to measure the format",
                 file=sys.stderr,
             )

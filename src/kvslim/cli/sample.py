@@ -84,6 +84,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="without StreamingLLM, generate past the model's context length (a warning, not an error)",
     )
+    parser.add_argument(
+        "--prompt-cache",
+        default=None,
+        metavar="FILE",
+        help="keep the prompt's compressed cache in FILE (safetensors): if FILE is missing, the prompt (all but "
+        "its last token) is prefilled and saved there before generating; if present, it is loaded, the prompt "
+        "must start with the tokens it holds, and only the rest is prefilled (as llama.cpp's --prompt-cache and "
+        "mlx_lm.cache_prompt). The cache flags must be the ones the file was saved with",
+    )
     parser.add_argument("--report-json", default=None, metavar="FILE", help="write the final report as JSON")
     parser.add_argument(
         "--rss-log",
@@ -96,6 +105,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cache_config = cache_config_from_args(args)  # ValueError -> one line, before any slow work
     _check_args(args)
+    saved_header = _check_prompt_cache(args, cache_config)
     prompt = _read_prompt(args)
 
     from ..atomic import AtomicFile
@@ -113,10 +123,15 @@ def run(args: argparse.Namespace) -> int:
     _check_context(args, cache_config, input_ids.shape[1], shapes.max_position_embeddings)
     no_quantizing = _nothing_quantized(args, cache_config, input_ids.shape[1])
 
-    cache = bias_cache_maker(model, args)(cache_config)
+    if args.prompt_cache:
+        cache, feed, prompt_cache = _prompt_cache(args, model, input_ids, cache_config, saved_header)
+    else:
+        cache, feed, prompt_cache = bias_cache_maker(model, args)(cache_config), input_ids, None
     say(_banner(args, cache_config, model, shapes.head_dim, quantizes=no_quantizing is None, cache=cache))
     if no_quantizing:
         say(f"kvslim: warning: {no_quantizing}")
+    if prompt_cache:
+        say(f"kvslim: {prompt_cache['note']}")
 
     from ..distributed import agree, reduce_report, shared_seed
 
@@ -124,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     eos = None if args.ignore_eos else _eos_ids(model, tokenizer)
     gen = generate(
         model,
-        input_ids,
+        feed,  # the prompt, or what the --prompt-cache file does not hold
         cache,
         max_new_tokens=args.tokens,
         temperature=args.temperature,
@@ -153,6 +168,9 @@ def run(args: argparse.Namespace) -> int:
                     if not sharded:
                         break
                     # under torchrun the other ranks decode on, and every step is a collective: keep in step
+                except OSError as e:  # `> FILE` on a full disk: the error must say it was stdout
+                    silence(sys.stdout)
+                    raise _stdout_error(e) from None
             if rss_log and event.step % RSS_LOG_EVERY == 0:
                 rss_log.write(f"{event.step},{current_rss_bytes()}\n")
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: stop, still report
@@ -173,6 +191,9 @@ def run(args: argparse.Namespace) -> int:
             if not sharded:
                 raise
             silence(sys.stdout)  # the ranks still sum the report's bytes together below
+        except OSError as e:
+            silence(sys.stdout)
+            raise _stdout_error(e) from None
 
     if code == 0 and sharded and not agree(drawn):  # a collective: never after an interrupt
         raise ValueError(
@@ -180,6 +201,8 @@ def run(args: argparse.Namespace) -> int:
             "(a collective that is not bit-identical on every rank?)"
         )
     report = build_report(cache, gen.stats, args=args, interrupted=code != 0)
+    if prompt_cache:
+        report["prompt_cache"] = {k: v for k, v in prompt_cache.items() if k != "note"}
     if code == 0:
         report = reduce_report(report)  # the whole cache, summed over the ranks (a collective; alone: as is)
     elif sharded:  # not summed after an interrupt: a peer may be gone, and the sum would wait for it
@@ -196,6 +219,11 @@ def run(args: argparse.Namespace) -> int:
 # checks and input
 
 
+def _stdout_error(e: OSError) -> OSError:
+    """A failed write of the text as an error naming stdout ("stdout: No space left on device")."""
+    return OSError(e.errno, f"{e.strerror or e}; the text on stdout is incomplete", "stdout")
+
+
 def _check_args(args: argparse.Namespace) -> None:
     """Cheap checks of every flag and file, before the model loads."""
     if args.tokens < 1:
@@ -208,6 +236,72 @@ def _check_args(args: argparse.Namespace) -> None:
     check_output("--report-json", args.report_json)
     check_output("--rss-log", args.rss_log)
     check_model_args(args)
+
+
+def _check_prompt_cache(args: argparse.Namespace, cache_config) -> dict | None:
+    """Before the model loads: an existing --prompt-cache file must have been saved with these cache flags
+    (its header is read; its tensors later), a new one must be writable. Returns the file's header, or None
+    when it is to be created."""
+    path = args.prompt_cache
+    if path is None:
+        return None
+    if distributed_run():
+        raise UserError("--prompt-cache is not available under torchrun (each rank holds a part of the cache)")
+    if not os.path.exists(path):
+        check_output("--prompt-cache", path)
+        return None
+    from ..promptcache import check_cache_config, read_header
+
+    header = read_header(path)  # ValueError: one line naming the file
+    try:
+        check_cache_config(header, cache_config, where=f"--prompt-cache {path}")
+    except ValueError as e:
+        raise UserError(f"{e}: pass the cache flags it was saved with, or another --prompt-cache file") from None
+    return header
+
+
+def _prompt_cache(args, model, input_ids, cache_config, header: dict | None):
+    """``(cache, tokens still to feed (1, n), report entry)`` for --prompt-cache FILE.
+
+    No file: prefill every prompt token but the last into a new cache and save it with their ids (the last
+    token is fed by the generation, which needs its logits; llama.cpp re-evaluates it the same way). A file:
+    load it for this model, check that the prompt starts with its tokens, feed only the rest."""
+    import torch
+
+    from ..generate import prefill
+    from ..models import model_fingerprint
+    from ..promptcache import continued_prefix, load
+
+    path, n_prompt = args.prompt_cache, input_ids.shape[1]
+    fingerprint = model_fingerprint(model)
+    if header is None:
+        cache = bias_cache_maker(model, args)(cache_config)
+        head = input_ids[:, :-1]  # (1, T - 1)
+        if head.shape[1]:
+            with torch.inference_mode():
+                prefill(model, head, cache)
+        cache.save(path, token_ids=head.cpu(), model_fingerprint=fingerprint)
+        note = f"--prompt-cache {path}: saved the prompt's first {head.shape[1]} of {n_prompt} tokens"
+        return cache, input_ids[:, -1:], {"file": path, "reused_tokens": 0, "saved_tokens": head.shape[1], "note": note}
+    dtypes = {e["dtype"] for e in header["layers"] if e.get("dtype")}
+    model_dtype = str(model.dtype).removeprefix("torch.")
+    if dtypes and dtypes != {model_dtype}:
+        raise UserError(
+            f"--prompt-cache {path}: saved from a {', '.join(sorted(dtypes))} model, this one runs in {model_dtype}: "
+            f"pass the --dtype it was saved with, or another file"
+        )
+    restored = load(
+        path,
+        config=model.config,
+        model_fingerprint=fingerprint,
+        mean_center=args.kv_mean_center,
+        device=model.device,
+        cache_config=cache_config,
+        allow_other_model=args.kv_mean_center_any_model,
+    )
+    n = continued_prefix(restored.token_ids, input_ids, where=f"--prompt-cache {path}")  # ValueError: one line
+    note = f"--prompt-cache {path}: reused {n} of the prompt's {n_prompt} tokens; prefilling {n_prompt - n}"
+    return restored.cache, input_ids[:, n:], {"file": path, "reused_tokens": n, "saved_tokens": 0, "note": note}
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -282,7 +376,7 @@ def _nothing_quantized(args, cache_config, prompt_tokens: int) -> str | None:
     c = cache_config
     if c.k_format == "none" and c.v_format == "none":
         return None
-    start = c.residual + c.group_size  # tokens held (beyond the sinks) when the first group is encoded
+    start = c.residual_tokens + c.group_size  # tokens held (beyond the sinks) when the first group is encoded
     seen = prompt_tokens + args.tokens - 1  # the last token is generated, never stored
     held = seen - c.sink if c.window is None else min(seen - c.sink, c.window)
     if held >= start:
@@ -293,7 +387,7 @@ def _nothing_quantized(args, cache_config, prompt_tokens: int) -> str | None:
         else f"this run stores at most {max(held, 0)} (prompt {prompt_tokens} + --tokens {args.tokens})"
     )
     return (
-        f"nothing will be quantized: the newest {c.residual} tokens stay at full precision and older "
+        f"nothing will be quantized: the newest {c.residual_tokens} tokens stay at full precision and older "
         f"ones are encoded {c.group_size} at a time, so quantizing starts at {start} stored tokens, "
         f"but {why}; lower --kv-group-size / --kv-residual"
     )
@@ -332,7 +426,7 @@ def _banner(args, cache_config, model, head_dim: int, quantizes: bool = True, ca
     parts = [f"K {c.k_format} ({k_bits:.2f} bits/elem), V {c.v_format} ({v_bits:.2f} bits/elem)"]
     if c.k_format != "none" or c.v_format != "none":
         parts.append(
-            f"group {c.group_size}/residual {c.residual}"
+            f"group {c.group_size}/residual {c.residual_tokens}" + (" (auto)" if c.residual == "auto" else "")
             + ("" if quantizes else " (nothing quantized in this run)")
         )
     if c.window is None:

@@ -167,7 +167,7 @@ def cache_bytes(
         body, groups, fp = stream_layout(
             arrived,
             lossy=codec.lossy,
-            residual=config.residual,
+            residual=config.residual_tokens,
             unit=config.group_size,
             group=codec.token_group,
             window=config.window,

@@ -36,9 +36,9 @@ from types import ModuleType
 
 import torch
 
-from ..checks import check_int
 from ..formats import Codec, Encoded
-from .layout import expect, rows_contiguous
+from ..formats.layout import FAMILIES as LAYOUT_FAMILIES
+from ..formats.layout import body_layout
 
 #: Longest query axis (GQA group x new tokens) taken; longer (prefill) goes to the reference, whose
 #: decode + cuBLAS matmul runs on tensor cores where these fp32 ``tl.dot`` tiles do not. Unmeasured:
@@ -172,56 +172,27 @@ class _Layout:
 
 
 def _layout(codec: Codec, enc: Encoded, b: int, h: int, t: int, d: int | None, offset: int) -> tuple:
-    """(_Layout, D) of a body of ``t`` tokens, every shape checked against the codec (the programs
-    read raw pointers: a wrong shape would read out of bounds, not raise). ``d`` None: from the body."""
+    """(_Layout, D) of a body of ``t`` tokens, every shape checked against the codec by the encoded-layout
+    contract (:func:`kvslim.formats.layout.body_layout`: the programs read raw pointers, a wrong shape would
+    read out of bounds, not raise). ``d`` None: from the body."""
     prog = programs()
     family = codec.family
-    if family in ("affine_k", "affine_v"):
-        per = 8 // codec.bits
-        codes = rows_contiguous(enc.token["codes"])
-        d = codes.shape[-1] * per if d is None else d
-        expect(codes, (b, h, t, d // per), (torch.uint8,), f"{codec.name} {codec.role.upper()} codes")
-        if d % per:
-            raise ValueError(f"{codec.name} packs {per} codes per byte: head dim {d} is not a multiple")
-        if family == "affine_k":
-            g = codec.token_group
-            check_int("offset", offset, minimum=0, below=g)
-            n = -(-(offset + t) // g)
-            scale, zero = (rows_contiguous(enc.group[k]) for k in ("scale", "zero"))
-            for name, s in (("scale", scale), ("zero", zero)):
-                expect(s, (b, h, n, d), _FLOATS, f"{codec.name} K {name}")
-            return _Layout(prog.AFFINE_K.value, codec.bits, 0, codes, scale, zero, g), d
-        scale, zero = (rows_contiguous(enc.token[k]) for k in ("scale", "zero"))
-        n = scale.shape[-1]
-        if n < 1 or d % n:
-            raise ValueError(f"{codec.name} V has {n} scales per token, which does not divide head dim {d}")
-        for name, s in (("scale", scale), ("zero", zero)):
-            expect(s, (b, h, t, n), _FLOATS, f"{codec.name} V {name}")
-        return _Layout(prog.AFFINE_V.value, codec.bits, 0, codes, scale, zero, d // n), d
+    if family not in LAYOUT_FAMILIES:
+        raise ValueError(f"the Triton kernels do not read codec {codec.name!r} (family {family})")
+    if family == "ggml" and not _ggml_ok(codec):
+        raise ValueError(f"the Triton kernels do not read {codec.name} blocks of {codec.format.block}")
+    lay = body_layout(codec, enc, b, h, t, d, offset)
+    if family == "affine_k":
+        return _Layout(prog.AFFINE_K.value, codec.bits, 0, lay.x, lay.scale, lay.zero, lay.group), lay.d
+    if family == "affine_v":
+        return _Layout(prog.AFFINE_V.value, codec.bits, 0, lay.x, lay.scale, lay.zero, lay.group), lay.d
     if family == "ggml":
-        if not _ggml_ok(codec):
-            raise ValueError(f"the Triton kernels do not read {codec.name} blocks of {codec.format.block}")
-        size, nb = codec.format.block
-        blocks = rows_contiguous(enc.token["blocks"])
-        d = blocks.shape[-1] // nb * size if d is None else d
-        if d % size:
-            raise ValueError(f"{codec.name} needs a head dim that is a multiple of {size}, got {d}")
-        expect(blocks, (b, h, t, d // size * nb), (torch.uint8,), f"{codec.name} blocks")
-        return _Layout(prog.GGML[codec.name].value, 8, nb, blocks, blocks, blocks, 1), d
+        x = lay.x
+        return _Layout(prog.GGML[codec.name].value, 8, codec.format.block.nbytes, x, x, x, 1), lay.d
     if family == "fp8":
-        codes = rows_contiguous(enc.token["codes"])
-        d = codes.shape[-1] if d is None else d
-        expect(codes, (b, h, t, d), (torch.float8_e4m3fn,), "fp8 codes")
-        scale = enc.token["scale"]
-        expect(scale, (b, h, t, 1), (torch.float32,), "fp8 scale")
-        codes = codes.view(torch.uint8)  # decoded from its bits: no fp8 support needed on the GPU
-        return _Layout(prog.FP8.value, 8, 0, codes, scale, codes, 1), d
-    if family == "cast":
-        x = rows_contiguous(enc.token["x"])
-        d = x.shape[-1] if d is None else d
-        expect(x, (b, h, t, d), _FLOATS, f"{codec.name} tokens")
-        return _Layout(prog.CAST.value, 8, 0, x, x, x, 1), d
-    raise ValueError(f"the Triton kernels do not read codec {codec.name!r} (family {family})")
+        codes = lay.x.view(torch.uint8)  # decoded from its bits: no fp8 support needed on the GPU
+        return _Layout(prog.FP8.value, 8, 0, codes, lay.scale, codes, 1), lay.d
+    return _Layout(prog.CAST.value, 8, 0, lay.x, lay.x, lay.x, 1), lay.d
 
 
 # --------------------------------------------------------------------------- launches

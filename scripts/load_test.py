@@ -1,0 +1,796 @@
+"""Load test for ``kvslim serve``: N concurrent multi-turn chat sessions against a server this script starts.
+
+The script starts ``kvslim serve`` itself (127.0.0.1, a free port, a ``--session-dir`` in a temporary
+directory, the model and cache flags given here), waits for ``GET /health``, then runs ``--sessions``
+conversations at once, each ``--turns`` turns long: a streamed chat completion at temperature 0 with the
+``session`` field, so each turn continues the conversation's kept cache; the assistant's reply and a short
+new user message are appended for the next turn. It records, per request, the time to first token, the
+gaps between streamed chunks, the usage (prompt and cached tokens) and the outcome:
+
+- answered: the stream ended with ``data: [DONE]`` after a finish_reason;
+- refused: an HTTP error status with OpenAI's error body (the reason is kept), or an error event in the stream;
+- lost: anything else (a connection error, a timeout, a stream cut short). The exit status is 1 if any was lost.
+
+The server's RSS (``VmRSS`` of ``/proc/<pid>/status``) is sampled every 0.5 s; ``/metrics`` is read at the
+end; the server is stopped with SIGTERM and must exit. Everything talks to 127.0.0.1 only; the turns are
+bounded in count (``--turns``) and in time (``--time-limit``: no turn starts after it, and a request gives
+up after ``--request-timeout``), so the script always stops by itself.
+
+Optional, after the load phase: ``--greedy-check`` sends one prompt at temperature 0 through the server
+(no session) and through ``kvslim sample --temperature 0`` with the same flags, both as chat
+(``sample --chat`` vs ``/v1/chat/completions``) and as plain text (``sample`` vs ``/v1/completions``), and
+compares the texts; ``--restart-check`` runs one session for a turn, stops the server with SIGTERM (it parks
+the session in ``--session-dir``), starts a new server on the same directory and continues the session,
+which must report cached tokens > 0.
+
+    python scripts/load_test.py --sessions 16 --turns 20 --max-tokens 32 \\
+        --greedy-check --restart-check --json docs/img/serving-load.json --plot docs/img/serving-load.png \\
+        -- --kv-quantize int4 --streaming-llm-sink 4 --streaming-llm-window 1020
+
+Flags after ``--`` are model and cache flags, given to ``kvslim serve`` and to ``kvslim sample``;
+``--serve-args`` adds flags for the server only (``--memory-budget 64MiB``). See docs/serving.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+MODEL = "SmolLM2-135M-Instruct"
+OPENERS = (
+    "Name a color and say one thing about it.",
+    "What is a good name for a cat?",
+    "Tell me a fact about the moon.",
+    "Suggest a breakfast.",
+    "What is the capital of France?",
+    "Give me a word that rhymes with tree.",
+    "Describe the sea in one sentence.",
+    "What is two plus two?",
+)
+# follow-ups long enough (~30 tokens) that a 20-turn conversation outgrows a 1024-token window
+FOLLOW_UPS = (
+    "Tell me more about that, with one detail I have not heard yet, and keep it short and simple please.",
+    "Why is that so? Explain it as you would to a child who asks a lot of questions, in a few words.",
+    "Give me one example of that from everyday life, something a person might see on a normal day.",
+    "Say the same thing differently, as if you were writing a short note to a friend who is far away.",
+    "And what happens after that? Continue the story a little, but do not repeat what you already said.",
+    "Go on, but this time add a number or a date somewhere in your answer so that it is more precise.",
+)
+
+
+# -- the server process --------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``kvslim serve`` as a child process on 127.0.0.1; its log goes to ``log_path``."""
+
+    def __init__(self, kvslim: str, flags: list[str], session_dir: str, log_path: str):
+        self.kvslim, self.flags, self.session_dir, self.log_path = kvslim, flags, session_dir, log_path
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 300.0) -> float:
+        """Start and wait for /health; returns the seconds it took. RuntimeError (with the log's tail) if it
+        exits or does not answer in ``timeout``."""
+        self.port = free_port()
+        cmd = [
+            self.kvslim,
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--session-dir",
+            self.session_dir,
+            *self.flags,
+        ]
+        log = open(self.log_path, "a")  # noqa: SIM115 (the child holds it; closed in stop())
+        log.write(f"$ {shlex.join(cmd)}\n")
+        log.flush()
+        self._log = log
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        with httpx.Client(base_url=self.url, timeout=2.0) as client:
+            while time.monotonic() - t0 < timeout:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"kvslim serve exited ({self.proc.returncode}) before answering:\n{self.tail()}"
+                    )
+                try:
+                    if client.get("/health").status_code == 200:
+                        return time.monotonic() - t0
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"kvslim serve did not answer /health in {timeout:.0f} s:\n{self.tail()}")
+
+    def rss(self) -> int | None:
+        """VmRSS in bytes, or None once the process is gone."""
+        try:
+            with open(f"/proc/{self.proc.pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, AttributeError):
+            return None
+        return None
+
+    def stop(self, timeout: float = 60.0) -> dict:
+        """SIGTERM, then wait: ``{"exit_code", "stop_s", "killed"}`` (killed: it did not exit in ``timeout``)."""
+        if self.proc is None:
+            return {"exit_code": None, "stop_s": 0.0, "killed": False}
+        t0 = time.monotonic()
+        killed = False
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+                killed = True
+        self._log.close()
+        return {
+            "exit_code": self.proc.returncode,
+            "stop_s": round(time.monotonic() - t0, 2),
+            "killed": killed,
+        }
+
+    def tail(self, n: int = 20) -> str:
+        try:
+            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+def read_metrics(url: str) -> dict[str, float]:
+    """``/metrics`` as ``{"name{labels}": value}`` (comments dropped)."""
+    text = httpx.get(f"{url}/metrics", timeout=30.0).text
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+# -- one request ---------------------------------------------------------------------------
+
+
+async def chat_turn(
+    client: httpx.AsyncClient,
+    messages: list[dict],
+    *,
+    session: str | None,
+    max_tokens: int,
+    timeout: float,
+    t_origin: float,
+) -> dict:
+    """One streamed chat completion at temperature 0; the record of what happened (never raises)."""
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if session is not None:
+        body["session"] = session
+    rec = {
+        "outcome": "lost",
+        "reason": None,
+        "ttft_s": None,
+        "itl_s": [],
+        "text": "",
+        "finish": None,
+        "prompt_tokens": None,
+        "cached_tokens": None,
+        "completion_tokens": None,
+    }
+    t0 = time.perf_counter()
+    rec["start_s"] = t0 - t_origin
+    parts: list[str] = []
+    state = {"done": False, "last": None}
+
+    async def read() -> None:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                raw = await r.aread()
+                try:
+                    msg = json.loads(raw)["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    msg = raw[:200].decode(errors="replace")
+                rec.update(outcome="refused", reason=f"HTTP {r.status_code}: {msg}")
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    state["done"] = True
+                    return
+                obj = json.loads(data)
+                if "error" in obj:
+                    rec.update(outcome="refused", reason=f"error event: {obj['error'].get('message')}")
+                    continue
+                if obj.get("usage"):
+                    u = obj["usage"]
+                    rec["prompt_tokens"] = u.get("prompt_tokens")
+                    rec["completion_tokens"] = u.get("completion_tokens")
+                    rec["cached_tokens"] = (u.get("prompt_tokens_details") or {}).get("cached_tokens")
+                for choice in obj.get("choices", []):
+                    content = (choice.get("delta") or {}).get("content")
+                    if content:
+                        now = time.perf_counter()
+                        if rec["ttft_s"] is None:
+                            rec["ttft_s"] = now - t0
+                        else:
+                            rec["itl_s"].append(round(now - state["last"], 5))
+                        state["last"] = now
+                        parts.append(content)
+                    if choice.get("finish_reason"):
+                        rec["finish"] = choice["finish_reason"]
+
+    try:
+        await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        rec["reason"] = f"no complete reply in {timeout:.0f} s"
+    except (httpx.HTTPError, ValueError) as e:  # ValueError: a chunk that is not JSON
+        rec["reason"] = f"{type(e).__name__}: {e}"
+    rec["end_s"] = time.perf_counter() - t_origin
+    rec["text"] = "".join(parts)
+    if rec["outcome"] == "lost" and state["done"]:
+        if rec["finish"] is not None:
+            rec["outcome"] = "answered"
+        else:
+            rec["reason"] = "[DONE] without a finish_reason"
+    elif rec["outcome"] == "lost" and rec["reason"] is None:
+        rec["reason"] = "the stream ended without [DONE]"
+    return rec
+
+
+# -- the load phase ------------------------------------------------------------------------
+
+
+async def conversation(client, sid: int, args, deadline: float, t_origin: float, records: list) -> None:
+    messages = [{"role": "user", "content": OPENERS[sid % len(OPENERS)]}]
+    for turn in range(1, args.turns + 1):
+        if time.monotonic() > deadline:
+            return  # bounded in time: no new turn starts (counted as not run, not as lost)
+        rec = await chat_turn(
+            client,
+            messages,
+            session=f"load-{sid}",
+            max_tokens=args.max_tokens,
+            timeout=args.request_timeout,
+            t_origin=t_origin,
+        )
+        rec.update(session=sid, turn=turn)
+        records.append(rec)
+        if rec["outcome"] != "answered":
+            return  # the conversation cannot go on without its reply
+        messages += [
+            {"role": "assistant", "content": rec["text"]},
+            {"role": "user", "content": FOLLOW_UPS[(sid + turn) % len(FOLLOW_UPS)]},
+        ]
+
+
+async def load_phase(server: Server, args) -> dict:
+    records: list[dict] = []
+    rss: list[tuple[float, int]] = []
+    t_origin = time.perf_counter()
+    deadline = time.monotonic() + args.time_limit
+    stop = asyncio.Event()
+
+    async def sample_rss():
+        while not stop.is_set():
+            value = server.rss()
+            if value is not None:
+                rss.append((round(time.perf_counter() - t_origin, 3), value))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5)
+
+    limits = httpx.Limits(max_connections=args.sessions + 4, max_keepalive_connections=args.sessions + 4)
+    sampler = asyncio.create_task(sample_rss())
+    async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=None) as client:
+        await asyncio.gather(
+            *(conversation(client, i, args, deadline, t_origin, records) for i in range(args.sessions))
+        )
+    wall = time.perf_counter() - t_origin
+    stop.set()
+    await sampler
+    return {"records": records, "rss": rss, "wall_s": wall}
+
+
+# -- statistics ----------------------------------------------------------------------------
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    """The q-th percentile (0..100), linear between order statistics; None for no data."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def rss_at(rss: list[tuple[float, int]], t: float) -> int | None:
+    """The first RSS sample at or after time t (the last one if none)."""
+    for when, value in rss:
+        if when >= t:
+            return value
+    return rss[-1][1] if rss else None
+
+
+def summarize(load: dict, args) -> dict:
+    recs, rss, wall = load["records"], load["rss"], load["wall_s"]
+    answered = [r for r in recs if r["outcome"] == "answered"]
+    outcomes = {k: sum(r["outcome"] == k for r in recs) for k in ("answered", "refused", "lost")}
+    reasons = sorted({f"{r['outcome']}: {r['reason']}" for r in recs if r["outcome"] != "answered"})
+    itl = [x for r in answered for x in r["itl_s"]]
+    ttft = [r["ttft_s"] for r in answered if r["ttft_s"] is not None]
+    by_turn = []
+    for turn in range(1, args.turns + 1):
+        rs = [r for r in answered if r["turn"] == turn]
+        if not rs:
+            continue
+        end = max(r["end_s"] for r in rs)
+        t = [r["ttft_s"] for r in rs if r["ttft_s"] is not None]
+        by_turn.append(
+            {
+                "turn": turn,
+                "n": len(rs),
+                "ttft_p50_s": pct(t, 50),
+                "ttft_p90_s": pct(t, 90),
+                "ttft_p99_s": pct(t, 99),
+                "prompt_tokens_mean": _mean([r["prompt_tokens"] for r in rs]),
+                "cached_tokens_mean": _mean([r["cached_tokens"] for r in rs]),
+                "completion_tokens_mean": _mean([r["completion_tokens"] for r in rs]),
+                "end_s": end,
+                "rss_bytes": rss_at(rss, end),
+            }
+        )
+    turns = {b["turn"]: b for b in by_turn}
+    last = by_turn[-1] if by_turn else None
+    tokens = sum(r["completion_tokens"] or 0 for r in answered)
+    s = {
+        "requests": len(recs),
+        "planned": args.sessions * args.turns,
+        **outcomes,
+        "not_run_time_limit": args.sessions * args.turns
+        - len(recs)
+        - sum(args.turns - r["turn"] for r in recs if r["outcome"] != "answered"),
+        "failure_reasons": reasons,
+        "wall_s": wall,
+        "requests_per_s": len(answered) / wall if wall else None,
+        "completion_tokens": tokens,
+        "completion_tokens_per_s": tokens / wall if wall else None,
+        "ttft_p50_s": pct(ttft, 50),
+        "ttft_p90_s": pct(ttft, 90),
+        "ttft_p99_s": pct(ttft, 99),
+        "itl_p50_s": pct(itl, 50),
+        "itl_p90_s": pct(itl, 90),
+        "itl_p99_s": pct(itl, 99),
+        "rss_first_bytes": rss[0][1] if rss else None,
+        "rss_peak_bytes": max((v for _, v in rss), default=None),
+        "by_turn": by_turn,
+    }
+    if 5 in turns and last is not None:
+        s["rss_turn5_bytes"], s["rss_last_bytes"], s["last_turn"] = (
+            turns[5]["rss_bytes"],
+            last["rss_bytes"],
+            last["turn"],
+        )
+        s["rss_last_over_turn5"] = last["rss_bytes"] / turns[5]["rss_bytes"]
+    if 2 in turns and last is not None:
+        s["ttft_last_over_turn2_p50"] = last["ttft_p50_s"] / turns[2]["ttft_p50_s"]
+    return s
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _ms(x) -> str:
+    return "n/a" if x is None else f"{1000 * x:.0f}"
+
+
+def _mib(x) -> str:
+    return "n/a" if x is None else f"{x / 2**20:.0f}"
+
+
+def print_table(s: dict, metrics: dict) -> None:
+    p = print
+    p(
+        f"\nrequests {s['requests']} of {s['planned']} planned | answered {s['answered']} | refused {s['refused']} | "
+        f"lost {s['lost']} | not started (time limit) {s['not_run_time_limit']}"
+    )
+    for reason in s["failure_reasons"]:
+        p(f"  {reason}")
+    p(
+        f"wall {s['wall_s']:.1f} s | {s['requests_per_s']:.2f} requests/s | {s['completion_tokens']} tokens, "
+        f"{s['completion_tokens_per_s']:.1f} tokens/s"
+    )
+    p("\n| | p50 | p90 | p99 |\n|---|---:|---:|---:|")
+    p(
+        f"| time to first token (ms) | {_ms(s['ttft_p50_s'])} | {_ms(s['ttft_p90_s'])} | {_ms(s['ttft_p99_s'])} |"
+    )
+    p(f"| inter-token latency (ms) | {_ms(s['itl_p50_s'])} | {_ms(s['itl_p90_s'])} | {_ms(s['itl_p99_s'])} |")
+    p(
+        "\n| turn | answered | prompt tokens | cached tokens | completion tokens | TTFT p50 (ms) | p90 | p99 "
+        "| server RSS (MiB) |"
+    )
+    p("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for b in s["by_turn"]:
+        p(
+            f"| {b['turn']} | {b['n']} | {b['prompt_tokens_mean'] or 0:.0f} | {b['cached_tokens_mean'] or 0:.0f} | "
+            f"{b['completion_tokens_mean'] or 0:.1f} | {_ms(b['ttft_p50_s'])} | {_ms(b['ttft_p90_s'])} | {_ms(b['ttft_p99_s'])} | {_mib(b['rss_bytes'])} |"
+        )
+    if "rss_last_over_turn5" in s:
+        p(
+            f"\nserver RSS: turn 5 {_mib(s['rss_turn5_bytes'])} MiB, turn {s['last_turn']} {_mib(s['rss_last_bytes'])} MiB "
+            f"({s['rss_last_over_turn5']:.3f}x; target <= 1.10) | peak {_mib(s['rss_peak_bytes'])} MiB"
+        )
+    if "ttft_last_over_turn2_p50" in s:
+        p(f"TTFT p50: last turn / turn 2 = {s['ttft_last_over_turn2_p50']:.2f}x (target <= 1.5)")
+    keys = [
+        k
+        for k in metrics
+        if k.startswith(
+            (
+                "kvslim_requests_total",
+                "kvslim_sessions_",
+                "kvslim_cache_bytes",
+                "kvslim_prefilled",
+                "kvslim_cached_prompt",
+                "kvslim_prompt_tokens",
+            )
+        )
+    ]
+    if keys:
+        p("\n/metrics: " + ", ".join(f"{k.removeprefix('kvslim_')} {metrics[k]:g}" for k in keys))
+
+
+def plot(load: dict, s: dict, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    ts = [t for t, _ in load["rss"]]
+    a.plot(ts, [v / 2**20 for _, v in load["rss"]], lw=1.2, label="server RSS")
+    a.set_ylim(0, 1.15 * max((v for _, v in load["rss"]), default=2**20) / 2**20)
+    for bt in s["by_turn"]:
+        if bt["turn"] in (1, 2, 5, 10, 15, 20) or bt is s["by_turn"][-1]:
+            a.axvline(bt["end_s"], color="grey", lw=0.6, ls=":")
+            a.text(bt["end_s"], a.get_ylim()[0], f" t{bt['turn']}", fontsize=7, va="bottom", color="grey")
+    a.set_xlabel("time since the first request (s)")
+    a.set_ylabel("RSS (MiB)")
+    a.set_title("server RSS (dotted: turn t finished by every session)", fontsize=9)
+    turns = [bt["turn"] for bt in s["by_turn"]]
+    for key, label in (("ttft_p50_s", "p50"), ("ttft_p90_s", "p90"), ("ttft_p99_s", "p99")):
+        b.plot(turns, [1000 * bt[key] for bt in s["by_turn"]], marker="o", ms=3, label=f"TTFT {label}")
+    b.set_xlabel("turn")
+    b.set_ylabel("time to first token (ms)")
+    b.set_ylim(bottom=0)
+    b2 = b.twinx()
+    b2.plot(
+        turns,
+        [bt["prompt_tokens_mean"] for bt in s["by_turn"]],
+        color="black",
+        lw=0.8,
+        ls="--",
+        label="prompt tokens (mean)",
+    )
+    b2.set_ylabel("prompt tokens")
+    b2.set_ylim(bottom=0)
+    h1, l1 = b.get_legend_handles_labels()
+    h2, l2 = b2.get_legend_handles_labels()
+    b.legend(h1 + h2, l1 + l2, fontsize=7, loc="upper left")
+    b.set_title("time to first token by turn", fontsize=9)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- the greedy and restart checks -----------------------------------------------------------
+
+
+def greedy_check(server: Server, args, flags: list[str], tmp: str) -> list[dict]:
+    """The same prompt through ``kvslim sample --temperature 0`` and through the server at temperature 0."""
+    out = []
+    for mode in ("chat", "text"):
+        prompt = args.greedy_prompt if mode == "chat" else args.greedy_text_prompt
+        report = os.path.join(tmp, f"sample-{mode}.json")
+        cmd = [
+            args.kvslim,
+            "sample",
+            "--prompt",
+            prompt,
+            "--temperature",
+            "0",
+            "--tokens",
+            str(args.greedy_tokens),
+            "--report-json",
+            report,
+            *flags,
+        ]
+        if mode == "chat":
+            cmd.append("--chat")
+        t0 = time.monotonic()
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=args.request_timeout + 120, stdin=subprocess.DEVNULL
+        )
+        if proc.returncode != 0:
+            out.append(
+                {
+                    "mode": mode,
+                    "identical": False,
+                    "error": f"kvslim sample exited {proc.returncode}: {proc.stderr.strip()[-300:]}",
+                }
+            )
+            continue
+        sample_text = proc.stdout.removesuffix("\n")
+        rep = json.loads(Path(report).read_text())
+        sample_s = time.monotonic() - t0
+        body = {"model": MODEL, "max_tokens": args.greedy_tokens, "temperature": 0}
+        if mode == "chat":
+            body["messages"] = [{"role": "user", "content": prompt}]
+            endpoint = "/v1/chat/completions"
+        else:
+            body["prompt"] = prompt
+            endpoint = "/v1/completions"
+        r = httpx.post(server.url + endpoint, json=body, timeout=args.request_timeout)
+        r.raise_for_status()
+        reply = r.json()
+        choice = reply["choices"][0]
+        server_text = choice["message"]["content"] if mode == "chat" else choice["text"]
+        out.append(
+            {
+                "mode": mode,
+                "prompt": prompt,
+                "endpoint": endpoint,
+                "sample_flags": shlex.join(cmd[1:]),
+                "identical": sample_text == server_text,
+                "prompt_tokens": {"sample": rep["prompt_tokens"], "server": reply["usage"]["prompt_tokens"]},
+                "completion_tokens": {
+                    "sample": rep["new_tokens"],
+                    "server": reply["usage"]["completion_tokens"],
+                },
+                "finish_reason": choice["finish_reason"],
+                "sample_s": round(sample_s, 1),
+                "sample_text": sample_text,
+                "server_text": server_text,
+                "quantization_warning": "nothing will be quantized" in proc.stderr,
+            }
+        )
+    return out
+
+
+def restart_check(args, flags: list[str], tmp: str) -> dict:
+    """One session: a turn, SIGTERM (the session is parked on disk), a new server on the same directory,
+    the next turn continued from the parked cache."""
+    session_dir = os.path.join(tmp, "sessions-restart")
+    log = os.path.join(tmp, "serve-restart.log")
+    messages = [{"role": "user", "content": "Name a color and say one thing about it."}]
+    body = {"model": MODEL, "max_tokens": args.max_tokens, "temperature": 0, "session": "restart-1"}
+    first = Server(args.kvslim, flags, session_dir, log)
+    first.start()
+    try:
+        r1 = httpx.post(
+            first.url + "/v1/chat/completions",
+            json={**body, "messages": messages},
+            timeout=args.request_timeout,
+        ).json()
+    finally:
+        stop1 = first.stop()
+    files = sorted(os.listdir(session_dir)) if os.path.isdir(session_dir) else []
+    sizes = [os.path.getsize(os.path.join(session_dir, f)) for f in files]
+    messages += [
+        {"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "Why that one?"},
+    ]
+    second = Server(args.kvslim, flags, session_dir, log)
+    second.start()
+    try:
+        r2 = httpx.post(
+            second.url + "/v1/chat/completions",
+            json={**body, "messages": messages},
+            timeout=args.request_timeout,
+        ).json()
+        metrics = read_metrics(second.url)
+    finally:
+        stop2 = second.stop()
+    u1, u2 = r1["usage"], r2["usage"]
+    cached = u2["prompt_tokens_details"]["cached_tokens"]
+    return {
+        "turn1": {
+            "prompt_tokens": u1["prompt_tokens"],
+            "cached_tokens": u1["prompt_tokens_details"]["cached_tokens"],
+            "text": r1["choices"][0]["message"]["content"],
+        },
+        "first_server_stop": stop1,
+        "parked_files": len(files),
+        "parked_bytes": sum(sizes),
+        "turn2": {
+            "prompt_tokens": u2["prompt_tokens"],
+            "cached_tokens": cached,
+            "text": r2["choices"][0]["message"]["content"],
+        },
+        "sessions_restored_total": metrics.get("kvslim_sessions_restored_total"),
+        "second_server_stop": stop2,
+        "ok": cached > 0 and metrics.get("kvslim_sessions_restored_total", 0) >= 1,
+    }
+
+
+# -- main ----------------------------------------------------------------------------------
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "n/a"
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="flags after -- go to kvslim serve and kvslim sample (model and cache flags)",
+    )
+    p.add_argument(
+        "--kvslim",
+        default=str(Path(sys.executable).with_name("kvslim")),
+        help="the kvslim executable (default: beside this Python)",
+    )
+    p.add_argument("--sessions", type=int, default=16, help="concurrent conversations (default: 16)")
+    p.add_argument("--turns", type=int, default=20, help="turns per conversation (default: 20)")
+    p.add_argument("--max-tokens", type=int, default=32, help="max_tokens per turn (default: 32)")
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=720.0,
+        help="seconds after which no new turn starts (default: 720)",
+    )
+    p.add_argument(
+        "--request-timeout", type=float, default=180.0, help="seconds one request may take (default: 180)"
+    )
+    p.add_argument("--serve-args", default="", help="extra flags for kvslim serve only, one string")
+    p.add_argument(
+        "--greedy-check", action="store_true", help="compare greedy text with kvslim sample afterwards"
+    )
+    p.add_argument("--greedy-prompt", default="Write a long story about a lighthouse keeper and a storm.")
+    p.add_argument(
+        "--greedy-text-prompt",
+        default="Once upon a time, in a small village by the sea, there lived",
+        help="the prompt of the plain-text greedy check (an instruct model ends a bare instruction at once)",
+    )
+    p.add_argument(
+        "--greedy-tokens", type=int, default=200, help="max tokens of the greedy check (default: 200)"
+    )
+    p.add_argument(
+        "--restart-check", action="store_true", help="park a session across a server restart afterwards"
+    )
+    p.add_argument("--json", default=None, metavar="FILE", help="write every figure and record as JSON")
+    p.add_argument("--plot", default=None, metavar="PNG", help="RSS over time and TTFT by turn (matplotlib)")
+    args, rest = p.parse_known_args(argv)
+    if rest and rest[0] == "--":
+        rest = rest[1:]
+    for name in ("sessions", "turns", "max_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args, rest
+
+
+def main(argv=None) -> int:
+    args, flags = parse(argv)
+    serve_flags = flags + shlex.split(args.serve_args)
+    result: dict = {
+        "argv": sys.argv[1:],
+        "flags": flags,
+        "serve_flags": serve_flags,
+        "loadavg_before": loadavg(),
+        "nproc": os.cpu_count(),
+    }
+    print(f"load average before: {result['loadavg_before']} ({os.cpu_count()} CPUs)")
+    lost = 0
+    with tempfile.TemporaryDirectory(prefix="kvslim-load-") as tmp:
+        server = Server(
+            args.kvslim, serve_flags, os.path.join(tmp, "sessions"), os.path.join(tmp, "serve.log")
+        )
+        result["server_start_s"] = server.start()
+        print(
+            f"server up on {server.url} in {result['server_start_s']:.1f} s (RSS {_mib(server.rss())} MiB); "
+            f"{args.sessions} sessions x {args.turns} turns, max_tokens {args.max_tokens}"
+        )
+        try:
+            result["rss_idle_bytes"] = server.rss()
+            load = asyncio.run(load_phase(server, args))
+            s = summarize(load, args)
+            metrics = read_metrics(server.url)
+            lost = s["lost"]
+            # nothing lost, from the server's side too: every request it finished is one the client read
+            s["server_finished"] = sum(v for k, v in metrics.items() if k.startswith("kvslim_requests_total"))
+            print_table(s, metrics)
+            print(
+                f"server counted {s['server_finished']:g} requests (every outcome); the client sent {s['requests']}"
+            )
+            result.update(summary=s, metrics=metrics, rss=load["rss"], records=load["records"])
+            if args.greedy_check:
+                result["greedy"] = greedy_check(server, args, flags, tmp)
+                for g in result["greedy"]:
+                    if "error" in g:
+                        print(f"greedy ({g['mode']}): {g['error']}")
+                        continue
+                    print(
+                        f"greedy ({g['mode']}, {g['endpoint']}): identical {g['identical']} | prompt tokens "
+                        f"{g['prompt_tokens']} | completion tokens {g['completion_tokens']} | "
+                        f"finish {g['finish_reason']}"
+                    )
+        finally:
+            result["server_stop"] = server.stop()
+            print(f"server stopped: {result['server_stop']}")
+            if result["server_stop"]["killed"]:
+                print(server.tail())
+        if args.restart_check:
+            rc = restart_check(args, flags, tmp)
+            result["restart"] = rc
+            print(
+                f"restart: turn 1 prompt {rc['turn1']['prompt_tokens']} tokens; SIGTERM -> exit "
+                f"{rc['first_server_stop']['exit_code']}, {rc['parked_files']} file(s) parked "
+                f"({rc['parked_bytes']} bytes); new server: turn 2 prompt {rc['turn2']['prompt_tokens']} tokens, "
+                f"cached {rc['turn2']['cached_tokens']}, sessions_restored_total "
+                f"{rc['sessions_restored_total']:g} -> {'ok' if rc['ok'] else 'FAILED'}"
+            )
+    result["loadavg_after"] = loadavg()
+    print(f"load average after: {result['loadavg_after']}")
+    if args.plot and "summary" in result:
+        title = (
+            f"kvslim serve: {args.sessions} sessions x {args.turns} turns, max_tokens {args.max_tokens}, "
+            + " ".join(flags)
+        )
+        plot({"rss": result["rss"]}, result["summary"], args.plot, title)
+        print(f"plot: {args.plot}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"json: {args.json}")
+    failed = lost > 0 or result["server_stop"]["killed"]
+    failed |= args.restart_check and not result["restart"]["ok"]
+    failed |= args.greedy_check and not all(g.get("identical") for g in result.get("greedy", []))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

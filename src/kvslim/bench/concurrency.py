@@ -1,0 +1,251 @@
+"""Many streams at once: aggregate decode tokens/s and bytes per stream at each concurrency.
+
+The workload kvslim exists for is many concurrent long streams, where the KV cache — not the weights — is
+most of the bytes a decode step reads. For each context length ``L`` and concurrency ``C`` this measures,
+in one process and interleaved round by round (as :mod:`.decode` does):
+
+- ``dynamic``: transformers' plain ``DynamicCache`` batched as ``generate()`` batches — one ``(C, 1)``
+  forward per step over a ``(C, H, L, D)`` cache (every row the same length here, so no row carries
+  padding: the plain cache's best case);
+- each kvslim spec through the batch engine's decode step (:func:`kvslim.generate.forward_rows`): ``C``
+  batch-1 caches of their own, one ragged forward per step, attention on each row's codes;
+- ``continuous-batching``: transformers' own continuous batching (``model.generate_batch``, its paged
+  cache), where it runs: ``C`` prompts of ``L`` tokens, decode throughput read from its per-token
+  timestamps after every request has produced its first token (its prefill excluded).
+
+To keep the set-up affordable the ``C`` rows of a mode are copies of one prefilled row (the same tokens):
+a decode step's cost does not depend on what the tokens are. ``aggregate_tok_s`` is ``C`` over the median
+step time; ``bytes_per_stream`` is the cache's bytes over ``C``.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..generate import decode_one_token, forward_rows, prefill
+from .memory import cache_nbytes
+from .modes import DYNAMIC, Mode
+from .timing import quartiles, quiet, sync
+
+CONTINUOUS_BATCHING = "continuous-batching"
+
+
+@dataclass
+class ConcurrencyRow:
+    """One mode at one context length and concurrency. Times in ms, bytes in bytes."""
+
+    mode: str
+    kind: str
+    length: int
+    concurrency: int
+    steps: int
+    ms_median: float  # one decode step of all rows
+    ms_q1: float
+    ms_q3: float
+    aggregate_tok_s: float
+    ratio_to_dynamic: float | None  # aggregate tok/s over dynamic's at the same length and concurrency
+    bytes_per_stream: int | None
+    cache_bytes: int | None
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def measure_concurrency(
+    model,
+    modes: Sequence[Mode],
+    length: int,
+    concurrency: int,
+    steps: int,
+    *,
+    warmup: int = 1,
+    seed: int = 0,
+    continuous_batching: bool = True,
+    log: Callable[[str], None] | None = None,
+    built: dict | None = None,
+) -> list[ConcurrencyRow]:
+    """One :class:`ConcurrencyRow` per mode (``modes[0]`` is ``dynamic``), plus transformers' continuous
+    batching when asked and it runs here (else a row with a note saying why not). built: mode name ->
+    a cache already prefilled with this length's tokens (:func:`prefilled`; copied, never changed)."""
+    log = log or quiet
+    device = next(model.parameters()).device
+    ids = _tokens(model, length, seed)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + length + 1)
+    feed = torch.randint(0, model.get_input_embeddings().weight.shape[0], (warmup + steps, concurrency), generator=g)
+    built = built if built is not None else prefilled(model, modes, length, seed=seed, log=log)
+
+    rows_of: dict[str, object] = {}
+    with torch.inference_mode():
+        for mode in modes:
+            base = built[mode.name]
+            if mode.kind == "kvslim":
+                rows_of[mode.name] = [copy.deepcopy(base) for _ in range(concurrency)]
+            else:
+                cache = copy.deepcopy(base)
+                cache.batch_repeat_interleave(concurrency)
+                rows_of[mode.name] = cache
+
+        times: dict[str, list[float]] = {m.name: [] for m in modes}
+        for r in range(warmup + steps):
+            k = r % len(modes)
+            for mode in modes[k:] + modes[:k]:
+                tokens = feed[r].tolist()
+                sync(device)
+                t0 = time.perf_counter()
+                if mode.kind == "kvslim":
+                    logits = forward_rows(model, tokens, rows_of[mode.name])
+                else:
+                    logits = decode_one_token(model, torch.tensor(tokens, device=device)[:, None], rows_of[mode.name])
+                logits.argmax(-1).tolist()  # what a sampler does; syncs the device
+                dt = time.perf_counter() - t0
+                if r >= warmup:
+                    times[mode.name].append(dt)
+            log(f"L={length} C={concurrency} round {r + 1}/{warmup + steps}")
+
+    out = []
+    base = None
+    for mode in modes:
+        med, q1, q3 = quartiles(times[mode.name])
+        cache = rows_of[mode.name]
+        held = sum(c.nbytes() for c in cache) if isinstance(cache, list) else cache_nbytes(cache)
+        agg = concurrency / med
+        if mode.name == DYNAMIC:
+            base = agg
+        out.append(
+            ConcurrencyRow(
+                mode=mode.name,
+                kind=mode.kind,
+                length=length,
+                concurrency=concurrency,
+                steps=steps,
+                ms_median=med * 1e3,
+                ms_q1=q1 * 1e3,
+                ms_q3=q3 * 1e3,
+                aggregate_tok_s=agg,
+                ratio_to_dynamic=None,
+                bytes_per_stream=held // concurrency,
+                cache_bytes=held,
+            )
+        )
+    rows_of.clear()
+    if continuous_batching:
+        out.append(_continuous_batching(model, ids, concurrency, steps + warmup, log))
+    for row in out:
+        row.ratio_to_dynamic = None if base is None or not row.aggregate_tok_s else row.aggregate_tok_s / base
+    return out
+
+
+def _tokens(model, length: int, seed: int) -> torch.Tensor:
+    """The seeded random prompt (1, length) every mode is prefilled with."""
+    vocab = model.get_input_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(seed * 1_000_003 + length)
+    return torch.randint(0, vocab, (1, length), generator=g).to(next(model.parameters()).device)
+
+
+def prefilled(model, modes: Sequence[Mode], length: int, *, seed: int = 0, log=None) -> dict:
+    """Mode name -> a batch-1 cache of that mode prefilled with the seeded ``length`` tokens."""
+    log = log or quiet
+    ids = _tokens(model, length, seed)
+    out = {}
+    with torch.inference_mode():
+        for mode in modes:
+            t0 = time.perf_counter()
+            cache = mode.make()
+            prefill(model, ids, cache, chunk_size=1024)
+            out[mode.name] = cache
+            log(f"L={length} {mode.name}: prefilled in {time.perf_counter() - t0:.1f} s")
+    return out
+
+
+def _continuous_batching(model, ids: torch.Tensor, concurrency: int, new_tokens: int, log) -> ConcurrencyRow:
+    """transformers' ``generate_batch`` on ``concurrency`` copies of the prompt; decode throughput from its
+    per-token timestamps once every request has its first token (prefill excluded)."""
+    row = ConcurrencyRow(
+        mode=CONTINUOUS_BATCHING, kind="peer", length=ids.shape[1], concurrency=concurrency, steps=new_tokens,
+        ms_median=float("nan"), ms_q1=float("nan"), ms_q3=float("nan"), aggregate_tok_s=0.0,
+        ratio_to_dynamic=None, bytes_per_stream=None, cache_bytes=None,
+    )
+    if not callable(getattr(model, "generate_batch", None)):
+        row.note = "this transformers has no generate_batch"
+        return row
+    import logging
+
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig(
+        max_new_tokens=new_tokens + 1, do_sample=False, eos_token_id=-1, pad_token_id=0
+    )
+    prompts = [ids[0].tolist() for _ in range(concurrency)]
+    level = logging.getLogger("ContinuousBatchingLogger").level
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
+    attn = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")  # its own choice for a plain model; it refuses custom attentions
+    t0 = time.perf_counter()
+    try:
+        out = model.generate_batch(prompts, generation_config=gc, record_timestamps=True, warmup=False)
+    except Exception as e:  # noqa: BLE001 - a peer that does not run here is a note in the table, not a crash
+        row.note = f"generate_batch failed here: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        return row
+    finally:
+        logging.getLogger("ContinuousBatchingLogger").setLevel(level)
+        model.set_attn_implementation(attn)  # it may switch the model to a paged attention
+    log(f"L={ids.shape[1]} C={concurrency} {CONTINUOUS_BATCHING}: {time.perf_counter() - t0:.1f} s")
+    stamps = [list(getattr(o, "timestamps", None) or []) for o in out.values()]
+    if len(stamps) != concurrency or any(len(s) < 2 for s in stamps):
+        row.note = "generate_batch returned no per-token timestamps"
+        return row
+    start = max(s[0] for s in stamps)  # every request has its first token: prefill is over
+    end = max(s[-1] for s in stamps)
+    decoded = sum(1 for s in stamps for t in s if t > start)
+    if end <= start or not decoded:
+        row.note = "too few tokens after the prefill to time"
+        return row
+    row.aggregate_tok_s = decoded / (end - start)
+    steps_ms = [(b - a) * 1e3 for s in stamps for a, b in zip(s, s[1:]) if a >= start]
+    row.ms_median = statistics.median(steps_ms) if steps_ms else float("nan")
+    row.note = "paged cache; bytes not reported (preallocated from free memory)"
+    return row
+
+
+def run_concurrency(
+    model,
+    modes: Sequence[Mode],
+    lengths: Sequence[int],
+    concurrencies: Sequence[int],
+    steps: int,
+    *,
+    warmup: int = 1,
+    seed: int = 0,
+    continuous_batching: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> list[ConcurrencyRow]:
+    """:func:`measure_concurrency` at every length and concurrency."""
+    rows = []
+    for length in lengths:
+        built = prefilled(model, modes, length, seed=seed, log=log)
+        for c in concurrencies:
+            rows += measure_concurrency(
+                model, modes, length, c, steps, warmup=warmup, seed=seed,
+                continuous_batching=continuous_batching, log=log, built=built,
+            )
+    return rows
+
+
+def render_concurrency(rows: Sequence[ConcurrencyRow]) -> str:
+    """A text table: one line per mode, length and concurrency."""
+    head = f"{'mode':<34} {'L':>6} {'C':>3} {'ms/step':>9} {'agg tok/s':>10} {'x dynamic':>9} {'MiB/stream':>11}  note"
+    lines = ["decode with many streams (aggregate tokens/s over all rows; rows are copies of one prefill)", head]
+    for r in rows:
+        ratio = "" if r.ratio_to_dynamic is None else f"{r.ratio_to_dynamic:.2f}"
+        mib = "" if r.bytes_per_stream is None else f"{r.bytes_per_stream / 2**20:.2f}"
+        ms = "" if r.ms_median != r.ms_median else f"{r.ms_median:.1f}"
+        agg = f"{r.aggregate_tok_s:.1f}" if r.aggregate_tok_s else ""
+        lines.append(f"{r.mode:<34} {r.length:>6} {r.concurrency:>3} {ms:>9} {agg:>10} {ratio:>9} {mib:>11}  {r.note}")
+    return "\n".join(lines)

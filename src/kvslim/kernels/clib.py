@@ -1,0 +1,344 @@
+"""The C kernels' library (``csrc/*.c``): built on first use with the system C compiler, loaded with ctypes.
+
+Build: ``$CC`` (or the first of cc, gcc, clang on PATH) compiles the sources with
+``-O3 -march=native -fopenmp -shared -fPIC -std=c11 -ffp-contract=fast`` (falling back to fewer flags
+when one is refused) into ``<cache>/kernels/<hash>.so``, where ``<cache>`` is
+:func:`kvslim.paths.cache_dir` and the hash covers the sources, the flags, the
+compiler's version and the machine (``-march=native`` code is only reused on the CPU it was built for).
+The file is written under a temporary name and renamed into place, so processes building at the same
+time never load a half-written library; a lock on the directory (``flock``) makes concurrent first
+uses compile once, the others waiting and then loading that build. A build takes a second or two.
+Temporaries left by killed builds (older than an hour) are removed.
+
+The directory is trusted only if this user owns it and no one else can write to it (a library
+loaded from a directory others can write to runs their code); a directory we own but others can
+write to is tightened (``chmod go-w``). A directory that is read-only, owned by someone else or
+cannot be created: the kernels are built in a private temporary directory instead, removed once
+loaded, with a one-line warning -- a compile on every run rather than the slow PyTorch reference.
+A cached library that is not a regular file owned by us, writable only by us, is rebuilt.
+
+Loading checks the library against the format registry: it asks the C side, by format name, for
+its row-format code and the block layout its decoder reads (``kv_row_format``), and refuses a
+library whose GGML block (elements, bytes) differs from the registered format's ``block``. The
+format codes are never written down on this side.
+
+Any failure to build or load warns once and leaves :func:`status` False: the dispatcher in
+:mod:`kvslim.kernels` then uses the PyTorch reference. Nothing here raises at import.
+
+This module builds, trusts, locks and loads the library; the ctypes wrappers that call it are
+:mod:`kvslim.kernels.cpu`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import platform
+import shlex
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from .. import paths
+from ..atomic import remove_stale
+from ..formats import FORMATS
+
+ABI_VERSION = 3
+SOURCES = Path(__file__).parent / "csrc"
+BASE_FLAGS = ["-O3", "-shared", "-fPIC", "-std=c11", "-ffp-contract=fast"]
+#: Tried in order; the first set the compiler accepts is used.
+FLAG_VARIANTS = [
+    ["-march=native", "-fopenmp"],
+    ["-fopenmp"],
+    ["-march=native", "-fopenmp-simd"],
+    ["-fopenmp-simd"],
+    [],
+]
+#: Row decoders for the tokens of a ``cast`` body, by its tensor's dtype: C's names for them.
+CAST_ROWS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+#: Codec families whose bodies the row kernels decode by the format's own name (see row_codes).
+NAMED_ROWS = ("ggml", "fp8")
+
+_I = ctypes.c_int
+
+
+# --------------------------------------------------------------------------- build and load
+
+
+def find_compiler() -> list[str] | None:
+    """The C compiler command: $CC (may carry flags) or the first of cc, gcc, clang on PATH."""
+    cc = os.environ.get("CC")
+    if cc:
+        return shlex.split(cc)
+    for name in ("cc", "gcc", "clang"):
+        path = shutil.which(name)
+        if path:
+            return [path]
+    return None
+
+
+def _machine_id() -> str:
+    """The CPU the -march=native code is for: architecture + /proc/cpuinfo's model and flags (Linux)."""
+    ident = [platform.machine(), platform.system()]
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("model name", "flags", "Features", "CPU part")):
+                    ident.append(line.strip())
+                if line.strip() == "":  # first processor only
+                    break
+    except OSError:
+        ident.append(platform.processor())
+    return "\n".join(ident)
+
+
+def _sources() -> list[Path]:
+    return sorted(SOURCES.glob("*.c"))
+
+
+def _build_key(compiler: list[str], version: str) -> str:
+    h = hashlib.sha256()
+    for src in _sources():
+        h.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
+    h.update(repr((compiler, version, BASE_FLAGS, FLAG_VARIANTS, ABI_VERSION, _machine_id())).encode())
+    return h.hexdigest()[:24]
+
+
+def _compiler_version(compiler: list[str]) -> str:
+    out = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=60)
+    return out.stdout.strip() or out.stderr.strip()
+
+
+#: Prefix of the private build directories used when the cache directory cannot be trusted.
+PRIVATE_PREFIX = "kvslim-kernels-"
+#: Temporaries (killed builds, private directories) older than this are removed.
+STALE_S = 3600.0
+
+
+def build(force: bool = False) -> tuple[Path, str]:
+    """Compile the kernels unless an up-to-date build is cached. Returns (path, flags used).
+
+    The cache is ``<cache>/kernels`` when :func:`build_dir` trusts it, else a private temporary
+    directory (a warning says so; the caller removes it after loading, see :func:`library`).
+    Raises RuntimeError with the compiler's message when no flag set compiles.
+    """
+    compiler = find_compiler()
+    if compiler is None:
+        raise RuntimeError("no C compiler found (set $CC, or install cc/gcc/clang)")
+    key = _build_key(compiler, _compiler_version(compiler))
+    out_dir = build_dir()
+    target = out_dir / f"{key}.so"
+    flags_file = out_dir / f"{key}.flags"
+    with _dir_lock(out_dir):  # concurrent first uses: one compiles, the others wait and reuse it
+        remove_stale(out_dir, ".*", STALE_S)  # temporaries (``.<key>.*``) of killed builds
+        if not force and _trusted_file(target):
+            flags = flags_file.read_text() if flags_file.is_file() else "?"
+            return target, flags
+        errors = []
+        for variant in FLAG_VARIANTS:
+            fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".so", dir=out_dir)
+            os.close(fd)
+            cmd = [*compiler, *BASE_FLAGS, *variant, "-o", tmp, *map(str, _sources())]
+            try:
+                res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+                if res.returncode == 0:
+                    flags = " ".join(BASE_FLAGS + variant)
+                    from ..atomic import write_text
+
+                    write_text(flags_file, flags, what="kernel flags")
+                    os.chmod(tmp, 0o755)  # mkstemp's 0o600 + exec; never group/other-writable
+                    os.replace(tmp, target)  # atomic: a concurrent build replaces an identical file
+                    return target, flags
+                errors.append(f"{' '.join(variant) or '(no extra flags)'}: {res.stderr.strip()[-400:]}")
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+    raise RuntimeError(f"{compiler[0]} failed to build the kvslim kernels:\n" + "\n".join(errors))
+
+
+def build_dir() -> Path:
+    """Where the kernels are built and cached: ``<cache>/kernels`` if it can be created and trusted
+    (:func:`untrusted_dir`), else a fresh private temporary directory, with a one-line warning."""
+    shared = paths.cache_dir() / "kernels"
+    try:
+        shared.mkdir(mode=0o700, parents=True, exist_ok=True)
+        problem = untrusted_dir(shared)
+    except OSError as e:
+        problem = f"cannot be created ({e.strerror or e})"
+    if problem is None:
+        return shared
+    remove_stale(tempfile.gettempdir(), PRIVATE_PREFIX + "*", STALE_S)  # killed processes' private builds
+    private = Path(tempfile.mkdtemp(prefix=PRIVATE_PREFIX))
+    warnings.warn(
+        f"kvslim: the kernel cache {shared} {problem}; building the C kernels in a private temporary "
+        f"directory instead, on every run (a compile of a second or two each; set KVSLIM_CACHE_DIR to a "
+        f"directory you own to keep the build)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return private
+
+
+def untrusted_dir(path: Path) -> str | None:
+    """Why a library must not be built into or loaded from ``path`` (None: it can be): owned by
+    another user, writable by others (tightened with ``chmod go-w`` when we own it), or not
+    writable by us (a read-only file system)."""
+    st = path.stat()
+    if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+        return f"is owned by another user (uid {st.st_uid})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        try:
+            os.chmod(path, stat.S_IMODE(st.st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
+        except OSError:
+            return f"is writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return "is not writable (a read-only file system or directory)"
+    return None
+
+
+def _trusted_file(path: Path) -> bool:
+    """A cached library that may be loaded: a regular file (not a link), ours, writable only by us."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return False
+    if not stat.S_ISREG(st.st_mode) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return False
+    return not hasattr(os, "geteuid") or st.st_uid == os.geteuid()
+
+
+@contextlib.contextmanager
+def _dir_lock(directory: Path):
+    """An exclusive ``flock`` on the directory itself (no lock file is left behind); a no-op where
+    flock is unavailable."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover (Windows)
+        yield
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.kv_abi_version.restype = _I
+    lib.kv_has_openmp.restype = _I
+    lib.kv_test_half_to_float.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, _I]
+    lib.kv_test_half_to_float.restype = None
+    lib.kv_run.argtypes = [_I, ctypes.c_void_p]
+    lib.kv_run.restype = _I
+    lib.kv_row_format.argtypes = [
+        ctypes.c_char_p,
+        ctypes.POINTER(ctypes.c_int32),
+        ctypes.POINTER(ctypes.c_int32),
+    ]
+    lib.kv_row_format.restype = _I
+
+
+def _row_format(lib: ctypes.CDLL, name: str) -> tuple[int, tuple[int, int]]:
+    """C's row-format code for ``name`` (-1: no decoder) and the (elements, bytes) of its block."""
+    elements, nbytes = ctypes.c_int32(), ctypes.c_int32()
+    code = lib.kv_row_format(name.encode(), ctypes.byref(elements), ctypes.byref(nbytes))
+    return code, (elements.value, nbytes.value)
+
+
+def row_codes(lib: ctypes.CDLL) -> dict:
+    """The row decoders ``lib`` has for the registered formats: format name (families ggml, fp8) or
+    cast dtype -> C's code. A format C does not decode is left out (its calls go to the reference);
+    a GGML format whose block layout in C differs from the registry's raises RuntimeError."""
+    codes: dict = {}
+    for fmt in FORMATS.values():
+        if not any(f in NAMED_ROWS for f in fmt.family.values()):
+            continue
+        code, layout = _row_format(lib, fmt.name)
+        if code < 0:
+            continue
+        if fmt.block is not None and layout != tuple(fmt.block):
+            raise RuntimeError(
+                f"the C kernels decode {fmt.name} as blocks of {layout[0]} elements in {layout[1]} bytes, "
+                f"the format registry says {fmt.block.elements} elements in {fmt.block.nbytes} bytes"
+            )
+        codes[fmt.name] = code
+    for dtype, name in CAST_ROWS.items():
+        code, _ = _row_format(lib, name)
+        if code >= 0:
+            codes[dtype] = code
+    return codes
+
+
+_lock = threading.Lock()
+_state: dict = {}  # "lib", "ok", "reason", "path", "flags", "rows" once tried
+
+
+def _load() -> None:
+    if sys.byteorder != "little":
+        raise RuntimeError(
+            "the C kernels read GGML's little-endian fp16 fields and need a little-endian host"
+        )
+    path, flags = build()
+    try:
+        lib = ctypes.CDLL(str(path))
+    finally:
+        if path.parent.name.startswith(PRIVATE_PREFIX):  # loaded (mapped): the file is not needed
+            shutil.rmtree(path.parent, ignore_errors=True)
+    _declare(lib)
+    if lib.kv_abi_version() != ABI_VERSION:
+        raise RuntimeError(f"{path} has ABI {lib.kv_abi_version()}, expected {ABI_VERSION}")
+    rows = row_codes(lib)
+    openmp = bool(lib.kv_has_openmp())
+    _state.update(
+        lib=lib,
+        rows=rows,
+        ok=True,
+        path=str(path),
+        flags=flags,
+        openmp=openmp,
+        reason=f"built with {flags} ({'OpenMP' if openmp else 'single-threaded: no OpenMP'})",
+    )
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, building them on first use; None (after one warning) if that failed."""
+    if "ok" not in _state:
+        with _lock:
+            if "ok" not in _state:
+                try:
+                    _load()
+                except Exception as e:  # any failure: warn once, fall back to the reference
+                    _state.update(lib=None, ok=False, reason=f"{type(e).__name__}: {e}")
+                    warnings.warn(
+                        f"kvslim: C kernels unavailable, using the PyTorch reference ({_state['reason']})",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+    return _state["lib"]
+
+
+def status() -> tuple[bool, str]:
+    """(usable, why): builds/loads on first call."""
+    library()
+    return _state["ok"], _state["reason"]
+
+
+def _reset_for_tests() -> None:
+    with _lock:
+        _state.clear()
+
+
+def row_code(key) -> int | None:
+    """C's row-format code for a format name or cast dtype (loading the library); None if it has none."""
+    library()
+    return _state.get("rows", {}).get(key)
