@@ -23,7 +23,7 @@ compares the texts; ``--restart-check`` runs one session for a turn, stops the s
 the session in ``--session-dir``), starts a new server on the same directory and continues the session,
 which must report cached tokens > 0.
 
-    python scripts/load_test.py --sessions 16 --turns 20 --max-tokens 32 \\
+    python scripts/load_test.py --sessions 16 --turns 20 --max-tokens 32 --time-limit 690 \\
         --greedy-check --restart-check --json docs/img/serving-load.json --plot docs/img/serving-load.png \\
         -- --kv-quantize int4 --streaming-llm-sink 4 --streaming-llm-window 1020
 

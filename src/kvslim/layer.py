@@ -250,8 +250,10 @@ class SlimLayer:
         """Left padding per row (B,) int64, as decided by the cache (None: no padding)."""
         self.pads = None if pads is None else pads.to(dtype=torch.long)
 
-    def check(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Raise ValueError (changing nothing) unless keys/values (B, H, C, D) can be appended."""
+    def check(self, keys: torch.Tensor, values: torch.Tensor, *, finite_checked: bool = False) -> None:
+        """Raise ValueError (changing nothing) unless keys/values (B, H, C, D) can be appended.
+        finite_checked: the caller already checked that every value is finite (a ragged step checks its
+        whole batch at once)."""
         if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
             raise ValueError(f"keys and values must be tensors, got {type(keys).__name__} and {type(values).__name__}")
         if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
@@ -270,7 +272,7 @@ class SlimLayer:
                 )
             if keys.dtype != self.dtype:
                 raise ValueError(f"this layer stores {self.dtype} K/V; got {keys.dtype} (a new model needs a new cache)")
-        if not bool(torch.isfinite(keys).all() & torch.isfinite(values).all()):
+        if not finite_checked and not bool(torch.isfinite(keys).all() & torch.isfinite(values).all()):
             bad = "keys" if not bool(torch.isfinite(keys).all()) else "values"
             raise ValueError(
                 f"{bad} have non-finite values (NaN or inf) in a tensor of shape {tuple(keys.shape)}: the model "
@@ -285,6 +287,7 @@ class SlimLayer:
         segments: bool = False,
         base: int = 0,
         rope: Rotary | None = None,
+        finite_checked: bool = False,
     ):
         """Append keys/values (B, H, C, D); return every stored token before eviction, then evict
         down to the policy's capacity.
@@ -296,8 +299,9 @@ class SlimLayer:
         :class:`Segments` view of the stored parts (no fp copy of the history is written).
 
         A transaction: everything is validated and encoded first; a call that raises changes nothing.
+        finite_checked: the caller already checked that every value is finite (:meth:`check`).
         """
-        self.check(keys, values)
+        self.check(keys, values, finite_checked=finite_checked)
         batch, n_new = keys.shape[0], keys.shape[2]
         device = keys.device
         pads = self.pads if self.pads is not None and self.pads.shape[0] == batch else None

@@ -77,6 +77,9 @@ class RaggedLayer(CacheLayerMixin):
             raise ValueError(
                 f"a ragged step feeds one token to each of {len(owner.caches)} rows; got keys {tuple(key_states.shape)}"
             )
+        # One finiteness check for the whole step (a sync per layer, not per row); where it fails, each row
+        # checks its own tokens, and the first bad row raises as a batch-1 cache would.
+        finite = bool(torch.isfinite(key_states).all() & torch.isfinite(value_states).all())
         rows = []
         for b, cache in enumerate(owner.caches):
             if cache is None:
@@ -86,7 +89,12 @@ class RaggedLayer(CacheLayerMixin):
             rope = cache._rope_source.at(owner.positions[b]) if store.pre_rope else None
             rows.append(
                 store.append(
-                    key_states[b : b + 1], value_states[b : b + 1], segments=True, base=owner.bases[b], rope=rope
+                    key_states[b : b + 1],
+                    value_states[b : b + 1],
+                    segments=True,
+                    base=owner.bases[b],
+                    rope=rope,
+                    finite_checked=finite,
                 )
             )
         view = RaggedSegments(tuple(rows))
