@@ -38,7 +38,14 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import attention, compat
 from .compat import DummyLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer  # by release: see compat
-from .config import DEFAULT_POSITIONS, DEFAULT_PRE_ROPE, DEFAULT_RESIDUAL_DTYPE, DEFAULT_ROTATE, CacheConfig
+from .config import (
+    DEFAULT_GROUP_SIZE,
+    DEFAULT_POSITIONS,
+    DEFAULT_PRE_ROPE,
+    DEFAULT_RESIDUAL_DTYPE,
+    DEFAULT_ROTATE,
+    CacheConfig,
+)
 from .formats import make_codec
 from .layer import SlimLayer
 from .levers import model_rotary, resolve_levers
@@ -333,7 +340,7 @@ class SlimCache(Cache):
         v_quantize: str | None = None,
         sink: int = 0,
         window: int | None = None,
-        group_size: int = 32,
+        group_size: int = DEFAULT_GROUP_SIZE,
         residual: int | str = "auto",
         v_group_size: int | None = None,
         mean_center=None,
@@ -559,7 +566,7 @@ class SlimCache(Cache):
         shapes = self._shapes
         kv = (batch, shapes.n_kv_heads, shapes.k_head_dim)
         held = sum(s.projected_nbytes(tokens, kv, shapes.v_head_dim, dtype) for s in self.stores())
-        rotary = self.components()["rotary"]
+        rotary = self._rotary_nbytes()
         if self._rope_source is not None:  # pre-RoPE's angle table over the positions read (Rotary.table)
             span = tokens if self.rebase_period is None else min(tokens, self.rebase_period + self.policy.capacity)
             half = self._rope_source.rotary.inv_freq.numel()
@@ -584,11 +591,15 @@ class SlimCache(Cache):
             for name, n in s.components().items():
                 out[name] = out.get(name, 0) + n
         out["linear_state"] = sum(_linear_state_bytes(layer) for layer in self.layers)
-        rotaries = {id(r): r for r in (self.rotary, getattr(self._rope_source, "rotary", None)) if r is not None}
-        # frequencies (+ pre-RoPE's angle table); the Hadamard block matrices are module-level, shared by every
-        # cache (kvslim.hadamard: 4 * block^2 bytes per block size, 16 KiB for 64), not held here
-        out["rotary"] = sum(r.nbytes() for r in rotaries.values())
+        out["rotary"] = self._rotary_nbytes()
         return out
+
+    def _rotary_nbytes(self) -> int:
+        """The RoPE frequencies (+ pre-RoPE's angle table), each held once; the Hadamard block matrices are
+        module-level, shared by every cache (kvslim.hadamard: 4 * block^2 bytes per block size, 16 KiB for 64),
+        not held here."""
+        rotaries = {id(r): r for r in (self.rotary, getattr(self._rope_source, "rotary", None)) if r is not None}
+        return sum(r.nbytes() for r in rotaries.values())
 
     def layer_type_bytes(self) -> dict[str, dict[str, int]]:
         """Per transformers layer type: how many layers, how many hold K/V, and their bytes (the depth axis:

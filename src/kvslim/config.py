@@ -54,6 +54,8 @@ DEFAULT_PRE_ROPE = "auto"
 
 #: the full-precision residual of an unbounded cache (and the most ``residual="auto"`` keeps with a window)
 DEFAULT_RESIDUAL = 128
+#: KIVI's token group (the unit tokens leave the residual in)
+DEFAULT_GROUP_SIZE = 32
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,7 @@ class CacheConfig:
     v_quantize: str | None = None
     sink: int = 0
     window: int | None = None
-    group_size: int = 32
+    group_size: int = DEFAULT_GROUP_SIZE
     residual: int | str = "auto"
     v_group_size: int | None = None
     mean_center: str | None = None
@@ -192,7 +194,7 @@ class CacheConfig:
             parts.append(f"sink={self.sink}")
         if self.window is not None:
             parts.append(f"window={self.window}")
-        if self.group_size != 32:
+        if self.group_size != DEFAULT_GROUP_SIZE:
             parts.append(f"group={self.group_size}")
         if self.residual != "auto":
             parts.append(f"residual={self.residual}")

@@ -243,7 +243,7 @@ def sample_next(
     smallest set of tokens whose probability reaches ``top_p`` (nucleus sampling, Holtzman et al.
     2019; the most likely token is always kept), drawn with ``generator``.
     """
-    _check_sampling(temperature, top_p)
+    check_sampling(temperature, top_p)
     if temperature == 0:
         return logits.argmax(dim=-1)
     # In float64, shifted so the top logit is 0: a tiny temperature (1e-40) then sends every other
@@ -263,10 +263,6 @@ def sample_next(
 
 def check_sampling(temperature, top_p) -> None:
     """Raise ValueError unless ``temperature >= 0`` and ``0 < top_p <= 1`` (numbers, not bools)."""
-    _check_sampling(temperature, top_p)
-
-
-def _check_sampling(temperature, top_p) -> None:
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
         raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
@@ -366,7 +362,7 @@ def generate(
     is kept and the attention mask (if any) is one buffer sized for the whole run.
     """
     check_int("max_new_tokens", max_new_tokens, minimum=1, expected="an integer >= 1")
-    _check_sampling(temperature, top_p)
+    check_sampling(temperature, top_p)
     if input_ids.ndim != 2:
         raise ValueError(f"input_ids must be (batch, tokens), got shape {tuple(input_ids.shape)}")
     B = input_ids.shape[0]

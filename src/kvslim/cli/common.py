@@ -7,7 +7,7 @@ import argparse
 import math
 import os
 
-from ..config import DEFAULT_PRE_ROPE, DEFAULT_ROTATE, ROTATE, CacheConfig
+from ..config import DEFAULT_GROUP_SIZE, DEFAULT_PRE_ROPE, DEFAULT_ROTATE, ROTATE, CacheConfig
 from ..formats import format_names
 from .errors import UserError, fail, say  # noqa: F401  (re-exported for the subcommands)
 
@@ -284,18 +284,14 @@ def _auto_or_int(value: str):
         raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") from None
 
 
-#: the KIVI token group the flags use unless told otherwise (the library's default too)
-DEFAULT_GROUP = 32
-
-
 def auto_group_size(group, window, residual):
     """``--kv-group-size auto``: 32, or for a window shorter than two groups of 32 the largest power of two
     that is at most half the window (and divides an explicit ``--kv-residual``), so that the window is mostly
     encoded; an explicit value is returned as given."""
     if group != "auto":
         return group
-    if not isinstance(window, int) or window >= 2 * DEFAULT_GROUP:
-        return DEFAULT_GROUP
+    if not isinstance(window, int) or window >= 2 * DEFAULT_GROUP_SIZE:
+        return DEFAULT_GROUP_SIZE
     g = 1
     while 2 * g <= window // 2:
         g *= 2

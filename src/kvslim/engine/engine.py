@@ -167,8 +167,8 @@ class Engine:
             rid = request.request_id or f"req-{next(self._ids)}"
             if rid in self.results or self.scheduler.find(rid) is not None:
                 raise ValueError(f"request_id {rid!r} is already in use")
-            row = Row(request_id=rid, request=request, reserved=reserved)
-            row.cache = None  # built on admission: a waiting request holds no memory
+            # the empty cache built above (no tokens: a waiting request holds no cache memory) serves on admission
+            row = Row(request_id=rid, request=request, reserved=reserved, empty=cache)
             if request.temperature > 0:
                 row.generator = torch.Generator(device=self.model.device)
                 if request.seed is None:
@@ -222,9 +222,10 @@ class Engine:
             got = self.sessions.take(req.session, req.prompt, cfg)
             if got is not None:
                 row.cache, row.fed = got
+                row.empty = None
                 self.results[row.request_id].cached_tokens = row.fed
                 return
-        row.cache = self._make_cache(cfg)
+        row.cache, row.empty = row.empty, None
 
     def _release(self, row: Row, reason: str) -> None:
         """A row leaves: a session row that ended cleanly (or was cancelled between steps) leaves its cache,

@@ -21,7 +21,8 @@ from .request import Request
 class Row:
     """One request inside the engine. state: ``waiting`` -> ``prefill`` -> ``decode`` -> ``done``.
 
-    cache: its :class:`~kvslim.SlimCache` (built on admission); fed: prompt tokens already prefilled;
+    cache: its :class:`~kvslim.SlimCache` (given on admission); empty: the empty cache built (and checked) when
+    the request was submitted, used on admission unless a kept session continues; fed: prompt tokens already prefilled;
     pending: the last sampled token, not yet fed; tokens: generated so far; reserved: bytes admission
     reserved; generator: its sampling generator (None: greedy).
     """
@@ -31,6 +32,7 @@ class Row:
     reserved: int
     state: str = "waiting"
     cache: object = None
+    empty: object = None
     fed: int = 0
     pending: int | None = None
     tokens: list[int] = field(default_factory=list)
@@ -91,7 +93,7 @@ class Scheduler:
         elif row in self.waiting:
             self.waiting.remove(row)
         row.state = "done"
-        row.cache = None
+        row.cache = row.empty = None
 
     def find(self, request_id: str) -> Row | None:
         for row in (*self.active, *self.waiting):
