@@ -197,6 +197,26 @@ def test_no_warning_when_the_materializing_path_is_chosen_explicitly(fresh_warni
     assert _materializing_warnings(model, dict(kv_quantize="int4", compressed_attention=False)) == []
 
 
+def test_the_fix_the_warning_names_switches_a_built_cache_to_the_compressed_path(fresh_warning):
+    """``cache.use_compressed_attention(True)`` (public; the warning names it): a cache built before the model
+    was switched to the kvslim attention then reads the codes directly, warns no more, and gives the logits
+    of a cache built after the switch."""
+    model = tiny_model("llama")
+    ids, kw = _ids(20), dict(kv_quantize="int4", group_size=8, residual=8)
+    cache = SlimCache(config=model.config, **kw)
+    assert not cache.compressed_attention
+    kvslim.enable(model)
+    cache.use_compressed_attention(True)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        got = _run(model, cache, ids, 10)
+        ref = _run(model, SlimCache(config=model.config, **kw), ids, 10)
+    assert cache.compressed_attention and not [w for w in caught if "kvslim.enable(model)" in str(w.message)]
+    torch.testing.assert_close(got, ref, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="enabled must be True or False"):
+        cache.use_compressed_attention("yes")
+
+
 # -- what a release without position ids at Cache.update loses, said and bounded ---------------------
 
 

@@ -1,11 +1,18 @@
-"""Config facts read from the format registry, and the one integer check."""
+"""Config facts read from the format registry, the one integer check, and the options declared once."""
 
 from __future__ import annotations
 
+import argparse
+import inspect
+import re
+from dataclasses import fields
+from pathlib import Path
+
 import pytest
 
+from kvslim import config
 from kvslim.checks import check_int
-from kvslim.config import MEAN_CENTER_FORMATS, CacheConfig
+from kvslim.config import MEAN_CENTER_FORMATS, OPTIONS, SPEC_KEYS, CacheConfig, parse_spec
 from kvslim.formats import format_names, get_format
 
 
@@ -46,3 +53,112 @@ def test_check_int_messages():
     with pytest.raises(ValueError, match=r"^group_size must be a positive integer, got 0$"):
         check_int("group_size", 0, minimum=1, expected="a positive integer")
     assert check_int("offset", 7, minimum=0, below=8) == 7
+
+
+# -- the options, declared once (kvslim.config.OPTIONS) ---------------------------------------------------
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _backticked(text: str) -> list[str]:
+    return re.findall(r"`([^`]+)`", text)
+
+
+def test_every_option_is_declared_once_on_its_field():
+    assert [o.name for o in OPTIONS] == [f.name for f in fields(CacheConfig)]
+    assert [o.default for o in OPTIONS] == [f.default for f in fields(CacheConfig)]
+    assert OPTIONS[0].spec is None and list(SPEC_KEYS) == [o.spec for o in OPTIONS[1:]]
+    assert all(
+        o.flag is None or o.flag.startswith("--") and o.flag == o.flag.lower() and "_" not in o.flag
+        for o in OPTIONS
+    )  # kebab-case
+
+
+def test_readme_lists_every_spec_key_and_flag():
+    text = " ".join(README.read_text(encoding="utf-8").split())
+    keys = text.split("Cache modes use one spec syntax everywhere:", 1)[1].split(" — e.g.", 1)[0]
+    assert [k for k in _backticked(keys) if k != "auto" and "[" not in k] == list(SPEC_KEYS)
+    flags = text.split("take the seed's flags (", 1)[1].split(")", 1)[0]
+    assert sorted(_backticked(flags)) == sorted(o.flag for o in OPTIONS if o.flag)
+    options = text.split("`SlimCache` options", 1)[1].split("`config=model.config`", 1)[0]
+    named = {w for w in _backticked(options)}
+    assert {o.name for o in OPTIONS} <= named, {o.name for o in OPTIONS} - named
+    docstring = " ".join(config.__doc__.split())
+    assert [
+        k for k in re.findall(r"``(\w+)``", docstring.split("with keys", 1)[1].split("Examples", 1)[0])
+    ] == list(SPEC_KEYS)
+
+
+def test_slimcache_keywords_are_the_declared_options():
+    from kvslim.cache import SlimCache
+
+    params = inspect.signature(SlimCache.__init__).parameters
+    assert [(p, params[p].default) for p in list(params)[1 : len(OPTIONS) + 1]] == [
+        (o.name, o.default) for o in OPTIONS
+    ]
+
+
+#: a legal value other than the default for every option but the format
+CHANGED = dict(
+    k_quantize="q4_0",
+    v_quantize="int2",
+    sink=4,
+    window=100,
+    group_size=16,
+    residual=32,
+    v_group_size=32,
+    mean_center="bias.gguf",
+    positions="original",
+    residual_dtype="bfloat16",
+    rotate="k",
+    pre_rope=True,
+)
+
+
+def test_every_spec_key_round_trips_a_value_other_than_its_default():
+    assert set(CHANGED) == {o.name for o in OPTIONS[1:]}
+    for opt in OPTIONS[1:]:
+        value = CHANGED[opt.name]
+        c = CacheConfig(kv_quantize="q8_0", **{opt.name: value})
+        assert c.to_spec() == f"q8_0,{opt.spec}={int(value) if value is True else value}"
+        assert parse_spec(c.to_spec()) == c
+    every = CacheConfig(kv_quantize="q8_0", **CHANGED)
+    assert parse_spec(every.to_spec()) == every
+
+
+def test_validation_and_spec_messages_come_from_the_declaration():
+    with pytest.raises(
+        ValueError, match=r"^rotate must be one of auto, none, k, v, kv \(which encoded tensors"
+    ):
+        CacheConfig(rotate="x")
+    with pytest.raises(
+        ValueError, match=r"^pre_rope must be True, False or 'auto' \(store K before RoPE\), got 1$"
+    ):
+        CacheConfig(pre_rope=1)  # 1 == True, but not a bool
+    with pytest.raises(ValueError, match=r"^window must be >= 1 or None for an unbounded cache, got 0$"):
+        CacheConfig(window=0)
+    with pytest.raises(ValueError, match=r"^k_quantize must be a format name, got 3$"):
+        CacheConfig(k_quantize=3)
+    keys = ", ".join(SPEC_KEYS)
+    with pytest.raises(ValueError, match=rf"unknown key 'bogus'; keys: {keys}$"):
+        parse_spec("int4,bogus=1")
+    assert parse_spec("int4,window=none,v_group=,residual=AUTO,pre_rope=off") == CacheConfig(
+        kv_quantize="int4", pre_rope=False
+    )
+    with pytest.raises(ValueError, match="group must be an integer, got 'auto'"):
+        parse_spec("int4,group=auto")  # only the CLI resolves an automatic group
+
+
+def test_cli_flags_come_from_the_declaration():
+    from kvslim.cli.common import CACHE_FLAGS, add_cache_flags, cache_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_cache_flags(parser)
+    assert {o.name: o.flag for o in OPTIONS if o.flag} == CACHE_FLAGS
+    assert cache_config_from_args(parser.parse_args([])) == CacheConfig()
+    argv, want = ["--kv-quantize", "int4"], {}
+    for opt in OPTIONS[1:]:
+        if opt.flag:
+            value = CHANGED[opt.name]
+            argv += [opt.flag] if value is True else [opt.flag, str(value)]  # a bool flag alone: on
+            want[opt.name] = value
+    assert cache_config_from_args(parser.parse_args(argv)) == CacheConfig(kv_quantize="int4", **want)

@@ -952,11 +952,11 @@ def test_cli_bias_from_another_model(capsys, model_dir, tmp_path, long_text):
 def embedded(monkeypatch, tmp_path, model_dir):
     """The embedded model stood in for by the tiny one: a fake .gguf whose "conversion" loads
     model_dir; returns (gguf path, list of conversions made)."""
-    from kvslim import models
+    from kvslim.models import converted, sources
 
     gguf = tmp_path / "fake.gguf"
     gguf.write_bytes(b"GGUF stand-in")
-    monkeypatch.setattr(models, "embedded_gguf_path", lambda: gguf)
+    monkeypatch.setattr(sources, "embedded_gguf_path", lambda: gguf)  # what resolve_spec(None) names
     monkeypatch.setenv("KVSLIM_CACHE_DIR", str(tmp_path / "cache"))
     conversions = []
 
@@ -968,7 +968,7 @@ def embedded(monkeypatch, tmp_path, model_dir):
             model_dir, dtype=torch.float32
         ), AutoTokenizer.from_pretrained(model_dir)
 
-    monkeypatch.setattr(models, "_from_gguf", from_gguf)
+    monkeypatch.setattr(converted, "_from_gguf", from_gguf)  # what the conversion unpacks
     return gguf, conversions
 
 
@@ -1055,6 +1055,7 @@ def test_verify_finds_a_change_sizes_cannot(embedded):
 
 def test_damaged_copy_that_cannot_be_replaced_says_what_to_delete(embedded, monkeypatch):
     from kvslim import models
+    from kvslim.models import converted
 
     gguf, conversions = embedded
     _load_embedded()
@@ -1064,7 +1065,7 @@ def test_damaged_copy_that_cannot_be_replaced_says_what_to_delete(embedded, monk
     def erofs(path, *a, **k):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
 
-    monkeypatch.setattr(models.shutil, "rmtree", erofs)
+    monkeypatch.setattr(converted.shutil, "rmtree", erofs)
     with pytest.raises(ValueError, match=f"cannot replace the damaged copy .*delete {final} and run again"):
         _load_embedded()
 
@@ -1359,7 +1360,8 @@ def test_fork_file_through_slimcache_and_the_cli(capsys, model_dir, tmp_path, ti
         fork_file({il: llama_cpp_permute(t.reshape(H * D, 1), H).reshape(-1) for il, t in enumerate(ours)})
     )
     cache = SlimCache(kv_quantize="q4_0", mean_center=path, config=model.config)
-    for got, want in zip(cache._biases, ours, strict=True):  # the biases the layers subtract
+    biases = [store.k_bias for store in cache.stores()]  # the biases the layers subtract
+    for got, want in zip(biases, ours, strict=True):
         assert np.array_equal(got.numpy(), want)
     code, out, err = run_cli(
         capsys, "sample", "--model", model_dir, "--prompt", PROMPT, "--tokens", "2", "--kv-quantize", "q4_0",

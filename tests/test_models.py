@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from conftest import tiny_config, tiny_model
-from kvslim import models
 from kvslim.models import (
     cache_dir,
+    converted,
     converted_dir,
     embedded_gguf_path,
     load_model,
     model_fingerprint,
+    sources,
 )
 from kvslim.shapes import ModelShapes
 
@@ -86,7 +87,7 @@ def test_hub_id_fails_fast_when_hub_unreachable(monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # discard port: refused at once
     # The local-cache attempt must not touch the network either.
-    monkeypatch.setattr(models, "_offline", lambda: False)
+    monkeypatch.setattr(sources, "_offline", lambda: False)
     start = time.perf_counter()
     with pytest.raises(ValueError, match="cannot be reached"):
         load_model("kvslim-test/no-such-model")
@@ -161,22 +162,22 @@ def test_conversion_is_atomic(monkeypatch, tmp_path):
     final = converted_dir(gguf)
 
     monkeypatch.setattr(
-        models, "_from_gguf", lambda *a, **k: (_FakeModel(KeyboardInterrupt()), _FakeTokenizer())
+        converted, "_from_gguf", lambda *a, **k: (_FakeModel(KeyboardInterrupt()), _FakeTokenizer())
     )
     with pytest.raises(KeyboardInterrupt):
-        models._ensure_converted(gguf)
-    assert not final.exists() and not models.is_converted(gguf)
+        converted._ensure_converted(gguf)
+    assert not final.exists() and not converted.is_converted(gguf)
     assert list(final.parent.iterdir()) == []  # no temporary directory left behind
 
-    monkeypatch.setattr(models, "_from_gguf", lambda *a, **k: (_FakeModel(), _FakeTokenizer()))
-    assert models._ensure_converted(gguf)[0] == final
-    assert models.is_converted(gguf) and (final / "model.safetensors").is_file()
+    monkeypatch.setattr(converted, "_from_gguf", lambda *a, **k: (_FakeModel(), _FakeTokenizer()))
+    assert converted._ensure_converted(gguf)[0] == final
+    assert converted.is_converted(gguf) and (final / "model.safetensors").is_file()
     names = sorted(p.name for p in final.parent.iterdir())
     assert names == [final.name]
 
     # Later calls reuse it without converting; a changed file gets a new directory.
-    monkeypatch.setattr(models, "_from_gguf", lambda *a, **k: pytest.fail("converted twice"))
-    assert models._ensure_converted(gguf) == (final, None)
+    monkeypatch.setattr(converted, "_from_gguf", lambda *a, **k: pytest.fail("converted twice"))
+    assert converted._ensure_converted(gguf) == (final, None)
     gguf.write_bytes(b"GGUF v2")
     assert converted_dir(gguf) != final
 
@@ -184,7 +185,7 @@ def test_conversion_is_atomic(monkeypatch, tmp_path):
 @pytest.mark.slow
 def test_real_model_loads_from_the_converted_copy(real_model):
     model, tokenizer = real_model
-    assert models.is_converted()
+    assert converted.is_converted()
     assert ModelShapes.from_config(model.config) == ModelShapes(
         n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, max_position_embeddings=8192, model_type="llama"
     )

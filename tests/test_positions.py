@@ -55,7 +55,7 @@ def test_stored_keys_sit_at_the_expected_positions(mode, chunk, period):
     keys, _ = store.read(torch.float32)  # what the next forward would see (before its own tokens)
     seen = store.seen
     kept = list(range(sink)) + list(range(seen - window, seen))  # true positions of the kept tokens
-    base = store._base
+    base = store.base
     if mode == "original":
         want = [p - base for p in kept]
     else:  # contiguous: sinks right before the window
@@ -113,7 +113,7 @@ def test_rebased_position_ids_give_the_same_logits(mode, attn):
     rebased.rebase_period = 16
     a = _decode_logits(model, plain, ids, 7)
     b = _decode_logits(model, rebased, ids, 7)
-    assert rebased.layers[0].store._base > 0
+    assert rebased.layers[0].store.base > 0
     torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
 
 
@@ -286,4 +286,4 @@ def test_cache_fed_outside_the_loop_is_not_rebased():
         for t in range(5):
             decode_one_token(model, _ids(1, seed=t), cache)
     store = cache.layers[0].store
-    assert store._base == 0 and int(store.pads.max()) == 0 and store.stored == 12
+    assert store.base == 0 and int(store.pads.max()) == 0 and store.stored == 12

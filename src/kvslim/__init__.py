@@ -17,13 +17,24 @@ __version__ = "0.1.0"
 # public name -> (module, attribute); loaded on first access (PEP 562)
 _LAZY = {
     "SlimCache": ("kvslim.cache", "SlimCache"),
+    "StaticSlimCache": ("kvslim.cache", "StaticSlimCache"),
+    "compile_decode": ("kvslim.compiled", "compile_decode"),
     "CacheConfig": ("kvslim.config", "CacheConfig"),
     "parse_spec": ("kvslim.config", "parse_spec"),
     "register": ("kvslim.attention", "register"),
     "models": ("kvslim.models", None),
 }
 
-__all__ = ["CacheConfig", "SlimCache", "enable", "parse_spec", "register", "__version__"]
+__all__ = [
+    "CacheConfig",
+    "SlimCache",
+    "StaticSlimCache",
+    "compile_decode",
+    "enable",
+    "parse_spec",
+    "register",
+    "__version__",
+]
 
 
 def enable(model):

@@ -38,7 +38,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import kernels
 from .buffers import CENTERED
+from .kernels import ops
 from .layer import Segments
+from .static import StaticSegments
 
 NAME = "kvslim"
 #: Forwards with more new tokens than this (prefill chunks) materialize and run sdpa: their cost is
@@ -84,9 +86,7 @@ def compressed_attention(query: torch.Tensor, kv: Segments, attention_mask, scal
     if n_sink:
         out = probs[..., :n_sink] @ kv.v_sink.float()
     if n_body:
-        o = kernels.v_weighted(
-            probs[..., n_sink : n_sink + n_body], kv.v_codec, kv.v_body, kv.v_offset
-        )
+        o = kernels.v_weighted(probs[..., n_sink : n_sink + n_body], kv.v_codec, kv.v_body, kv.v_offset)
         if kv.v_basis is not None:  # the weighted sum of stored values, back to the model's basis (once)
             o = kv.v_basis.decode_sum(o, probs[..., n_sink : n_sink + n_body].sum(-1, keepdim=True))
         out = o if out is None else out + o
@@ -135,7 +135,11 @@ def _stream_scores(qf: torch.Tensor, kv: Segments) -> list[torch.Tensor]:
             enc, offset = (kv.k_body, kv.k_offset)
             if (lo, min(hi, n_body)) != (0, n_body):
                 enc, offset = kv.k_body.narrow(lo, min(hi, n_body), kv.k_offset, kv.k_codec.token_group)
-            parts.append(_body_scores(q, kv, enc, offset))
+            parts.append(
+                _body_scores(
+                    q, kv.k_basis, enc, lambda x, e=enc, o=offset: kernels.k_scores(x, kv.k_codec, e, o)
+                )
+            )
         if hi > n_body and n_res:
             res = kv.k_res[:, :, max(lo, n_body) - n_body : hi - n_body]
             parts.append(q @ res.float().transpose(-1, -2))
@@ -143,13 +147,13 @@ def _stream_scores(qf: torch.Tensor, kv: Segments) -> list[torch.Tensor]:
     return parts
 
 
-def _body_scores(q: torch.Tensor, kv: Segments, enc, offset: int) -> torch.Tensor:
-    """q (B, Hkv, M, D) fp32 against encoded keys stored in ``kv.k_basis`` (not pre-RoPE): (B, Hkv, M, n)."""
-    basis = kv.k_basis
+def _body_scores(q: torch.Tensor, basis, enc, score) -> torch.Tensor:
+    """q (B, Hkv, M, D) fp32 against encoded keys ``enc`` stored in ``basis`` (not pre-RoPE): (B, Hkv, M, n).
+    ``score(x)``: x's scores against the codes as stored (a kernel call)."""
     if basis is None:
-        return kernels.k_scores(q, kv.k_codec, enc, offset)
+        return score(q)
     qb = basis.hadamard.apply(q) if basis.hadamard is not None else q  # H symmetric: (H q) . y = q . (H y)
-    scores = kernels.k_scores(qb, kv.k_codec, enc, offset)
+    scores = score(qb)
     if basis.bias is not None:  # + (H q) . bias: the centered keys' zero point, added back
         b = basis.bias.to(device=q.device, dtype=torch.float32)  # (Hkv, D)
         qbias = torch.einsum("bhmd,hd->bhm", qb, b)[..., None]  # (B, Hkv, M, 1)
@@ -158,11 +162,54 @@ def _body_scores(q: torch.Tensor, kv: Segments, enc, offset: int) -> torch.Tenso
     return scores
 
 
+def static_attention(query: torch.Tensor, kv: StaticSegments, scaling: float) -> torch.Tensor:
+    """Attention of ``query`` (B, Hq, q, D) over a static store's slots (:mod:`kvslim.static`): every slot
+    scored, the empty and evicted ones masked; the encoded ones through the custom ops
+    (:mod:`kvslim.kernels.ops`), so ``torch.compile`` traces the whole step. Returns (B, Hq, q, Dv).
+
+    One new token per row (the decode step): it sees every live slot (itself included), no mask needed.
+    """
+    b, hq, q_len, d = query.shape
+    h_kv = kv.kv_shape[1]
+    rep = hq // h_kv
+    qf = (query.float() * scaling).reshape(b, h_kv, rep * q_len, d)  # (B, Hkv, rep*q, D)
+    n_fp = kv.k_fp.shape[2]
+    neg = float("-inf")
+    parts = [
+        (qf @ kv.k_fp.float().transpose(-1, -2)).masked_fill(~kv.live(kv.fp_pos), neg)
+    ]  # (B, Hkv, M, S+F)
+    if kv.k_body is not None:
+        token, group = ops.split(kv.k_body)
+        body = _body_scores(qf, kv.k_basis, kv.k_body, lambda x: ops.k_scores(x, kv.k_key, token, group))
+        parts.append(body.masked_fill(~kv.live(kv.body_pos), neg))  # (B, Hkv, M, C)
+    probs = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
+    out = probs[..., :n_fp] @ kv.v_fp.float()
+    if kv.v_body is not None:
+        pb = probs[..., n_fp:]
+        token, group = ops.split(kv.v_body)
+        o = ops.v_weighted(pb, kv.v_key, token, group, kv.v_dim)
+        if kv.v_basis is not None:  # the weighted sum of stored values, back to the model's basis (once)
+            o = kv.v_basis.decode_sum(o, pb.sum(-1, keepdim=True))
+        out = out + o
+    return out.reshape(b, hq, q_len, -1).to(query.dtype)
+
+
 def kvslim_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """The registered attention function: compressed attention for Segments, row by row for a ragged step's
     :class:`~kvslim.ragged.RaggedSegments`, sdpa otherwise."""
     from .ragged import RaggedSegments
 
+    if isinstance(key, StaticSegments):
+        if (
+            kwargs.get("softcap") is not None
+            or kwargs.get("sinks") is not None
+            or (dropout and module.training)
+        ):
+            raise ValueError(
+                "a static SlimCache serves plain attention only (no softcap, attention sinks or dropout)"
+            )
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        return static_attention(query, key, scaling).transpose(1, 2).contiguous(), None
     if isinstance(key, RaggedSegments):
         return _ragged_attention(module, query, key, dropout, scaling, kwargs)
     if not isinstance(key, Segments):

@@ -47,7 +47,7 @@ class BiasSet:
     pre_rope: True if K was calibrated before RoPE (``pre_rope=True``; kvslim only, the fork has no
         such basis).
     model_fingerprint: kvslim's model fingerprint, ``sha256:<64 hex>``
-        (:func:`kvslim.models.model_fingerprint`), stored as the bare hex digits in
+        (:func:`kvslim.fingerprint.model_fingerprint`), stored as the bare hex digits in
         ``kv_mean_center.model_sha256``; None if unknown (also for a file whose ``model_sha256`` is
         another tool's identity, e.g. the fork's GGUF-file hash).
     cache_type: the K storage format the bias was calibrated for (e.g. ``q4_0``); None if unknown.

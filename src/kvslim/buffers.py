@@ -48,7 +48,9 @@ class TimeBuffer:
         self.start = 0
         self.end = 0
         self.min_slack = min_slack
-        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
+        if capacity is not None and (
+            isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1
+        ):
             raise ValueError(f"capacity must be a positive number of entries or None, got {capacity!r}")
         self.capacity = capacity
 
@@ -103,7 +105,9 @@ class TimeBuffer:
         cap = self.data.shape[2] if self.data is not None else 0
         if self.capacity is not None:
             if cap > self.capacity and len(self) <= self.capacity:
-                self._realloc(len(self), self.data[:, :, :0])  # a long chunk grew the block: back under capacity
+                self._realloc(
+                    len(self), self.data[:, :, :0]
+                )  # a long chunk grew the block: back under capacity
         elif cap > 2 * len(self) + 2 * self.min_slack:
             # A big drop (a prefill leaving the residual, a window evicting a long prompt): give the memory back.
             self._realloc(len(self), self.data[:, :, :0])
@@ -209,6 +213,16 @@ class BodyBasis:
         return self.hadamard.apply(out) if self.hadamard is not None else out.float()
 
 
+def encode_in_basis(codec: Codec, basis: BodyBasis | None, x: torch.Tensor) -> Encoded:
+    """Tokens leaving a residual (B, H, n, D) -> their encoding, in the body's ``basis`` (None: as given;
+    centered per token where the codec is per token, :meth:`BodyBasis.encode_adaptive`)."""
+    if basis is None:
+        return codec.encode(x)
+    if basis.bias is not None and codec.token_group == 1:
+        return basis.encode_adaptive(codec, x)
+    return codec.encode(basis.encode(x))
+
+
 @dataclass(frozen=True)
 class _Plan:
     """A stream append, decided and encoded but not applied: ``encoded`` joins the body,
@@ -301,13 +315,7 @@ class Stream:
         return _Plan(enc, n_fp, self.cast(x[:, :, ready - n_fp :]))
 
     def _encode(self, x: torch.Tensor) -> Encoded:
-        """Tokens leaving the residual (B, H, n, D) -> their encoding, in the body's basis (centered per
-        token where the codec is per token, :meth:`BodyBasis.encode_adaptive`)."""
-        if self.basis is None:
-            return self.codec.encode(x)
-        if self.basis.bias is not None and self.codec.token_group == 1:
-            return self.basis.encode_adaptive(self.codec, x)
-        return self.codec.encode(self.basis.encode(x))
+        return encode_in_basis(self.codec, self.basis, x)
 
     def commit(self, plan: _Plan) -> None:
         """Apply a :meth:`plan` (made on this stream's current state; nothing here can fail)."""
@@ -437,8 +445,12 @@ class Stream:
             fp = self.residual_cap + self.unit - 1
             body = held - self.residual_cap
         enc = self._encode(zeros) if body else None
-        tok_entry = 0 if enc is None else sum(t[:, :, :1].numel() * t.element_size() for t in enc.token.values())
-        grp_entry = 0 if enc is None else sum(t[:, :, :1].numel() * t.element_size() for t in enc.group.values())
+        tok_entry = (
+            0 if enc is None else sum(t[:, :, :1].numel() * t.element_size() for t in enc.token.values())
+        )
+        grp_entry = (
+            0 if enc is None else sum(t[:, :, :1].numel() * t.element_size() for t in enc.group.values())
+        )
         groups = -(-body // self.codec.token_group) + 1 if body else 0
         caps = self._caps  # growing buffers (capped ones: never past their capacity)
 

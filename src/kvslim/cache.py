@@ -37,6 +37,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import attention, compat
+from .buffers import BodyBasis
+from .checks import check_int
 from .compat import DummyLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer  # by release: see compat
 from .config import (
     DEFAULT_GROUP_SIZE,
@@ -126,7 +128,9 @@ class SlimCacheLayer(CacheLayerMixin):
         store = self.store
         if owner.padding_explicit:
             pads = owner.pads
-            base = base_from_positions(position_ids, pads, store.seen, key_states.shape[2], key_states.shape[0])
+            base = base_from_positions(
+                position_ids, pads, store.seen, key_states.shape[2], key_states.shape[0]
+            )
         else:
             pads = None
             if position_ids is not None and owner.policy.bounded and owner.policy.sink:
@@ -134,9 +138,9 @@ class SlimCacheLayer(CacheLayerMixin):
             elif owner.policy.bounded and owner.policy.sink:
                 compat.warn_padding_unseen(key_states.shape[0])  # before 5.24 the ids never get here
             base = 0  # the convention's pads make every row's offset 0
-        if base != store._base and store.stored and store.rotary is None:
+        if base != store.base and store.stored and store.rotary is None:
             raise ValueError(
-                f"position ids moved by {base - store._base} against the tokens seen, and this model's keys "
+                f"position ids moved by {base - store.base} against the tokens seen, and this model's keys "
                 f"cannot be re-rotated: feed consecutive position ids"
             )
         if pads is not None and store.stored < store.seen and store.pads is not None:
@@ -211,7 +215,9 @@ _NO_OFFLOADING = (
 
 def _refuse_assignment(name: str, value) -> None:
     if value is not None:  # CacheLayerMixin.__init__ assigns None
-        raise AttributeError(f"SlimCacheLayer.{name} is computed from the compressed store and cannot be assigned")
+        raise AttributeError(
+            f"SlimCacheLayer.{name} is computed from the compressed store and cannot be assigned"
+        )
 
 
 class SlimHybridLayer(LinearAttentionLayer, SlimCacheLayer):
@@ -219,7 +225,9 @@ class SlimHybridLayer(LinearAttentionLayer, SlimCacheLayer):
     ``hybrid`` layers): the recurrent state is kept exactly as transformers' own layer keeps it, the
     K/V in a :class:`~kvslim.layer.SlimLayer`."""
 
-    def __init__(self, store_factory, owner: SlimCache, layer_idx: int, layer_type: str, number_of_states: int = 1):
+    def __init__(
+        self, store_factory, owner: SlimCache, layer_idx: int, layer_type: str, number_of_states: int = 1
+    ):
         SlimCacheLayer.__init__(self, store_factory, owner, layer_idx, layer_type)
         LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
 
@@ -318,7 +326,7 @@ class SlimCache(Cache):
             values before they are stored (:mod:`kvslim.calibrate` collects K means with it).
         observe_stored: hand ``observe`` the keys in the basis the K body stores them (rotated,
             pre-RoPE; never centered) instead of the raw keys.
-        model_fingerprint: :func:`kvslim.models.model_fingerprint` of the model; a bias file recorded for
+        model_fingerprint: :func:`kvslim.fingerprint.model_fingerprint` of the model; a bias file recorded for
             another model is then refused unless ``allow_other_model=True`` (which warns).
         offloading: DynamicCache's option; only False is accepted (the compressed store is not offloaded).
 
@@ -347,7 +355,7 @@ class SlimCache(Cache):
         positions: str = DEFAULT_POSITIONS,
         residual_dtype: str = DEFAULT_RESIDUAL_DTYPE,
         rotate: str = DEFAULT_ROTATE,
-        pre_rope: bool = DEFAULT_PRE_ROPE,
+        pre_rope: bool | str = DEFAULT_PRE_ROPE,
         config=None,
         compressed_attention: bool | None = None,
         observe=None,
@@ -380,7 +388,9 @@ class SlimCache(Cache):
             # format gate a file path gets (raises if K's format does not allow centering).
             cfg.replace(mean_center="<tensors>")
         if compressed_attention is not None and not isinstance(compressed_attention, bool):
-            raise ValueError(f"compressed_attention must be True, False or None, got {compressed_attention!r}")
+            raise ValueError(
+                f"compressed_attention must be True, False or None, got {compressed_attention!r}"
+            )
         if observe is not None and not callable(observe):
             raise ValueError(f"observe must be a callable (layer_idx, keys, values) or None, got {observe!r}")
         if not isinstance(observe_stored, bool):
@@ -393,11 +403,15 @@ class SlimCache(Cache):
                 "compressed_attention=True cannot serve MLA models: they expand the cached latent before attention"
             )
         self.compressed_attention = (
-            (attention.uses_kvslim_attention(config) and not mla) if compressed_attention is None else compressed_attention
+            (attention.uses_kvslim_attention(config) and not mla)
+            if compressed_attention is None
+            else compressed_attention
         )
         # A lossy cache read through a materializing attention warns once (see _warn_materializing), unless the
         # path was chosen explicitly or the model already uses "kvslim" (MLA: no compressed path to switch to).
-        self._may_warn_materializing = compressed_attention is None and not attention.uses_kvslim_attention(config)
+        self._may_warn_materializing = compressed_attention is None and not attention.uses_kvslim_attention(
+            config
+        )
         self.observe = observe
         #: observe() sees the new keys in the basis the K body is stored in (rotated, pre-RoPE; never
         #: centered): what a bias for this cache's basis is the mean of (kvslim.calibrate)
@@ -421,7 +435,9 @@ class SlimCache(Cache):
                         f"{role}_quantize={codec.name!r} cannot store this model's KV: {e}"
                     ) from None
         # The low-bit levers in effect, "auto" resolved (docs/quality.md, "Low-bit levers"):
-        self._hadamard, self._rope_source = resolve_levers(cfg, config, self._shapes, self._codecs, mean_center)
+        self._hadamard, self._rope_source = resolve_levers(
+            cfg, config, self._shapes, self._codecs, mean_center
+        )
         plain_roles = [r for r in "kv" if self._hadamard[r] is not None and not self._codecs[r].lossy]
         if plain_roles and not observe_stored:  # (observe_stored: calibration observes keys in that basis)
             rest = "".join(r for r in cfg.rotate if r in "kv" and r not in plain_roles) or "none"
@@ -457,7 +473,9 @@ class SlimCache(Cache):
             )
         self.rotary, why = (None, "no config=model.config") if config is None else model_rotary(config)
         #: the position semantics in effect ("auto" resolved: "cache" wherever keys can be moved)
-        self.positions = cfg.positions if cfg.positions != "auto" else ("cache" if self.rotary else "original")
+        self.positions = (
+            cfg.positions if cfg.positions != "auto" else ("cache" if self.rotary else "original")
+        )
         if cfg.positions == "cache" and cfg.window is not None and self.rotary is None:
             raise ValueError(
                 f"positions='cache' re-rotates the sink keys, which needs the model's RoPE: {why}; "
@@ -467,7 +485,9 @@ class SlimCache(Cache):
         # (None before transformers 5.24: the cache could not read the base back from the ids, see compat)
         self.rebase_period = rebase_period(self.policy, self.rotary) if compat.POSITIONS_REACH_CACHE else None
         if self._shapes is not None:
-            super().__init__(layers=[self._new_layer(i, t, kw) for i, (t, kw) in enumerate(_layer_plan(config))])
+            super().__init__(
+                layers=[self._new_layer(i, t, kw) for i, (t, kw) in enumerate(_layer_plan(config))]
+            )
         else:
             super().__init__(layer_class_to_replicate=self._replicate)
 
@@ -482,7 +502,9 @@ class SlimCache(Cache):
     def _new_layer(self, i: int, layer_type: str, kwargs: dict):
         """The cache layer for model layer ``i`` of transformers' ``layer_type`` (module docstring)."""
         if layer_type in LINEAR_TYPES:
-            return LinearAttentionLayer(**kwargs)  # recurrent / conv state, kept exactly as transformers keeps it
+            return LinearAttentionLayer(
+                **kwargs
+            )  # recurrent / conv state, kept exactly as transformers keeps it
         if layer_type == "dummy":
             return DummyLayer()  # reads another layer's K/V (KV sharing) or has no attention: holds nothing
         # The model's own window bounds sliding and chunked layers (transformers keeps the last window - 1
@@ -528,7 +550,9 @@ class SlimCache(Cache):
             )
         if pads is not None:
             if not isinstance(pads, torch.Tensor) or pads.ndim != 1 or pads.dtype.is_floating_point:
-                raise ValueError(f"pads must be a 1-D integer tensor (one count per row) or None, got {pads!r}")
+                raise ValueError(
+                    f"pads must be a 1-D integer tensor (one count per row) or None, got {pads!r}"
+                )
             if bool((pads < 0).any()):
                 raise ValueError(f"pads must be >= 0, got {pads.tolist()}")
             pads = pads.long()
@@ -568,7 +592,11 @@ class SlimCache(Cache):
         held = sum(s.projected_nbytes(tokens, kv, shapes.v_head_dim, dtype) for s in self.stores())
         rotary = self._rotary_nbytes()
         if self._rope_source is not None:  # pre-RoPE's angle table over the positions read (Rotary.table)
-            span = tokens if self.rebase_period is None else min(tokens, self.rebase_period + self.policy.capacity)
+            span = (
+                tokens
+                if self.rebase_period is None
+                else min(tokens, self.rebase_period + self.policy.capacity)
+            )
             half = self._rope_source.rotary.inv_freq.numel()
             rotary += (span + max(64, span // 4) + 1) * half * 4 * 2  # cos and sin, float32
         return held + rotary
@@ -598,7 +626,9 @@ class SlimCache(Cache):
         """The RoPE frequencies (+ pre-RoPE's angle table), each held once; the Hadamard block matrices are
         module-level, shared by every cache (kvslim.hadamard: 4 * block^2 bytes per block size, 16 KiB for 64),
         not held here."""
-        rotaries = {id(r): r for r in (self.rotary, getattr(self._rope_source, "rotary", None)) if r is not None}
+        rotaries = {
+            id(r): r for r in (self.rotary, getattr(self._rope_source, "rotary", None)) if r is not None
+        }
         return sum(r.nbytes() for r in rotaries.values())
 
     def layer_type_bytes(self) -> dict[str, dict[str, int]]:
@@ -622,7 +652,7 @@ class SlimCache(Cache):
         for s in self.stores():
             if s.kv_shape is not None:
                 batch, heads, k_dim = s.kv_shape
-                total += batch * heads * tokens * (k_dim + s._v_dim) * 2  # K and V, 2 bytes each
+                total += batch * heads * tokens * (k_dim + s.v_dim) * 2  # K and V, 2 bytes each
         return total
 
     def report(self) -> dict:
@@ -650,7 +680,9 @@ class SlimCache(Cache):
         }
 
     # -- prompt cache files (kvslim.promptcache) ----------------------------------------------------
-    def save(self, path, *, token_ids: torch.Tensor | None = None, model_fingerprint: str | None = None) -> dict:
+    def save(
+        self, path, *, token_ids: torch.Tensor | None = None, model_fingerprint: str | None = None
+    ) -> dict:
         """Write this cache to ``path`` as it is stored (no re-quantization), atomically; ``token_ids`` (B, T)
         and ``model_fingerprint`` are recorded for the checks on load. Returns the file's header."""
         from .promptcache import save
@@ -658,7 +690,9 @@ class SlimCache(Cache):
         return save(self, path, token_ids=token_ids, model_fingerprint=model_fingerprint)
 
     @classmethod
-    def load(cls, path, *, config, model_fingerprint: str | None = None, mean_center=None, device=None) -> SlimCache:
+    def load(
+        cls, path, *, config, model_fingerprint: str | None = None, mean_center=None, device=None
+    ) -> SlimCache:
         """A cache saved with :meth:`save`, rebuilt for the model of ``config`` with the file's settings; a
         file for another model, format, levers or bias, or a damaged one, is a ValueError naming what differs
         (:func:`kvslim.promptcache.load`, which also returns the saved token ids)."""
@@ -673,9 +707,13 @@ class SlimCache(Cache):
         ``layer_idx`` and return what attention reads. ValueError for a layer index that is not one of the
         model's (a negative one is not counted from the end) and for a first update with no tokens."""
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:
-            raise ValueError(f"layer_idx must be an integer >= 0 (the model layer's index), got {layer_idx!r}")
+            raise ValueError(
+                f"layer_idx must be an integer >= 0 (the model layer's index), got {layer_idx!r}"
+            )
         if self.layer_class_to_replicate is None and layer_idx >= len(self.layers):
-            raise ValueError(f"layer_idx {layer_idx} is out of range: this cache has {len(self.layers)} layers")
+            raise ValueError(
+                f"layer_idx {layer_idx} is out of range: this cache has {len(self.layers)} layers"
+            )
         if isinstance(key_states, torch.Tensor) and key_states.dim() == 4 and key_states.shape[2] == 0:
             layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
             if layer is None or not getattr(layer, "is_initialized", False):
@@ -724,7 +762,14 @@ def _model_shapes(config) -> ModelShapes:
 SLIDING_TYPES = ("sliding_attention", "chunked_attention", "hybrid_sliding")
 LINEAR_TYPES = ("linear_attention", "conv")
 HYBRID_TYPES = ("hybrid", "hybrid_sliding")
-SUPPORTED_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "dummy", *LINEAR_TYPES, *HYBRID_TYPES)
+SUPPORTED_TYPES = (
+    "full_attention",
+    "sliding_attention",
+    "chunked_attention",
+    "dummy",
+    *LINEAR_TYPES,
+    *HYBRID_TYPES,
+)
 
 
 def _layer_plan(config) -> list[tuple[str, dict]]:
@@ -733,7 +778,9 @@ def _layer_plan(config) -> list[tuple[str, dict]]:
     try:
         layer_types, kwargs = compat.layer_types_and_kwargs(text_config(config))
     except ValueError as e:
-        raise ValueError(f"cannot read the layer types of {ModelShapes.from_config(config).model_type}: {e}") from None
+        raise ValueError(
+            f"cannot read the layer types of {ModelShapes.from_config(config).model_type}: {e}"
+        ) from None
     unsupported = sorted({t for t in layer_types if t not in SUPPORTED_TYPES})
     if unsupported:
         raise ValueError(
@@ -763,3 +810,197 @@ def _layer_kind(layer) -> str:
 _FP_DTYPES = {"auto": "auto", "model": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+# --------------------------------------------------------------------------------------------------
+# The static (compile-friendly) mode: kvslim.static's fixed buffers behind transformers' layer contract.
+
+
+class StaticSlimCacheLayer(CacheLayerMixin):
+    """One layer of a :class:`StaticSlimCache`: a :class:`~kvslim.static.StaticStore` behind transformers'
+    layer contract. A one-token update (the decode step) is branch-free and returns the store's
+    :class:`~kvslim.static.StaticSegments` for the ``kvslim`` attention; a longer one (prefill) stores the
+    tokens on the host's decisions and returns the stored tokens decoded, followed by the new ones at full
+    precision (what :class:`SlimCacheLayer` hands attention for a prefill chunk)."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, store, layer_idx: int):
+        super().__init__()
+        self.store = store
+        self.layer_idx = layer_idx
+        self.layer_type = "full_attention"
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.store.allocate(key_states, value_states)
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.shape[2] == 1:
+            view = self.store.write_one(key_states, value_states)
+            return view, view
+        return self.store.write(key_states, value_states)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        query_length = compat.mask_query_length(query_length)
+        if query_length == 1:  # the decode step: attention reads every slot and masks them itself
+            return self.store.slots, 0
+        stored = self.store.stored
+        return stored + query_length, int(self.store.seen) - stored
+
+    def get_seq_length(self):
+        if torch.compiler.is_compiling():
+            return self.store.seen  # a tensor inside a compiled region (no host read)
+        return int(self.store.seen)
+
+    def get_max_length(self) -> int:
+        return -1 if self.store.window is None and self.store.capacity is None else self.store.slots
+
+    get_max_cache_shape = get_max_length
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """Every stored key, oldest first, decoded: (B, H_kv, stored, D); None before the first update."""
+        kv = self.store.materialize()
+        return None if kv is None else kv[0]
+
+    @keys.setter
+    def keys(self, value) -> None:
+        if value is not None:
+            _refuse_assignment("keys", value)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """Every stored value, as :attr:`keys`."""
+        kv = self.store.materialize()
+        return None if kv is None else kv[1]
+
+    @values.setter
+    def values(self, value) -> None:
+        if value is not None:
+            _refuse_assignment("values", value)
+
+    def reset(self) -> None:
+        raise ValueError("a static SlimCache cannot be reset in place; build a new one")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError(
+            "a static SlimCache cannot be cropped (its tokens leave the fp ring in encoded groups)"
+        )
+
+
+class StaticSlimCache(SlimCache):
+    """A :class:`SlimCache` in fixed-capacity buffers: every decode step is the same graph, so
+    ``torch.compile`` traces it once (``is_compileable=True``; docs/compile.md). Same options as SlimCache,
+    plus ``max_cache_len`` (the most tokens held, needed without a window; ignored with one: the window
+    bounds it). The tokens kept, the groups encoded and the values attention reads are those of a SlimCache
+    with the same options.
+
+    What it does not serve (a clear error at construction, never a silently different cache): a model not
+    using the ``kvslim`` attention, layers other than full attention (sliding, linear, KV-sharing), MLA,
+    ``pre_rope``, ``positions='cache'`` with a window (keys stay at their original positions; pass
+    ``positions='original'``), K and V of which only one is quantized, left padding, ``observe``.
+    """
+
+    def __init__(self, *, max_cache_len: int | None = None, config=None, **kwargs):
+        from .static import StaticStore
+
+        if config is None:
+            raise ValueError("a static SlimCache needs config=model.config (the model's layers and shapes)")
+        if max_cache_len is not None:
+            check_int("max_cache_len", max_cache_len, minimum=1, expected="a positive integer or None")
+        if kwargs.pop("compressed_attention", None) not in (None, True):
+            raise ValueError(
+                "a static SlimCache always hands the kvslim attention its slots (compressed_attention)"
+            )
+        if kwargs.get("observe") is not None:
+            raise ValueError("a static SlimCache does not observe updates (calibrate with a SlimCache)")
+        # "auto" levers are this cache's to decide: keys stay where they were fed (no pre-RoPE, original
+        # positions); an explicit request it cannot serve is refused below.
+        kwargs.setdefault("pre_rope", "auto")
+        kwargs.setdefault("positions", "auto")
+        if kwargs["pre_rope"] == "auto":
+            kwargs["pre_rope"] = False
+        if kwargs["positions"] == "auto":
+            kwargs["positions"] = "original"
+        super().__init__(config=config, compressed_attention=None, **kwargs)
+        cfg = self.cache_config
+        problems = []
+        if not attention.uses_kvslim_attention(config):
+            problems.append("the model must use attn_implementation='kvslim' (kvslim.enable(model))")
+        if is_mla(text_config(config)):
+            problems.append("MLA models expand the cached latent before attention")
+        types = sorted({t for t, _ in _layer_plan(config) if t != "full_attention"})
+        if types:
+            problems.append(f"every layer must be full attention, this model has {', '.join(types)} layers")
+        if self.pre_rope:
+            problems.append("pre_rope keys are rotated on read per position (pass pre_rope=False)")
+        if cfg.window is not None and self.positions != "original":
+            problems.append(
+                f"with a window, keys stay at their original positions (positions={self.positions!r} re-rotates "
+                "the sinks each step; pass positions='original')"
+            )
+        if cfg.window is None and max_cache_len is None:
+            problems.append("without a window it needs max_cache_len (the most tokens it will hold)")
+        if problems:
+            raise ValueError("cannot build a static SlimCache: " + "; ".join(problems))
+        self.max_cache_len = max_cache_len if cfg.window is None else None
+        layers = []
+        for i in range(len(self.layers)):
+            bias = None if self._biases is None else self._biases[i]
+            store = StaticStore(
+                self._codecs["k"],
+                self._codecs["v"],
+                sink=cfg.sink,
+                window=cfg.window,
+                residual=cfg.residual_tokens,
+                group_size=cfg.group_size,
+                capacity=self.max_cache_len,
+                k_basis=BodyBasis(self._hadamard["k"], bias) if self._codecs["k"].lossy else None,
+                v_basis=BodyBasis(self._hadamard["v"]) if self._codecs["v"].lossy else None,
+                fp_dtype=_FP_DTYPES[cfg.residual_dtype],
+            )
+            layers.append(StaticSlimCacheLayer(store, i))
+        self.layers = layers
+        self.rebase_period = None  # positions are absolute: nothing is ever re-based
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+    def set_left_padding(self, pads: torch.Tensor | None) -> None:
+        if pads is not None and bool((pads != 0).any()):
+            raise ValueError("a static SlimCache serves rows of equal length (no left padding)")
+        self.padding_explicit = False
+
+    def stores(self):
+        return [layer.store for layer in self.layers]
+
+    def stored_tokens(self) -> int:
+        return self.layers[0].store.stored if self.layers else 0
+
+    def layer_type_bytes(self) -> dict[str, dict[str, int]]:
+        return {
+            "full_attention": {
+                "layers": len(self.layers),
+                "kv_layers": len(self.layers),
+                "bytes": self.nbytes(),
+            }
+        }
+
+    def projected_nbytes(self, tokens: int, *, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
+        raise ValueError(
+            "a static SlimCache holds its capacity from the first write on: read nbytes() after it"
+        )
+
+    def use_compressed_attention(self, enabled: bool = True) -> None:
+        if not enabled:
+            raise ValueError("a static SlimCache always hands the kvslim attention its slots")
+
+    def save(self, *args, **kwargs):
+        raise ValueError("a static SlimCache cannot be saved yet; save a SlimCache of the same options")
+
+    def __repr__(self) -> str:
+        return f"StaticSlimCache({self.cache_config.to_spec()!r}, layers={len(self.layers)})"

@@ -23,9 +23,9 @@ import warnings
 
 import torch
 
+from .fingerprint import model_fingerprint
 from .generate import prefill
 from .meancenter import BiasSet, KStats, check_positive_int
-from .models import model_fingerprint
 from .shapes import ModelShapes
 
 #: Fewest calibration tokens for a useful bias: one chunk of llama.cpp's default context (the fork's
@@ -131,7 +131,7 @@ def collect_k_means_from_ids(
     cache_type: recorded in the result (the K format the bias is meant for).
     text_sha256: recorded in the result (:func:`collect_k_means` passes the text's sha256).
     fingerprint: the model fingerprint to record; None computes
-        :func:`kvslim.models.model_fingerprint`.
+        :func:`kvslim.fingerprint.model_fingerprint`.
     rotate, pre_rope: the K basis to calibrate for (a cache with ``rotate='k'``/``'kv'``, ``pre_rope=True``):
         the keys are averaged as that cache stores them, and the result records it. ``rotate='auto'``
         (default): the basis a default cache (``rotate='auto'``) stores a quantized K in — Hadamard-rotated

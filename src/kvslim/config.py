@@ -2,8 +2,8 @@
 
 The spec syntax is the same everywhere in the CLI (``eval --config``, ``bench --config``):
 ``FORMAT[,key=value...]`` with keys ``k``, ``v`` (per-tensor formats), ``sink``, ``window``,
-``group``, ``residual``, ``v_group``, ``mean_center`` (a bias file), ``rotate`` and ``pre_rope``.
-Examples::
+``group``, ``residual``, ``v_group``, ``mean_center`` (a bias file), ``positions``, ``residual_dtype``,
+``rotate`` and ``pre_rope``. Examples::
 
     int4
     q4_0,mean_center=bias.gguf
@@ -12,12 +12,17 @@ Examples::
     q8_0,k=q4_0            # K in q4_0, V in q8_0
     int2,rotate=kv,pre_rope=1
 
+Every option is declared once, on its :class:`CacheConfig` field (:func:`option`): its type of value,
+default, legal values, spec key and CLI flag. :data:`OPTIONS` lists the declarations; validation, the
+spec syntax (:func:`parse_spec`, :meth:`CacheConfig.to_spec`) and the CLI's cache flags
+(:mod:`kvslim.cli.common`) read them, and a test checks the README's lists against them.
+
 This module knows nothing about transformers or tensors beyond validation.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from .checks import check_int
 from .formats import FORMATS, format_names, get_format
@@ -58,6 +63,106 @@ DEFAULT_RESIDUAL = 128
 DEFAULT_GROUP_SIZE = 32
 
 
+#: How each kind of option is read from a spec and checked (:class:`Option`):
+#: ``format``: a format name (the registry's); ``int``: an integer >= ``minimum``; ``choice``: one of
+#: ``choices``; ``bool``: True or False; ``path``: a file path, not checked here. ``None`` is legal where
+#: the default is None, ``"auto"`` where the default is ``"auto"``.
+KINDS = ("format", "int", "choice", "bool", "path")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One cache option, declared once (on its :class:`CacheConfig` field, with :func:`option`).
+
+    name / default: the CacheConfig field and :class:`~kvslim.SlimCache` keyword, and its default.
+    kind: one of :data:`KINDS`; with ``choices``, ``minimum`` and ``hint`` it decides validation and how
+        the spec value is parsed. ``what``: what the option decides, in the validation message.
+    spec: the key in the one-line spec (None: the spec's head, the format name).
+    flag: the CLI flag (kebab-case; None: spec and Python only), with its ``metavar`` and ``flag_help``;
+        ``flag_auto``: the flag also takes ``auto``, resolved by the CLI (the default is then ``auto``).
+    """
+
+    kind: str
+    spec: str | None
+    what: str = ""
+    choices: tuple = ()
+    minimum: int | None = None
+    hint: str = ""
+    flag: str | None = None
+    metavar: str | None = None
+    flag_help: str = ""
+    flag_auto: bool = False
+    name: str = ""
+    default: object = None
+
+    @property
+    def optional(self) -> bool:
+        """Whether None is legal (the default is None)."""
+        return self.default is None
+
+    @property
+    def auto(self) -> bool:
+        """Whether ``"auto"`` is legal (the default is ``"auto"``)."""
+        return isinstance(self.default, str) and self.default == "auto"
+
+    @property
+    def flag_default(self):
+        """The CLI flag's default: ``auto`` where the flag resolves it, else the field's."""
+        return "auto" if self.flag_auto else self.default
+
+    def check(self, value) -> None:
+        """ValueError naming the option, the value and what is legal, unless ``value`` is."""
+        if value is None and self.optional:
+            return
+        if self.kind == "format":
+            if not isinstance(value, str):
+                raise ValueError(f"{self.name} must be a format name, got {value!r}")
+            get_format(value)  # raises with the legal names
+        elif self.kind == "choice":
+            if value not in self.choices:
+                raise ValueError(
+                    f"{self.name} must be one of {', '.join(self.choices)} ({self.what}), got {value!r}"
+                )
+        elif self.kind == "bool":
+            if not (isinstance(value, bool) or (self.auto and value == "auto")):
+                raise ValueError(f"{self.name} must be True, False or 'auto' ({self.what}), got {value!r}")
+        elif self.kind == "int" and not (self.auto and value == "auto"):
+            check_int(self.name, value, minimum=self.minimum, hint=self.hint)
+
+    def spec_value(self, value):
+        """``value`` as the spec writes it (``to_spec``)."""
+        return int(value) if isinstance(value, bool) else value
+
+    def parse(self, text: str, spec: str):
+        """The field value a spec's ``key=text`` gives; ValueError naming the spec and the key."""
+        low = text.lower()
+        if self.kind == "bool":
+            if low == "auto" and self.auto:
+                return "auto"
+            if low not in _BOOLS:
+                raise ValueError(
+                    f"cache spec {spec!r}: {self.spec} must be 1, 0 or auto (true/false), got {text!r}"
+                )
+            return _BOOLS[low]
+        if self.kind != "int":
+            return text
+        if low in ("none", "") and self.optional:
+            return None
+        if low == "auto" and self.auto:
+            return "auto"
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"cache spec {spec!r}: {self.spec} must be an integer, got {text!r}") from None
+
+
+def option(default, kind: str, spec: str | None, **declared):
+    """A CacheConfig field declared as an option: its default and the :class:`Option` facts."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    return field(default=default, metadata={"option": Option(kind, spec, **declared)})
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Everything that defines a cache mode. Validated on construction.
@@ -95,61 +200,107 @@ class CacheConfig:
     ``pre_rope``); the bias file records it.
     """
 
-    kv_quantize: str = "none"
-    k_quantize: str | None = None
-    v_quantize: str | None = None
-    sink: int = 0
-    window: int | None = None
-    group_size: int = DEFAULT_GROUP_SIZE
-    residual: int | str = "auto"
-    v_group_size: int | None = None
-    mean_center: str | None = None
-    positions: str = DEFAULT_POSITIONS
-    residual_dtype: str = DEFAULT_RESIDUAL_DTYPE
-    rotate: str = DEFAULT_ROTATE
-    pre_rope: bool | str = DEFAULT_PRE_ROPE
+    kv_quantize: str = option(
+        "none", "format", None, flag="--kv-quantize", flag_help="K and V storage format (default: none)"
+    )
+    k_quantize: str | None = option(
+        None, "format", "k", flag="--k-quantize", flag_help="K storage format (overrides --kv-quantize)"
+    )
+    v_quantize: str | None = option(
+        None, "format", "v", flag="--v-quantize", flag_help="V storage format (overrides --kv-quantize)"
+    )
+    sink: int = option(
+        0,
+        "int",
+        "sink",
+        minimum=0,
+        flag="--streaming-llm-sink",
+        metavar="N",
+        flag_help="keep the first N tokens forever",
+    )
+    window: int | None = option(
+        None,
+        "int",
+        "window",
+        minimum=1,
+        hint="or None for an unbounded cache",
+        flag="--streaming-llm-window",
+        metavar="M",
+        flag_help="keep only the last M tokens beyond the sinks",
+    )
+    group_size: int = option(
+        DEFAULT_GROUP_SIZE,
+        "int",
+        "group",
+        minimum=1,
+        flag="--kv-group-size",
+        metavar="G",
+        flag_auto=True,
+        flag_help="KIVI token group (default: auto = 32, and for a window shorter than 64 the largest power of two "
+        "at most half of it, so a small window is still mostly encoded)",
+    )
+    residual: int | str = option(
+        "auto",
+        "int",
+        "residual",
+        minimum=0,
+        hint="or 'auto'",
+        flag="--kv-residual",
+        metavar="R",
+        flag_auto=True,
+        flag_help="recent tokens kept at full precision, a multiple of the group (default: auto = 128, and with a "
+        "window at most a quarter of it, so a bounded cache is mostly encoded)",
+    )
+    v_group_size: int | None = option(
+        None, "int", "v_group", minimum=1, hint="or None for the whole head_dim"
+    )
+    mean_center: str | None = option(
+        None,
+        "path",
+        "mean_center",
+        flag="--kv-mean-center",
+        metavar="FILE",
+        flag_help="K mean-centering bias file (GGUF)",
+    )
+    positions: str = option(
+        DEFAULT_POSITIONS, "choice", "positions", choices=POSITIONS, what="where StreamingLLM's kept keys sit"
+    )
+    residual_dtype: str = option(
+        DEFAULT_RESIDUAL_DTYPE,
+        "choice",
+        "residual_dtype",
+        choices=RESIDUAL_DTYPES,
+        what="how a lossy format's full-precision residual and sinks are stored",
+    )
+    rotate: str = option(
+        DEFAULT_ROTATE,
+        "choice",
+        "rotate",
+        choices=ROTATE,
+        what="which encoded tensors are stored Hadamard-rotated",
+        flag="--kv-rotate",
+        flag_help="store K, V or both Hadamard-rotated (attention unchanged); auto: every quantized tensor, K as "
+        f"the bias file records (default: {DEFAULT_ROTATE})",
+    )
+    pre_rope: bool | str = option(
+        DEFAULT_PRE_ROPE,
+        "bool",
+        "pre_rope",
+        what="store K before RoPE",
+        flag="--kv-pre-rope",
+        flag_help="store K before RoPE and rotate it on read (KVQuant); auto: 2-bit K (int2) and as the bias file "
+        f"records (default: {DEFAULT_PRE_ROPE}; the flag alone: on)",
+    )
 
     def __post_init__(self):
-        if self.rotate not in ROTATE:
-            raise ValueError(
-                f"rotate must be one of {', '.join(ROTATE)} (which encoded tensors are stored Hadamard-rotated), "
-                f"got {self.rotate!r}"
-            )
-        if not (isinstance(self.pre_rope, bool) or self.pre_rope == "auto"):
-            raise ValueError(
-                f"pre_rope must be True, False or 'auto' (store K before RoPE), got {self.pre_rope!r}"
-            )
-        if self.residual_dtype not in RESIDUAL_DTYPES:
-            raise ValueError(
-                f"residual_dtype must be one of {', '.join(RESIDUAL_DTYPES)} (how a lossy format's full-precision "
-                f"residual and sinks are stored), got {self.residual_dtype!r}"
-            )
-        if self.positions not in POSITIONS:
-            raise ValueError(
-                f"positions must be one of {', '.join(POSITIONS)} (where StreamingLLM's kept keys sit), "
-                f"got {self.positions!r}"
-            )
-        for name in ("kv_quantize", "k_quantize", "v_quantize"):
-            value = getattr(self, name)
-            if value is None and name != "kv_quantize":
-                continue
-            if not isinstance(value, str):
-                raise ValueError(f"{name} must be a format name, got {value!r}")
-            get_format(value)  # raises with the legal names
-        check_int("sink", self.sink, minimum=0)
-        if self.window is not None:
-            check_int("window", self.window, minimum=1, hint="or None for an unbounded cache")
-        check_int("group_size", self.group_size, minimum=1)
-        if self.residual != "auto":
-            check_int("residual", self.residual, minimum=0, hint="or 'auto'")
+        for opt in OPTIONS:
+            opt.check(getattr(self, opt.name))
         if self.residual != "auto" and self.residual % self.group_size:
             raise ValueError(
                 f"residual={self.residual} is not a multiple of group_size={self.group_size}: tokens leave "
                 f"the full-precision residual one group at a time, so residual must be 0 or a multiple "
                 f"of group_size (e.g. {self.group_size * max(1, round(self.residual / self.group_size))})"
             )
-        if self.v_group_size is not None:
-            check_int("v_group_size", self.v_group_size, minimum=1, hint="or None for the whole head_dim")
         if self.mean_center is not None and self.k_format not in MEAN_CENTER_FORMATS:
             why = (
                 "its zero point already absorbs a per-channel mean"
@@ -184,34 +335,13 @@ class CacheConfig:
         return None if self.window is None else self.sink + self.window
 
     def to_spec(self) -> str:
-        """The canonical one-line spec; ``parse_spec(c.to_spec()) == c``."""
+        """The canonical one-line spec (the options that differ from their defaults, in declaration order);
+        ``parse_spec(c.to_spec()) == c``."""
         parts = [self.kv_quantize]
-        if self.k_quantize is not None:
-            parts.append(f"k={self.k_quantize}")
-        if self.v_quantize is not None:
-            parts.append(f"v={self.v_quantize}")
-        if self.sink:
-            parts.append(f"sink={self.sink}")
-        if self.window is not None:
-            parts.append(f"window={self.window}")
-        if self.group_size != DEFAULT_GROUP_SIZE:
-            parts.append(f"group={self.group_size}")
-        if self.residual != "auto":
-            parts.append(f"residual={self.residual}")
-        if self.v_group_size is not None:
-            parts.append(f"v_group={self.v_group_size}")
-        if self.mean_center is not None:
-            parts.append(f"mean_center={self.mean_center}")
-        if self.positions != DEFAULT_POSITIONS:
-            parts.append(f"positions={self.positions}")
-        if self.residual_dtype != DEFAULT_RESIDUAL_DTYPE:
-            parts.append(f"residual_dtype={self.residual_dtype}")
-        if self.rotate != DEFAULT_ROTATE:
-            parts.append(f"rotate={self.rotate}")
-        if self.pre_rope != DEFAULT_PRE_ROPE:
-            parts.append(
-                f"pre_rope={self.pre_rope if isinstance(self.pre_rope, str) else int(self.pre_rope)}"
-            )
+        for opt in OPTIONS[1:]:
+            value = getattr(self, opt.name)
+            if value != opt.default:
+                parts.append(f"{opt.spec}={opt.spec_value(value)}")
         return ",".join(parts)
 
     def to_dict(self) -> dict:
@@ -221,21 +351,13 @@ class CacheConfig:
         return replace(self, **changes)
 
 
-# spec key -> (dataclass field, parser)
-_SPEC_KEYS = {
-    "k": ("k_quantize", str),
-    "v": ("v_quantize", str),
-    "sink": ("sink", int),
-    "window": ("window", int),
-    "group": ("group_size", int),
-    "residual": ("residual", int),
-    "v_group": ("v_group_size", int),
-    "mean_center": ("mean_center", str),
-    "positions": ("positions", str),
-    "residual_dtype": ("residual_dtype", str),
-    "rotate": ("rotate", str),
-    "pre_rope": ("pre_rope", bool),
-}
+#: Every option's declaration, in field order (the first is the spec's head, the format name).
+OPTIONS: tuple[Option, ...] = tuple(
+    replace(f.metadata["option"], name=f.name, default=f.default) for f in fields(CacheConfig)
+)
+#: spec key -> option
+SPEC_KEYS: dict[str, Option] = {o.spec: o for o in OPTIONS if o.spec is not None}
+
 
 #: How a spec spells a boolean.
 _BOOLS = {
@@ -262,37 +384,15 @@ def parse_spec(spec: str) -> CacheConfig:
         raise ValueError(
             f"cache spec {spec!r} must start with a format name (one of {', '.join(format_names())}), got {head!r}"
         )
-    kwargs: dict = {"kv_quantize": head}
+    kwargs: dict = {OPTIONS[0].name: head}
     for part in rest:
         if "=" not in part:
-            raise ValueError(f"cache spec {spec!r}: {part!r} is not key=value; keys: {', '.join(_SPEC_KEYS)}")
+            raise ValueError(f"cache spec {spec!r}: {part!r} is not key=value; keys: {', '.join(SPEC_KEYS)}")
         key, value = (s.strip() for s in part.split("=", 1))
-        if key not in _SPEC_KEYS:
-            raise ValueError(f"cache spec {spec!r}: unknown key {key!r}; keys: {', '.join(_SPEC_KEYS)}")
-        field_name, conv = _SPEC_KEYS[key]
-        if field_name in kwargs:
+        if key not in SPEC_KEYS:
+            raise ValueError(f"cache spec {spec!r}: unknown key {key!r}; keys: {', '.join(SPEC_KEYS)}")
+        opt = SPEC_KEYS[key]
+        if opt.name in kwargs:
             raise ValueError(f"cache spec {spec!r}: key {key!r} given twice")
-        if conv is bool:
-            if value.lower() == "auto":
-                kwargs[field_name] = "auto"
-                continue
-            if value.lower() not in _BOOLS:
-                raise ValueError(
-                    f"cache spec {spec!r}: {key} must be 1, 0 or auto (true/false), got {value!r}"
-                )
-            kwargs[field_name] = _BOOLS[value.lower()]
-            continue
-        if conv is int:
-            if value.lower() in ("none", "") and key in ("window", "v_group"):
-                kwargs[field_name] = None
-                continue
-            if value.lower() == "auto" and key == "residual":
-                kwargs[field_name] = "auto"
-                continue
-            try:
-                kwargs[field_name] = int(value)
-            except ValueError:
-                raise ValueError(f"cache spec {spec!r}: {key} must be an integer, got {value!r}") from None
-        else:
-            kwargs[field_name] = value
+        kwargs[opt.name] = opt.parse(value, spec)
     return CacheConfig(**kwargs)

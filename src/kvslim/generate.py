@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from .checks import check_int
+from .compiled import compiled_decode
 from .positions import hand_padding, left_pad_position_ids, left_padding, position_ids  # noqa: F401 - re-exported
 
 # ---------------------------------------------------------------------------------------------
@@ -54,9 +55,16 @@ def forward(
     pos = position_ids(cache, input_ids.shape[1], pads=pads, device=input_ids.device)
     from .compat import cache_kwargs  # the cache keyword depends on the transformers release
 
+    compiled = compiled_decode(model)
+    one_token = input_ids.shape[1] == 1 and attention_mask is None and logits_to_keep == 1
+    if compiled is not None and one_token and getattr(cache, "is_compileable", False):
+        # a fixed-shape cache's decode step: the compiled graph (kvslim.compiled)
+        return compiled(input_ids=input_ids, position_ids=pos, cache_kwargs=cache_kwargs(cache)).float()
     kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
     kwargs.update(cache_kwargs(cache))
-    out = model(input_ids=input_ids, use_cache=True, position_ids=pos, logits_to_keep=logits_to_keep, **kwargs)
+    out = model(
+        input_ids=input_ids, use_cache=True, position_ids=pos, logits_to_keep=logits_to_keep, **kwargs
+    )
     return out.logits.float()
 
 
@@ -67,7 +75,9 @@ def forward(
 ROW_MULTIPLE = 4
 
 
-def forward_rows(model, tokens: Sequence[int], caches: Sequence, *, row_multiple: int = ROW_MULTIPLE) -> torch.Tensor:
+def forward_rows(
+    model, tokens: Sequence[int], caches: Sequence, *, row_multiple: int = ROW_MULTIPLE
+) -> torch.Tensor:
     """One ragged decode step: token ``tokens[b]`` fed through ``caches[b]`` for every row ``b`` at once.
 
     caches: batch-1 :class:`~kvslim.SlimCache` objects of the same model (built with ``config=``, already fed
@@ -81,7 +91,9 @@ def forward_rows(model, tokens: Sequence[int], caches: Sequence, *, row_multiple
 
     check_int("row_multiple", row_multiple, minimum=1)
     if len(tokens) != len(caches) or not caches:
-        raise ValueError(f"forward_rows needs one token per cache, got {len(tokens)} tokens for {len(caches)} caches")
+        raise ValueError(
+            f"forward_rows needs one token per cache, got {len(tokens)} tokens for {len(caches)} caches"
+        )
     n = len(caches)
     rows = list(caches) + [None] * (-n % row_multiple)
     device = model.device
@@ -249,7 +261,9 @@ def sample_next(
     # In float64, shifted so the top logit is 0: a tiny temperature (1e-40) then sends every other
     # token to exp(-inf) = 0 (greedy in the limit) instead of inf / inf = NaN in float32.
     scaled = logits.double()  # (B, V)
-    probs = torch.softmax((scaled - scaled.amax(dim=-1, keepdim=True)) / temperature, dim=-1).float()  # (B, V)
+    probs = torch.softmax(
+        (scaled - scaled.amax(dim=-1, keepdim=True)) / temperature, dim=-1
+    ).float()  # (B, V)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)  # (B, V) each
         # Drop a token when the ones more likely than it already reach top_p; the top one never is (a

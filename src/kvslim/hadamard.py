@@ -90,10 +90,11 @@ class Hadamard:
         return full.to(device=device, dtype=dtype)
 
     def block_matrix(self, device=None) -> torch.Tensor:
-        """``H_block`` in float32 on ``device`` (memoized per device)."""
-        return _block_f32(
-            self.block, str(torch.device(device) if device is not None else torch.device("cpu"))
-        )
+        """``H_block`` in float32 on ``device`` (memoized per device; a constant of a compiled graph)."""
+        where = str(torch.device(device) if device is not None else torch.device("cpu"))
+        if torch.compiler.is_compiling():
+            return _block_constant(self.block, where)
+        return _block_f32(self.block, where)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """``H x`` along the last dim of ``x`` (..., dim) -> float32 (..., dim)."""
@@ -111,3 +112,9 @@ class Hadamard:
 @functools.lru_cache(maxsize=16)
 def _block_f32(block: int, device: str) -> torch.Tensor:
     return sylvester(block).to(device=device, dtype=torch.float32)
+
+
+@torch.compiler.assume_constant_result
+def _block_constant(block: int, device: str) -> torch.Tensor:
+    """:func:`_block_f32` as ``torch.compile`` sees it: evaluated once while tracing, a constant of the graph."""
+    return _block_f32(block, device)

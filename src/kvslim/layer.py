@@ -193,7 +193,9 @@ class SlimLayer:
         self.k_hadamard, self.v_hadamard = k_hadamard, v_hadamard
         # fp_dtype: storage of a lossy stream's full-precision tokens (residual and sinks); None: the model's
         bound = policy.window  # a bounded stream's buffers are allocated once, at their capacity
-        self.k = Stream(k_codec, residual, group_size, min_slack, fp_dtype, BodyBasis(k_hadamard, k_bias), bound)
+        self.k = Stream(
+            k_codec, residual, group_size, min_slack, fp_dtype, BodyBasis(k_hadamard, k_bias), bound
+        )
         self.v = Stream(v_codec, residual, group_size, min_slack, fp_dtype, BodyBasis(v_hadamard), bound)
         self._k_bias = k_bias  # (H_kv, D) float32, subtracted from every encoded key (in the body's basis)
         self.sink_k: torch.Tensor | None = None  # (B, H, <=sink, D), as the model gave them
@@ -232,6 +234,17 @@ class SlimLayer:
     def stored(self) -> int:
         return self.sink_len + len(self.k)
 
+    @property
+    def base(self) -> int:
+        """The position base of the forward being served (what the caller subtracted from the ids; set by
+        :meth:`append`, 0 under ``model.generate()``). Read-only."""
+        return self._base
+
+    @property
+    def v_dim(self) -> int:
+        """V's head_dim (fixed by the first append; 0 before it). Read-only."""
+        return self._v_dim
+
     # -- the update ------------------------------------------------------------------------
     def basis_keys(self, keys: torch.Tensor, *, base: int = 0, rope: Rotary | None = None) -> torch.Tensor:
         """New keys (B, H, C, D), about to be appended, in the basis the K body stores them — un-rotated
@@ -255,14 +268,18 @@ class SlimLayer:
         finite_checked: the caller already checked that every value is finite (a ragged step checks its
         whole batch at once)."""
         if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
-            raise ValueError(f"keys and values must be tensors, got {type(keys).__name__} and {type(values).__name__}")
+            raise ValueError(
+                f"keys and values must be tensors, got {type(keys).__name__} and {type(values).__name__}"
+            )
         if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
             raise ValueError(
                 f"keys and values must be (B, H, T, D) with equal B, H, T; got {tuple(keys.shape)} and "
                 f"{tuple(values.shape)}"
             )
         if not keys.dtype.is_floating_point or values.dtype != keys.dtype:
-            raise ValueError(f"keys and values must share one floating dtype, got {keys.dtype} and {values.dtype}")
+            raise ValueError(
+                f"keys and values must share one floating dtype, got {keys.dtype} and {values.dtype}"
+            )
         if self.kv_shape is not None:
             b, h, d = self.kv_shape
             if (keys.shape[0], keys.shape[1], keys.shape[3]) != (b, h, d) or values.shape[3] != self._v_dim:
@@ -271,7 +288,9 @@ class SlimLayer:
                     f"values {tuple(values.shape)} (a new batch or model needs a new cache, or reset())"
                 )
             if keys.dtype != self.dtype:
-                raise ValueError(f"this layer stores {self.dtype} K/V; got {keys.dtype} (a new model needs a new cache)")
+                raise ValueError(
+                    f"this layer stores {self.dtype} K/V; got {keys.dtype} (a new model needs a new cache)"
+                )
         if not finite_checked and not bool(torch.isfinite(keys).all() & torch.isfinite(values).all()):
             bad = "keys" if not bool(torch.isfinite(keys).all()) else "values"
             raise ValueError(
@@ -585,7 +604,9 @@ class SlimLayer:
         probe = torch.zeros(1, 1, 1, 1, dtype=dtype)
         sink_entry = self.k.cast(probe).element_size() * b * h
         total = n_sink * sink_entry * (d + v_dim) + b * n_sink * 8  # sink K, V and their rotation positions
-        total += self.k.projected_nbytes(rest, (b, h, d), dtype) + self.v.projected_nbytes(rest, (b, h, v_dim), dtype)
+        total += self.k.projected_nbytes(rest, (b, h, d), dtype) + self.v.projected_nbytes(
+            rest, (b, h, v_dim), dtype
+        )
         total += _bytes(self.k_bias) + 2 * b * 8  # bias; pads and sink start per row
         return total
 

@@ -68,7 +68,7 @@ def load_mean_center(
     value: a bias file path (str / PathLike), a :class:`BiasSet`, or a list of per-layer tensors
         (each ``(H_kv, D)`` or 1-D ``(H_kv * D,)``, channel fastest, in transformers' order).
     n_layers, n_kv_heads, head_dim: the model's (``n_kv_heads`` / ``head_dim`` may be per-layer lists).
-    model_fingerprint: the model's (:func:`kvslim.models.model_fingerprint`); when the file records
+    model_fingerprint: the model's (:func:`kvslim.fingerprint.model_fingerprint`); when the file records
         kvslim's fingerprint too and they differ, the file was calibrated for another model (a base
         vs an instruct checkpoint of one family has the same shapes): ValueError, unless
         ``allow_other_model=True``, which warns and uses it (centering stays exact; only its benefit

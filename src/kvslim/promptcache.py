@@ -15,7 +15,7 @@ whose metadata key ``kvslim`` holds a JSON header::
     levers                   what the cache resolved: rotate, pre_rope, positions, residual (tokens),
                              residual_dtype
     mean_center              None, or {path, file_sha256, bias_sha256} (bias_sha256: of the per-layer tensors)
-    model                    {fingerprint (kvslim.models.model_fingerprint, or None), model_type, n_layers,
+    model                    {fingerprint (kvslim.fingerprint.model_fingerprint, or None), model_type, n_layers,
                               n_kv_heads, k_head_dim, v_head_dim}
     padding                  {explicit}: the cache's left padding was handed over (tensor ``padding.pads``)
     layers                   per model layer: {kind: "kv" | "dummy", seen, base, runs, dtype, kv_shape, v_dim,
@@ -77,7 +77,7 @@ def to_state(
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """A SlimCache as ``(tensors, header)``: contiguous CPU copies of every stored tensor, and the JSON-able
     header of the module docstring. token_ids: (B, T) the ids the cache was filled with (stored as given);
-    model_fingerprint: :func:`kvslim.models.model_fingerprint` of the model, recorded for the check on load.
+    model_fingerprint: :func:`kvslim.fingerprint.model_fingerprint` of the model, recorded for the check on load.
 
     Raises ValueError (before copying anything) for a layer with a recurrent state or a batch mismatch."""
     from .cache import SlimCache, SlimCacheLayer, SlimHybridLayer, _layer_kind

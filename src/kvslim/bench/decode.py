@@ -69,6 +69,7 @@ class DecodeRow:
     bandwidth_gb_s: float  # measured just before this length's decode steps
     floor_ms: float
     ratio_to_floor: float
+    compiled: bool = False  # the decode steps ran compiled (bench --compile, kvslim.compiled)
 
 
 def warm_up(model, modes: Sequence[Mode], length: int = 8) -> None:
@@ -192,6 +193,7 @@ def measure_decode(
                 bandwidth_gb_s=bandwidth / 1e9,
                 floor_ms=floor_s * 1e3,
                 ratio_to_floor=med / floor_s,
+                compiled=mode.compiled,
             )
         )
     caches.clear()

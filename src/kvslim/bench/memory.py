@@ -97,7 +97,7 @@ def stored_tokens(cache) -> int:
 
     if isinstance(cache, SlimCache):
         return cache.stored_tokens()
-    return cache.get_seq_length()
+    return int(cache.get_seq_length())  # (StaticCache's is a tensor)
 
 
 def measure_bandwidth(nbytes: int = 256 * MB, repeats: int = 5, device="cpu") -> float:

@@ -34,6 +34,7 @@ class Mode:
         fp16; a peer's ``nbits``), None for ``dynamic``, ``none`` and kvslim modes whose K and V
         formats differ; used only to pair kvslim modes with peers of the same width.
     window: the StreamingLLM window (None: unbounded).
+    compiled: the mode's cache has a fixed shape and its decode steps run compiled (``bench --compile``).
     """
 
     name: str
@@ -41,6 +42,7 @@ class Mode:
     make: Callable[[], object] = field(repr=False, compare=False)
     bits: int | None = None
     window: int | None = None
+    compiled: bool = False  # run through the compiled decode step (kvslim.compiled): a fixed-shape cache
 
 
 def peer_availability() -> dict[str, str | None]:
@@ -56,11 +58,14 @@ def peer_availability() -> dict[str, str | None]:
 
 
 def build_modes(
-    model, configs: Sequence[str], *, peers: bool | Sequence[str] = False
+    model, configs: Sequence[str], *, peers: bool | Sequence[str] = False, compile_capacity: int | None = None
 ) -> tuple[list[Mode], dict[str, str]]:
     """The modes for ``configs`` (kvslim spec strings), ``dynamic`` first, then the peers if asked.
 
     peers: False, True (every backend of :data:`PEER_BACKENDS`), or a list of backend names.
+    compile_capacity: also bench compiled modes (``bench --compile``), their caches holding at most this many
+    tokens: transformers' ``StaticCache`` (``tf-static``, the peer a speed-minded user compiles) and each spec
+    as a :class:`~kvslim.StaticSlimCache` (``SPEC+compiled``). None: no compiled modes.
     Returns ``(modes, peer_notes)``: ``peer_notes`` maps each requested peer backend to
     ``"available"`` or the reason it was skipped (a missing package is a note, not an error).
     """
@@ -86,6 +91,8 @@ def build_modes(
         modes.append(
             Mode(name, "kvslim", lambda cfg=cfg: SlimCache.from_config(cfg, config=config), bits, cfg.window)
         )
+    if compile_capacity is not None:
+        modes += _compiled_modes(config, [m for m in modes if m.kind == "kvslim"], compile_capacity)
     notes: dict[str, str] = {}
     if backends:
         from transformers import QuantizedCache
@@ -103,6 +110,25 @@ def build_modes(
                 make = lambda b=backend, n=nbits: QuantizedCache(b, config=config, nbits=n)  # noqa: E731
                 modes.append(Mode(f"{backend}-int{nbits}", "peer", make, nbits))
     return modes, notes
+
+
+def _compiled_modes(config, kvslim_modes: Sequence[Mode], capacity: int) -> list[Mode]:
+    """transformers' StaticCache and a StaticSlimCache per kvslim mode, each of ``capacity`` tokens."""
+    from transformers import StaticCache
+
+    from ..cache import StaticSlimCache
+    from ..config import parse_spec
+
+    modes = [Mode("tf-static", "peer", lambda: StaticCache(config=config, max_cache_len=capacity), compiled=True)]
+    for mode in kvslim_modes:
+        cfg = parse_spec(mode.name)
+        make = lambda cfg=cfg: StaticSlimCache.from_config(cfg, config=config, max_cache_len=capacity)  # noqa: E731
+        try:
+            make()  # validated now, not mid-run
+        except ValueError as e:
+            raise ValueError(f"--compile cannot bench {mode.name!r}: {e}") from None
+        modes.append(Mode(f"{mode.name}+compiled", "kvslim", make, mode.bits, mode.window, compiled=True))
+    return modes
 
 
 def _peer_backends(peers) -> list[str]:

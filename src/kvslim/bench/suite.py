@@ -21,6 +21,7 @@ from ..shapes import ModelShapes
 from .append import AppendRow, measure_append
 from .decode import DecodeRow, measure_decode, warm_up
 from .memory import MB, MemoryProbe, weight_bytes_per_step
+from ..compiled import compile_decode, uncompile
 from .modes import Mode, attn_implementation, build_modes, resolve_attn, windowed_modes
 from .streaming import SeenRow, measure_streaming
 from .timing import quiet
@@ -81,6 +82,7 @@ def run_bench(
     seen: Sequence[int] | None = (1024, 4096, 16384, 65536),
     seen_configs: Sequence[str] | None = None,
     bandwidth_bytes: int = 256 * MB,
+    compile: bool = False,
 ) -> BenchResult:
     """Bench ``configs`` (kvslim spec strings) against ``dynamic`` (and the peers) on ``model``.
 
@@ -97,6 +99,10 @@ def run_bench(
         (None or empty: skip it).
     seen / seen_configs: tokens-seen values and windowed specs of the StreamingLLM flatness
         measurement (seen_configs None: the windowed specs among ``configs``; seen None: skip).
+    compile: also bench compiled decode steps (:mod:`kvslim.modes`' compiled modes: transformers' StaticCache
+        and a StaticSlimCache per spec, each holding ``max(lengths) + warmup + steps`` tokens); the model's
+        one-token forward is compiled for the run (the compilations happen in the warm-up, their count and
+        seconds are in ``settings``) and back to eager after.
     Global torch settings (threads) are the caller's; nothing here changes them.
     """
     lengths = _positive_ints("lengths", lengths)
@@ -109,14 +115,9 @@ def run_bench(
         prefill_set = (
             set(_positive_ints("prefill_lengths", prefill_lengths)) if len(prefill_lengths) else set()
         )
-    modes, peer_notes = build_modes(model, configs, peers=peers)
-    seen_modes: list[Mode] = []
-    if seen:  # validated now, not after the long part
-        seen = _positive_ints("seen", seen)
-        if seen_configs is None:
-            seen_modes = windowed_modes(model, configs)
-        else:
-            seen_modes = windowed_modes(model, seen_configs, strict=True)
+    capacity = max(lengths) + warmup + steps + 16 if compile else None
+    if compile and (resolve_attn(attn) if attn is not None else model.config._attn_implementation) != "kvslim":
+        raise ValueError("--compile benches kvslim's compiled attention: run with --attn kvslim (or auto)")
     log = _logger(progress)
     device = next(model.parameters()).device
     probe = MemoryProbe()
@@ -125,8 +126,22 @@ def run_bench(
         torch.no_grad(),
         attn_implementation(model, None if attn is None else resolve_attn(attn)) as attn_used,
     ):
+        # validated now (with the attention the run uses), not after the long part
+        modes, peer_notes = build_modes(model, configs, peers=peers, compile_capacity=capacity)
+        seen_modes: list[Mode] = []
+        if seen:
+            seen = _positive_ints("seen", seen)
+            if seen_configs is None:
+                seen_modes = windowed_modes(model, configs)
+            else:
+                seen_modes = windowed_modes(model, seen_configs, strict=True)
         weights = weight_bytes_per_step(model)
+        compiled = compile_decode(model) if compile else None
+        if compiled is not None:
+            log("compiling the decode step of each compiled mode (in the warm-up)")
         warm_up(model, modes)
+        if compiled is not None:
+            log(f"compiled {compiled.compiles} graph(s) in {compiled.compile_s:.1f} s")
         base_rss = probe.settle(collect=True)  # the model loaded and warmed up, no cache alive
         log(f"modes: {', '.join(m.name for m in modes)}")
         decode_rows: list[DecodeRow] = []
@@ -157,6 +172,8 @@ def run_bench(
         seen_rows: list[SeenRow] = []
         if seen and seen_modes:
             seen_rows = measure_streaming(model, seen_modes, seen, steps, warmup=warmup, seed=seed, log=log)
+    if compiled is not None:
+        uncompile(model)
 
     shapes = ModelShapes.from_config(model.config)
     return BenchResult(
@@ -169,6 +186,9 @@ def run_bench(
             attn=attn_used,
             prefill_lengths="all" if prefill_set is None else sorted(prefill_set),
             modes=[m.name for m in modes],
+            compiled_modes=[m.name for m in modes if m.compiled],
+            compile_s=None if compiled is None else compiled.compile_s,
+            compiles=None if compiled is None else compiled.compiles,
             mode_bits={m.name: m.bits for m in modes},
             torch=torch.__version__,
             transformers=importlib.import_module("transformers").__version__,

@@ -154,6 +154,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --concurrency: leave out transformers' generate_batch (it prefills every stream)",
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also bench compiled decode steps side by side: transformers' StaticCache + torch.compile "
+        "('tf-static') and each --config as a StaticSlimCache ('SPEC+compiled'); needs --attn kvslim or auto",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 
@@ -188,6 +194,8 @@ def run(args: argparse.Namespace) -> int:
         configs = args.config or SMOKE_CONFIGS
         bandwidth_bytes = 16 << 20
     prefill = None if args.prefill_lengths == "all" else args.prefill_lengths
+    if args.compile and args.concurrency is not None:
+        raise UserError("--compile and --concurrency do not combine yet (the batch engine steps eagerly)")
     check_output("--json", args.json)
     check_output("--plot", args.plot)
     import importlib.util
@@ -226,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
         seen=settings["seen"],
         seen_configs=args.seen_config,
         bandwidth_bytes=bandwidth_bytes,
+        compile=args.compile,
     )
     print(render(result))
     if args.json:

@@ -7,7 +7,7 @@ import argparse
 import math
 import os
 
-from ..config import DEFAULT_GROUP_SIZE, DEFAULT_PRE_ROPE, DEFAULT_ROTATE, ROTATE, CacheConfig
+from ..config import DEFAULT_GROUP_SIZE, OPTIONS, SPEC_KEYS, CacheConfig
 from ..formats import format_names
 from .errors import UserError, fail, say  # noqa: F401  (re-exported for the subcommands)
 
@@ -162,13 +162,14 @@ def seed_int(text: str) -> int:
     return value
 
 
-def bias_cache_maker(model, args: argparse.Namespace):
+def bias_cache_maker(model, args: argparse.Namespace, *, static_len: int | None = None):
     """``make_cache(CacheConfig) -> SlimCache`` for ``model`` that hands every bias file the model's
     fingerprint (a file calibrated for another model is an error unless --kv-mean-center-any-model).
 
     Under ``torchrun`` the cache is this rank's (:func:`kvslim.distributed.rank_cache`): its KV heads, the
-    bias file cut to them."""
-    from ..cache import SlimCache
+    bias file cut to them. ``static_len``: a :class:`~kvslim.StaticSlimCache` holding at most that many tokens
+    (``--compile``) instead."""
+    from ..cache import SlimCache, StaticSlimCache
 
     fingerprint: list[str] = []
     sharded = distributed_run()
@@ -177,7 +178,7 @@ def bias_cache_maker(model, args: argparse.Namespace):
         kwargs = {}
         if cfg.mean_center is not None:
             if not fingerprint:
-                from ..models import model_fingerprint
+                from ..fingerprint import model_fingerprint
 
                 fingerprint.append(model_fingerprint(model))
             kwargs = dict(model_fingerprint=fingerprint[0], allow_other_model=args.kv_mean_center_any_model)
@@ -186,6 +187,8 @@ def bias_cache_maker(model, args: argparse.Namespace):
                 from ..distributed import rank_cache
 
                 return rank_cache(model, **cfg.to_dict(), **kwargs)  # what SlimCache.from_config passes
+            if static_len is not None:
+                return StaticSlimCache.from_config(cfg, config=model.config, max_cache_len=static_len, **kwargs)
             return SlimCache.from_config(cfg, config=model.config, **kwargs)
         except ValueError as e:
             raise ValueError(_dtype_hint(str(e), model)) from None
@@ -214,64 +217,33 @@ def add_any_model_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+#: How a --kv-pre-rope style flag (a ``bool`` option) spells its values; the flag alone is ``on``.
+_SWITCH = {"on": True, "off": False}
+
+
 def add_cache_flags(parser: argparse.ArgumentParser) -> None:
-    """The seed's flag surface for one cache mode."""
-    names = format_names()
-    parser.add_argument(
-        "--streaming-llm-sink", type=int, default=0, metavar="N", help="keep the first N tokens forever"
-    )
-    parser.add_argument(
-        "--streaming-llm-window",
-        type=int,
-        default=None,
-        metavar="M",
-        help="keep only the last M tokens beyond the sinks",
-    )
-    parser.add_argument(
-        "--kv-quantize", default="none", choices=names, help="K and V storage format (default: none)"
-    )
-    parser.add_argument(
-        "--k-quantize", default=None, choices=names, help="K storage format (overrides --kv-quantize)"
-    )
-    parser.add_argument(
-        "--v-quantize", default=None, choices=names, help="V storage format (overrides --kv-quantize)"
-    )
-    parser.add_argument(
-        "--kv-group-size",
-        type=_auto_or_int,
-        default="auto",
-        metavar="G",
-        help="KIVI token group (default: auto = 32, and for a window shorter than 64 the largest power of two "
-        "at most half of it, so a small window is still mostly encoded)",
-    )
-    parser.add_argument(
-        "--kv-residual",
-        type=_auto_or_int,
-        default="auto",
-        metavar="R",
-        help="recent tokens kept at full precision, a multiple of the group (default: auto = 128, and with a "
-        "window at most a quarter of it, so a bounded cache is mostly encoded)",
-    )
-    parser.add_argument(
-        "--kv-mean-center", default=None, metavar="FILE", help="K mean-centering bias file (GGUF)"
-    )
-    parser.add_argument(
-        "--kv-rotate",
-        default=DEFAULT_ROTATE,
-        choices=ROTATE,
-        help="store K, V or both Hadamard-rotated (attention unchanged); auto: every quantized tensor, K as "
-        f"the bias file records (default: {DEFAULT_ROTATE})",
-    )
-    parser.add_argument(
-        "--kv-pre-rope",
-        nargs="?",
-        const="on",
-        default=DEFAULT_PRE_ROPE,
-        choices=("auto", "on", "off"),
-        help="store K before RoPE and rotate it on read (KVQuant); auto: 2-bit K (int2) and as the bias file "
-        f"records (default: {DEFAULT_PRE_ROPE}; the flag alone: on)",
-    )
+    """The seed's flag surface for one cache mode: every option declared with a flag
+    (:data:`kvslim.config.OPTIONS`), the StreamingLLM ones first."""
+    flagged = sorted((o for o in OPTIONS if o.flag), key=lambda o: not o.flag.startswith("--streaming-llm"))
+    for opt in flagged:
+        kwargs = dict(default=opt.flag_default, help=opt.flag_help)
+        if opt.metavar:
+            kwargs["metavar"] = opt.metavar
+        if opt.kind == "int":
+            kwargs["type"] = _auto_or_int if opt.flag_auto else int
+        elif opt.kind == "format":
+            kwargs["choices"] = format_names()
+        elif opt.kind == "choice":
+            kwargs["choices"] = opt.choices
+        elif opt.kind == "bool":
+            kwargs.update(nargs="?", const="on", choices=("auto", *_SWITCH))
+        parser.add_argument(opt.flag, **kwargs)
     add_any_model_flag(parser)
+
+
+def spec_keys_help() -> str:
+    """The spec keys, as a --config help lists them."""
+    return ", ".join(SPEC_KEYS)
 
 
 def _auto_or_int(value: str):
@@ -303,36 +275,25 @@ def auto_group_size(group, window, residual):
 def cache_config_from_args(args: argparse.Namespace) -> CacheConfig:
     """Build the validated CacheConfig from the cache flags; a bad value is a UserError naming the flag
     (the library's message names the field: ``sink must be >= 0`` -> ``--streaming-llm-sink must be >= 0``)."""
+    values = {}
+    for opt in OPTIONS:
+        if opt.flag:
+            value = getattr(args, _dest(opt.flag))
+            values[opt.name] = _SWITCH.get(value, value) if opt.kind == "bool" else value
+    values["group_size"] = auto_group_size(values["group_size"], values["window"], values["residual"])
     try:
-        return CacheConfig(
-            kv_quantize=args.kv_quantize,
-            k_quantize=args.k_quantize,
-            v_quantize=args.v_quantize,
-            sink=args.streaming_llm_sink,
-            window=args.streaming_llm_window,
-            group_size=auto_group_size(args.kv_group_size, args.streaming_llm_window, args.kv_residual),
-            residual=args.kv_residual,
-            mean_center=args.kv_mean_center,
-            rotate=args.kv_rotate,
-            pre_rope={"on": True, "off": False}.get(args.kv_pre_rope, args.kv_pre_rope),
-        )
+        return CacheConfig(**values)
     except ValueError as e:
         raise UserError(flag_names(str(e))) from None
 
 
+def _dest(flag: str) -> str:
+    """argparse's attribute for ``flag``."""
+    return flag.lstrip("-").replace("-", "_")
+
+
 #: CacheConfig's field names as the cache flags spell them (for messages).
-CACHE_FLAGS = {
-    "kv_quantize": "--kv-quantize",
-    "k_quantize": "--k-quantize",
-    "v_quantize": "--v-quantize",
-    "sink": "--streaming-llm-sink",
-    "window": "--streaming-llm-window",
-    "group_size": "--kv-group-size",
-    "residual": "--kv-residual",
-    "mean_center": "--kv-mean-center",
-    "rotate": "--kv-rotate",
-    "pre_rope": "--kv-pre-rope",
-}
+CACHE_FLAGS = {o.name: o.flag for o in OPTIONS if o.flag}
 
 
 def flag_names(message: str) -> str:

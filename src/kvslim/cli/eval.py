@@ -31,6 +31,7 @@ from .common import (
     load_model_from_args,
     read_text_file,
     seed_int,
+    spec_keys_help,
     write_json,
 )
 from .errors import say
@@ -51,9 +52,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
             action="append",
             default=None,
             metavar="SPEC",
-            help="a cache mode FORMAT[,key=value...] (keys: k, v, sink, window, group, residual, v_group, "
-            "mean_center, positions, residual_dtype, rotate, pre_rope); repeatable; the reference 'none' is always included "
-            f"(default: {' '.join(DEFAULT_CONFIGS)})",
+            help=f"a cache mode FORMAT[,key=value...] (keys: {spec_keys_help()}); repeatable; the reference 'none' "
+            f"is always included (default: {' '.join(DEFAULT_CONFIGS)})",
         )
         p.add_argument(
             "--json", default=None, metavar="FILE", help="also write the results as JSON (NaN as null)"
@@ -331,7 +331,11 @@ def _greedy(args) -> int:
     longest = max(p.prompt_tokens + p.reference_tokens for p in report.results[0].prompts)
     for m in resolve_modes(specs)[1:]:
         c = m.config
-        if c.window is None and c.residual_tokens >= longest and (c.k_format != "none" or c.v_format != "none"):
+        if (
+            c.window is None
+            and c.residual_tokens >= longest
+            and (c.k_format != "none" or c.v_format != "none")
+        ):
             print(
                 f"note: {m.label}: every prompt + continuation ({longest} tokens at most) fits in the "
                 f"full-precision residual of {c.residual_tokens} tokens, so nothing was quantized; use residual=0 "

@@ -93,6 +93,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "must start with the tokens it holds, and only the rest is prefilled (as llama.cpp's --prompt-cache and "
         "mlx_lm.cache_prompt). The cache flags must be the ones the file was saved with",
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode with a compiled step (torch.compile) on a fixed-shape StaticSlimCache; the first step "
+        "compiles (about a minute on CPU), the report says how long (docs/compile.md)",
+    )
     parser.add_argument("--report-json", default=None, metavar="FILE", help="write the final report as JSON")
     parser.add_argument(
         "--rss-log",
@@ -126,7 +132,14 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt_cache:
         cache, feed, prompt_cache = _prompt_cache(args, model, input_ids, cache_config, saved_header)
     else:
-        cache, feed, prompt_cache = bias_cache_maker(model, args)(cache_config), input_ids, None
+        static_len = input_ids.shape[1] + args.tokens if args.compile else None
+        cache, feed, prompt_cache = bias_cache_maker(model, args, static_len=static_len)(cache_config), input_ids, None
+    compiled = None
+    if args.compile:
+        from ..compiled import compile_decode
+
+        compiled = compile_decode(model)
+        say("kvslim: compiled decode step on a StaticSlimCache (the first step compiles)")
     say(_banner(args, cache_config, model, shapes.head_dim, quantizes=no_quantizing is None, cache=cache))
     if no_quantizing:
         say(f"kvslim: warning: {no_quantizing}")
@@ -201,6 +214,8 @@ def run(args: argparse.Namespace) -> int:
             "(a collective that is not bit-identical on every rank?)"
         )
     report = build_report(cache, gen.stats, args=args, interrupted=code != 0)
+    if compiled is not None:
+        report["compile"] = {"graphs": compiled.compiles, "compile_s": compiled.compile_s, "steps": compiled.steps}
     if prompt_cache:
         report["prompt_cache"] = {k: v for k, v in prompt_cache.items() if k != "note"}
     if code == 0:
@@ -233,6 +248,10 @@ def _check_args(args: argparse.Namespace) -> None:
     if not 0 < args.top_p <= 1:
         raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
     check_bias_file("--kv-mean-center", args.kv_mean_center)
+    if args.compile and args.prompt_cache:
+        raise UserError("--compile and --prompt-cache do not combine yet (a StaticSlimCache is not saved)")
+    if args.compile and distributed_run():
+        raise UserError("--compile is not available under torchrun yet")
     check_output("--report-json", args.report_json)
     check_output("--rss-log", args.rss_log)
     check_model_args(args)
@@ -246,7 +265,9 @@ def _check_prompt_cache(args: argparse.Namespace, cache_config) -> dict | None:
     if path is None:
         return None
     if distributed_run():
-        raise UserError("--prompt-cache is not available under torchrun (each rank holds a part of the cache)")
+        raise UserError(
+            "--prompt-cache is not available under torchrun (each rank holds a part of the cache)"
+        )
     if not os.path.exists(path):
         check_output("--prompt-cache", path)
         return None
@@ -256,7 +277,9 @@ def _check_prompt_cache(args: argparse.Namespace, cache_config) -> dict | None:
     try:
         check_cache_config(header, cache_config, where=f"--prompt-cache {path}")
     except ValueError as e:
-        raise UserError(f"{e}: pass the cache flags it was saved with, or another --prompt-cache file") from None
+        raise UserError(
+            f"{e}: pass the cache flags it was saved with, or another --prompt-cache file"
+        ) from None
     return header
 
 
@@ -268,8 +291,8 @@ def _prompt_cache(args, model, input_ids, cache_config, header: dict | None):
     load it for this model, check that the prompt starts with its tokens, feed only the rest."""
     import torch
 
+    from ..fingerprint import model_fingerprint
     from ..generate import prefill
-    from ..models import model_fingerprint
     from ..promptcache import continued_prefix, load
 
     path, n_prompt = args.prompt_cache, input_ids.shape[1]
@@ -282,7 +305,11 @@ def _prompt_cache(args, model, input_ids, cache_config, header: dict | None):
                 prefill(model, head, cache)
         cache.save(path, token_ids=head.cpu(), model_fingerprint=fingerprint)
         note = f"--prompt-cache {path}: saved the prompt's first {head.shape[1]} of {n_prompt} tokens"
-        return cache, input_ids[:, -1:], {"file": path, "reused_tokens": 0, "saved_tokens": head.shape[1], "note": note}
+        return (
+            cache,
+            input_ids[:, -1:],
+            {"file": path, "reused_tokens": 0, "saved_tokens": head.shape[1], "note": note},
+        )
     dtypes = {e["dtype"] for e in header["layers"] if e.get("dtype")}
     model_dtype = str(model.dtype).removeprefix("torch.")
     if dtypes and dtypes != {model_dtype}:
@@ -299,9 +326,15 @@ def _prompt_cache(args, model, input_ids, cache_config, header: dict | None):
         cache_config=cache_config,
         allow_other_model=args.kv_mean_center_any_model,
     )
-    n = continued_prefix(restored.token_ids, input_ids, where=f"--prompt-cache {path}")  # ValueError: one line
+    n = continued_prefix(
+        restored.token_ids, input_ids, where=f"--prompt-cache {path}"
+    )  # ValueError: one line
     note = f"--prompt-cache {path}: reused {n} of the prompt's {n_prompt} tokens; prefilling {n_prompt - n}"
-    return restored.cache, input_ids[:, n:], {"file": path, "reused_tokens": n, "saved_tokens": 0, "note": note}
+    return (
+        restored.cache,
+        input_ids[:, n:],
+        {"file": path, "reused_tokens": n, "saved_tokens": 0, "note": note},
+    )
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -426,7 +459,8 @@ def _banner(args, cache_config, model, head_dim: int, quantizes: bool = True, ca
     parts = [f"K {c.k_format} ({k_bits:.2f} bits/elem), V {c.v_format} ({v_bits:.2f} bits/elem)"]
     if c.k_format != "none" or c.v_format != "none":
         parts.append(
-            f"group {c.group_size}/residual {c.residual_tokens}" + (" (auto)" if c.residual == "auto" else "")
+            f"group {c.group_size}/residual {c.residual_tokens}"
+            + (" (auto)" if c.residual == "auto" else "")
             + ("" if quantizes else " (nothing quantized in this run)")
         )
     if c.window is None:
@@ -491,6 +525,9 @@ def format_report(r: dict) -> str:
         f"generated {r['new_tokens']} tokens, decode at {_rate(r['decode_tokens_per_s'])} | "
         f"peak RSS {_mib(r['peak_rss_bytes'])}" + (" (rank 0)" if ranks else ""),
     ]
+    c = r.get("compile")
+    if c:  # the decode rate above includes the compiling first step
+        lines.append(f"compiled decode step: {c['graphs']} graph(s) compiled in {c['compile_s']:.1f} s, {c['steps']} compiled steps")
     return "\n".join("kvslim: " + line for line in lines)
 
 

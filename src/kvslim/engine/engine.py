@@ -108,7 +108,7 @@ class Engine:
         self.prefilled_tokens = 0  # prompt tokens fed through prefill (a continued session's are not)
         fingerprint = None
         if session_dir is not None:
-            from ..models import model_fingerprint
+            from ..fingerprint import model_fingerprint
 
             fingerprint = model_fingerprint(model)
         self.sessions = SessionStore(
@@ -121,7 +121,9 @@ class Engine:
         from ..cache import SlimCache, SlimCacheLayer
 
         cache = SlimCache.from_config(cfg, config=self.model.config)
-        kinds = sorted({type(layer).__name__ for layer in cache.layers if not isinstance(layer, SlimCacheLayer)})
+        kinds = sorted(
+            {type(layer).__name__ for layer in cache.layers if not isinstance(layer, SlimCacheLayer)}
+        )
         if kinds or any(type(layer).__name__ == "SlimHybridLayer" for layer in cache.layers):
             raise ValueError(
                 f"the batch engine serves models whose every layer stores K/V; {self.shapes.model_type} has "
@@ -139,7 +141,9 @@ class Engine:
         cfg = request.cache or self.default_cache
         top = max(request.prompt)
         if self.vocab_size and top >= self.vocab_size:
-            raise ValueError(f"prompt token id {top} is outside the model's vocabulary (0..{self.vocab_size - 1})")
+            raise ValueError(
+                f"prompt token id {top} is outside the model's vocabulary (0..{self.vocab_size - 1})"
+            )
         total = len(request.prompt) + request.max_new_tokens
         try:
             cache = self._make_cache(cfg)  # raises ValueError for settings this model cannot take
@@ -148,9 +152,15 @@ class Engine:
         ctx = self.shapes.max_position_embeddings
         # Past the context only a bounded cache whose position ids are re-based (kept below the period plus a
         # chunk) stays inside it; any other cache would feed ids the model was never trained on.
-        bounded_ids = cache.rebase_period is not None and cache.rebase_period + self.prefill_chunk <= (ctx or 0)
+        bounded_ids = cache.rebase_period is not None and cache.rebase_period + self.prefill_chunk <= (
+            ctx or 0
+        )
         if ctx is not None and total > ctx and not bounded_ids:
-            why = "the cache has no window" if cfg.window is None else "this cache's position ids are not kept bounded"
+            why = (
+                "the cache has no window"
+                if cfg.window is None
+                else "this cache's position ids are not kept bounded"
+            )
             raise ValueError(
                 f"prompt ({len(request.prompt)} tokens) + max_new_tokens ({request.max_new_tokens}) = {total} is past "
                 f"the model's context of {ctx} tokens, and {why}: shorten it, or use a bounded cache "
@@ -253,7 +263,12 @@ class Engine:
         try:
             logits = gen.prefill(self.model, ids, row.cache)  # (1, V)
         except Exception as e:  # noqa: BLE001 - this request fails (non-finite K/V, out of memory...), not the engine
-            self._finish(row, "error", events, error=f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e))
+            self._finish(
+                row,
+                "error",
+                events,
+                error=f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e),
+            )
             return
         self.prefilled_tokens += end - row.fed
         row.fed = end
@@ -301,7 +316,9 @@ class Engine:
     def _finish(self, row: Row, reason: str, events: list[Event], error: str | None = None) -> None:
         result = self.results[row.request_id]
         result.finish_reason, result.error = reason, error
-        events.append(Event(row.request_id, None, len(row.tokens), finished=True, finish_reason=reason, error=error))
+        events.append(
+            Event(row.request_id, None, len(row.tokens), finished=True, finish_reason=reason, error=error)
+        )
         self._release(row, reason)
 
     def _track(self, row: Row) -> None:
@@ -336,7 +353,9 @@ class Engine:
         with self._lock:
             active = self.scheduler.active
             sh = self.shapes
-            per_token = 2 * sh.n_layers * sh.n_kv_heads * (sh.k_head_dim + sh.v_head_dim)  # fp16 K + V, all layers
+            per_token = (
+                2 * sh.n_layers * sh.n_kv_heads * (sh.k_head_dim + sh.v_head_dim)
+            )  # fp16 K + V, all layers
             tokens = sum(r.fed + max(len(r.tokens) - 1, 0) for r in active if r.cache is not None)
             tokens += sum(len(k.tokens) for k in self.sessions.kept.values())
             return {

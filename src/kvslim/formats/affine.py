@@ -39,7 +39,7 @@ from types import MappingProxyType
 import torch
 
 from ..checks import check_int
-from .base import Codec, Encoded, Format, check_finite
+from .base import Codec, Encoded, Format, check_finite, tracing
 
 EPS = 1e-5
 BITS = (8, 4, 2)
@@ -132,6 +132,12 @@ def _round_to(t: torch.Tensor, dtype: torch.dtype, direction: float) -> torch.Te
     if dtype == torch.float32:
         return r
     wrong = r.float() < t if direction > 0 else r.float() > t
+    if (
+        tracing()
+    ):  # Inductor computes a half's nextafter in float32 (a float32 step, lost again): step the bits
+        bits = r.view(torch.int16)  # sign-magnitude: away from zero is +1 on either side
+        away = (bits >= 0) == (direction > 0)
+        return torch.where(wrong, (bits + torch.where(away, 1, -1).to(torch.int16)).view(dtype), r)
     return torch.where(wrong, torch.nextafter(r, torch.full_like(r, direction)), r)
 
 
@@ -148,7 +154,9 @@ def _affine_params(
     zero = _round_to(mn, scale_dtype, -math.inf)
     scale = _round_to(torch.clamp((mx - zero.float()) / levels, min=EPS), scale_dtype, math.inf)
     # One host sync for both checks; diagnose only on failure.
-    if not bool(torch.isfinite(scale).all() & torch.isfinite(zero).all() & torch.isfinite(mx).all()):
+    if not tracing() and not bool(
+        torch.isfinite(scale).all() & torch.isfinite(zero).all() & torch.isfinite(mx).all()
+    ):
         check_finite(xf, what)
         lo, hi = float(xf.min()), float(xf.max())
         top = torch.finfo(scale_dtype).max

@@ -215,6 +215,12 @@ def make_codec(name: str, role: str, *, group_size: int = 32, v_group_size: int 
     return get_format(name).codec(role, group_size=group_size, v_group_size=v_group_size)
 
 
+def tracing() -> bool:
+    """Whether this runs inside a ``torch.compile`` trace (:mod:`kvslim.compiled`): the data-dependent checks
+    of the encoders (a host sync each) are skipped there, and choices made on the data become branch-free."""
+    return torch.compiler.is_compiling()
+
+
 def check_finite(x: torch.Tensor, what: str = "input") -> None:
     """Raise a clear ValueError instead of letting NaN/inf become silent garbage codes."""
     if not bool(torch.isfinite(x).all()):

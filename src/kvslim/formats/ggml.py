@@ -51,7 +51,7 @@ from types import MappingProxyType
 
 import torch
 
-from .base import FORMATS, Block, Codec, Encoded, Format, check_finite
+from .base import FORMATS, Block, Codec, Encoded, Format, check_finite, tracing
 
 #: Largest finite fp16, the bound on every stored ``d`` and ``m``.
 FP16_MAX = 65504.0
@@ -92,6 +92,8 @@ def _abs_max_signed(blocks: torch.Tensor) -> torch.Tensor:
     mx, mn = blocks.amax(-1, keepdim=True), blocks.amin(-1, keepdim=True)
     out = torch.where(-mn > mx, mn, mx)
     tie = -mn == mx  # also every all-zero block: the sign of its first zero is d's
+    if tracing():  # a compiled step: the slow way for every block, kept where they tie (no host sync)
+        return torch.where(tie, blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True)), out)
     if bool(tie.any()):  # a host sync; NaN blocks never tie (quantize_ggml refuses them after)
         rows = tie[..., 0].nonzero(as_tuple=True)
         b = blocks[rows]
@@ -190,6 +192,16 @@ def _zero_min_signs(blocks: torch.Tensor, data: torch.Tensor, mn: torch.Tensor, 
     return data
 
 
+def _zero_min_signs_dense(
+    blocks: torch.Tensor, data: torch.Tensor, mn: torch.Tensor, offset: int
+) -> torch.Tensor:
+    """:func:`_zero_min_signs` for every block at once, without a host sync (a compiled step): the same bytes."""
+    lanes = torch.arange(1, BLOCK + 1, device=blocks.device, dtype=blocks.dtype)
+    last_zero = blocks.gather(-1, ((blocks == 0) * lanes).argmax(-1, keepdim=True))[..., 0]  # (...,) +-0.0
+    hi = torch.where(mn == 0, torch.signbit(last_zero).to(torch.uint8) << 7, data[..., offset + 1])
+    return torch.cat([data[..., : offset + 1], hi[..., None], data[..., offset + 2 :]], dim=-1)
+
+
 def _q4_1(b):
     mn, mx = b.amin(-1, keepdim=True), b.amax(-1, keepdim=True)  # faster than aminmax on CPU
     # + 0.0: a block of zeros gets d = +0 as in gguf-py (max - min = +0 there; torch's amin/amax may
@@ -257,6 +269,10 @@ def quantize_ggml(x: torch.Tensor, kind: str) -> torch.Tensor:
     # reductions behind d and m propagate NaN and inf; argmax picks a NaN) and on fp16 overflow of d
     # or m (where gguf would store inf) -- no full isfinite pass over the input. The same sync says
     # whether a block's stored minimum m is zero (its sign is then fixed, see the module docstring).
+    if tracing():  # a compiled step: no host sync; every zero minimum signed (branch-free), nothing checked
+        if fmt.min_offset is not None:
+            data = _zero_min_signs_dense(blocks, data, meta[..., 1], fmt.min_offset)
+        return data.reshape(*lead, k // size * nbytes)
     checks = [~torch.isfinite(meta.to(torch.float16)).all()]
     if fmt.min_offset is not None:
         checks.append((meta[..., 1] == 0).any())

@@ -1,0 +1,95 @@
+"""A compiled decode step: the model's forward for one new token per row, through ``torch.compile``.
+
+:func:`compile_decode` marks a model: from then on every one-token forward :func:`kvslim.generate.forward`
+makes through a *compileable* cache (a :class:`~kvslim.StaticSlimCache`, or transformers' ``StaticCache``)
+runs a compiled graph instead of the eager forward — gpt-fast's recipe (a static cache, one compiled
+``decode_one_token``) behind kvslim's one decode loop. Prefill stays eager (its cost is the matmuls, and its
+shape changes with every prompt).
+
+The graph is traced with ``fullgraph=True`` and ``dynamic=False``: a graph break is an error, never a silent
+fallback to eager, and each new shape (batch, cache configuration) compiles once. kvslim's kernels enter
+the graph as custom ops (:mod:`kvslim.kernels.ops`). :class:`CompiledDecode` counts the compilations and
+the seconds they took (the first call of each shape), so a caller can report them.
+
+What it does not compile: a cache that is not compileable (a :class:`~kvslim.SlimCache` grows and re-slices
+its buffers; DynamicCache grows) — :func:`check_compileable` says why in one line — and forwards of more
+than one token per row or with an attention mask (padding).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: Inductor options of the compiled step. ``emulate_precision_casts``: a cast to float16 inside a fused kernel
+#: rounds as the eager cast does (by default Inductor may keep the wider value), so the scales and zeros the
+#: encoders round to float16 -- and so the codes -- are the eager ones.
+OPTIONS = {"emulate_precision_casts": True}
+
+
+@dataclass
+class CompiledDecode:
+    """The compiled decode step of one model, and what compiling it cost."""
+
+    fn: object
+    compiles: int = 0  # graphs compiled so far (one per shape)
+    compile_s: float = 0.0  # wall seconds of the calls that compiled (tracing + code generation + the step)
+    steps: int = 0  # compiled steps run
+    shapes: list = field(default_factory=list)
+
+    def __call__(self, **kwargs) -> torch.Tensor:
+        from torch._dynamo.utils import counters
+
+        for name in ("input_ids", "position_ids"):  # standard strides: a (1, 1) slice of a prompt would recompile
+            kwargs[name] = kwargs[name].new_empty(kwargs[name].shape).copy_(kwargs[name])
+        before = counters["stats"]["unique_graphs"]
+        t0 = time.perf_counter()
+        out = self.fn(**kwargs)
+        if counters["stats"]["unique_graphs"] != before:
+            self.compiles += 1
+            self.compile_s += time.perf_counter() - t0
+            self.shapes.append(tuple(kwargs["input_ids"].shape))
+        self.steps += 1
+        return out
+
+
+def compile_decode(model, *, mode: str | None = None) -> CompiledDecode:
+    """Compile ``model``'s one-token forward for kvslim's decode loop (idempotent: the model's existing
+    :class:`CompiledDecode` is returned). ``mode``: ``torch.compile``'s (None: the default; on CUDA
+    ``"reduce-overhead"`` adds CUDA graphs). The compilation itself happens at the first step of each shape."""
+    if model in _COMPILED:
+        return _COMPILED[model]
+
+    def step(input_ids, position_ids, cache_kwargs):
+        out = model(
+            input_ids=input_ids, position_ids=position_ids, use_cache=True, logits_to_keep=1, **cache_kwargs
+        )
+        return out.logits
+
+    compiled = CompiledDecode(torch.compile(step, fullgraph=True, dynamic=False, mode=mode, options=OPTIONS))
+    _COMPILED[model] = compiled
+    return compiled
+
+
+def compiled_decode(model) -> CompiledDecode | None:
+    """The model's :class:`CompiledDecode`, or None when :func:`compile_decode` was not called on it."""
+    return _COMPILED.get(model)
+
+
+def uncompile(model) -> None:
+    """Back to the eager forward for ``model`` (the compiled graphs are dropped)."""
+    _COMPILED.pop(model, None)
+
+
+def check_compileable(cache) -> None:
+    """ValueError in one line when ``cache`` cannot serve a compiled decode step, naming what can."""
+    if not getattr(cache, "is_compileable", False):
+        name = type(cache).__name__
+        raise ValueError(
+            f"a compiled decode step needs a cache of fixed shape; {name} grows or re-slices its storage: use "
+            f"kvslim.StaticSlimCache (a window, or max_cache_len) or transformers' StaticCache"
+        )

@@ -1,0 +1,240 @@
+"""StaticSlimCache (kvslim.static) and the compiled decode step (kvslim.compiled, kvslim.kernels.ops).
+
+The reference for a static cache is a SlimCache of the same options: the same tokens kept, the same groups
+encoded at the same steps, so the same stored codes (compared exactly) and the same logits (up to the order
+of floating-point sums). The reference for a compiled step is the same static cache stepped eagerly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvslim import SlimCache, StaticSlimCache
+from kvslim.compiled import check_compileable, compile_decode, compiled_decode, uncompile
+from kvslim.formats import make_codec
+from kvslim.generate import decode_one_token, prefill
+from kvslim.kernels import ops
+
+from conftest import tiny_model
+
+SPECS = [
+    dict(kv_quantize="int4", group_size=8, residual=16),  # unbounded (max_cache_len), rotated by default
+    dict(kv_quantize="int4", group_size=8, residual=8, sink=4, window=20),  # the fp ring wraps, groups evicted
+    dict(kv_quantize="q4_0", group_size=8, residual=8, sink=4, window=40),
+    dict(kv_quantize="q4_1", group_size=4, residual=0, window=24),  # every group encoded on arrival
+    dict(kv_quantize="int8", sink=4, group_size=16, residual=16),  # fp sinks without a window
+    dict(kv_quantize="fp8", group_size=8, residual=8, sink=2, window=30),
+    dict(kv_quantize="int2", group_size=8, residual=8, window=32),
+    dict(kv_quantize="none", sink=4, window=20),  # lossless: a ring of window + 1 slots
+]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(attn_implementation="kvslim")
+
+
+def _static(model, spec, **kw):
+    if spec.get("window") is None:
+        kw.setdefault("max_cache_len", 256)
+    return StaticSlimCache(config=model.config, **spec, **kw)
+
+
+def _reference(model, spec):
+    # what a StaticSlimCache's "auto" levers resolve to: keys where they were fed
+    return SlimCache(config=model.config, pre_rope=False, positions="original", **spec)
+
+
+def _run(model, cache, ids, steps=45, tokens=None):
+    """Prefill ids, then `steps` greedy decode steps (or the given tokens); logits of every step."""
+    out = []
+    with torch.inference_mode():
+        logits = prefill(model, ids, cache)
+        tok = logits.argmax(-1, keepdim=True)
+        for i in range(steps):
+            if tokens is not None:
+                tok = tokens[:, i : i + 1]
+            logits = decode_one_token(model, tok, cache)
+            out.append(logits)
+            tok = logits.argmax(-1, keepdim=True)
+    return torch.stack(out, dim=1)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+def test_static_cache_stores_and_reads_what_a_slimcache_does(model, spec):
+    uncompile(model)
+    ids = torch.randint(3, 128, (2, 37), generator=torch.Generator().manual_seed(1))
+    ref, static = _reference(model, spec), _static(model, spec)
+    with torch.inference_mode():
+        a, b = prefill(model, ids, ref), prefill(model, ids, static)
+    # the prefill attends to the same stored values (SlimCache through its own attention path: rounding apart)
+    torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    tokens = torch.randint(3, 128, (2, 45), generator=torch.Generator().manual_seed(2))
+    la, lb = _run(model, ref, ids[:, -1:], tokens=tokens), _run(model, static, ids[:, -1:], tokens=tokens)
+    torch.testing.assert_close(lb, la, atol=1e-4, rtol=1e-4)
+    assert static.get_seq_length() == ref.get_seq_length() == 37 + 1 + 45
+    assert static.stored_tokens() == ref.stored_tokens()
+    # Layer 0's K/V depend on the tokens alone: the same codes, decoded the same way, bit for bit (deeper layers'
+    # inputs carry the rounding of the attention path above, which may flip a code).
+    assert torch.equal(static.layers[0].keys, ref.layers[0].keys)
+    assert torch.equal(static.layers[0].values, ref.layers[0].values)
+    for layer_ref, layer_static in zip(ref.layers[1:], static.layers[1:], strict=True):
+        assert layer_static.keys.shape == layer_ref.keys.shape
+
+
+def test_static_nbytes_is_its_capacity_from_the_first_write(model):
+    spec = dict(kv_quantize="int4", group_size=8, residual=8, sink=4, window=32)
+    cache = _static(model, spec)
+    ids = torch.randint(3, 128, (1, 10))
+    with torch.inference_mode():
+        prefill(model, ids, cache)
+        first = cache.nbytes()
+        for _ in range(100):
+            decode_one_token(model, ids[:, :1], cache)
+    assert cache.nbytes() == first > 0
+    held = sum(
+        t.numel() * t.element_size()
+        for s in cache.stores()
+        for t in (
+            s.k_fp,
+            s.v_fp,
+            s.fp_pos,
+            s.body_pos,
+            s.seen,
+            *s.k_body.token.values(),
+            *s.k_body.group.values(),
+            *s.v_body.token.values(),
+            *s.v_body.group.values(),
+        )
+    )
+    assert first == held + cache.components()["rotary"]  # + the RoPE frequencies, held once
+    assert cache.report()["tokens_stored"] == 4 + 32
+
+
+def test_compiled_step_equals_the_eager_step(model):
+    spec = dict(kv_quantize="int4", group_size=8, residual=8, sink=4, window=20)
+    ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(3))
+    uncompile(model)
+    eager_cache = _static(model, spec)
+    eager = _run(model, eager_cache, ids, steps=40)
+    compiled = compile_decode(model)
+    try:
+        compiled_cache = _static(model, spec)
+        out = _run(model, compiled_cache, ids, steps=40)
+    finally:
+        uncompile(model)
+    assert compiled.compiles == 1 and compiled.steps == 40 and compiled.compile_s > 0
+    assert torch.equal(out.argmax(-1), eager.argmax(-1))  # greedy tokens equal
+    torch.testing.assert_close(out, eager, atol=1e-4, rtol=1e-4)
+    for a, b in zip(eager_cache.stores(), compiled_cache.stores(), strict=True):  # the same groups encoded
+        for name in a.k_body.token:
+            assert torch.equal(a.k_body.token[name], b.k_body.token[name])
+        for name in a.k_body.group:
+            assert torch.equal(a.k_body.group[name], b.k_body.group[name])
+
+
+def test_compiled_identity_format_greedy_matches_dynamic_cache(model):
+    from transformers import DynamicCache
+
+    ids = torch.randint(3, 128, (1, 25), generator=torch.Generator().manual_seed(4))
+    uncompile(model)
+    dynamic = _run(model, DynamicCache(config=model.config), ids, steps=30)
+    compile_decode(model)
+    try:
+        out = _run(model, _static(model, dict(kv_quantize="none"), max_cache_len=64), ids, steps=30)
+    finally:
+        uncompile(model)
+    assert torch.equal(out.argmax(-1), dynamic.argmax(-1))
+    torch.testing.assert_close(out, dynamic, atol=1e-4, rtol=1e-4)
+
+
+def test_a_growing_cache_is_never_compiled(model):
+    compile_decode(model)
+    try:
+        cache = SlimCache(config=model.config, kv_quantize="int4")
+        _run(model, cache, torch.randint(3, 128, (1, 8)), steps=3)
+        assert compiled_decode(model).steps == 0  # eager: SlimCache is not compileable
+    finally:
+        uncompile(model)
+    with pytest.raises(ValueError, match="needs a cache of fixed shape; SlimCache grows"):
+        check_compileable(cache)
+
+
+@pytest.mark.parametrize("name", ["int4", "q4_0", "int8"])
+def test_custom_ops_pass_opcheck(name):
+    torch.manual_seed(0)
+    for role in ("k", "v"):
+        codec = make_codec(name, role, group_size=8)
+        enc = codec.encode(torch.randn(1, 2, 16, 32))
+        key = ops.codec_key(codec, enc)
+        token, group = ops.split(enc)
+        if role == "k":
+            args = (torch.randn(1, 2, 3, 32), key, token, group)
+            torch.library.opcheck(torch.ops.kvslim.k_scores.default, args)
+            ref = torch.randn(1, 2, 3, 32) @ codec.decode(enc, torch.float32).transpose(-1, -2)
+            assert ops.k_scores(*args).shape == ref.shape
+        else:
+            p = torch.softmax(torch.randn(1, 2, 3, 16), -1)
+            args = (p, key, token, group, 32)
+            torch.library.opcheck(torch.ops.kvslim.v_weighted.default, args)
+            torch.testing.assert_close(ops.v_weighted(*args), p @ codec.decode(enc, torch.float32), atol=1e-5, rtol=1e-5)
+
+
+def test_unknown_codec_key_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown codec key"):
+        ops.k_scores(torch.randn(1, 1, 1, 32), "nope", [torch.zeros(1, 1, 4, 32)], [])
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(kv_quantize="int4"), "without a window it needs max_cache_len"),
+        (dict(kv_quantize="int4", window=32, positions="cache"), "positions='original'"),
+        (dict(kv_quantize="int2", window=32, pre_rope=True), "pass pre_rope=False"),
+        (dict(kv_quantize="int4", k_quantize="none", window=32), "both quantized or both 'none'"),
+        (dict(kv_quantize="int4", max_cache_len=0), "max_cache_len"),
+    ],
+)
+def test_what_a_static_cache_refuses(model, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        StaticSlimCache(config=model.config, **kwargs)
+
+
+def test_static_cache_needs_the_kvslim_attention():
+    plain = tiny_model(attn_implementation="sdpa")
+    with pytest.raises(ValueError, match="attn_implementation='kvslim'"):
+        StaticSlimCache(config=plain.config, kv_quantize="int4", window=32)
+
+
+def test_feeding_past_max_cache_len_is_refused_and_leaves_the_cache_as_it_was(model):
+    cache = _static(model, dict(kv_quantize="int4", group_size=8, residual=8), max_cache_len=16)
+    with torch.inference_mode():
+        prefill(model, torch.randint(3, 128, (1, 12)), cache)
+        with pytest.raises(ValueError, match="at most max_cache_len=16"):
+            prefill(model, torch.randint(3, 128, (1, 5)), cache)
+    assert cache.get_seq_length() == 12
+
+
+def test_bench_compile_rows_side_by_side():
+    from kvslim.bench import run_bench
+
+    model = tiny_model(attn_implementation="sdpa")
+    fast = dict(warmup=1, progress=False, bandwidth_bytes=1 << 20, append_lengths=None, seen=None)
+    with pytest.raises(ValueError, match="--attn kvslim"):
+        run_bench(model, ["int4"], [16], 2, attn="sdpa", compile=True, **fast)
+    r = run_bench(model, ["int4", "q4_0,sink=2,window=8"], [16], 2, attn="kvslim", compile=True, **fast)
+    rows = {row.mode: row for row in r.decode}
+    assert set(rows) == {
+        "dynamic",
+        "int4",
+        "q4_0,sink=2,window=8",
+        "tf-static",
+        "int4+compiled",
+        "q4_0,sink=2,window=8+compiled",
+    }
+    assert [m for m, row in rows.items() if row.compiled] == ["tf-static", "int4+compiled", "q4_0,sink=2,window=8+compiled"]
+    assert r.settings["compiles"] == 3 and r.settings["compile_s"] > 0
+    assert rows["q4_0,sink=2,window=8+compiled"].tokens_stored == rows["q4_0,sink=2,window=8"].tokens_stored == 10
+    assert r.to_dict()["decode"][3]["compiled"] is True
+    assert compiled_decode(model) is None  # back to eager after the run
