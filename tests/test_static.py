@@ -10,13 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import tiny_model
 from kvslim import SlimCache, StaticSlimCache
 from kvslim.compiled import check_compileable, compile_decode, compiled_decode, uncompile
 from kvslim.formats import make_codec
 from kvslim.generate import decode_one_token, prefill
 from kvslim.kernels import ops
-
-from conftest import tiny_model
 
 SPECS = [
     dict(kv_quantize="int4", group_size=8, residual=16),  # unbounded (max_cache_len), rotated by default

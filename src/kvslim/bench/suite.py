@@ -17,11 +17,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..compiled import compile_decode, uncompile
 from ..shapes import ModelShapes
 from .append import AppendRow, measure_append
 from .decode import DecodeRow, measure_decode, warm_up
 from .memory import MB, MemoryProbe, weight_bytes_per_step
-from ..compiled import compile_decode, uncompile
 from .modes import Mode, attn_implementation, build_modes, resolve_attn, windowed_modes
 from .streaming import SeenRow, measure_streaming
 from .timing import quiet
