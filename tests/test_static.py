@@ -237,3 +237,62 @@ def test_bench_compile_rows_side_by_side():
     assert rows["q4_0,sink=2,window=8+compiled"].tokens_stored == rows["q4_0,sink=2,window=8"].tokens_stored == 10
     assert r.to_dict()["decode"][3]["compiled"] is True
     assert compiled_decode(model) is None  # back to eager after the run
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    from tokenizers import Tokenizer
+    from tokenizers import models as tok_models
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    tiny_model("llama").save_pretrained(tmp_path)
+    vocab = {f"t{i}": i for i in range(128)}
+    tok = Tokenizer(tok_models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_cli_sample_compile_reports_the_compile_and_matches_eager(model_dir, tmp_path, capsys):
+    import json
+
+    from kvslim.cli import main
+
+    def run(*flags):
+        report = tmp_path / "r.json"
+        argv = ["sample", "--model", str(model_dir), "--prompt", "t5 t9 t17 t33 t65", "--tokens", "20"]
+        argv += ["--temperature", "0", "--ignore-eos", "--kv-quantize", "int4", "--streaming-llm-sink", "2"]
+        argv += ["--streaming-llm-window", "12", "--report-json", str(report), *flags]
+        code = main(argv)
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        return out, err, json.loads(report.read_text())
+
+    eager_out, _, eager = run()
+    out, err, report = run("--compile")
+    assert out == eager_out  # the same greedy text
+    assert report["compile"]["graphs"] == 1 and report["compile"]["steps"] == 19 and report["compile"]["compile_s"] > 0
+    assert "compiled decode step: 1 graph(s) compiled in" in err
+    assert report["tokens_stored"] == eager["tokens_stored"] == 14
+
+
+def test_cli_compile_refusals(model_dir, capsys):
+    from kvslim.cli import main
+
+    code = main(["sample", "--model", str(model_dir), "--prompt", "t5", "--compile", "--prompt-cache", "x.kvc"])
+    assert code == 2 and "--compile and --prompt-cache" in capsys.readouterr().err
+    code = main(["bench", "--model", str(model_dir), "--compile", "--concurrency", "1,2"])
+    assert code == 2 and "--compile and --concurrency" in capsys.readouterr().err
+
+
+def test_a_fresh_cache_is_allocated_eagerly_even_for_a_one_token_prompt(model):
+    compile_decode(model)
+    try:
+        cache = _static(model, dict(kv_quantize="int4", group_size=8, residual=8, sink=2, window=16))
+        out = _run(model, cache, torch.tensor([[7]]), steps=20)  # the first forward: 1 token, eager
+        assert compiled_decode(model).steps == 20
+    finally:
+        uncompile(model)
+    eager = _run(model, _static(model, dict(kv_quantize="int4", group_size=8, residual=8, sink=2, window=16)), torch.tensor([[7]]), steps=20)
+    assert torch.equal(out.argmax(-1), eager.argmax(-1))

@@ -57,7 +57,7 @@ def forward(
 
     compiled = compiled_decode(model)
     one_token = input_ids.shape[1] == 1 and attention_mask is None and logits_to_keep == 1
-    if compiled is not None and one_token and getattr(cache, "is_compileable", False):
+    if compiled is not None and one_token and getattr(cache, "is_compileable", False) and _allocated(cache):
         # a fixed-shape cache's decode step: the compiled graph (kvslim.compiled)
         return compiled(input_ids=input_ids, position_ids=pos, cache_kwargs=cache_kwargs(cache)).float()
     kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
@@ -66,6 +66,12 @@ def forward(
         input_ids=input_ids, use_cache=True, position_ids=pos, logits_to_keep=logits_to_keep, **kwargs
     )
     return out.logits.float()
+
+
+def _allocated(cache) -> bool:
+    """Whether every layer of ``cache`` has its buffers (a compiled step never allocates: the first forward
+    through a fresh cache runs eagerly)."""
+    return all(getattr(layer, "is_initialized", True) for layer in cache.layers)
 
 
 #: Ragged decode steps are padded to a multiple of this many rows (:mod:`kvslim.ragged`, "Filler rows"): the
