@@ -31,12 +31,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
+    from transformers import DynamicCache
+
     import kvslim
     from kvslim import SlimCache
     from kvslim.config import parse_spec
     from kvslim.generate import prefill
     from kvslim.models import load_model
-    from transformers import DynamicCache
 
     model, _ = load_model(None)
     kvslim.enable(model)

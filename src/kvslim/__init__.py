@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 # public name -> (module, attribute); loaded on first access (PEP 562)
 _LAZY = {
     "SlimCache": ("kvslim.cache", "SlimCache"),
-    "StaticSlimCache": ("kvslim.cache", "StaticSlimCache"),
+    "StaticSlimCache": ("kvslim.static_cache", "StaticSlimCache"),
     "compile_decode": ("kvslim.compiled", "compile_decode"),
     "CacheConfig": ("kvslim.config", "CacheConfig"),
     "parse_spec": ("kvslim.config", "parse_spec"),

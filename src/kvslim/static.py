@@ -31,7 +31,7 @@ a tensor and, compiled, decides whether a group is due with ``torch.cond`` (both
 run: the group encoded, or the slots' contents kept), so the same graph serves every step with no host sync
 and no recompile. Eagerly it asks the host (``bool(due)``): the same writes.
 
-This module knows nothing about transformers; :mod:`kvslim.cache` adapts it (``StaticSlimCache``).
+This module knows nothing about transformers; :mod:`kvslim.static_cache` adapts it (``StaticSlimCache``).
 """
 
 from __future__ import annotations

@@ -169,7 +169,8 @@ def bias_cache_maker(model, args: argparse.Namespace, *, static_len: int | None 
     Under ``torchrun`` the cache is this rank's (:func:`kvslim.distributed.rank_cache`): its KV heads, the
     bias file cut to them. ``static_len``: a :class:`~kvslim.StaticSlimCache` holding at most that many tokens
     (``--compile``) instead."""
-    from ..cache import SlimCache, StaticSlimCache
+    from ..cache import SlimCache
+    from ..static_cache import StaticSlimCache
 
     fingerprint: list[str] = []
     sharded = distributed_run()
