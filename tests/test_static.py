@@ -296,3 +296,24 @@ def test_a_fresh_cache_is_allocated_eagerly_even_for_a_one_token_prompt(model):
         uncompile(model)
     eager = _run(model, _static(model, dict(kv_quantize="int4", group_size=8, residual=8, sink=2, window=16)), torch.tensor([[7]]), steps=20)
     assert torch.equal(out.argmax(-1), eager.argmax(-1))
+
+
+def test_cli_eval_greedy_compile_scores_what_eager_scores(model_dir, tmp_path, capsys):
+    import json
+
+    from kvslim.cli import main
+
+    def run(*flags):
+        out_json = tmp_path / "g.json"
+        argv = ["eval", "greedy", "--model", str(model_dir), "--tokens", "12", "--no-progress", "--json", str(out_json)]
+        argv += ["--config", "int4,group=4,residual=0", "--config", "q4_0,sink=2,window=8,group=4,residual=0", *flags]
+        code = main(argv)
+        _, err = capsys.readouterr()
+        assert code == 0, err
+        return json.loads(out_json.read_text()), err
+
+    eager, _ = run()
+    compiled, err = run("--compile")
+    assert compiled["results"] == eager["results"]
+    assert compiled["compile"]["graphs"] == 3 and compiled["compile"]["steps"] > 0  # none, int4, q4_0
+    assert "compiled decode step: 3 graph(s)" in err

@@ -126,9 +126,7 @@ class SlimCacheLayer(CacheLayerMixin):
         store = self.store
         if owner.padding_explicit:
             pads = owner.pads
-            base = base_from_positions(
-                position_ids, pads, store.seen, key_states.shape[2], key_states.shape[0]
-            )
+            base = owner._forward_base(position_ids, pads, store.seen, key_states.shape[2], key_states.shape[0])
         else:
             pads = None
             if position_ids is not None and owner.policy.bounded and owner.policy.sink:
@@ -414,6 +412,7 @@ class SlimCache(Cache):
         #: observe() sees the new keys in the basis the K body is stored in (rotated, pre-RoPE; never
         #: centered): what a bias for this cache's basis is the mean of (kvslim.calibrate)
         self.observe_stored = observe_stored
+        self._base_memo = None  # (key, base, position ids) of the forward being served (_forward_base)
         self.pads: torch.Tensor | None = None  # (B,) left padding, when handed explicitly
         self.padding_explicit = False
         self.policy = KeepPolicy(sink=cfg.sink, window=cfg.window)
@@ -535,6 +534,17 @@ class SlimCache(Cache):
     def _replicate(self) -> SlimCacheLayer:
         idx = len(self.layers)
         return SlimCacheLayer(functools.partial(self._new_store, idx), self, idx)
+
+    def _forward_base(self, position_ids, pads, seen: int, n_new: int, batch: int) -> int:
+        """:func:`~kvslim.positions.base_from_positions`, once per forward: every layer of a forward hands the
+        same position ids at the same count (a check and a host sync per layer otherwise)."""
+        key = (id(position_ids), id(pads), seen, n_new, batch)
+        memo = self._base_memo
+        if memo is not None and memo[0] == key and memo[2] is position_ids:
+            return memo[1]
+        base = base_from_positions(position_ids, pads, seen, n_new, batch)
+        self._base_memo = (key, base, position_ids)  # holds the ids: their id cannot be reused meanwhile
+        return base
 
     # -- kvslim's own surface --------------------------------------------------------------------
     def set_left_padding(self, pads: torch.Tensor | None) -> None:

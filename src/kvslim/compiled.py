@@ -19,6 +19,7 @@ than one token per row or with an attention mask (padding).
 from __future__ import annotations
 
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
 
@@ -48,7 +49,9 @@ class CompiledDecode:
             kwargs[name] = kwargs[name].new_empty(kwargs[name].shape).copy_(kwargs[name])
         before = counters["stats"]["unique_graphs"]
         t0 = time.perf_counter()
-        out = self.fn(**kwargs)
+        with warnings.catch_warnings():  # torch's own tracing machinery, not the user's concern
+            warnings.filterwarnings("ignore", message=".*torch.jit.script_method.*", category=DeprecationWarning)
+            out = self.fn(**kwargs)
         if counters["stats"]["unique_graphs"] != before:
             self.compiles += 1
             self.compile_s += time.perf_counter() - t0

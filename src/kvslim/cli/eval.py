@@ -98,6 +98,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="one prompt per line ('chat:' prefix = chat template; \\n = newline); default: a built-in set",
     )
     p.add_argument("--tokens", type=int, default=64, metavar="N", help="tokens generated per prompt (64)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode every mode with a compiled step on a StaticSlimCache (docs/compile.md); the first "
+        "step of each mode compiles",
+    )
 
     p = add("memory", "bytes of each mode at each length, for the model's real shapes")
     p.add_argument(
@@ -314,15 +320,31 @@ def _greedy(args) -> int:
     except UnicodeDecodeError as e:
         raise UserError(f"--prompts {args.prompts}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     model, tokenizer = _load(args)
-    report = greedy_prefix_match(
-        model,
-        tokenizer,
-        prompts,
-        specs,
-        tokens=args.tokens,
-        progress=_progress(args),
-        make_cache=bias_cache_maker(model, args),
-    )
+    static_len = compiled = None
+    if args.compile:
+        from ..compiled import compile_decode, uncompile
+        from ..evaluate import BUILTIN_PROMPTS
+        from ..evaluate.greedy import encode_prompt
+
+        longest = max(encode_prompt(tokenizer, p).shape[1] for p in (prompts or BUILTIN_PROMPTS))
+        static_len = longest + args.tokens  # every prompt and its continuation fit
+        compiled = compile_decode(model)
+    try:
+        report = greedy_prefix_match(
+            model,
+            tokenizer,
+            prompts,
+            specs,
+            tokens=args.tokens,
+            progress=_progress(args),
+            make_cache=bias_cache_maker(model, args, static_len=static_len),
+        )
+    finally:
+        if compiled is not None:
+            uncompile(model)
+    if compiled is not None:
+        say(f"compiled decode step: {compiled.compiles} graph(s) compiled in {compiled.compile_s:.1f} s, "
+            f"{compiled.steps} compiled steps")
     names = [p.name for p in report.results[0].prompts]
     rows = [[r.config, r.prefix_match_mean, *(p.prefix_match for p in r.prompts)] for r in report.results]
     print(format_table(["config", "mean", *names], rows, floatfmt=".3f"))
@@ -342,7 +364,10 @@ def _greedy(args) -> int:
                 "or more --tokens to measure the format",
                 file=sys.stderr,
             )
-    _out({"model": _model_name(args), "tokens": args.tokens, "results": report.records()}, args)
+    record = {"model": _model_name(args), "tokens": args.tokens, "results": report.records()}
+    if compiled is not None:
+        record["compile"] = {"graphs": compiled.compiles, "compile_s": compiled.compile_s, "steps": compiled.steps}
+    _out(record, args)
     return 0
 
 
