@@ -176,7 +176,7 @@ def static_attention(query: torch.Tensor, kv: StaticSegments, scaling: float) ->
     n_fp = kv.k_fp.shape[2]
     neg = float("-inf")
     parts = [
-        (qf @ kv.k_fp.float().transpose(-1, -2)).masked_fill(~kv.live(kv.fp_pos), neg)
+        (qf @ kv.keys_fp().transpose(-1, -2)).masked_fill(~kv.live(kv.fp_pos), neg)
     ]  # (B, Hkv, M, S+F)
     if kv.k_body is not None:
         token, group = ops.split(kv.k_body)

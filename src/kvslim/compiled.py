@@ -19,6 +19,7 @@ than one token per row or with an attention mask (padding).
 from __future__ import annotations
 
 import time
+import types
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -26,6 +27,10 @@ from dataclasses import dataclass, field
 import torch
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SERIAL = [0]
+#: Graphs one compiled model may hold (one per shape: batch, cache options); torch's default is 8. Past it a
+#: step is an error (fullgraph), never a silent fallback to eager.
+RECOMPILE_LIMIT = 64
 #: Inductor options of the compiled step. ``emulate_precision_casts``: a cast to float16 inside a fused kernel
 #: rounds as the eager cast does (by default Inductor may keep the wider value), so the scales and zeros the
 #: encoders round to float16 -- and so the codes -- are the eager ones.
@@ -49,7 +54,8 @@ class CompiledDecode:
             kwargs[name] = kwargs[name].new_empty(kwargs[name].shape).copy_(kwargs[name])
         before = counters["stats"]["unique_graphs"]
         t0 = time.perf_counter()
-        with warnings.catch_warnings():  # torch's own tracing machinery, not the user's concern
+        with warnings.catch_warnings(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            # torch's own tracing machinery warns; not the user's concern
             warnings.filterwarnings("ignore", message=".*torch.jit.script_method.*", category=DeprecationWarning)
             out = self.fn(**kwargs)
         if counters["stats"]["unique_graphs"] != before:
@@ -72,6 +78,12 @@ def compile_decode(model, *, mode: str | None = None) -> CompiledDecode:
             input_ids=input_ids, position_ids=position_ids, use_cache=True, logits_to_keep=1, **cache_kwargs
         )
         return out.logits
+
+    # A code object of its own: torch.compile keeps its graphs (and its limit of recompiles) per code object,
+    # so each compiled model starts afresh and uncompile() drops its graphs with it.
+    _SERIAL[0] += 1
+    code = step.__code__.replace(co_name=f"kvslim_decode_step_{_SERIAL[0]}")
+    step = types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__, step.__closure__)
 
     compiled = CompiledDecode(torch.compile(step, fullgraph=True, dynamic=False, mode=mode, options=OPTIONS))
     _COMPILED[model] = compiled

@@ -43,6 +43,7 @@ import torch
 from .buffers import CENTERED, BodyBasis, encode_in_basis
 from .formats import Codec, Encoded
 from .kernels.ops import codec_key
+from .rotary import Rotary
 
 
 def _roundup(n: int, g: int) -> int:
@@ -77,6 +78,18 @@ class StaticSegments:
     dtype: torch.dtype
     k_key: str = ""  # the codecs' custom-op keys (kvslim.kernels.ops)
     v_key: str = ""
+    sink_shift: torch.Tensor | None = None  # 0-dim: positions the sink keys are moved by (positions='cache')
+    rotary: Rotary | None = None  # what moves them
+
+    def keys_fp(self) -> torch.Tensor:
+        """The fp slots' keys (B, H, S + F, D) float32 as attention scores them: with in-cache positions the
+        sinks moved to sit right before the window's oldest key (a rotation of S keys, branch-free)."""
+        k = self.k_fp.float()
+        if self.sink_shift is None or not self.sink:
+            return k
+        # moved in float32 and stored back in the fp slots' dtype, as a SlimLayer's moved sinks are
+        moved = move_keys(self.rotary, k[:, :, : self.sink], self.sink_shift).to(self.k_fp.dtype).float()
+        return torch.cat([moved, k[:, :, self.sink :]], dim=2)
 
     def live(self, pos: torch.Tensor) -> torch.Tensor:
         """pos (N,) int64 -> (N,) bool: the slots attention reads."""
@@ -107,7 +120,13 @@ class StaticStore:
         k_basis: BodyBasis | None = None,
         v_basis: BodyBasis | None = None,
         fp_dtype: torch.dtype | None = None,
+        positions: str = "original",
+        rotary: Rotary | None = None,
     ):
+        if positions not in ("original", "cache"):
+            raise ValueError(f"positions must be 'original' or 'cache', got {positions!r}")
+        if positions == "cache" and window is not None and sink and rotary is None:
+            raise ValueError("positions='cache' moves the sink keys, which needs the model's RoPE (rotary=)")
         if k_codec.lossy != v_codec.lossy:
             raise ValueError(
                 f"a static cache stores K and V alike: both quantized or both 'none', got k={k_codec.name!r}, "
@@ -136,6 +155,9 @@ class StaticStore:
         self.k_basis = k_basis if self.lossy and k_basis is not None and not k_basis.identity else None
         self.v_basis = v_basis if self.lossy and v_basis is not None and not v_basis.identity else None
         self.fp_dtype = fp_dtype if self.lossy else None  # a lossless store keeps the model's dtype
+        # In-cache positions (StreamingLLM's): only with a window and sinks does a key ever need moving.
+        self.moves_sinks = positions == "cache" and window is not None and sink > 0
+        self.rotary = rotary
         self.k_fp = self.v_fp = self.fp_pos = self.body_pos = None
         self.k_key = self.v_key = ""  # custom-op codec keys (kvslim.kernels.ops), set at allocation
         self.k_body: Encoded | None = None
@@ -215,7 +237,11 @@ class StaticStore:
         n = max(0, t0 - s)  # stream tokens before
         n2 = n + q - ns
         first = 0 if self.window is None else max(0, n - self.window)  # the oldest stream token still stored
-        views = [[self.k_fp[:, :, : min(t0 + ns, s)]], [self.v_fp[:, :, : min(t0 + ns, s)]]]  # the sinks
+        sink_k = self.k_fp[:, :, : min(t0 + ns, s)]
+        shift = self._sink_shift(s + first)
+        if shift is not None and first:  # in-cache positions: the sinks right before the oldest stored key
+            sink_k = move_keys(self.rotary, sink_k.float(), torch.tensor(shift, device=dev)).to(sink_k.dtype)
+        views = [[sink_k], [self.v_fp[:, :, : min(t0 + ns, s)]]]  # the sinks
         live_fp = (self.fp_pos >= s + first) & (self.fp_pos < s + n)
         if self.lossy:
             e, e2 = self._encoded(n), self._encoded(n2)
@@ -313,9 +339,17 @@ class StaticStore:
             out += [_bytes(t).index_select(2, gdst).contiguous() for t in body.group.values()]
         return tuple(out)
 
+    def _sink_shift(self, first):
+        """How far the sink keys move when the oldest stored stream token is ``first`` (its index): they sit
+        right before it (positions 'cache'; None otherwise)."""
+        if not self.moves_sinks:
+            return None
+        return first - self.sink
+
     def segments(self, t: torch.Tensor) -> StaticSegments:
         """The slots attention reads when the newest stored token is ``t`` (0-dim)."""
         visible = None if self.window is None else t - self.window
+        shift = None if visible is None else self._sink_shift(visible.clamp(min=self.sink))
         return StaticSegments(
             self.k_fp,
             self.v_fp,
@@ -334,6 +368,8 @@ class StaticStore:
             self.dtype,
             self.k_key,
             self.v_key,
+            shift,
+            self.rotary,
         )
 
     def _encoded(self, n: int) -> int:
@@ -360,9 +396,13 @@ class StaticStore:
             return None
         dtype = self.dtype if dtype is None else dtype
         view = self.segments(self.seen)
+        k_fp = self.k_fp
+        if self.moves_sinks:  # after the last write: the oldest stored stream token is seen - window
+            shift = self._sink_shift(max(self.sink, int(self.seen) - self.window))
+            k_fp = torch.cat([move_keys(self.rotary, k_fp[:, :, : self.sink].float(), torch.tensor(shift)).to(k_fp.dtype), k_fp[:, :, self.sink :]], dim=2)
         out = []
         for fp, body, codec, basis in (
-            (self.k_fp, self.k_body, self.k_codec, self.k_basis),
+            (k_fp, self.k_body, self.k_codec, self.k_basis),
             (self.v_fp, self.v_body, self.v_codec, self.v_basis),
         ):
             pieces = []
@@ -376,6 +416,17 @@ class StaticStore:
                 pieces = [sinks, pieces[0], pieces[1][:, :, sinks.shape[2] :]]
             out.append(torch.cat([p.to(dtype) for p in pieces], dim=2))
         return out[0], out[1]
+
+
+def move_keys(rotary: Rotary, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """``R(delta) k`` for keys k (B, H, S, D) float32 and one 0-dim ``delta``: :meth:`Rotary.move` without its
+    host-side shortcut (a zero delta is a rotation by 0), so a compiled step traces it."""
+    cos, sin = rotary.cos_sin(delta.reshape(1, 1), k.device)  # (1, 1, R)
+    o, r = rotary.offset, rotary.rotary_dim
+    rot = k[..., o : o + r]
+    half = r // 2
+    turned = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)  # rotate_half
+    return torch.cat([k[..., :o], rot * cos[:, None] + turned * sin[:, None], k[..., o + r :]], dim=-1)
 
 
 def _ordered(x: torch.Tensor, pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:

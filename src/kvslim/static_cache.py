@@ -105,8 +105,10 @@ class StaticSlimCache(SlimCache):
 
     What it does not serve (a clear error at construction, never a silently different cache): a model not
     using the ``kvslim`` attention, layers other than full attention (sliding, linear, KV-sharing), MLA,
-    ``pre_rope``, ``positions='cache'`` with a window (keys stay at their original positions; pass
-    ``positions='original'``), K and V of which only one is quantized, left padding, ``observe``.
+    ``pre_rope`` (``auto`` resolves to False here), K and V of which only one is quantized, left padding,
+    ``observe``. Positions are as in a SlimCache (``auto``: StreamingLLM's in-cache positions where the model's
+    RoPE allows it: the sinks are moved right before the window in the step's graph), but the ids are never
+    re-based (``rebase_period`` None): a query sits at its true position however long the stream.
     """
 
     def __init__(self, *, max_cache_len: int | None = None, config=None, **kwargs):
@@ -120,14 +122,9 @@ class StaticSlimCache(SlimCache):
             )
         if kwargs.get("observe") is not None:
             raise ValueError("a static SlimCache does not observe updates (calibrate with a SlimCache)")
-        # "auto" levers are this cache's to decide: keys stay where they were fed (no pre-RoPE, original
-        # positions); an explicit request it cannot serve is refused below.
-        kwargs.setdefault("pre_rope", "auto")
-        kwargs.setdefault("positions", "auto")
-        if kwargs["pre_rope"] == "auto":
+        # "auto" pre-RoPE is this cache's to decide: the K stream stays as fed (an explicit True is refused below)
+        if kwargs.setdefault("pre_rope", "auto") == "auto":
             kwargs["pre_rope"] = False
-        if kwargs["positions"] == "auto":
-            kwargs["positions"] = "original"
         super().__init__(config=config, compressed_attention=None, **kwargs)
         cfg = self.cache_config
         problems = []
@@ -140,11 +137,6 @@ class StaticSlimCache(SlimCache):
             problems.append(f"every layer must be full attention, this model has {', '.join(types)} layers")
         if self.pre_rope:
             problems.append("pre_rope keys are rotated on read per position (pass pre_rope=False)")
-        if cfg.window is not None and self.positions != "original":
-            problems.append(
-                f"with a window, keys stay at their original positions (positions={self.positions!r} re-rotates "
-                "the sinks each step; pass positions='original')"
-            )
         if cfg.window is None and max_cache_len is None:
             problems.append("without a window it needs max_cache_len (the most tokens it will hold)")
         if problems:
@@ -164,6 +156,8 @@ class StaticSlimCache(SlimCache):
                 k_basis=BodyBasis(self._hadamard["k"], bias) if self._codecs["k"].lossy else None,
                 v_basis=BodyBasis(self._hadamard["v"]) if self._codecs["v"].lossy else None,
                 fp_dtype=_FP_DTYPES[cfg.residual_dtype],
+                positions=self.positions,
+                rotary=self.rotary,
             )
             layers.append(StaticSlimCacheLayer(store, i))
         self.layers = layers
