@@ -13,7 +13,7 @@ TORCH  ?= torch==2.13.0
 TRANSFORMERS        ?= 5.24.0
 TRANSFORMERS_OLDEST ?= 5.6.0
 COMPAT_VENV  := .venv-transformers-$(TRANSFORMERS_OLDEST)
-COMPAT_TESTS ?= -m "not slow" tests/test_compat.py tests/test_evaluate.py tests/test_cli_eval.py
+COMPAT_TESTS ?= -m "not slow" tests/test_compat.py tests/test_evaluate.py tests/test_cli_eval.py tests/test_static.py
 
 .PHONY: setup sample test compat lint bench clean
 

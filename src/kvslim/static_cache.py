@@ -141,7 +141,7 @@ class StaticSlimCache(SlimCache):
             problems.append("without a window it needs max_cache_len (the most tokens it will hold)")
         if problems:
             raise ValueError("cannot build a static SlimCache: " + "; ".join(problems))
-        self.max_cache_len = max_cache_len if cfg.window is None else None
+        self._max_len = max_cache_len if cfg.window is None else None
         layers = []
         for i in range(len(self.layers)):
             bias = None if self._biases is None else self._biases[i]
@@ -152,7 +152,7 @@ class StaticSlimCache(SlimCache):
                 window=cfg.window,
                 residual=cfg.residual_tokens,
                 group_size=cfg.group_size,
-                capacity=self.max_cache_len,
+                capacity=self._max_len,
                 k_basis=BodyBasis(self._hadamard["k"], bias) if self._codecs["k"].lossy else None,
                 v_basis=BodyBasis(self._hadamard["v"]) if self._codecs["v"].lossy else None,
                 fp_dtype=_FP_DTYPES[cfg.residual_dtype],
@@ -166,6 +166,11 @@ class StaticSlimCache(SlimCache):
     @property
     def is_compileable(self) -> bool:
         return True
+
+    @property
+    def max_cache_len(self) -> int | None:
+        """The most tokens held without a window (None with one: the window bounds it)."""
+        return self._max_len
 
     def set_left_padding(self, pads: torch.Tensor | None) -> None:
         if pads is not None and bool((pads != 0).any()):
