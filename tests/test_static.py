@@ -321,3 +321,17 @@ def test_cli_eval_greedy_compile_scores_what_eager_scores(model_dir, tmp_path, c
     assert compiled["results"] == eager["results"]
     assert compiled["compile"]["graphs"] == 3 and compiled["compile"]["steps"] > 0  # none, int4, q4_0
     assert "compiled decode step: 3 graph(s)" in err
+
+
+def test_a_compiled_step_past_max_cache_len_is_refused(model):
+    cache = _static(model, dict(kv_quantize="int4", group_size=8, residual=8), max_cache_len=12)
+    compile_decode(model)
+    try:
+        with torch.inference_mode():
+            prefill(model, torch.randint(3, 128, (1, 11)), cache)
+            decode_one_token(model, torch.tensor([[5]]), cache)  # the 12th token: fits
+            with pytest.raises(ValueError, match="at most max_cache_len=12 tokens and is full"):
+                decode_one_token(model, torch.tensor([[5]]), cache)
+    finally:
+        uncompile(model)
+    assert cache.get_seq_length() == 12

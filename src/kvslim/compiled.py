@@ -50,6 +50,14 @@ class CompiledDecode:
     def __call__(self, **kwargs) -> torch.Tensor:
         from torch._dynamo.utils import counters
 
+        cache = next(iter(kwargs["cache_kwargs"].values()))
+        full = getattr(cache, "max_cache_len", None)
+        if isinstance(full, int) and int(cache.get_seq_length()) >= full:  # a graph cannot refuse: checked here
+            raise ValueError(
+                f"this static cache holds at most max_cache_len={full} tokens and is full (build it with a "
+                f"larger max_cache_len, or a window)"
+            )
+
         for name in ("input_ids", "position_ids"):  # standard strides: a (1, 1) slice of a prompt would recompile
             kwargs[name] = kwargs[name].new_empty(kwargs[name].shape).copy_(kwargs[name])
         before = counters["stats"]["unique_graphs"]
