@@ -157,8 +157,9 @@ def test_a_growing_cache_is_never_compiled(model):
     compile_decode(model)
     try:
         cache = SlimCache(config=model.config, kv_quantize="int4")
-        _run(model, cache, torch.randint(3, 128, (1, 8)), steps=3)
-        assert compiled_decode(model).steps == 0  # eager: SlimCache is not compileable
+        with pytest.warns(UserWarning, match="SlimCache grows or re-slices its storage, so its decode steps run eagerly"):
+            _run(model, cache, torch.randint(3, 128, (1, 8)), steps=3)
+        assert compiled_decode(model).steps == 0  # eager: SlimCache is not compileable, and it said so once
     finally:
         uncompile(model)
     with pytest.raises(ValueError, match="needs a cache of fixed shape; SlimCache grows"):
@@ -335,3 +336,76 @@ def test_a_compiled_step_past_max_cache_len_is_refused(model):
     finally:
         uncompile(model)
     assert cache.get_seq_length() == 12
+
+
+SCHEDULES = [[5, 1, 1, 3, 1, 9, 1, 30, 1, 17], [1, 1, 1, 40, 2, 1, 1]]  # chunks, some longer than the window
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        dict(kv_quantize="int4", group_size=4, residual=8, sink=3, window=13),
+        dict(kv_quantize="q4_1", group_size=4, residual=0, sink=2, window=24),
+        dict(kv_quantize="int4", group_size=4, residual=4),
+        dict(kv_quantize="none", sink=3, window=13),
+    ],
+    ids=["int4-window", "q4_1-residual0", "int4-unbounded", "none-window"],
+)
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=["mixed", "ones-then-40"])
+def test_chunks_into_a_cache_that_holds_tokens_match_slimcache(model, spec, schedule):
+    """write() after decode steps and after other chunks (old ring tokens encoded, tokens evicted meanwhile)."""
+    from kvslim.generate import forward
+
+    uncompile(model)
+    ids = torch.randint(3, 128, (2, sum(schedule)), generator=torch.Generator().manual_seed(5))
+    ref, static = _reference(model, spec), _static(model, spec)
+    start = 0
+    with torch.inference_mode():
+        for n in schedule:
+            chunk = ids[:, start : start + n]
+            a, b = forward(model, chunk, ref, logits_to_keep=0), forward(model, chunk, static, logits_to_keep=0)
+            torch.testing.assert_close(b, a, atol=1e-3, rtol=1e-3)
+            start += n
+            assert static.stored_tokens() == ref.stored_tokens()
+            assert torch.equal(static.layers[0].keys, ref.layers[0].keys)
+            assert torch.equal(static.layers[0].values, ref.layers[0].values)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int2", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "fp8", "fp16"])
+def test_encoders_inside_a_trace_write_the_eager_bytes(name, monkeypatch):
+    """The branch-free paths the encoders take inside torch.compile (no host sync) give the eager bytes, on the
+    data their branches exist for: ties of max and -min, blocks of +-0, zero minima, values near fp16's limits."""
+    import kvslim.formats.affine as affine
+    import kvslim.formats.floats as floats
+    import kvslim.formats.ggml as ggml
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 2, 32, 64, generator=g)
+    x[0, 0, :4] = 0.0  # all-zero blocks
+    x[0, 1, 4:8] = -0.0
+    x[1, 0, 8, :32] = torch.linspace(-1, 1, 32)  # max == -min: a tie
+    x[1, 1, 9] = x[1, 1, 9].abs()  # a non-negative block: zero minimum after rounding where it holds a 0
+    x[1, 1, 9, 5] = 0.0
+    x[1, 1, 10] *= 1e-6  # tiny: float16 subnormals
+    for role in ("k", "v"):
+        codec = make_codec(name, role, group_size=8)
+        eager = codec.encode(x)
+        for mod in (affine, floats, ggml):
+            monkeypatch.setattr(mod, "tracing", lambda: True)
+        traced = codec.encode(x)
+        monkeypatch.undo()
+        for part in ("token", "group"):
+            a, b = getattr(eager, part), getattr(traced, part)
+            assert set(a) == set(b)
+            for key in a:
+                assert torch.equal(a[key].view(torch.uint8), b[key].view(torch.uint8)), (role, part, key)
+
+
+def test_eager_decode_past_max_cache_len_is_refused(model):
+    uncompile(model)
+    cache = _static(model, dict(kv_quantize="int4", group_size=8, residual=8), max_cache_len=12)
+    with torch.inference_mode():
+        prefill(model, torch.randint(3, 128, (1, 12)), cache)
+        with pytest.raises(ValueError, match="at most max_cache_len=12 tokens and is full"):
+            decode_one_token(model, torch.tensor([[5]]), cache)
+    assert cache.get_seq_length() == 12 and cache.stored_tokens() == 12

@@ -203,10 +203,12 @@ def kvslim_attention(module, query, key, value, attention_mask, dropout: float =
         if (
             kwargs.get("softcap") is not None
             or kwargs.get("sinks") is not None
+            or kwargs.get("position_bias") is not None
             or (dropout and module.training)
         ):
             raise ValueError(
-                "a static SlimCache serves plain attention only (no softcap, attention sinks or dropout)"
+                "a static SlimCache serves plain attention only (no softcap, attention sinks, position bias "
+                "or dropout)"
             )
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
         return static_attention(query, key, scaling).transpose(1, 2).contiguous(), None

@@ -46,6 +46,22 @@ class CompiledDecode:
     compile_s: float = 0.0  # wall seconds of the calls that compiled (tracing + code generation + the step)
     steps: int = 0  # compiled steps run
     shapes: list = field(default_factory=list)
+    warned: set = field(default_factory=set)  # cache classes already warned about (serves)
+
+    def serves(self, cache) -> bool:
+        """Whether ``cache`` can run this compiled step (a fixed shape); a cache that cannot is warned about
+        once per cache class, so an eager step never passes for a compiled one unnoticed."""
+        if getattr(cache, "is_compileable", False):
+            return True
+        name = type(cache).__name__
+        if name not in self.warned:
+            self.warned.add(name)
+            warnings.warn(
+                f"kvslim.compile_decode: {name} grows or re-slices its storage, so its decode steps run eagerly "
+                f"(use kvslim.StaticSlimCache or transformers' StaticCache to compile them)",
+                stacklevel=3,
+            )
+        return False
 
     def __call__(self, **kwargs) -> torch.Tensor:
         from torch._dynamo.utils import counters

@@ -56,10 +56,12 @@ def forward(
     from .compat import cache_kwargs  # the cache keyword depends on the transformers release
 
     compiled = compiled_decode(model)
-    one_token = input_ids.shape[1] == 1 and attention_mask is None and logits_to_keep == 1
-    if compiled is not None and one_token and getattr(cache, "is_compileable", False) and _allocated(cache):
-        # a fixed-shape cache's decode step: the compiled graph (kvslim.compiled)
-        return compiled(input_ids=input_ids, position_ids=pos, cache_kwargs=cache_kwargs(cache)).float()
+    if compiled is not None and input_ids.shape[1] == 1 and logits_to_keep == 1:
+        if attention_mask is not None and bool(attention_mask.all()):
+            attention_mask = None  # a mask without padding masks nothing (a padded batch stays eager)
+        if attention_mask is None and compiled.serves(cache) and _allocated(cache):
+            # a fixed-shape cache's decode step: the compiled graph (kvslim.compiled)
+            return compiled(input_ids=input_ids, position_ids=pos, cache_kwargs=cache_kwargs(cache)).float()
     kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
     kwargs.update(cache_kwargs(cache))
     out = model(

@@ -22,8 +22,11 @@ Token ``t`` (counted over every token this layer has seen; ``i = t - S`` its ind
 
 Attention reads every slot and masks those that are empty or evicted (``t < seen - window`` for a stream
 token): softmax does not depend on the order of the keys, and every key keeps the RoPE rotation it was fed
-with (positions ``original``). Ring sizes: ``C = roundup(window - R + 1, G) + G`` with a window (a slot is
-reused only after its token left the window), ``roundup(capacity - S - R, G)`` without one.
+with (with StreamingLLM's in-cache positions the few sink keys are moved, on read, to sit right before the
+window's oldest key: :meth:`StaticSegments.keys_fp`). Ring sizes: ``C = roundup(window - R + 1, G) + G`` with a window (a slot is
+reused only after its token left the window; the extra group is a spare, so that a prefill chunk's
+write, which starts at a group boundary below the window, never lands on a live group: proving the bound
+tight is left for later), ``roundup(capacity - S - R, G)`` without one.
 
 Two write paths, the same result: :meth:`StaticStore.write` (eager, any number of tokens; prefill) decides
 with host integers; :meth:`StaticStore.write_one` (one token per row: the decode step) reads the position from
@@ -293,6 +296,12 @@ class StaticStore:
         host integer is read (module docstring), so ``torch.compile`` traces it once."""
         s, f, g = self.sink, self.ring, self.group
         t = self.seen  # 0-dim: the new token's index
+        if not torch.compiler.is_compiling() and self.window is None and int(t) >= self.capacity:
+            # (a compiled step is checked by kvslim.compiled, on the host, before the graph runs)
+            raise ValueError(
+                f"this static cache holds at most max_cache_len={self.capacity} tokens and is full (build it "
+                f"with a larger max_cache_len, or a window)"
+            )
         i = (t - s).clamp(min=0)  # its stream index (0 while it is a sink)
         slot = torch.where(t < s, t, s + i % f).reshape(1)
         self._put_fp(slot, keys, values, t.reshape(1))
@@ -398,8 +407,9 @@ class StaticStore:
         view = self.segments(self.seen)
         k_fp = self.k_fp
         if self.moves_sinks:  # after the last write: the oldest stored stream token is seen - window
-            shift = self._sink_shift(max(self.sink, int(self.seen) - self.window))
-            k_fp = torch.cat([move_keys(self.rotary, k_fp[:, :, : self.sink].float(), torch.tensor(shift)).to(k_fp.dtype), k_fp[:, :, self.sink :]], dim=2)
+            shift = torch.tensor(self._sink_shift(max(self.sink, int(self.seen) - self.window)))
+            sinks = move_keys(self.rotary, k_fp[:, :, : self.sink].float(), shift).to(k_fp.dtype)
+            k_fp = torch.cat([sinks, k_fp[:, :, self.sink :]], dim=2)
         out = []
         for fp, body, codec, basis in (
             (k_fp, self.k_body, self.k_codec, self.k_basis),

@@ -9,6 +9,7 @@ measurements themselves are :func:`.decode.measure_decode`, :func:`.append.measu
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 import time
@@ -123,6 +124,7 @@ def run_bench(
     probe = MemoryProbe()
 
     with (
+        contextlib.ExitStack() as stack,
         torch.no_grad(),
         attn_implementation(model, None if attn is None else resolve_attn(attn)) as attn_used,
     ):
@@ -137,6 +139,8 @@ def run_bench(
                 seen_modes = windowed_modes(model, seen_configs, strict=True)
         weights = weight_bytes_per_step(model)
         compiled = compile_decode(model) if compile else None
+        if compiled is not None:
+            stack.callback(uncompile, model)  # back to eager, even on an error
         if compiled is not None:
             log("compiling the decode step of each compiled mode (in the warm-up)")
         warm_up(model, modes)
@@ -172,8 +176,6 @@ def run_bench(
         seen_rows: list[SeenRow] = []
         if seen and seen_modes:
             seen_rows = measure_streaming(model, seen_modes, seen, steps, warmup=warmup, seed=seed, log=log)
-    if compiled is not None:
-        uncompile(model)
 
     shapes = ModelShapes.from_config(model.config)
     return BenchResult(
