@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
+import weakref
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -412,7 +413,7 @@ class SlimCache(Cache):
         #: observe() sees the new keys in the basis the K body is stored in (rotated, pre-RoPE; never
         #: centered): what a bias for this cache's basis is the mean of (kvslim.calibrate)
         self.observe_stored = observe_stored
-        self._base_memo = None  # (key, base, position ids) of the forward being served (_forward_base)
+        self._base_memo = None  # (key, base, weakref to the position ids) of the forward served (_forward_base)
         self.pads: torch.Tensor | None = None  # (B,) left padding, when handed explicitly
         self.padding_explicit = False
         self.policy = KeepPolicy(sink=cfg.sink, window=cfg.window)
@@ -540,10 +541,12 @@ class SlimCache(Cache):
         same position ids at the same count (a check and a host sync per layer otherwise)."""
         key = (id(position_ids), id(pads), seen, n_new, batch)
         memo = self._base_memo
-        if memo is not None and memo[0] == key and memo[2] is position_ids:
+        if memo is not None and memo[0] == key and memo[2]() is position_ids:
             return memo[1]
         base = base_from_positions(position_ids, pads, seen, n_new, batch)
-        self._base_memo = (key, base, position_ids)  # holds the ids: their id cannot be reused meanwhile
+        # a weak reference (the cache holds no tensor it does not count): a dead one never matches
+        ref = (lambda: None) if position_ids is None else weakref.ref(position_ids)
+        self._base_memo = (key, base, ref)
         return base
 
     # -- kvslim's own surface --------------------------------------------------------------------
