@@ -417,7 +417,11 @@ def _nothing_quantized(args, cache_config, prompt_tokens: int) -> str | None:
     why = (
         f"the window holds {c.window} tokens"
         if c.window is not None and c.window < start
-        else f"this run stores at most {max(held, 0)} (prompt {prompt_tokens} + --tokens {args.tokens})"
+        else (
+            f"this run stores at most {max(held, 0)}"
+            + (f" beyond the {c.sink} sinks" if c.sink else "")
+            + f" (prompt {prompt_tokens} + --tokens {args.tokens}, the last token never stored)"
+        )
     )
     return (
         f"nothing will be quantized: the newest {c.residual_tokens} tokens stay at full precision and older "
