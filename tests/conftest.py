@@ -209,6 +209,23 @@ def family_model(name: str, seed: int = 0, attn_implementation: str | None = Non
     return model
 
 
+def save_tiny_word_model(path):
+    """The 2-layer random llama of :func:`tiny_model` with a word-level tokenizer (every whitespace-separated
+    word ``t0``..``t127`` is one token; ``t1`` eos, ``t2`` bos), saved as a transformers directory: what the
+    CLI loads with ``--model``. Returns ``path``."""
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as tok_models
+    from transformers import PreTrainedTokenizerFast
+
+    tiny_model("llama").save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(128)}
+    tok = Tokenizer(tok_models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1", bos_token="t2", unk_token="t0")
+    fast.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(params=ARCHS)
 def arch(request):
     return request.param

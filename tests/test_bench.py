@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import save_tiny_word_model, tiny_model
 from kvslim import bench
 from kvslim.bench import DYNAMIC, BenchResult, decode, memory, modes, run_bench, suite
 
@@ -197,15 +197,7 @@ def test_cache_nbytes_counts_quantized_payloads():
 
 @pytest.fixture
 def model_dir(tmp_path):
-    from tokenizers import Tokenizer
-    from tokenizers import models as tok_models
-    from transformers import PreTrainedTokenizerFast
-
-    tiny_model("llama").save_pretrained(tmp_path)
-    vocab = {f"t{i}": i for i in range(128)}
-    fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(tok_models.WordLevel(vocab, unk_token="t0")))
-    fast.save_pretrained(tmp_path)
-    return tmp_path
+    return save_tiny_word_model(tmp_path)
 
 
 def test_cli_smoke(model_dir, tmp_path, capsys, monkeypatch):

@@ -37,7 +37,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import save_tiny_word_model, tiny_model
 from kvslim import atomic
 from kvslim.atomic import AtomicFile, WriteError, write_json
 from kvslim.biasfile import read_bias_file, read_layers, write_bias_file
@@ -91,18 +91,7 @@ def bias_set(scale: float = 1.0, fingerprint: str | None = "sha256:" + "ab" * 32
 def model_dir(tmp_path_factory) -> str:
     """A 2-layer random llama with a word-level tokenizer (every whitespace-separated word is a
     token), saved as a transformers directory."""
-    from tokenizers import Tokenizer, pre_tokenizers
-    from tokenizers import models as tok_models
-    from transformers import PreTrainedTokenizerFast
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    tiny_model("llama").save_pretrained(path)
-    vocab = {f"t{i}": i for i in range(128)}
-    tok = Tokenizer(tok_models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1", bos_token="t2", unk_token="t0")
-    fast.save_pretrained(path)
-    return str(path)
+    return str(save_tiny_word_model(tmp_path_factory.mktemp("tiny-llama")))
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import save_tiny_word_model, tiny_model
 from kvslim import SlimCache, StaticSlimCache
 from kvslim.compiled import check_compileable, compile_decode, compiled_decode, uncompile
 from kvslim.formats import make_codec
@@ -246,17 +246,7 @@ def test_bench_compile_rows_side_by_side():
 
 @pytest.fixture
 def model_dir(tmp_path):
-    from tokenizers import Tokenizer
-    from tokenizers import models as tok_models
-    from tokenizers.pre_tokenizers import Whitespace
-    from transformers import PreTrainedTokenizerFast
-
-    tiny_model("llama").save_pretrained(tmp_path)
-    vocab = {f"t{i}": i for i in range(128)}
-    tok = Tokenizer(tok_models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(tmp_path)
-    return tmp_path
+    return save_tiny_word_model(tmp_path)
 
 
 def test_cli_sample_compile_reports_the_compile_and_matches_eager(model_dir, tmp_path, capsys):
