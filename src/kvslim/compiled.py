@@ -51,16 +51,13 @@ class CompiledDecode:
     def serves(self, cache) -> bool:
         """Whether ``cache`` can run this compiled step (a fixed shape); a cache that cannot is warned about
         once per cache class, so an eager step never passes for a compiled one unnoticed."""
-        if getattr(cache, "is_compileable", False):
+        why = _not_compileable(cache)
+        if why is None:
             return True
         name = type(cache).__name__
         if name not in self.warned:
             self.warned.add(name)
-            warnings.warn(
-                f"kvslim.compile_decode: {name} grows or re-slices its storage, so its decode steps run eagerly "
-                f"(use kvslim.StaticSlimCache or transformers' StaticCache to compile them)",
-                stacklevel=3,
-            )
+            warnings.warn(f"kvslim.compile_decode: {why[0]}, so its decode steps run eagerly ({why[1]})", stacklevel=3)
         return False
 
     def __call__(self, **kwargs) -> torch.Tensor:
@@ -126,9 +123,16 @@ def uncompile(model) -> None:
 
 def check_compileable(cache) -> None:
     """ValueError in one line when ``cache`` cannot serve a compiled decode step, naming what can."""
-    if not getattr(cache, "is_compileable", False):
-        name = type(cache).__name__
-        raise ValueError(
-            f"a compiled decode step needs a cache of fixed shape; {name} grows or re-slices its storage: use "
-            f"kvslim.StaticSlimCache (a window, or max_cache_len) or transformers' StaticCache"
-        )
+    why = _not_compileable(cache)
+    if why is not None:
+        raise ValueError(f"a compiled decode step needs a cache of fixed shape; {why[0]}: {why[1]}")
+
+
+def _not_compileable(cache) -> tuple[str, str] | None:
+    """(why ``cache`` cannot run a compiled step, what can), or None when it can."""
+    if getattr(cache, "is_compileable", False):
+        return None
+    return (
+        f"{type(cache).__name__} grows or re-slices its storage",
+        "use kvslim.StaticSlimCache (a window, or max_cache_len) or transformers' StaticCache",
+    )
