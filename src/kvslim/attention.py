@@ -86,9 +86,8 @@ def compressed_attention(query: torch.Tensor, kv: Segments, attention_mask, scal
     if n_sink:
         out = probs[..., :n_sink] @ kv.v_sink.float()
     if n_body:
-        o = kernels.v_weighted(probs[..., n_sink : n_sink + n_body], kv.v_codec, kv.v_body, kv.v_offset)
-        if kv.v_basis is not None:  # the weighted sum of stored values, back to the model's basis (once)
-            o = kv.v_basis.decode_sum(o, probs[..., n_sink : n_sink + n_body].sum(-1, keepdim=True))
+        pb = probs[..., n_sink : n_sink + n_body]
+        o = _body_sum(pb, kv.v_basis, kernels.v_weighted(pb, kv.v_codec, kv.v_body, kv.v_offset))
         out = o if out is None else out + o
     if kv.v_res is not None and kv.v_res.shape[2]:
         o = probs[..., n_sink + n_body :] @ kv.v_res.float()
@@ -162,6 +161,12 @@ def _body_scores(q: torch.Tensor, basis, enc, score) -> torch.Tensor:
     return scores
 
 
+def _body_sum(p: torch.Tensor, basis, weighted: torch.Tensor) -> torch.Tensor:
+    """``weighted`` (B, Hkv, M, Dv): the probabilities ``p`` (B, Hkv, M, n) times the encoded values as stored
+    (a kernel call), back in the model's basis (once per query, never per token): the V twin of _body_scores."""
+    return weighted if basis is None else basis.decode_sum(weighted, p.sum(-1, keepdim=True))
+
+
 def static_attention(query: torch.Tensor, kv: StaticSegments, scaling: float) -> torch.Tensor:
     """Attention of ``query`` (B, Hq, q, D) over a static store's slots (:mod:`kvslim.static`): every slot
     scored, the empty and evicted ones masked; the encoded ones through the custom ops
@@ -187,10 +192,7 @@ def static_attention(query: torch.Tensor, kv: StaticSegments, scaling: float) ->
     if kv.v_body is not None:
         pb = probs[..., n_fp:]
         token, group = ops.split(kv.v_body)
-        o = ops.v_weighted(pb, kv.v_key, token, group, kv.v_dim)
-        if kv.v_basis is not None:  # the weighted sum of stored values, back to the model's basis (once)
-            o = kv.v_basis.decode_sum(o, pb.sum(-1, keepdim=True))
-        out = out + o
+        out = out + _body_sum(pb, kv.v_basis, ops.v_weighted(pb, kv.v_key, token, group, kv.v_dim))
     return out.reshape(b, hq, q_len, -1).to(query.dtype)
 
 
