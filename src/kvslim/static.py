@@ -204,9 +204,7 @@ class StaticStore:
 
     def nbytes(self) -> int:
         """Every byte the store holds (its capacity, whatever is live): buffers, position slots, counter."""
-        tensors = [self.k_fp, self.v_fp, self.fp_pos, self.body_pos, self.seen]
-        total = sum(t.numel() * t.element_size() for t in tensors if t is not None)
-        return total + sum(e.nbytes() for e in (self.k_body, self.v_body) if e is not None)
+        return sum(self.components().values())
 
     def components(self) -> dict[str, int]:
         """Bytes per kind of tensor (fixed from the first write on)."""
