@@ -153,6 +153,26 @@ def test_compiled_identity_format_greedy_matches_dynamic_cache(model):
     torch.testing.assert_close(out, dynamic, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_compiled_one_row_matmuls_are_fused_reductions(bias):
+    """compile_decode's backend turns a one-row linear layer (mm, or addmm with a bias) into a fused
+    multiply-and-sum (no extern matmul left in the generated code) with the matmul's result; more rows keep
+    Inductor's matmul."""
+    from torch._inductor.utils import run_and_get_code
+
+    from kvslim.compiled import _backend
+
+    torch._dynamo.reset()
+    lin = torch.nn.Linear(48, 40, bias=bias)
+    fn = torch.compile(lambda x: lin(x), fullgraph=True, dynamic=False, backend=_backend)
+    with torch.no_grad():
+        for rows, fused in ((1, True), (5, False)):
+            x = torch.randn(1, rows, 48)
+            out, code = run_and_get_code(fn, x)
+            torch.testing.assert_close(out, lin(x), atol=1e-5, rtol=1e-5)
+            assert ("extern_kernels.mm" in code[0] or "extern_kernels.addmm" in code[0]) is not fused
+
+
 def test_a_growing_cache_is_never_compiled(model):
     compile_decode(model)
     try:

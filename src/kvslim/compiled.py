@@ -36,6 +36,57 @@ RECOMPILE_LIMIT = 64
 #: encoders round to float16 -- and so the codes -- are the eager ones.
 OPTIONS = {"emulate_precision_casts": True}
 
+_INDUCTOR_MM = _INDUCTOR_ADDMM = None  # Inductor's own decompositions of mm/addmm, set by _decompositions()
+
+
+def _gemv_mm(mat1: torch.Tensor, mat2: torch.Tensor, out_dtype=None):
+    """``aten.mm`` of one row on the CPU as a fused multiply-and-sum (gpt-fast's matrix-vector form).
+
+    A decode step's matmuls are matrix-vector products (one token per row), bound by reading the weights. At
+    two threads MKL's ``sgemv`` reads them at ~10 GB/s; the reduction Inductor generates for
+    ``(x.T * W.T).sum(0)`` reads at ~23 GB/s, the machine's streaming rate. Inductor does this rewrite on
+    GPUs (``coordinate_descent_tuning``), not on the CPU. The sum accumulates in float32, as the
+    matmul does; only the order of the additions differs. Anything else (more rows, mixed dtypes, an
+    ``out_dtype``, another device) keeps Inductor's own lowering."""
+    if (
+        out_dtype is None
+        and mat1.device.type == "cpu"
+        and mat1.dtype == mat2.dtype
+        and mat1.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and mat1.shape[0] == 1
+    ):
+        return (mat1.permute(1, 0).float() * mat2.float()).sum(0, keepdim=True).to(mat1.dtype)
+    return _INDUCTOR_MM(mat1, mat2) if out_dtype is None else _INDUCTOR_MM(mat1, mat2, out_dtype=out_dtype)
+
+
+def _gemv_addmm(bias: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta=1, alpha=1):
+    """``aten.addmm`` of one row (a linear layer with a bias) as :func:`_gemv_mm` plus the bias."""
+    out = _gemv_mm(mat1, mat2)
+    if out is NotImplemented:
+        return _INDUCTOR_ADDMM(bias, mat1, mat2, beta=beta, alpha=alpha)
+    return (out * alpha if alpha != 1 else out) + (bias * beta if beta != 1 else bias)
+
+
+def _decompositions() -> dict:
+    """Inductor's decompositions with the one-row matmuls as fused reductions (:func:`_gemv_mm`)."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    global _INDUCTOR_MM, _INDUCTOR_ADDMM
+    table = dict(select_decomp_table())
+    aten = torch.ops.aten
+    _INDUCTOR_MM = table.get(aten.mm.default, lambda *a, **k: NotImplemented)
+    _INDUCTOR_ADDMM = table.get(aten.addmm.default, lambda *a, **k: NotImplemented)
+    table[aten.mm.default] = _gemv_mm
+    table[aten.addmm.default] = _gemv_addmm
+    return table
+
+
+def _backend(gm, example_inputs):
+    """Inductor with :data:`OPTIONS` and the one-row matmuls fused (:func:`_decompositions`)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs, config_patches=dict(OPTIONS), decompositions=_decompositions())
+
 
 @dataclass
 class CompiledDecode:
@@ -106,7 +157,11 @@ def compile_decode(model, *, mode: str | None = None) -> CompiledDecode:
     code = step.__code__.replace(co_name=f"kvslim_decode_step_{_SERIAL[0]}")
     step = types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__, step.__closure__)
 
-    compiled = CompiledDecode(torch.compile(step, fullgraph=True, dynamic=False, mode=mode, options=OPTIONS))
+    if mode is None:  # kvslim's backend: Inductor, the one-row matmuls as fused reductions
+        fn = torch.compile(step, fullgraph=True, dynamic=False, backend=_backend)
+    else:  # a torch.compile mode (CUDA graphs): Inductor's own decompositions
+        fn = torch.compile(step, fullgraph=True, dynamic=False, mode=mode, options=OPTIONS)
+    compiled = CompiledDecode(fn)
     _COMPILED[model] = compiled
     return compiled
 

@@ -58,10 +58,16 @@ def _join(key: str, token_parts, group_parts) -> tuple[Codec, Encoded]:
     return codec, enc
 
 
-@torch.library.custom_op("kvslim::k_scores", mutates_args=())
-def k_scores(
-    q: torch.Tensor, codec: str, token_parts: list[torch.Tensor], group_parts: list[torch.Tensor]
-) -> torch.Tensor:
+# Registered through torch.library.Library rather than torch.library.custom_op: one dispatch, no autograd or
+# dynamo-disable wrapper around the Python kernel -- ~15 us less per call, and a compiled step makes two calls
+# per layer (60 per step of a 30-layer model). Neither op has a gradient (attention on stored codes is
+# inference only); CompositeExplicitAutograd serves every device (the kernel registry picks C, Triton or torch).
+_LIB = torch.library.Library("kvslim", "DEF")
+_LIB.define("k_scores(Tensor q, str codec, Tensor[] token_parts, Tensor[] group_parts) -> Tensor")
+_LIB.define("v_weighted(Tensor p, str codec, Tensor[] token_parts, Tensor[] group_parts, int d) -> Tensor")
+
+
+def _k_scores(q: torch.Tensor, codec: str, token_parts, group_parts) -> torch.Tensor:
     """q (B, H, M, D) fp32 against every encoded key: (B, H, M, T) fp32."""
     from . import k_scores as eager
 
@@ -69,15 +75,7 @@ def k_scores(
     return eager(q, c, enc, 0)
 
 
-@k_scores.register_fake
-def _(q, codec, token_parts, group_parts):
-    return q.new_empty((*q.shape[:3], token_parts[0].shape[2]), dtype=torch.float32)
-
-
-@torch.library.custom_op("kvslim::v_weighted", mutates_args=())
-def v_weighted(
-    p: torch.Tensor, codec: str, token_parts: list[torch.Tensor], group_parts: list[torch.Tensor], d: int
-) -> torch.Tensor:
+def _v_weighted(p: torch.Tensor, codec: str, token_parts, group_parts, d: int) -> torch.Tensor:
     """p (B, H, M, T) fp32 weights of every encoded value: (B, H, M, d) fp32."""
     from . import v_weighted as eager
 
@@ -85,6 +83,21 @@ def v_weighted(
     return eager(p, c, enc, 0)
 
 
-@v_weighted.register_fake
+_LIB.impl("k_scores", _k_scores, "CompositeExplicitAutograd")
+_LIB.impl("v_weighted", _v_weighted, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("kvslim::k_scores", lib=_LIB)
+def _(q, codec, token_parts, group_parts):
+    return q.new_empty((*q.shape[:3], token_parts[0].shape[2]), dtype=torch.float32)
+
+
+@torch.library.register_fake("kvslim::v_weighted", lib=_LIB)
 def _(p, codec, token_parts, group_parts, d):
     return p.new_empty((*p.shape[:3], d), dtype=torch.float32)
+
+
+#: The ops (what attention calls): ``k_scores(q, key, token_parts, group_parts)``,
+#: ``v_weighted(p, key, token_parts, group_parts, d)``.
+k_scores = torch.ops.kvslim.k_scores.default
+v_weighted = torch.ops.kvslim.v_weighted.default

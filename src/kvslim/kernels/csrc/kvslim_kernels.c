@@ -208,10 +208,13 @@ static int threads_of(const kv_dims *dm) {
     return nt < 1 ? 1 : (int)nt;
 }
 
-/* Token chunks per (batch, head): enough tasks to balance the threads, chunks of >= min_chunk tokens. */
+/* Token chunks per (batch, head): enough tasks to balance the threads, chunks of >= min_chunk tokens, and
+ * (where the chunks allow) a task count that is a multiple of the threads, so that no thread is left with a
+ * last lone task while the others wait (3 heads x 3 chunks on 2 threads: 5 tasks against 4). */
 static int n_chunks(int bh, int T, int nthreads, int min_chunk) {
     int want = (4 * nthreads + bh - 1) / bh;
-    int most = (T + min_chunk - 1) / min_chunk;
+    const int most = (T + min_chunk - 1) / min_chunk;
+    while (want < most && ((int64_t)bh * want) % nthreads) want++;
     if (want > most) want = most;
     return want < 1 ? 1 : want;
 }
