@@ -197,9 +197,11 @@ KV_INLINE void axpy(float *restrict y, float a, const float *restrict x, int n) 
     for (int i = 0; i < n; i++) y[i] += a * x[i];
 }
 
-/* Work units (a token row times a query, roughly 3 ns each) below which a thread is not worth its
- * fork/join: small calls run on the caller's thread, like at::parallel_for's grain size. */
-#define KV_GRAIN 8192
+/* Work units (a token row times a query, 5-8 ns each with the row's decode) below which a thread is not
+ * worth its fork/join: small calls run on the caller's thread, like at::parallel_for's grain size. Measured
+ * at 2 threads (python -m kvslim.kernels.bench): 8192 left a 1,024-token int4 step of 3 KV heads x 3 queries
+ * on one thread (189 us a layer for K and V); 2048 splits it (136 us), and changes nothing below 512 tokens. */
+#define KV_GRAIN 2048
 
 static int threads_of(const kv_dims *dm) {
     const int64_t work = (int64_t)dm->B * dm->H * dm->T * (dm->M + 1);
