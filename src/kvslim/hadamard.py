@@ -91,10 +91,14 @@ class Hadamard:
 
     def block_matrix(self, device=None) -> torch.Tensor:
         """``H_block`` in float32 on ``device`` (memoized per device; a constant of a compiled graph)."""
-        where = str(torch.device(device) if device is not None else torch.device("cpu"))
         if torch.compiler.is_compiling():
+            where = str(torch.device(device) if device is not None else torch.device("cpu"))
             return _block_constant(self.block, where)
-        return _block_f32(self.block, where)
+        device = torch.device("cpu") if device is None else device
+        h = _BLOCKS.get((self.block, device))  # an eager decode step rotates twice a layer: one dict lookup
+        if h is None:
+            h = _BLOCKS[(self.block, device)] = _block_f32(self.block, str(torch.device(device)))
+        return h
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """``H x`` along the last dim of ``x`` (..., dim) -> float32 (..., dim)."""
@@ -102,11 +106,12 @@ class Hadamard:
             raise ValueError(f"Hadamard rotation of {self.dim} channels got a last dim of {x.shape[-1]}")
         h = self.block_matrix(x.device)
         xf = x.float()
-        shape = xf.shape
-        out = (
-            xf.reshape(*shape[:-1], self.dim // self.block, self.block) @ h
-        )  # H symmetric: x @ H = (H x^T)^T
-        return out.reshape(shape)
+        # One 2-D matmul over the blocks (H symmetric: x @ H = (H x^T)^T): fewer dispatched ops than a batched
+        # matmul of the (..., blocks, block) view, which matters in an eager decode step (twice a layer).
+        return torch.mm(xf.reshape(-1, self.block), h).view(xf.shape)
+
+
+_BLOCKS: dict = {}  # (block, torch.device) -> _block_f32's matrix, for the eager path's lookup
 
 
 @functools.lru_cache(maxsize=16)
