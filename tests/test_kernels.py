@@ -408,3 +408,14 @@ def test_build_failure_warns_once_and_uses_the_reference(monkeypatch, tmp_path):
             assert kernels.available()["active"] == "torch"
     finally:
         clib._reset_for_tests()  # the next use loads the real build again
+
+
+def test_kernel_bench_takes_lengths_that_are_not_whole_groups():
+    """python -m kvslim.kernels.bench times any history length: a per-channel K body of 100 tokens (3 groups
+    of 32 and 4 tokens of a fourth) is encoded with the slack that rounds it to whole groups."""
+    from kvslim.kernels import bench, cpu
+
+    if not cpu.status()[0]:
+        pytest.skip("no C compiler: the kernel bench times the C kernels")
+    rows = bench.bench(formats=("int4", "q4_0"), lengths=(16, 100), layers=1, repeats=1)
+    assert {(r["format"], r["tokens"]) for r in rows} == {(f, t) for f in ("int4", "q4_0") for t in (16, 100)}

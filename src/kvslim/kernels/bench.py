@@ -45,8 +45,9 @@ def _layer_bodies(name: str, role: str, x: torch.Tensor, layers: int, group_size
     """``layers`` distinct copies of x encoded with ``name``, as views with slack after the body."""
     codec = make_codec(name, role, group_size=group_size)
     t = x.shape[2]
-    slack = torch.zeros(*x.shape[:2], group_size, x.shape[3])
-    enc = codec.encode(torch.cat([x, slack], dim=2))  # (B, H, T + slack, ...): the buffer's spare room
+    # the buffer's spare room: a group or more, up to a whole number of groups (per-channel K encodes groups)
+    slack = torch.zeros(*x.shape[:2], group_size + (-t) % group_size, x.shape[3])
+    enc = codec.encode(torch.cat([x, slack], dim=2))  # (B, H, T + slack, ...)
     bodies = []
     for _ in range(layers):
         e = Encoded(
@@ -122,7 +123,7 @@ def bench(
             nbytes = {"fp32": 2 * k.numel() * 4}
             modes = _modes(q, p, kc, kb, vc, vb, k32, v32)
             for fn in modes.values():  # warm-up
-                _time(fn, 2, tick)
+                _time(fn, min(2, layers), tick)
             times = {m: [] for m in modes}
             for _ in range(repeats):
                 for mode, fn in modes.items():
