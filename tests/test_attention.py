@@ -122,3 +122,42 @@ def test_bf16_model_compressed_path():
         kvslim.enable(model)
         got = _run(model, SlimCache(config=model.config, **spec), ids, 16).float()
     assert (got - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+# pre_rope=False: keys stored before RoPE (the int2 default) are rotated per token on read, which the fused call
+# does not do; the last spec keeps that default and checks the fallback.
+FUSED_SPECS = [dict(s, pre_rope=False) for s in SPECS[1:]] + [
+    dict(kv_quantize="int4", group_size=8, residual=8, rotate="kv", pre_rope=False),  # a Hadamard basis on K and V
+    dict(kv_quantize="q4_0", residual=4, group_size=4, rotate="kv", sink=2, window=11, pre_rope=False),
+    dict(kv_quantize="int8", k_quantize="q8_0", group_size=4, residual=4, sink=1, window=10, pre_rope=False),
+    dict(kv_quantize="int2", group_size=4, residual=4),
+]
+
+
+@pytest.mark.parametrize("spec", FUSED_SPECS, ids=[",".join(f"{k}={v}" for k, v in s.items()) for s in FUSED_SPECS])
+def test_fused_decode_attention_equals_the_op_by_op_path(spec, monkeypatch):
+    """A decode step's attention as one C call (attention._fused_decode) against the same step computed op by
+    op (FUSED_DECODE off): the same logits up to the order of fp32 sums, for every format the C kernels read,
+    with sinks, a window (a partly evicted first group), a residual and a rotated basis."""
+    from kvslim import attention
+
+    model = tiny_model("llama", head_dim=32, attn_implementation="kvslim")
+    ids = _ids(40, seed=2)
+    calls = []
+    orig = attention._fused_decode
+
+    def spy(qf, kv):
+        out = orig(qf, kv)
+        calls.append(out is not None)
+        return out
+
+    with torch.no_grad():
+        monkeypatch.setattr(attention, "FUSED_DECODE", False)
+        ref = _run(model, SlimCache(config=model.config, **spec), ids, 17)
+        monkeypatch.setattr(attention, "FUSED_DECODE", True)
+        monkeypatch.setattr(attention, "_fused_decode", spy)
+        got = _run(model, SlimCache(config=model.config, **spec), ids, 17)
+    if not kvslim.kernels.cpu.status()[0]:
+        pytest.skip("no C compiler: the fused call needs the C kernels")
+    assert any(calls) is (spec.get("pre_rope") is False)  # the fused call served decode steps, or fell back
+    torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)

@@ -538,3 +538,30 @@ def test_residual_dtype_auto_is_float16_for_fp32_models_and_the_model_dtype_othe
         cache.update(big, big.clone(), 0)
     assert cache.get_seq_length() == 0  # nothing half-stored
     SlimCache(residual_dtype="model", **kw).update(big, big.clone(), 0)  # the model's dtype holds it
+
+
+def test_a_decode_token_checked_once_still_raises_each_error_and_stores_nothing():
+    """A one-token append into float16 residuals checks its cast values once (SlimLayer.append): a NaN or inf
+    input still raises the non-finite error naming keys or values, a finite value beyond float16's range the
+    residual-dtype error; either way nothing is stored. A token that goes straight to the encoder (residual
+    0, a group completing) is never cast, so a large finite value there is stored."""
+    kw = dict(kv_quantize="int4", group_size=4, residual=8)
+    cache = SlimCache(**kw)
+    cache.update(torch.randn(1, 2, 10, 32), torch.randn(1, 2, 10, 32), 0)
+    ok = torch.randn(1, 2, 1, 32)
+    held = len(cache.layers[0].store.k.fp)
+    for k, v, match in (
+        (ok.clone(), torch.full_like(ok, float("nan")), "values have non-finite values"),
+        (torch.full_like(ok, float("inf")), ok.clone(), "keys have non-finite values"),
+        (torch.full_like(ok, 1e6), ok.clone(), "beyond float16's range"),
+        (ok.clone(), torch.full_like(ok, -1e6), "beyond float16's range"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            cache.update(k, v, 0)
+        assert cache.get_seq_length() == 10 and len(cache.layers[0].store.k.fp) == held  # nothing half-stored
+    cache.update(ok, ok.clone(), 0)
+    assert cache.get_seq_length() == 11
+    direct = SlimCache(kv_quantize="int4", group_size=4, residual=0)
+    direct.update(torch.randn(1, 2, 3, 32), torch.randn(1, 2, 3, 32), 0)
+    direct.update(torch.full_like(ok, 7e4), torch.full_like(ok, 7e4), 0)  # the 4th token completes a group
+    assert direct.get_seq_length() == 4 and len(direct.layers[0].store.k.fp) == 0

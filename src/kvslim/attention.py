@@ -46,6 +46,9 @@ NAME = "kvslim"
 #: Forwards with more new tokens than this (prefill chunks) materialize and run sdpa: their cost is
 #: the matmuls, not reading the cache.
 FAST_MAX_QUERY = 16
+#: A decode step (one new token a row, no mask) runs its attention as one C call where it can
+#: (:func:`_fused_decode`); False computes it op by op (the reference the fused call is tested against).
+FUSED_DECODE = True
 
 
 def compressed_attention(query: torch.Tensor, kv: Segments, attention_mask, scaling: float) -> torch.Tensor:
@@ -59,6 +62,10 @@ def compressed_attention(query: torch.Tensor, kv: Segments, attention_mask, scal
     rep = hq // h_kv
     # GQA without repeat_kv: each KV head serves `rep` query heads -> fold them into the query axis.
     qf = (query.float() * scaling).reshape(b, h_kv, rep * q_len, d)  # (B, Hkv, rep*q, D)
+    if q_len == 1 and attention_mask is None and FUSED_DECODE:
+        out = _fused_decode(qf, kv)
+        if out is not None:
+            return out.reshape(b, hq, q_len, -1).to(query.dtype)
 
     parts = []
     if kv.k_sink is not None and kv.k_sink.shape[2]:
@@ -93,6 +100,43 @@ def compressed_attention(query: torch.Tensor, kv: Segments, attention_mask, scal
         o = probs[..., n_sink + n_body :] @ kv.v_res.float()
         out = o if out is None else out + o
     return out.reshape(b, hq, q_len, -1).to(query.dtype)  # V may be narrower than K (MLA)
+
+
+def _fused_decode(qf: torch.Tensor, kv: Segments) -> torch.Tensor | None:
+    """A decode step's attention over ``kv`` in one C call (:func:`kvslim.kernels.cpu.attend`), or None where
+    that call does not apply and :func:`compressed_attention` computes it op by op: both bodies present and
+    read by the C kernels (the kernel registry picks ``cpu`` for them), no key runs to move (a re-based
+    stream), no pre-RoPE keys, a basis without a centering bias, V as wide as K. The same scores, softmax
+    and sums, in one call instead of a dozen dispatched ops and two kernel calls a layer: what an eager step's
+    time at short contexts was made of."""
+    if kv.k_body is None or kv.v_body is None or kv.k_runs or kv.k_pos is not None or not qf.is_cpu:
+        return None
+    kb, vb = kv.k_basis, kv.v_basis
+    if (kb is not None and kb.bias is not None) or (vb is not None and vb.bias is not None):
+        return None
+    v_width = kv.v_res.shape[-1] if kv.v_res is not None else next(iter(kv.v_body.token.values())).shape[-1]
+    if kv.v_sink is not None and kv.v_sink.shape[-1] != qf.shape[-1]:
+        return None
+    if not kernels.cpu_serves(qf, kv.k_body, kv.v_body):
+        return None
+    if not kernels.cpu.attend_supported(kv.k_codec, kv.k_body, kv.v_codec, kv.v_body):
+        return None
+    if kv.v_res is not None and v_width != qf.shape[-1]:
+        return None
+    return kernels.cpu.attend(
+        qf,
+        kv.k_sink,
+        kv.v_sink,
+        kv.k_res,
+        kv.v_res,
+        kv.k_codec,
+        kv.k_body,
+        kv.k_offset,
+        kv.v_codec,
+        kv.v_body,
+        k_hblock=0 if kb is None or kb.hadamard is None else kb.hadamard.block,
+        v_hblock=0 if vb is None or vb.hadamard is None else vb.hadamard.block,
+    )
 
 
 def _stream_scores(qf: torch.Tensor, kv: Segments) -> list[torch.Tensor]:

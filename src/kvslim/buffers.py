@@ -295,9 +295,23 @@ class Stream:
             )
         return y
 
-    def plan(self, x: torch.Tensor) -> _Plan:
+    def half_residual(self, x: torch.Tensor) -> bool:
+        """Whether appending ``x`` puts every one of its tokens into the residual, cast to float16 (so a check
+        of ``x.to(float16)`` is finite checks both ``x``'s values and :meth:`cast`'s range at once)."""
+        if not self.codec.lossy or x.dtype == torch.float16:
+            return False
+        dtype = self.fp_dtype
+        if dtype == "auto":
+            dtype = torch.float16 if x.dtype == torch.float32 else None
+        if dtype != torch.float16:
+            return False
+        n_fp = len(self.fp)
+        return ((n_fp + x.shape[2] - self.residual_cap) // self.unit) * self.unit <= n_fp
+
+    def plan(self, x: torch.Tensor, cast: torch.Tensor | None = None) -> _Plan:
         """Everything appending x (B, H, C, D) will do, computed without changing the stream: the
-        encoding of the tokens that leave the residual (the step that can fail) is done here."""
+        encoding of the tokens that leave the residual (the step that can fail) is done here.
+        cast: ``x.to(float16)`` already made and checked finite by the caller (:meth:`half_residual`)."""
         if not self.codec.lossy:
             return _Plan(None, 0, x)
         # Only what stays in the residual is cast to its storage dtype; tokens that go straight to the
@@ -306,9 +320,10 @@ class Stream:
         n_fp = len(self.fp)
         ready = ((n_fp + x.shape[2] - self.residual_cap) // g) * g  # tokens that leave the residual now
         if ready <= n_fp:
+            y = self.cast(x) if cast is None else cast
             if ready <= 0:
-                return _Plan(None, 0, self.cast(x))
-            return _Plan(self._encode(self.fp.view()[:, :, :ready]), ready, self.cast(x))
+                return _Plan(None, 0, y)
+            return _Plan(self._encode(self.fp.view()[:, :, :ready]), ready, y)
         # A long chunk (prefill): encode straight from it; only the newest tokens enter the residual.
         head = x[:, :, : ready - n_fp]
         enc = self._encode(head if n_fp == 0 else torch.cat([self.fp.view().to(x.dtype), head], dim=2))

@@ -150,6 +150,18 @@ def select(x: torch.Tensor, codec: Codec, enc: Encoded) -> tuple[str, Kernel]:
     raise ValueError(f"no kernel for codec {codec.name!r} (family {family}) on {x.device}")
 
 
+def cpu_serves(x: torch.Tensor, *bodies: Encoded) -> bool:
+    """Whether :func:`select` gives calls with ``x`` on these bodies to the C kernels, as far as the backend
+    and the devices decide (the format's own support is the caller's :func:`cpu.attend_supported`): for a
+    call that fuses several kernel calls (:func:`kvslim.attention._fused_decode`), at a fraction of the cost of
+    one ``select`` per body. For CPU tensors "auto" never picks triton (its interpreter is opt-in by name)."""
+    if get_backend() not in ("auto", "cpu") or not x.is_cpu or not 0 < x.shape[2] <= cpu.MAX_M:
+        return False
+    if not all(t.is_cpu for enc in bodies for t in (*enc.token.values(), *enc.group.values())):
+        return False
+    return _usable("cpu")
+
+
 def available() -> dict:
     """Which backend is requested, each backend's state and why (builds the C kernels if needed)."""
     info = {"requested": get_backend(), "preference": list(PREFERENCE), "backends": {}}
@@ -296,6 +308,7 @@ for _family in ("affine_k", "affine_v", "ggml", "fp8", "cast"):
 
 __all__ = [
     "BACKENDS",
+    "cpu_serves",
     "Kernel",
     "KeyTransform",
     "available",

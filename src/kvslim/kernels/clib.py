@@ -52,7 +52,7 @@ from .. import paths
 from ..atomic import remove_stale
 from ..formats import FORMATS
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 SOURCES = Path(__file__).parent / "csrc"
 BASE_FLAGS = ["-O3", "-shared", "-fPIC", "-std=c11", "-ffp-contract=fast"]
 #: Tried in order; the first set the compiler accepts is used.
@@ -240,6 +240,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kv_test_half_to_float.restype = None
     lib.kv_run.argtypes = [_I, ctypes.c_void_p]
     lib.kv_run.restype = _I
+    lib.kv_attend.argtypes = [ctypes.c_void_p]
+    lib.kv_attend.restype = _I
     lib.kv_row_format.argtypes = [
         ctypes.c_char_p,
         ctypes.POINTER(ctypes.c_int32),

@@ -213,3 +213,78 @@ def half_to_float(bits: torch.Tensor, portable: bool = False) -> torch.Tensor:
     dst = torch.empty(src.shape, dtype=torch.float32)
     library().kv_test_half_to_float(src.data_ptr(), dst.data_ptr(), src.numel(), int(portable))
     return dst
+
+
+# --------------------------------------------------------------------------- fused decode attention
+
+
+def _body_args(codec: Codec, enc: Encoded, b: int, h: int, d: int, offset: int, role: str):
+    """(kind, code, group, offset, tokens) and the three parts of a K or V body for kv_attend."""
+    n = next(iter(enc.token.values())).shape[2]
+    if codec.family in ("affine_k", "affine_v"):
+        lay = body_layout(codec, enc, b, h, n, d, offset if role == "k" else 0)
+        group = codec.token_group if role == "k" else lay.group
+        return (1, codec.bits, group, offset if role == "k" else 0, n), (lay.x, lay.scale, lay.zero)
+    fmt, x, xs, _ = _row_parts(codec, enc, b, h, n, d)
+    return (0, fmt, 1, 0, n), (x, xs, x)
+
+
+def attend_supported(codec_k: Codec, enc_k: Encoded, codec_v: Codec, enc_v: Encoded) -> bool:
+    """Whether :func:`attend` reads both bodies: per-channel K or rows, per-token V or rows, in C."""
+    k_ok = codec_k.family == "affine_k" or rows_supported(codec_k, enc_k)
+    v_ok = (codec_v.family == "affine_v" and affine_v_supported(codec_v, enc_v)) or rows_supported(codec_v, enc_v)
+    return k_ok and v_ok
+
+
+def attend(
+    q: torch.Tensor,
+    k_sink: torch.Tensor | None,
+    v_sink: torch.Tensor | None,
+    k_res: torch.Tensor | None,
+    v_res: torch.Tensor | None,
+    k_codec: Codec,
+    k_body: Encoded,
+    k_offset: int,
+    v_codec: Codec,
+    v_body: Encoded,
+    k_hblock: int = 0,
+    v_hblock: int = 0,
+) -> torch.Tensor:
+    """One layer's decode attention in one C call: q (B, H, M, D) fp32, already scaled, against the sinks, the
+    encoded bodies and the residual (full-precision parts (B, H, n, D) fp32/fp16/bf16 or None), softmax over
+    all of them, the weighted values summed: (B, H, M, D) fp32. The bodies are stored in a normalized
+    Hadamard basis of block ``k_hblock`` / ``v_hblock`` (0: none): the body's keys are scored with the
+    rotated query, the body's value sum is rotated back."""
+    b, h, m, d = q.shape
+    dummy = q
+    fp = []
+    for t in (k_sink, v_sink, k_res, v_res):
+        if t is None or t.shape[2] == 0:
+            fp.append((0, dummy))
+            continue
+        if tuple(t.shape[:2]) != (b, h) or t.shape[3] != d or t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"fused attention: a full-precision part {tuple(t.shape)} {t.dtype} does not fit q {tuple(q.shape)}"
+            )
+        fp.append((t.shape[2], rows_contiguous(t)))
+    (s_k, ks), (s_v, vs), (rk, kr), (rv, vr) = fp
+    if s_k != s_v:
+        raise ValueError(f"fused attention: {s_k} sink keys but {s_v} sink values")
+    kp, kparts = _body_args(k_codec, k_body, b, h, d, k_offset, "k")
+    vp, vparts = _body_args(v_codec, v_body, b, h, d, 0, "v")
+    if s_k + kp[4] + rk != s_k + vp[4] + rv:
+        raise ValueError(
+            f"fused attention: K holds {kp[4]} + {rk} tokens after the sinks, V {vp[4]} + {rv}"
+        )
+    out = torch.empty((b, h, m, d), dtype=torch.float32)
+    vals = [b, h, m, d, torch.get_num_threads(), s_k, rk, rv, *kp, vp[0], vp[1], vp[2], vp[4], k_hblock, v_hblock]
+    for t in (q, ks, vs, kr, vr, *kparts, *vparts, out):
+        st = t.stride()
+        vals += (t.data_ptr(), st[0], st[1], st[2], _DT[t.dtype])
+    args = array.array("q", vals)
+    rc = library().kv_attend(args.buffer_info()[0])
+    if rc == 1:
+        raise MemoryError("kvslim C kernel attend: out of memory for its scratch buffers")
+    if rc:
+        raise ValueError(f"kvslim C kernel attend rejected its arguments (code {rc})")
+    return out

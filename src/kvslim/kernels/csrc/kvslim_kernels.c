@@ -52,7 +52,7 @@
 #include <immintrin.h>
 #endif
 
-#define KV_ABI_VERSION 3
+#define KV_ABI_VERSION 4
 
 #if defined(__GNUC__) || defined(__clang__)
 #define KV_INLINE static inline __attribute__((always_inline))
@@ -824,6 +824,205 @@ static int run_call(kv_call *k) {
         if (err == KV_OK) reduce_chunks(k->part, k->out, dm, k->nc, per); /* on this thread: a few us */
         free(k->part);
     }
+    return err;
+}
+
+/* --------------------------------------------------------------------------------- fused decode attention
+ *
+ * One layer's attention for a decode step in one call, what kvslim.attention.compressed_attention computes
+ * with a dozen torch ops and two kernel calls:
+ *   scores = [q . k_sink | (H_k q) . body keys | q . k_res]   (q already scaled; T = S + NK + RK tokens)
+ *   p      = softmax(scores)
+ *   out    = p_sink @ v_sink + H_v (p_body @ body values) + p_res @ v_res   (T = S + NV + RV)
+ * K and V bodies may hold different token counts (per-channel K encodes whole groups, per-token V may
+ * not); the token axis is shared. H_k, H_v: the body's Hadamard basis (block 0: none), normalized. The body
+ * tasks are the kernels above (same code, same chunks), so the codes are read exactly as kv_run reads them.
+ * The phases run in one OpenMP region: K chunks and the fp scores, softmax rows, V chunks, then per
+ * (b, h) the V chunks reduced, rotated back and the fp values added. */
+
+typedef struct {
+    int kind, code, group, offset, n; /* kind 0: rows (code = format), 1: affine (code = bits) */
+    const kv_part *x, *s, *z;
+} kv_body;
+
+KV_INLINE void body_k_task(const kv_body *kb, const kv_part *q, const kv_part *out, int M, int D, int b, int h,
+                           int t0, int t1, float *scratch) {
+#define KV_KR(FMT) \
+    case FMT: k_rows_task(FMT, q, kb->x, kb->s, out, M, D, b, h, t0, t1, scratch, NULL); return;
+#define KV_KA(BITS) \
+    case BITS: k_affine_task(BITS, q, kb->x, kb->s, kb->z, out, M, D, kb->group, kb->offset, b, h, t0, t1, scratch); return;
+    if (kb->kind == 0) {
+        switch (kb->code) {
+            KV_KR(R_Q8_0) KV_KR(R_Q4_0) KV_KR(R_Q4_1) KV_KR(R_Q5_0) KV_KR(R_Q5_1)
+            KV_KR(R_F32) KV_KR(R_F16) KV_KR(R_BF16) KV_KR(R_FP8)
+        default: return;
+        }
+    }
+    switch (kb->code) {
+        KV_KA(8) KV_KA(4) KV_KA(2)
+    default: return;
+    }
+#undef KV_KR
+#undef KV_KA
+}
+
+KV_INLINE void body_v_task(const kv_body *vb, const kv_part *p, int M, int D, int b, int h, int t0, int t1,
+                           float *scratch, float *acc) {
+#define KV_VR(FMT) \
+    case FMT: v_rows_task(FMT, p, vb->x, vb->s, M, D, b, h, t0, t1, scratch, acc); return;
+#define KV_VA(BITS) \
+    case BITS: v_affine_task(BITS, p, vb->x, vb->s, vb->z, M, D, vb->group, b, h, t0, t1, scratch, acc); return;
+    if (vb->kind == 0) {
+        switch (vb->code) {
+            KV_VR(R_Q8_0) KV_VR(R_Q4_0) KV_VR(R_Q4_1) KV_VR(R_Q5_0) KV_VR(R_Q5_1)
+            KV_VR(R_F32) KV_VR(R_F16) KV_VR(R_BF16) KV_VR(R_FP8)
+        default: return;
+        }
+    }
+    switch (vb->code) {
+        KV_VA(8) KV_VA(4) KV_VA(2)
+    default: return;
+    }
+#undef KV_VR
+#undef KV_VA
+}
+
+/* Normalized Walsh-Hadamard transform of each hb-block of x (D floats); hb 0: nothing. */
+static void hadamard_blocks(float *restrict x, int D, int hb) {
+    if (!hb) return;
+    const float norm = 1.0f / sqrtf((float)hb);
+    for (int blk = 0; blk < D; blk += hb) fwht(x + blk, hb);
+    KV_SIMD
+    for (int d = 0; d < D; d++) x[d] *= norm;
+}
+
+static int body_ok(const kv_body *kb, int is_v, int D) {
+    if (kb->n < 0) return 0;
+    if (kb->kind == 0) return kb->code >= R_Q8_0 && kb->code <= R_FP8 && (D % QK == 0 || kb->code > R_Q5_1);
+    if (kb->kind != 1 || (kb->code != 8 && kb->code != 4 && kb->code != 2) || D % (8 / kb->code)) return 0;
+    if (is_v) return kb->group >= 1 && D % kb->group == 0 && kb->group % (8 / kb->code) == 0;
+    return kb->group >= 1 && kb->offset >= 0 && kb->offset < kb->group;
+}
+
+/* args: B, H, M, D, nthreads, S, RK, RV, K body (kind, code, group, offset, n), V body (kind, code, group, n),
+ * K hadamard block, V hadamard block; then 12 parts of 5 int64 (data, s0, s1, s2, dtype): q (B, H, M, D) fp32,
+ * k_sink, v_sink (B, H, S, D), k_res (B, H, RK, D), v_res (B, H, RV, D) fp32/fp16/bf16, K body x, s, z,
+ * V body x, s, z (as kv_run's parts; unused ones may repeat q), out (B, H, M, D) fp32. */
+int kv_attend(const int64_t *a) {
+    const int B = (int)a[0], H = (int)a[1], M = (int)a[2], D = (int)a[3], S = (int)a[5], RK = (int)a[6], RV = (int)a[7];
+    kv_part pt[12];
+    for (int i = 0; i < 12; i++) {
+        const int64_t *e = a + 19 + 5 * i;
+        pt[i] = (kv_part){(const void *)(intptr_t)e[0], e[1], e[2], e[3], (int32_t)e[4], 0};
+    }
+    const kv_part *q = &pt[0], *ksk = &pt[1], *vsk = &pt[2], *kres = &pt[3], *vres = &pt[4], *out = &pt[11];
+    const kv_body kb = {(int)a[8], (int)a[9], (int)a[10], (int)a[11], (int)a[12], &pt[5], &pt[6], &pt[7]};
+    const kv_body vb = {(int)a[13], (int)a[14], (int)a[15], 0, (int)a[16], &pt[8], &pt[9], &pt[10]};
+    const int khb = (int)a[17], vhb = (int)a[18];
+    if (B < 1 || H < 1 || M < 1 || D < 1 || S < 0 || RK < 0 || RV < 0) return KV_EARG;
+    if (!body_ok(&kb, 0, D) || !body_ok(&vb, 1, D) || S + kb.n + RK != S + vb.n + RV || S + kb.n + RK < 1) return KV_EARG;
+    if ((khb && (khb & (khb - 1) || D % khb)) || (vhb && (vhb & (vhb - 1) || D % vhb))) return KV_EARG;
+    const int T = S + kb.n + RK, NK = kb.n, NV = vb.n, BH = B * H;
+    const int vper = vb.kind == 1 ? 8 / vb.code : 1;
+    const kv_dims dm = {B, H, M, NK > NV ? NK : NV, D, (int32_t)a[4]};
+    const int nt = threads_of(&dm);
+    const int nck = NK ? n_chunks(BH, NK, nt, 128) : 0, ncv = NV ? n_chunks(BH, NV, nt, 128) : 0;
+    const size_t scratch_floats = (size_t)(TILE + M + 8) * D + (size_t)M + 64;
+
+    float *scores = (float *)malloc((size_t)BH * M * T * sizeof(float));
+    float *qrot = khb && NK ? (float *)malloc((size_t)BH * M * D * sizeof(float)) : NULL;
+    float *part = ncv ? (float *)calloc((size_t)BH * ncv * M * D, sizeof(float)) : NULL;
+    if (!scores || (khb && NK && !qrot) || (ncv && !part)) {
+        free(scores), free(qrot), free(part);
+        return KV_ENOMEM;
+    }
+    /* the body's queries: H_k q (contiguous), or q itself */
+    kv_part qb = *q;
+    if (qrot) {
+        for (int bh = 0; bh < BH; bh++)
+            for (int m = 0; m < M; m++) {
+                float *r = qrot + ((int64_t)bh * M + m) * D;
+                memcpy(r, (const float *)at(q, bh / H, bh % H, 0) + (int64_t)m * q->s2, (size_t)D * 4);
+                hadamard_blocks(r, D, khb);
+            }
+        qb = (kv_part){qrot, (int64_t)H * M * D, (int64_t)M * D, D, DT_F32, 0};
+    }
+    /* body scores and probabilities: columns S .. S + NK of each (b, h, m) row of T */
+    const kv_part sc = {scores + S, (int64_t)H * M * T, (int64_t)M * T, T, DT_F32, 0};
+    int err = KV_OK;
+#pragma omp parallel num_threads(nt)
+    {
+        float *scratch = (float *)calloc(scratch_floats, sizeof(float));
+        if (!scratch) {
+#pragma omp atomic write
+            err = KV_ENOMEM;
+        }
+        /* 1. K: the body's chunks, then each (b, h)'s sink and residual scores */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < (int64_t)BH * nck + BH; task++) {
+            if (!scratch) continue;
+            if (task < (int64_t)BH * nck) {
+                const int bh = (int)(task / nck), c = (int)(task % nck);
+                const int t0 = (int)((int64_t)c * NK / nck), t1 = (int)((int64_t)(c + 1) * NK / nck);
+                body_k_task(&kb, &qb, &sc, M, D, bh / H, bh % H, t0, t1, scratch);
+                continue;
+            }
+            const int bh = (int)(task - (int64_t)BH * nck), b = bh / H, h = bh % H;
+            const float *qbh = (const float *)at(q, b, h, 0);
+            float *row = scratch, *sb = scores + (int64_t)bh * M * T;
+            for (int j = 0; j < S + RK; j++) {
+                const int col = j < S ? j : S + NK + (j - S);
+                load_floats(j < S ? at(ksk, b, h, j) : at(kres, b, h, j - S), j < S ? ksk->dtype : kres->dtype, row, D);
+                for (int m = 0; m < M; m++) sb[(int64_t)m * T + col] = dot(qbh + (int64_t)m * q->s2, row, D);
+            }
+        }
+        /* 2. softmax of every row */
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < (int64_t)BH * M; r++) {
+            float *x = scores + r * T, mx = x[0], sum = 0.0f;
+            for (int t = 1; t < T; t++) mx = x[t] > mx ? x[t] : mx;
+            for (int t = 0; t < T; t++) sum += (x[t] = expf(x[t] - mx));
+            const float inv = 1.0f / sum;
+            KV_SIMD
+            for (int t = 0; t < T; t++) x[t] *= inv;
+        }
+        /* 3. V: the body's chunks, each into its own partial sum */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < (int64_t)BH * ncv; task++) {
+            if (!scratch) continue;
+            const int bh = (int)(task / ncv), c = (int)(task % ncv);
+            const int t0 = (int)((int64_t)c * NV / ncv), t1 = (int)((int64_t)(c + 1) * NV / ncv);
+            body_v_task(&vb, &sc, M, D, bh / H, bh % H, t0, t1, scratch, part + task * M * D);
+        }
+        /* 4. per (b, h): the partials summed, un-permuted, rotated back; the fp values added */
+#pragma omp for schedule(static)
+        for (int bh = 0; bh < BH; bh++) {
+            if (!scratch) continue;
+            const int b = bh / H, h = bh % H, np = D / vper;
+            float *row = scratch, *acc = scratch + D;
+            const float *pbh = scores + (int64_t)bh * M * T;
+            for (int m = 0; m < M; m++) {
+                float *o = (float *)at(out, b, h, 0) + (int64_t)m * out->s2;
+                memset(acc, 0, (size_t)D * 4);
+                for (int c = 0; c < ncv; c++) {
+                    const float *pc = part + ((int64_t)bh * ncv + c) * M * D + (int64_t)m * D;
+                    KV_SIMD
+                    for (int k = 0; k < D; k++) acc[k] += pc[k];
+                }
+                for (int i = 0; i < vper; i++)
+                    for (int j = 0; j < np; j++) o[vper * j + i] = acc[i * np + j];
+                hadamard_blocks(o, D, vhb);
+                const float *pm = pbh + (int64_t)m * T;
+                for (int j = 0; j < S + RV; j++) {
+                    const int col = j < S ? j : S + NV + (j - S);
+                    load_floats(j < S ? at(vsk, b, h, j) : at(vres, b, h, j - S), j < S ? vsk->dtype : vres->dtype, row, D);
+                    axpy(o, pm[col], row, D);
+                }
+            }
+        }
+        free(scratch);
+    }
+    free(scores), free(qrot), free(part);
     return err;
 }
 
