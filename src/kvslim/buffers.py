@@ -41,12 +41,16 @@ class TimeBuffer:
     Views (:meth:`view`) are valid until the next append or drop.
     """
 
-    __slots__ = ("data", "start", "end", "min_slack", "capacity")
+    __slots__ = ("data", "start", "end", "min_slack", "capacity", "_view", "_view_of")
 
     def __init__(self, min_slack: int = 64, capacity: int | None = None):
         self.data: torch.Tensor | None = None
         self.start = 0
         self.end = 0
+        # the last view and (data, start, end) it was cut from: an encoded body's parts change once a group,
+        # and an eager decode step reads each of them every layer
+        self._view: torch.Tensor | None = None
+        self._view_of: tuple | None = None
         self.min_slack = min_slack
         if capacity is not None and (
             isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1
@@ -95,6 +99,7 @@ class TimeBuffer:
         if live:
             new[:, :, :live] = self.data[:, :, self.start : self.end]
         self.data, self.start, self.end = new, 0, live
+        self._view = self._view_of = None  # the old block is not kept alive by a cached view
 
     def drop_front(self, k: int) -> None:
         if not 0 <= k <= len(self):
@@ -118,12 +123,19 @@ class TimeBuffer:
         self.end -= k
 
     def view(self) -> torch.Tensor | None:
-        return None if self.data is None else self.data[:, :, self.start : self.end]
+        if self.data is None:
+            return None
+        of = self._view_of
+        if of is None or of[0] is not self.data or of[1] != self.start or of[2] != self.end:
+            self._view = self.data[:, :, self.start : self.end]
+            self._view_of = (self.data, self.start, self.end)
+        return self._view
 
     def map_batch(self, fn) -> None:
         """Apply ``fn`` (a batch-dim index/repeat) to the stored block."""
         if self.data is not None:
             self.data = fn(self.data)
+            self._view = self._view_of = None
 
     def nbytes(self) -> int:
         """Bytes allocated (live entries and slack): what the buffer really holds in memory."""

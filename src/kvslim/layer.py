@@ -204,6 +204,7 @@ class SlimLayer:
         self.runs: list[list[int]] = []  # [tokens, base] of the stream's keys, oldest first
         self.seen = 0
         self.pads: torch.Tensor | None = None  # (B,) left-padding count per row
+        self._no_pads: torch.Tensor | None = None  # the zeros append hands out when nothing is padded
         self.sink_start: torch.Tensor | None = None  # (B,) first slot of each row's sinks
         self.dtype: torch.dtype | None = None
         self.kv_shape: tuple[int, int, int] | None = None  # (B, H_kv, D) of the stored tokens
@@ -343,8 +344,11 @@ class SlimLayer:
             self.check(keys, values, finite_checked=finite_checked)
         device = keys.device
         pads = self.pads if self.pads is not None and self.pads.shape[0] == batch else None
-        if pads is None:
-            pads = torch.zeros(batch, dtype=torch.long, device=device)
+        if pads is None:  # no padding: one zeros tensor per batch size and device, never written to
+            zeros = self._no_pads
+            if zeros is None or zeros.shape[0] != batch or zeros.device != device:
+                zeros = self._no_pads = torch.zeros(batch, dtype=torch.long, device=device)
+            pads = zeros
         sink_start = self.sink_start
         if sink_start is None or sink_start.shape[0] != batch:
             sink_start = torch.zeros(batch, dtype=torch.long, device=device)
