@@ -329,7 +329,14 @@ def test_ragged_engine_step_on_the_triton_kernels(triton_backend, monkeypatch):
         used.append(real_select(*a, **k)[0])
         return real_select(*a, **k)
 
+    real_attend = kernels.cpu.attend
+
+    def spy_attend(*a, **k):  # the CPU backend serves a decode step's attention as one fused C call
+        used.append("cpu")
+        return real_attend(*a, **k)
+
     monkeypatch.setattr(kernels, "select", spy)
+    monkeypatch.setattr(kernels.cpu, "attend", spy_attend)
     for backend in ("cpu", "triton"):
         kernels.set_backend(backend)
         caches = [SlimCache.from_config(kvslim.parse_spec(s), config=model.config) for s in specs]
