@@ -114,14 +114,12 @@ def _fused_decode(qf: torch.Tensor, kv: Segments) -> torch.Tensor | None:
     kb, vb = kv.k_basis, kv.v_basis
     if (kb is not None and kb.bias is not None) or (vb is not None and vb.bias is not None):
         return None
-    v_width = kv.v_res.shape[-1] if kv.v_res is not None else next(iter(kv.v_body.token.values())).shape[-1]
-    if kv.v_sink is not None and kv.v_sink.shape[-1] != qf.shape[-1]:
+    # V as wide as K (not MLA): read off the residual, which every lossy stream has (possibly empty)
+    if kv.v_res is None or kv.v_res.shape[-1] != qf.shape[-1]:
         return None
     if not kernels.cpu_serves(qf, kv.k_body, kv.v_body):
         return None
     if not kernels.cpu.attend_supported(kv.k_codec, kv.k_body, kv.v_codec, kv.v_body):
-        return None
-    if kv.v_res is not None and v_width != qf.shape[-1]:
         return None
     return kernels.cpu.attend(
         qf,
