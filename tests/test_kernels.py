@@ -419,3 +419,25 @@ def test_kernel_bench_takes_lengths_that_are_not_whole_groups():
         pytest.skip("no C compiler: the kernel bench times the C kernels")
     rows = bench.bench(formats=("int4", "q4_0"), lengths=(16, 100), layers=1, repeats=1)
     assert {(r["format"], r["tokens"]) for r in rows} == {(f, t) for f in ("int4", "q4_0") for t in (16, 100)}
+
+
+def test_to_half_finite_casts_as_torch_does_and_says_whether_all_is_finite():
+    """kernels.cpu.to_half_finite (a decode token's float16 residual cast and check in one C call): the bits of
+    torch's cast (round to nearest even, subnormals, the overflow boundary), False for an inf, a NaN or a
+    finite value that rounds past 65504, and None where it cannot (another dtype, a non-contiguous view)."""
+    from kvslim.kernels import cpu
+
+    if not cpu.status()[0]:
+        pytest.skip("no C compiler")
+    edge = torch.tensor([65504.0, 65519.0, -65519.99, 6e-8, 3e-8, 2.0**-25, 1.5 * 2.0**-24, 0.0, -0.0, 1e-3, 2049.0])
+    x = torch.cat([torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 300, edge])
+    out = cpu.to_half_finite(x, x[:7].clone())
+    if out is None:
+        pytest.skip("the C library was built without F16C")
+    (h, h7), finite = out
+    assert finite and torch.equal(h.view(torch.int16), x.to(torch.float16).view(torch.int16))
+    assert torch.equal(h7.view(torch.int16), x[:7].to(torch.float16).view(torch.int16))
+    for bad in (65520.0, -1e6, float("inf"), float("nan")):
+        assert cpu.to_half_finite(x, torch.tensor([1.0, bad]))[1] is False
+    assert cpu.to_half_finite(x.to(torch.float64)) is None
+    assert cpu.to_half_finite(torch.randn(4, 6)[:, ::2]) is None

@@ -39,6 +39,7 @@ import torch
 from .buffers import CENTERED, BodyBasis, Stream
 from .formats import Codec, Encoded
 from .hadamard import Hadamard
+from .kernels import cpu as cpu_kernels
 from .policy import KeepPolicy
 from .rotary import Rotary
 
@@ -335,8 +336,13 @@ class SlimLayer:
             and self.v.half_residual(values)
         ):
             self.check(keys, values, finite_checked=True)  # shapes and dtypes
-            halves = (keys.to(torch.float16), values.to(torch.float16))
-            if not bool(torch.isfinite(halves[0]).all() & torch.isfinite(halves[1]).all()):
+            fast = cpu_kernels.to_half_finite(keys, values)  # one C call (None: not here, cast with torch)
+            if fast is not None:
+                halves, finite = fast
+            else:
+                halves = (keys.to(torch.float16), values.to(torch.float16))
+                finite = bool(torch.isfinite(halves[0]).all() & torch.isfinite(halves[1]).all())
+            if not finite:
                 self.check(keys, values)  # a non-finite input: raises
                 self.k.cast(keys), self.v.cast(values)  # a value beyond float16's range: raises
                 raise AssertionError("unreachable: a float16 cast of finite, in-range values is finite")

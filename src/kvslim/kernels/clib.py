@@ -242,6 +242,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kv_run.restype = _I
     lib.kv_attend.argtypes = [ctypes.c_void_p]
     lib.kv_attend.restype = _I
+    lib.kv_to_half_finite.argtypes = [ctypes.c_void_p]
+    lib.kv_to_half_finite.restype = _I
     lib.kv_row_format.argtypes = [
         ctypes.c_char_p,
         ctypes.POINTER(ctypes.c_int32),

@@ -288,3 +288,24 @@ def attend(
     if rc:
         raise ValueError(f"kvslim C kernel attend rejected its arguments (code {rc})")
     return out
+
+
+def to_half_finite(*xs: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], bool] | None:
+    """``xs`` (CPU float32, contiguous) cast to float16 in one C call, and whether every result is finite (an
+    inf or NaN input, or a finite value beyond float16's range, is not); None where the C library cannot
+    (not built, built without F16C, another dtype, device or layout): the caller casts with torch. Rounds
+    to nearest even, as ``x.to(torch.float16)`` does (tested equal)."""
+    for x in xs:
+        if x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous():
+            return None
+    if not status()[0]:
+        return None
+    outs = tuple(torch.empty(x.shape, dtype=torch.float16) for x in xs)
+    vals = [len(xs)]
+    for x, y in zip(xs, outs, strict=True):
+        vals += (x.data_ptr(), y.data_ptr(), x.numel())
+    args = array.array("q", vals)  # held until the call returns
+    rc = library().kv_to_half_finite(args.buffer_info()[0])
+    if rc < 0:
+        return None
+    return outs, bool(rc)

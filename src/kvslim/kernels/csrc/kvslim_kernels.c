@@ -1059,6 +1059,39 @@ int kv_row_format(const char *name, int32_t *elements, int32_t *bytes) {
     return -1;
 }
 
+/* Casts to float16 with one finiteness answer, for a decode token entering float16 residuals (one call where
+ * torch dispatches a cast, an isfinite and an all per tensor). args: count, then per tensor: src (fp32,
+ * contiguous), dst (float16, contiguous), n. Rounds to nearest even, as torch's cast does. Returns 1 when
+ * every result is finite, 0 when one is not (an inf or NaN input, or a finite value beyond float16's
+ * range), -1 when built without F16C (the caller casts with torch). */
+int kv_to_half_finite(const int64_t *args) {
+#if defined(__F16C__) && defined(__AVX__)
+    int ok = 1;
+    for (int64_t t = 0; t < args[0]; t++) {
+        const float *src = (const float *)(intptr_t)args[1 + 3 * t];
+        uint16_t *dst = (uint16_t *)(intptr_t)args[2 + 3 * t];
+        const int64_t n = args[3 + 3 * t];
+        int64_t i = 0;
+        __m128i bad = _mm_setzero_si128();
+        const __m128i expo = _mm_set1_epi16(0x7c00);
+        for (; i + 8 <= n; i += 8) {
+            const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            _mm_storeu_si128((__m128i *)(dst + i), h);
+            bad = _mm_or_si128(bad, _mm_cmpeq_epi16(_mm_and_si128(h, expo), expo)); /* exponent all ones */
+        }
+        if (!_mm_testz_si128(bad, bad)) ok = 0;
+        for (; i < n; i++) {
+            dst[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            if ((dst[i] & 0x7c00) == 0x7c00) ok = 0;
+        }
+    }
+    return ok;
+#else
+    (void)args;
+    return -1;
+#endif
+}
+
 /* For the tests: n halves -> floats with the conversion the kernels use (portable = 0) or the portable one. */
 void kv_test_half_to_float(const uint16_t *src, float *dst, int64_t n, int portable) {
     for (int64_t i = 0; i < n; i++) dst[i] = portable ? half_to_float_portable(src[i]) : h2f(src[i]);
