@@ -441,3 +441,28 @@ def test_to_half_finite_casts_as_torch_does_and_says_whether_all_is_finite():
         assert cpu.to_half_finite(x, torch.tensor([1.0, bad]))[1] is False
     assert cpu.to_half_finite(x.to(torch.float64)) is None
     assert cpu.to_half_finite(torch.randn(4, 6)[:, ::2]) is None
+
+
+def test_fused_attend_refuses_parts_that_do_not_fit():
+    """kernels.cpu.attend validates before it hands pointers to C: sink keys and values of different counts,
+    K and V covering different tokens, a full-precision part of another width, a q that is not float32."""
+    from kvslim.formats import make_codec
+    from kvslim.kernels import cpu
+
+    if not cpu.status()[0]:
+        pytest.skip("no C compiler")
+    kc, vc = make_codec("int4", "k", group_size=8), make_codec("int4", "v", group_size=32)
+    k, v = torch.randn(1, 2, 16, 32), torch.randn(1, 2, 16, 32)
+    kb, vb = kc.encode(k), vc.encode(v)
+    q = torch.randn(1, 2, 3, 32)
+    fp = lambda n, d=32: torch.randn(1, 2, n, d)  # noqa: E731
+    out = cpu.attend(q, fp(2), fp(2), fp(3), fp(3), kc, kb, 0, vc, vb)
+    assert out.shape == (1, 2, 3, 32) and torch.isfinite(out).all()
+    for args, match in (
+        ((q, fp(2), fp(3), fp(3), fp(3)), "2 sink keys but 3 sink values"),
+        ((q, None, None, fp(3), fp(4)), "K holds 16 \\+ 3 tokens after the sinks, V 16 \\+ 4"),
+        ((q, None, None, fp(3, 16), fp(3)), "does not fit q"),
+        ((q.double(), None, None, fp(3), fp(3)), "float32"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            cpu.attend(*args, kc, kb, 0, vc, vb)

@@ -255,6 +255,9 @@ def attend(
     all of them, the weighted values summed: (B, H, M, D) fp32. The bodies are stored in a normalized
     Hadamard basis of block ``k_hblock`` / ``v_hblock`` (0: none): the body's keys are scored with the
     rotated query, the body's value sum is rotated back."""
+    if q.dim() != 4 or q.dtype != torch.float32:
+        raise ValueError(f"fused attention: q must be (B, H, M, D) float32, got {tuple(q.shape)} {q.dtype}")
+    q = rows_contiguous(q)
     b, h, m, d = q.shape
     dummy = q
     fp = []
