@@ -836,7 +836,7 @@ static int run_call(kv_call *k) {
  *   out    = p_sink @ v_sink + H_v (p_body @ body values) + p_res @ v_res   (T = S + NV + RV)
  * K and V bodies may hold different token counts (per-channel K encodes whole groups, per-token V may
  * not); the token axis is shared. H_k, H_v: the body's Hadamard basis (block 0: none), normalized. The body
- * tasks are the kernels above (same code, same chunks), so the codes are read exactly as kv_run reads them.
+ * tasks are kv_run's (run_task: same code, same chunks), so the codes are read exactly as kv_run reads them.
  * The phases run in one OpenMP region: K chunks and the fp scores, softmax rows, V chunks, then per
  * (b, h) the V chunks reduced, rotated back and the fp values added. */
 
@@ -844,48 +844,6 @@ typedef struct {
     int kind, code, group, offset, n; /* kind 0: rows (code = format), 1: affine (code = bits) */
     const kv_part *x, *s, *z;
 } kv_body;
-
-KV_INLINE void body_k_task(const kv_body *kb, const kv_part *q, const kv_part *out, int M, int D, int b, int h,
-                           int t0, int t1, float *scratch) {
-#define KV_KR(FMT) \
-    case FMT: k_rows_task(FMT, q, kb->x, kb->s, out, M, D, b, h, t0, t1, scratch, NULL); return;
-#define KV_KA(BITS) \
-    case BITS: k_affine_task(BITS, q, kb->x, kb->s, kb->z, out, M, D, kb->group, kb->offset, b, h, t0, t1, scratch); return;
-    if (kb->kind == 0) {
-        switch (kb->code) {
-            KV_KR(R_Q8_0) KV_KR(R_Q4_0) KV_KR(R_Q4_1) KV_KR(R_Q5_0) KV_KR(R_Q5_1)
-            KV_KR(R_F32) KV_KR(R_F16) KV_KR(R_BF16) KV_KR(R_FP8)
-        default: return;
-        }
-    }
-    switch (kb->code) {
-        KV_KA(8) KV_KA(4) KV_KA(2)
-    default: return;
-    }
-#undef KV_KR
-#undef KV_KA
-}
-
-KV_INLINE void body_v_task(const kv_body *vb, const kv_part *p, int M, int D, int b, int h, int t0, int t1,
-                           float *scratch, float *acc) {
-#define KV_VR(FMT) \
-    case FMT: v_rows_task(FMT, p, vb->x, vb->s, M, D, b, h, t0, t1, scratch, acc); return;
-#define KV_VA(BITS) \
-    case BITS: v_affine_task(BITS, p, vb->x, vb->s, vb->z, M, D, vb->group, b, h, t0, t1, scratch, acc); return;
-    if (vb->kind == 0) {
-        switch (vb->code) {
-            KV_VR(R_Q8_0) KV_VR(R_Q4_0) KV_VR(R_Q4_1) KV_VR(R_Q5_0) KV_VR(R_Q5_1)
-            KV_VR(R_F32) KV_VR(R_F16) KV_VR(R_BF16) KV_VR(R_FP8)
-        default: return;
-        }
-    }
-    switch (vb->code) {
-        KV_VA(8) KV_VA(4) KV_VA(2)
-    default: return;
-    }
-#undef KV_VR
-#undef KV_VA
-}
 
 /* Normalized Walsh-Hadamard transform of each hb-block of x (D floats); hb 0: nothing. */
 static void hadamard_blocks(float *restrict x, int D, int hb) {
@@ -949,6 +907,14 @@ int kv_attend(const int64_t *a) {
     }
     /* body scores and probabilities: columns S .. S + NK of each (b, h, m) row of T */
     const kv_part sc = {scores + S, (int64_t)H * M * T, (int64_t)M * T, T, DT_F32, 0};
+    /* each body's chunks as kv_run's calls: run_task splits, dispatches per format and sums V into part */
+    const kv_dims dk = {B, H, M, NK, D, dm.nthreads}, dv = {B, H, M, NV, D, dm.nthreads};
+    const kv_call kc = {.op = kb.kind ? OP_K_AFFINE : OP_K_ROWS, .fmt = kb.code, .bits = kb.code, .group = kb.group,
+                        .offset = kb.offset, .nc = nck, .x = &qb, .p1 = kb.x, .p2 = kb.s, .p3 = kb.z, .out = &sc,
+                        .dm = &dk, .part = NULL, .tr = NULL};
+    const kv_call vc = {.op = vb.kind ? OP_V_AFFINE : OP_V_ROWS, .fmt = vb.code, .bits = vb.code, .group = vb.group,
+                        .offset = 0, .nc = ncv, .x = &sc, .p1 = vb.x, .p2 = vb.s, .p3 = vb.z, .out = NULL,
+                        .dm = &dv, .part = part, .tr = NULL};
     int err = KV_OK;
 #pragma omp parallel num_threads(nt)
     {
@@ -962,9 +928,7 @@ int kv_attend(const int64_t *a) {
         for (int64_t task = 0; task < (int64_t)BH * nck + BH; task++) {
             if (!scratch) continue;
             if (task < (int64_t)BH * nck) {
-                const int bh = (int)(task / nck), c = (int)(task % nck);
-                const int t0 = (int)((int64_t)c * NK / nck), t1 = (int)((int64_t)(c + 1) * NK / nck);
-                body_k_task(&kb, &qb, &sc, M, D, bh / H, bh % H, t0, t1, scratch);
+                run_task(&kc, task, scratch);
                 continue;
             }
             const int bh = (int)(task - (int64_t)BH * nck), b = bh / H, h = bh % H;
@@ -988,12 +952,8 @@ int kv_attend(const int64_t *a) {
         }
         /* 3. V: the body's chunks, each into its own partial sum */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < (int64_t)BH * ncv; task++) {
-            if (!scratch) continue;
-            const int bh = (int)(task / ncv), c = (int)(task % ncv);
-            const int t0 = (int)((int64_t)c * NV / ncv), t1 = (int)((int64_t)(c + 1) * NV / ncv);
-            body_v_task(&vb, &sc, M, D, bh / H, bh % H, t0, t1, scratch, part + task * M * D);
-        }
+        for (int64_t task = 0; task < (int64_t)BH * ncv; task++)
+            if (scratch) run_task(&vc, task, scratch);
         /* 4. per (b, h): the partials summed, un-permuted, rotated back; the fp values added */
 #pragma omp for schedule(static)
         for (int bh = 0; bh < BH; bh++) {
