@@ -290,12 +290,17 @@ class Stream:
         """x: (B, H, C, D) new tokens, already in their final (e.g. mean-centered) form."""
         self.commit(self.plan(x))
 
+    def _fp_dtype_for(self, x: torch.Tensor) -> torch.dtype | None:
+        """The residual's storage dtype for tokens of ``x``'s dtype (None: as given); "auto" is float16 for
+        float32 tokens."""
+        if self.fp_dtype == "auto":
+            return torch.float16 if x.dtype == torch.float32 else None
+        return self.fp_dtype
+
     def cast(self, x: torch.Tensor) -> torch.Tensor:
         """Full-precision tokens (B, H, C, D) in this stream's fp storage dtype. A finite value beyond
         float16's range is a ValueError (never an inf in the cache)."""
-        dtype = self.fp_dtype
-        if dtype == "auto":
-            dtype = torch.float16 if x.dtype == torch.float32 else None
+        dtype = self._fp_dtype_for(x)
         if dtype is None or x.dtype == dtype:
             return x
         y = x.to(dtype)
@@ -310,12 +315,7 @@ class Stream:
     def half_residual(self, x: torch.Tensor) -> bool:
         """Whether appending ``x`` puts every one of its tokens into the residual, cast to float16 (so a check
         of ``x.to(float16)`` is finite checks both ``x``'s values and :meth:`cast`'s range at once)."""
-        if not self.codec.lossy or x.dtype == torch.float16:
-            return False
-        dtype = self.fp_dtype
-        if dtype == "auto":
-            dtype = torch.float16 if x.dtype == torch.float32 else None
-        if dtype != torch.float16:
+        if not self.codec.lossy or x.dtype == torch.float16 or self._fp_dtype_for(x) != torch.float16:
             return False
         n_fp = len(self.fp)
         return ((n_fp + x.shape[2] - self.residual_cap) // self.unit) * self.unit <= n_fp

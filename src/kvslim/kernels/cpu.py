@@ -35,11 +35,17 @@ def _run(op: int, what: str, dims: tuple, params: tuple, parts: tuple) -> None:
     """Call kv_run: dims (B, H, M, T, D), up to 8 int params, tensors (B, H, N, ...) whose dims after 2
     are contiguous, passed as (pointer, element strides of dims 0..2, dtype code)."""
     vals = [*dims, torch.get_num_threads(), *params, *(0,) * (_NPARAM - len(params))]
+    _call(lambda a: library().kv_run(op, a), what, vals, parts)
+
+
+def _call(entry, what: str, vals: list, parts) -> None:
+    """``entry(args)`` on one int64 array: ``vals``, then (pointer, element strides of dims 0..2, dtype code)
+    per tensor of ``parts``; its return code as Python's error (1: out of memory, other nonzero: rejected)."""
     for t in parts:
         s = t.stride()
         vals += (t.data_ptr(), s[0], s[1], s[2], _DT[t.dtype])
-    args = array.array("q", vals)  # one int64 array: far cheaper to marshal than ctypes structs
-    rc = library().kv_run(op, args.buffer_info()[0])
+    args = array.array("q", vals)  # one int64 array, far cheaper to marshal than ctypes structs; held until the call returns
+    rc = entry(args.buffer_info()[0])
     if rc == 1:
         raise MemoryError(f"kvslim C kernel {what}: out of memory for its scratch buffers")
     if rc:
@@ -281,15 +287,7 @@ def attend(
         )
     out = torch.empty((b, h, m, d), dtype=torch.float32)
     vals = [b, h, m, d, torch.get_num_threads(), s_k, rk, rv, *kp, vp[0], vp[1], vp[2], vp[4], k_hblock, v_hblock]
-    for t in (q, ks, vs, kr, vr, *kparts, *vparts, out):
-        st = t.stride()
-        vals += (t.data_ptr(), st[0], st[1], st[2], _DT[t.dtype])
-    args = array.array("q", vals)
-    rc = library().kv_attend(args.buffer_info()[0])
-    if rc == 1:
-        raise MemoryError("kvslim C kernel attend: out of memory for its scratch buffers")
-    if rc:
-        raise ValueError(f"kvslim C kernel attend rejected its arguments (code {rc})")
+    _call(library().kv_attend, "attend", vals, (q, ks, vs, kr, vr, *kparts, *vparts, out))
     return out
 
 
