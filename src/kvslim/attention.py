@@ -273,14 +273,20 @@ def _ragged_attention(module, query, key, dropout, scaling, kwargs):
         if seg is None:
             outs.append(query.new_zeros(1, query.shape[2], query.shape[1], _ragged_v_dim(key)))
             continue
-        out, _ = _segments_attention(module, query[b : b + 1], seg, None, dropout, scaling, kwargs)
+        try:
+            out, _ = _segments_attention(module, query[b : b + 1], seg, None, dropout, scaling, kwargs)
+        except Exception as e:  # noqa: BLE001 - with the step's errors dict, this row alone leaves the step
+            if key.drop is None:
+                raise
+            key.drop(b, e)
+            out = query.new_zeros(1, query.shape[2], query.shape[1], _ragged_v_dim(key, seg))
         outs.append(out)
     return torch.cat(outs, dim=0), None
 
 
-def _ragged_v_dim(key) -> int:
-    """V's width in a ragged step (the first real row's)."""
-    real = next(s for s in key.rows if s is not None)
+def _ragged_v_dim(key, real=None) -> int:
+    """V's width in a ragged step (the first real row's, or ``real``'s)."""
+    real = real if real is not None else next(s for s in key.rows if s is not None)
     return real.v_res.shape[-1] if real.v_res is not None else real.v_sink.shape[-1]
 
 

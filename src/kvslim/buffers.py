@@ -452,6 +452,21 @@ class Stream:
     def live_nbytes(self) -> int:
         return sum(b.live_nbytes() for b in (*self.tokens.values(), *self.groups.values(), self.fp))
 
+    def _entry_bytes(self, h: int, d: int, dtype: torch.dtype) -> tuple[int, int, int]:
+        """Bytes of one full-precision token, one encoded token and one encoded group's scales, for one batch
+        row of ``h`` heads x ``d`` channels in ``dtype``: from encoding one group of zeros of a single row (a
+        group's worth of memory, whatever the batch), remembered per (h, d, dtype)."""
+        memo = self.__dict__.setdefault("_entry_memo", {})
+        key = (h, d, dtype)
+        if key not in memo:
+            zeros = torch.zeros(1, h, self.unit, d, dtype=dtype)
+            fp = self.cast(zeros[:, :, :1]).element_size() * h * d
+            enc = self._encode(zeros) if self.codec.lossy else None
+            tok = 0 if enc is None else sum(t[:, :, :1].numel() * t.element_size() for t in enc.token.values())
+            grp = 0 if enc is None else sum(t[:, :, :1].numel() * t.element_size() for t in enc.group.values())
+            memo[key] = (fp, tok, grp)
+        return memo[key]
+
     def projected_nbytes(self, tokens: int, kv: tuple[int, int, int], dtype: torch.dtype) -> int:
         """The most bytes this stream's buffers hold while it is fed ``tokens`` tokens (a prompt, then one per
         step), for rows of ``kv = (B, H, D)`` tokens in ``dtype``; what a memory budget reserves.
@@ -459,11 +474,11 @@ class Stream:
         The stored tokens with the growing buffers' slack (a quarter of the live size, at least
         ``min_slack`` entries), for a bounded stream never past the buffers' capacities (:func:`_capacities`):
         a prefill chunk longer than the window is a transient above this, given back at its eviction. Entry sizes come from encoding one
-        group of zeros with this stream's own codec and basis: no per-format table to keep in step.
+        group of zeros (one batch row) with this stream's own codec and basis: no per-format table to keep in
+        step, and no allocation that grows with the batch.
         """
         b, h, d = kv
-        zeros = torch.zeros(b, h, self.unit, d, dtype=dtype)
-        fp_entry = self.cast(zeros[:, :, :1]).element_size() * b * h * d
+        fp_entry, tok_entry, grp_entry = (n * b for n in self._entry_bytes(h, d, dtype))
         held = tokens if self.bound is None else min(tokens, self.bound + 1)
         if not self.codec.lossy or held < self.residual_cap + self.unit:
             fp = held
@@ -471,13 +486,8 @@ class Stream:
         else:
             fp = self.residual_cap + self.unit - 1
             body = held - self.residual_cap
-        enc = self._encode(zeros) if body else None
-        tok_entry = (
-            0 if enc is None else sum(t[:, :, :1].numel() * t.element_size() for t in enc.token.values())
-        )
-        grp_entry = (
-            0 if enc is None else sum(t[:, :, :1].numel() * t.element_size() for t in enc.group.values())
-        )
+        if not body:
+            tok_entry = grp_entry = 0
         groups = -(-body // self.codec.token_group) + 1 if body else 0
         caps = self._caps  # growing buffers (capped ones: never past their capacity)
 

@@ -84,7 +84,12 @@ ROW_MULTIPLE = 4
 
 
 def forward_rows(
-    model, tokens: Sequence[int], caches: Sequence, *, row_multiple: int = ROW_MULTIPLE
+    model,
+    tokens: Sequence[int],
+    caches: Sequence,
+    *,
+    row_multiple: int = ROW_MULTIPLE,
+    errors: dict | None = None,
 ) -> torch.Tensor:
     """One ragged decode step: token ``tokens[b]`` fed through ``caches[b]`` for every row ``b`` at once.
 
@@ -93,6 +98,11 @@ def forward_rows(
     attention (:func:`kvslim.enable`). Each row's position id is :func:`position_ids` of its own cache; the
     step is padded with filler rows to a multiple of ``row_multiple`` (:data:`ROW_MULTIPLE`). Returns (len(caches), V) float32:
     row ``b``'s logits, bit-identical to the same row stepped among any other rows.
+
+    errors: None (a row whose K/V its cache refuses raises, as a batch-1 step would) or a dict: such a row is
+    dropped from the step instead (:mod:`kvslim.ragged`), ``errors[b]`` holds why, and the other rows'
+    logits are exactly what they would be without it; row ``b``'s cache has taken the token in some layers
+    and must not be fed again. When every row fails, the first failure raises.
     """
     from .compat import cache_kwargs
     from .ragged import RaggedCache
@@ -116,8 +126,13 @@ def forward_rows(
         bases.append(int(cache.get_seq_length()) - pos)
     ids = torch.tensor([list(tokens) + [0] * (len(rows) - n)], dtype=torch.long, device=device).T  # (B, 1)
     pos = torch.tensor(positions, dtype=torch.long, device=device)[:, None]  # (B, 1)
-    ragged = RaggedCache(rows, positions, bases)
-    out = model(input_ids=ids, use_cache=True, position_ids=pos, logits_to_keep=1, **cache_kwargs(ragged))
+    dropped: dict | None = None if errors is None else {}
+    ragged = RaggedCache(rows, positions, bases, errors=dropped)
+    try:
+        out = model(input_ids=ids, use_cache=True, position_ids=pos, logits_to_keep=1, **cache_kwargs(ragged))
+    finally:
+        if errors is not None:
+            errors.update({b: e for b, e in dropped.items() if b < n})
     return out.logits[:n, -1].float()
 
 

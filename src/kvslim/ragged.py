@@ -10,6 +10,13 @@ attention (:mod:`kvslim.attention`) attends row by row on each row's own codes. 
 norms and RoPE run once over the whole batch — that is what a batch is for: the weights are read once
 per step for every row.
 
+A row that fails (its K/V not finite, or its store refuses them) in a step run with an ``errors`` dict is
+dropped from the rest of that step: it is recorded in ``errors[b]`` and becomes a filler row (below) from
+that layer on, so the other rows' logits are exactly those they would have had with it (every row's work
+is its own: the linear layers are row-wise, attention is row by row). Its own cache has taken the token in
+the layers before the failure and is not to be fed again: the caller ends that row. Without ``errors`` the
+first failure raises, as a batch-1 cache would.
+
 Positions are not decided here: the decode loop (:func:`kvslim.generate.forward_rows`) computes each
 row's position id and hands the base it subtracted (``bases``); this module passes them to each row's
 layers as they are. Only decode steps (one new token per row) are ragged: a joining request is
@@ -42,11 +49,14 @@ class RaggedSegments:
     eviction), or None for a filler row. Valid until the next step."""
 
     rows: tuple[Segments | None, ...]
+    drop: object = None  # drop(b, exc): the owner's hook that ends row b's part in this step (or None: raise)
 
     @property
     def shape(self) -> torch.Size:
         """(B, H_kv, longest row, D): what transformers' shape checks read."""
         real = [s for s in self.rows if s is not None]
+        if not real:
+            return torch.Size((len(self.rows), 0, 0, 0))
         _, h, d = real[0].kv_shape
         return torch.Size((len(self.rows), h, max(s.length for s in real), d))
 
@@ -78,7 +88,7 @@ class RaggedLayer(CacheLayerMixin):
                 f"a ragged step feeds one token to each of {len(owner.caches)} rows; got keys {tuple(key_states.shape)}"
             )
         # One finiteness check for the whole step (a sync per layer, not per row); where it fails, each row
-        # checks its own tokens, and the first bad row raises as a batch-1 cache would.
+        # checks its own tokens: a bad row raises as a batch-1 cache would, or is dropped (module docstring).
         finite = bool(torch.isfinite(key_states).all() & torch.isfinite(value_states).all())
         rows = []
         for b, cache in enumerate(owner.caches):
@@ -86,18 +96,22 @@ class RaggedLayer(CacheLayerMixin):
                 rows.append(None)
                 continue
             store = cache.layers[self.layer_idx].store
-            rope = cache._rope_source.at(owner.positions[b]) if store.pre_rope else None
-            rows.append(
-                store.append(
-                    key_states[b : b + 1],
-                    value_states[b : b + 1],
-                    segments=True,
-                    base=owner.bases[b],
-                    rope=rope,
-                    finite_checked=finite,
+            try:
+                rope = cache._rope_source.at(owner.positions[b]) if store.pre_rope else None
+                rows.append(
+                    store.append(  # a transaction: a row it refuses stores nothing in this layer
+                        key_states[b : b + 1],
+                        value_states[b : b + 1],
+                        segments=True,
+                        base=owner.bases[b],
+                        rope=rope,
+                        finite_checked=finite,
+                    )
                 )
-            )
-        view = RaggedSegments(tuple(rows))
+            except Exception as e:  # noqa: BLE001 - one row's failure, kept to that row when the caller asks
+                owner.drop(b, e)
+                rows.append(None)
+        view = RaggedSegments(tuple(rows), owner.drop if owner.errors is not None else None)
         return view, view
 
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
@@ -128,10 +142,12 @@ class RaggedCache(Cache):
 
     caches: one :class:`~kvslim.SlimCache` (built for batch 1, with ``config=``, fed its prompt) or None
     (a filler row) per batch row. positions: each row's position id for this step; bases: what was
-    subtracted from each row's true position to get it (:func:`kvslim.generate.position_ids`).
+    subtracted from each row's true position to get it (:func:`kvslim.generate.position_ids`). errors: None
+    (a row's failure raises) or a dict that receives ``{row: exception}`` for each row dropped from the step
+    (module docstring).
     """
 
-    def __init__(self, caches, positions: list[int], bases: list[int]):
+    def __init__(self, caches, positions: list[int], bases: list[int], errors: dict | None = None):
         from .cache import SlimCacheLayer
 
         real = [c for c in caches if c is not None]
@@ -148,5 +164,16 @@ class RaggedCache(Cache):
         self.caches = list(caches)
         self.positions = list(positions)
         self.bases = list(bases)
+        self.errors = errors
         self.longest = max(c.get_seq_length() for c in real)
         super().__init__(layers=[RaggedLayer(self, i) for i in range(n)])
+
+    def drop(self, row: int, exc: BaseException) -> None:
+        """Row ``row`` failed in this step: raise ``exc`` (no ``errors`` dict), or record it and feed the row
+        as a filler row from here on. When no real row is left, the step has nothing to compute: raise."""
+        if self.errors is None:
+            raise exc
+        self.errors.setdefault(row, exc)
+        self.caches[row] = None
+        if all(c is None for c in self.caches):
+            raise exc
