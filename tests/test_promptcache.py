@@ -422,3 +422,159 @@ def test_continued_prefix():
         pc.continued_prefix(cached, torch.tensor([[5, 6]]))
     with pytest.raises(ValueError, match="exactly the 3 tokens the file holds, with nothing left to feed"):
         pc.continued_prefix(cached, cached)
+
+
+# -- the continuation rule -------------------------------------------------------------------------------
+
+
+def test_the_continuation_rule(saved):
+    """check_continuation: model, dtype, settings, tokens, in that order, each when its argument is given;
+    can_continue says the same without raising."""
+    model, path = saved
+    cache = SlimCache.from_config(parse_spec("int4,residual=32"), config=model.config)
+    ids = _ids(length=20)
+    with torch.inference_mode():
+        prefill(model, ids, cache)
+    cache.save(path, token_ids=ids, model_fingerprint=FP_A)
+    s = pc.SavedCache.read(path)
+    assert s.dtypes == ("float32",) and s.model_fingerprint == FP_A and not s.centered
+    assert torch.equal(s.token_ids, ids)
+    longer = torch.cat([ids, ids[:, :3]], dim=1)
+    ok = dict(cache_config="int4,residual=32", model_fingerprint=FP_A, dtype=torch.float32)
+    assert pc.check_continuation(s, longer, **ok) == 20
+    assert pc.check_continuation(s, longer[0].tolist(), **ok) == 20  # one row of ints
+    assert pc.check_continuation(s) is None  # nothing asked: nothing refused
+    cases = [
+        (dict(ok, model_fingerprint=FP_B), longer, "model", "saved for another model"),
+        (dict(ok, dtype=torch.bfloat16), longer, "dtype", "saved from a float32 model, this one runs in bfloat16"),
+        (dict(ok, cache_config="q4_0"), longer, "settings", "saved with cache 'int4,residual=32', expected 'q4_0'"),
+        (ok, ids, "tokens", "exactly the 20 tokens the file holds"),
+        (ok, longer.flip(1), "tokens", "does not start with the 20 tokens"),
+        # several reasons: the first check in the rule's order names it
+        (dict(ok, model_fingerprint=FP_B, dtype="bfloat16"), ids, "model", "another model"),
+    ]
+    for kwargs, prompt, kind, message in cases:
+        with pytest.raises(pc.CannotContinue, match=message) as e:
+            pc.check_continuation(s, prompt, where="here", **kwargs)
+        assert e.value.kind == kind and str(e.value).startswith("here: ")
+        n, why = pc.can_continue(s, prompt, **kwargs)
+        assert n is None and why.kind == kind and message.split(" (")[0].replace("\\", "") in str(why)
+    assert pc.can_continue(s, longer, **ok) == (20, None)
+    # a cache in memory goes through the same rule
+    mem = pc.SavedCache.of(cache, ids[0].tolist(), cache_config=parse_spec("int4,residual=32"), model_fingerprint=FP_A)
+    assert mem.dtypes == ("float32",) and pc.check_continuation(mem, longer, **ok) == 20
+    with pytest.raises(pc.CannotContinue, match="this one runs in float16"):
+        pc.check_continuation(mem, longer, **dict(ok, dtype=torch.float16))
+
+
+def test_a_damaged_file_is_a_damaged_continuation(saved, tmp_path):
+    model, path = saved
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(pc.CannotContinue, match="damaged or truncated") as e:
+        pc.SavedCache.read(broken)
+    assert e.value.kind == "damaged"
+    _rewrite(path, lambda h: h.update(tokens=[1, 5]))  # a header that promises token ids the file lacks
+    with pytest.raises(pc.CannotContinue, match="token ids do not match its header") as e:
+        pc.SavedCache.read(path)
+
+
+def test_save_with_a_mode_is_private(saved, tmp_path):
+    """mode=0o600: the temporary is created with it (whatever the umask), so the bytes are never readable by
+    others, and the file keeps it after the rename (even if the writer replaced the temporary)."""
+    from kvslim.atomic import atomic_path
+
+    model, _ = saved
+    cache = SlimCache.from_config(parse_spec("int8"), config=model.config)
+    with torch.inference_mode():
+        prefill(model, _ids(length=10), cache)
+    mask = os.umask(0)
+    try:
+        pc.save(cache, tmp_path / "private.safetensors", mode=0o600)
+        with atomic_path(tmp_path / "raw.bin", mode=0o600) as tmp:
+            assert os.stat(tmp).st_mode & 0o777 == 0o600  # before a byte is written
+            tmp.write_bytes(b"secret")
+        with atomic_path(tmp_path / "plain.bin") as tmp:
+            tmp.write_bytes(b"public")
+    finally:
+        os.umask(mask)
+    assert os.stat(tmp_path / "private.safetensors").st_mode & 0o777 == 0o600
+    assert os.stat(tmp_path / "raw.bin").st_mode & 0o777 == 0o600
+    assert os.stat(tmp_path / "plain.bin").st_mode & 0o777 == 0o666  # no mode: as open() makes it
+
+
+def _sample_args(path):
+    import argparse
+
+    return argparse.Namespace(prompt_cache=str(path), kv_mean_center=None, kv_mean_center_any_model=False)
+
+
+def test_sample_and_sessions_refuse_another_dtype_alike(tmp_path, caplog):
+    """A prompt cache saved from the float32 model, continued by the same checkpoint in bfloat16 (the same
+    fingerprint): `kvslim sample --prompt-cache` refuses it (one line, how to fix it) and a server's session
+    starts over — with the same reason, from the same rule."""
+    from kvslim.cli import UserError
+    from kvslim.cli import sample as cli_sample
+    from kvslim.engine.sessions import SessionStore
+    from kvslim.fingerprint import model_fingerprint
+
+    f32 = tiny_model("llama")
+    bf16 = tiny_model("llama", dtype=torch.bfloat16)
+    fp = model_fingerprint(f32)
+    assert model_fingerprint(bf16) == fp
+    cfg = parse_spec("int8")
+    cache = SlimCache.from_config(cfg, config=f32.config)
+    ids = _ids(length=16)
+    with torch.inference_mode():
+        prefill(f32, ids, cache)
+    path = tmp_path / "prompt.safetensors"
+    cache.save(path, token_ids=ids, model_fingerprint=fp)
+    prompt = torch.cat([ids, ids[:, :2]], dim=1)
+
+    args = _sample_args(path)
+    saved = cli_sample._check_prompt_cache(args, cfg)  # before the model: the settings match
+    with pytest.raises(UserError) as e:
+        cli_sample._prompt_cache(args, bf16, prompt, cfg, saved)
+    sample_msg = str(e.value)
+    assert sample_msg == (
+        f"--prompt-cache {path}: saved from a float32 model, this one runs in bfloat16: pass the --dtype it was "
+        f"saved with, or another --prompt-cache file"
+    )
+    reused = cli_sample._prompt_cache(args, f32, prompt, cfg, saved)[2]  # the float32 model continues it
+    assert reused["reused_tokens"] == 16
+
+    from kvslim.engine.sessions import session_key
+
+    (tmp_path / "s").mkdir()
+    os.replace(path, tmp_path / "s" / (session_key("chat") + ".safetensors"))  # the session "chat"'s file
+    store = SessionStore(tmp_path / "s", config=bf16.config, model_fingerprint=fp, dtype=torch.bfloat16)
+    with caplog.at_level("WARNING", logger="kvslim.engine"):
+        assert store.take("chat", prompt[0].tolist(), cfg) is None
+    assert store.stats.reset == 1
+    assert "saved from a float32 model, this one runs in bfloat16" in caplog.text
+
+
+def test_sample_and_sessions_share_one_rule(saved, monkeypatch, caplog):
+    """Both ask kvslim.promptcache.check_continuation: a veto there reaches `kvslim sample --prompt-cache`
+    and a session alike (no second copy of the rule anywhere)."""
+    from kvslim.cli import UserError
+    from kvslim.cli import sample as cli_sample
+    from kvslim.engine.sessions import SessionStore
+
+    model, path = saved
+
+    def veto(saved, prompt=None, *, where="prompt cache", **kw):
+        raise pc.CannotContinue(f"{where}: vetoed by the rule", "settings")
+
+    monkeypatch.setattr(pc, "check_continuation", veto)
+    with pytest.raises(UserError, match="vetoed by the rule: pass the cache flags it was saved with"):
+        cli_sample._check_prompt_cache(_sample_args(path), parse_spec("int4,residual=32"))
+    cfg = parse_spec("int8")
+    store = SessionStore(None, config=model.config)
+    cache = SlimCache.from_config(cfg, config=model.config)
+    with torch.inference_mode():
+        prefill(model, _ids(length=8), cache)
+    store.keep("s", cache, _ids(length=8)[0].tolist(), cfg)
+    with caplog.at_level("WARNING", logger="kvslim.engine"):
+        assert store.take("s", _ids(length=8)[0].tolist() + [3], cfg) is None
+    assert "vetoed by the rule" in caplog.text and store.stats.reset == 1

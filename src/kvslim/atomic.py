@@ -79,31 +79,44 @@ def _fsync_dir(directory: Path) -> None:
             os.close(fd)
 
 
-def _temp_beside(target: Path) -> tuple[Path, int]:
-    """Create an empty temporary file next to ``target``: (path, fd). Mode 0o666 minus the umask,
-    as ``open(target, "w")`` would create it."""
+def _temp_beside(target: Path, mode: int | None = None) -> tuple[Path, int]:
+    """Create an empty temporary file next to ``target``: (path, fd). Mode 0o666 minus the umask, as
+    ``open(target, "w")`` would create it, or exactly ``mode`` (set before any byte is written: a private
+    file is never readable by others, not even while it is being written)."""
     for _ in range(100):
         tmp = target.with_name(f".{target.stem}{TMP_TAG}{secrets.token_hex(4)}{target.suffix}")
         try:
-            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 if mode is None else mode)
         except FileExistsError:
             continue
+        if mode is not None:
+            try:
+                os.fchmod(fd, mode)  # the umask may have removed bits the caller asked for
+            except BaseException:
+                os.close(fd)
+                _unlink(tmp)
+                raise
+        return tmp, fd
     raise FileExistsError(f"no free temporary name beside {target}")  # pragma: no cover
 
 
-def _begin(path: str | os.PathLike, what: str) -> tuple[Path, Path]:
+def _begin(path: str | os.PathLike, what: str, mode: int | None = None) -> tuple[Path, Path]:
     """(target, temporary file created beside it); WriteError if the directory refuses it."""
     target = check_writable_target(path, what)
     try:
-        tmp, fd = _temp_beside(target)
+        tmp, fd = _temp_beside(target, mode)
         os.close(fd)
     except OSError as e:
         raise WriteError(f"cannot write {what} {os.fspath(path)}: {_reason(e)}") from e
     return target, tmp
 
 
-def _finish(target: Path, tmp: Path, verify: Callable[[Path], object] | None) -> None:
-    """fsync ``tmp``, check it, rename it over ``target``. Raises whatever fails (caller cleans up)."""
+def _finish(
+    target: Path, tmp: Path, verify: Callable[[Path], object] | None, mode: int | None = None
+) -> None:
+    """fsync ``tmp``, check it, rename it over ``target``. Raises whatever fails (caller cleans up).
+    The file keeps an existing target's permissions, or gets exactly ``mode`` when one is given (set
+    again here, in case the writer replaced the temporary instead of writing into it)."""
     fd = os.open(tmp, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -111,9 +124,12 @@ def _finish(target: Path, tmp: Path, verify: Callable[[Path], object] | None) ->
         os.close(fd)
     if verify is not None:
         verify(tmp)
-    with contextlib.suppress(OSError):
-        if target.exists():  # keep an existing file's permissions
-            os.chmod(tmp, target.stat().st_mode & 0o7777)
+    if mode is not None:
+        os.chmod(tmp, mode)
+    else:
+        with contextlib.suppress(OSError):
+            if target.exists():  # keep an existing file's permissions
+                os.chmod(tmp, target.stat().st_mode & 0o7777)
     os.replace(tmp, target)
     _fsync_dir(target.parent if str(target.parent) else Path("."))
 
@@ -132,19 +148,27 @@ def _failed(target: Path, tmp: Path, e: BaseException, what: str) -> BaseExcepti
 
 @contextlib.contextmanager
 def atomic_path(
-    path: str | os.PathLike, *, verify: Callable[[Path], object] | None = None, what: str = "output"
+    path: str | os.PathLike,
+    *,
+    verify: Callable[[Path], object] | None = None,
+    what: str = "output",
+    mode: int | None = None,
 ) -> Iterator[Path]:
     """Yield a temporary path beside ``path`` for a writer that wants a file name (GGUFWriter,
     matplotlib, ...); when the block ends normally, fsync it, run ``verify(tmp)`` (which raises if
     the file is not what was meant), and rename it over ``path``.
 
+    mode: the file's permission bits, exactly (e.g. ``0o600`` for a private file: the temporary is
+    created with them, so it is never readable by others); None: as ``open()`` would create it, or an
+    existing target's.
+
     On any exception (or a failed check) the temporary file is removed, the target is unchanged,
     and the error is raised as :class:`WriteError` (KeyboardInterrupt and SystemExit pass through).
     """
-    target, tmp = _begin(path, what)
+    target, tmp = _begin(path, what, mode)
     try:
         yield tmp
-        _finish(target, tmp, verify)
+        _finish(target, tmp, verify, mode)
     except BaseException as e:
         err = _failed(target, tmp, e, what)
         if err is e:

@@ -36,6 +36,12 @@ through their own appends (:meth:`~kvslim.layer.SlimLayer.restore`): a failed lo
 caller sees. Layers with a recurrent state (linear attention, SSM hybrids) are refused: their state is
 not stored in these files (yet).
 
+Continuing: whether a saved cache can continue a prompt is one rule, :func:`check_continuation` (the model,
+its dtype, the cache settings, the token prefix), used by ``kvslim sample --prompt-cache`` and by the
+server's sessions (:mod:`kvslim.engine.sessions`, through the non-raising :func:`can_continue`), on a
+:class:`SavedCache` read from a file's header and token ids (:meth:`SavedCache.read`) or from a cache in
+memory (:meth:`SavedCache.of`).
+
 This module knows nothing about tokenizers or generation (see :mod:`kvslim.cli.sample`).
 """
 
@@ -212,12 +218,9 @@ def from_state(
 
     # -- the model ---------------------------------------------------------------------------
     model = header["model"]
-    recorded = model.get("fingerprint")
-    if recorded and model_fingerprint and recorded != model_fingerprint:
-        raise fail(
-            f"saved for another model: the file records model fingerprint {recorded[:23]}..., this model's is "
-            f"{model_fingerprint[:23]}..."
-        )
+    why = _other_model(model.get("fingerprint"), model_fingerprint)
+    if why:
+        raise fail(why)
     shapes = ModelShapes.from_config(config)
     for key in ("model_type", "n_layers", "n_kv_heads", "k_head_dim", "v_head_dim"):
         if key in model and model[key] != getattr(shapes, key):
@@ -334,15 +337,26 @@ def save(
     *,
     token_ids: torch.Tensor | None = None,
     model_fingerprint: str | None = None,
+    mode: int | None = None,
 ) -> dict:
     """Write ``cache`` to ``path`` (safetensors) atomically: a temporary file beside it, flushed, re-opened
     and checked, renamed over ``path``; a failure leaves an existing file as it was (:mod:`kvslim.atomic`,
-    :class:`~kvslim.atomic.WriteError`). See :func:`to_state` for the arguments. Returns the header."""
+    :class:`~kvslim.atomic.WriteError`). See :func:`to_state` for the arguments; mode: the file's exact
+    permission bits (``0o600``: private from the first byte; None: as ``open()`` makes it). Returns the
+    header."""
+    tensors, header = to_state(cache, token_ids=token_ids, model_fingerprint=model_fingerprint)
+    write_state(tensors, header, path, mode=mode)
+    return header
+
+
+def write_state(tensors: dict[str, torch.Tensor], header: dict, path: str | os.PathLike, *, mode=None) -> None:
+    """Write a :func:`to_state` snapshot to ``path`` as :func:`save` does (atomically, checked, ``mode``).
+    The snapshot holds its own CPU copies, so the cache it came from may change while this writes (a
+    server's background writer)."""
     from safetensors.torch import save_file
 
     from .atomic import atomic_path
 
-    tensors, header = to_state(cache, token_ids=token_ids, model_fingerprint=model_fingerprint)
     metadata = {META_KEY: json.dumps(header, sort_keys=True, separators=(",", ":"))}
 
     def verify(tmp) -> None:
@@ -352,9 +366,8 @@ def save(
                 "the file written does not read back as the cache (tensor names or header differ)"
             )
 
-    with atomic_path(path, verify=verify, what="prompt cache") as tmp:
+    with atomic_path(path, verify=verify, what="prompt cache", mode=mode) as tmp:
         save_file(tensors, os.fspath(tmp), metadata=metadata)
-    return header
 
 
 def read_header(path: str | os.PathLike) -> dict:
@@ -451,6 +464,182 @@ _KV_LAYER = {
 }
 
 
+# ---------------------------------------------------------------------------------------------
+# the continuation rule: can this saved cache continue this prompt?
+
+
+class CannotContinue(ValueError):
+    """A saved cache cannot continue a prompt. ``str()`` is one line starting with ``where``; ``kind`` says
+    which part of :func:`check_continuation` refused it: ``"damaged"`` (not a file this kvslim reads),
+    ``"model"``, ``"dtype"``, ``"settings"`` or ``"tokens"`` (the prompt does not go on from its tokens)."""
+
+    def __init__(self, message: str, kind: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class SavedCache:
+    """What the continuation rule reads of a saved cache — a file's header and token ids, or a cache a
+    server keeps in memory — without its stored tensors.
+
+    cache_config: the settings it was saved with (its K bias path as recorded, or None); centered: it holds
+    mean-centered keys (a bias is compared by identity when the file is loaded, not here); model_fingerprint:
+    the model's, as recorded (None: not recorded); dtypes: the dtypes of its K/V layers that hold tokens
+    (sorted names, e.g. ``("float32",)``); token_ids: (B, n) int64 the ids it was filled with, or None."""
+
+    cache_config: object  # CacheConfig (kvslim.config is not imported at module level)
+    centered: bool
+    model_fingerprint: str | None
+    dtypes: tuple[str, ...]
+    token_ids: torch.Tensor | None = None
+
+    @classmethod
+    def from_header(
+        cls, header: dict, token_ids: torch.Tensor | None = None, *, where: str = "prompt cache"
+    ) -> SavedCache:
+        """From a prompt cache header (:func:`to_state`, :func:`read_header`). CannotContinue (kind
+        ``damaged``, or ``settings`` for settings this kvslim does not know) for a header it does not read."""
+        from .config import parse_spec
+
+        try:
+            check_header(header, where=where)
+        except ValueError as e:
+            raise CannotContinue(str(e), "damaged") from None
+        try:
+            cfg = parse_spec(header["cache_config"])
+        except ValueError as e:
+            raise CannotContinue(
+                f"{where}: its cache_config {header['cache_config']!r} is not valid here ({e})", "settings"
+            ) from None
+        dtypes = {e["dtype"] for e in header["layers"] if e["kind"] == "kv" and e["seen"] and e["dtype"]}
+        return cls(
+            cache_config=cfg,
+            centered=header["mean_center"] is not None,
+            model_fingerprint=header["model"].get("fingerprint"),
+            dtypes=tuple(sorted(dtypes)),
+            token_ids=token_ids,
+        )
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> SavedCache:
+        """A file's header and token ids, without reading its other tensors (the rule runs before the load).
+        CannotContinue (kind ``damaged``, one line naming the file) for a file this kvslim does not read.
+        The checksum is verified by :func:`load`, not here."""
+        from safetensors import SafetensorError, safe_open
+
+        where = f"prompt cache {os.fspath(path)}"
+        try:
+            names, header = _open(path, where=where)
+        except ValueError as e:
+            raise CannotContinue(str(e), "damaged") from None
+        token_ids = None
+        if "token_ids" in names:
+            try:
+                with safe_open(os.fspath(path), framework="pt") as f:
+                    token_ids = f.get_tensor("token_ids")
+            except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+                raise CannotContinue(
+                    f"{where}: cannot read its token ids ({_first_line(e)}): a damaged or truncated file", "damaged"
+                ) from None
+        if (None if token_ids is None else list(token_ids.shape)) != header.get("tokens") or (
+            token_ids is not None and token_ids.dtype != torch.long
+        ):
+            raise CannotContinue(
+                f"{where}: its token ids do not match its header (a damaged or edited file)", "damaged"
+            )
+        return cls.from_header(header, token_ids, where=where)
+
+    @classmethod
+    def of(cls, cache, tokens, *, cache_config, model_fingerprint: str | None = None) -> SavedCache:
+        """A cache held in memory (a session this process kept): ``tokens`` the ids it holds (one row),
+        ``cache_config`` the settings it was made with."""
+        dtypes = {_dtype_name(s.dtype) for s in cache.stores() if s.dtype is not None}
+        return cls(
+            cache_config=cache_config,
+            centered=cache_config.mean_center is not None,
+            model_fingerprint=model_fingerprint,
+            dtypes=tuple(sorted(dtypes)),
+            token_ids=torch.tensor([list(tokens)], dtype=torch.long),
+        )
+
+
+def check_continuation(
+    saved: SavedCache,
+    prompt=None,
+    *,
+    cache_config=None,
+    model_fingerprint: str | None = None,
+    dtype: torch.dtype | str | None = None,
+    where: str = "prompt cache",
+) -> int | None:
+    """The one continuation rule (``kvslim sample --prompt-cache``, the server's sessions): can the saved
+    cache ``saved`` continue ``prompt``? Checked in this order, each only when its argument is given (a
+    caller may check the settings before the model is loaded, and the rest after):
+
+    1. model: the fingerprint it records is ``model_fingerprint`` (a cache without one is checked by shapes
+       when it is loaded);
+    2. dtype: its layers hold ``dtype`` K/V (the model's dtype: a cache saved from a float32 model is not
+       continued by a bfloat16 one — the fingerprint is the same for both, see :mod:`kvslim.fingerprint`);
+    3. settings: it was saved with ``cache_config`` (a CacheConfig or spec: the same format, policy and
+       levers; a K bias if and only if one is asked for — :func:`check_cache_config`);
+    4. tokens: ``prompt`` ((B, T) tensor, or one row of ints) starts with its token ids and goes on past them
+       (:func:`continued_prefix`: a saved cache is continued as it is, never cropped).
+
+    Returns how many leading prompt tokens it holds (with ``prompt``; None without). Raises
+    :class:`CannotContinue` (one line starting with ``where``; ``kind`` names the check) otherwise.
+    Loading the file (:func:`load`) still checks what needs the tensors and the model's config: the checksum,
+    shapes, resolved levers and the bias's identity."""
+    why = _other_model(saved.model_fingerprint, model_fingerprint)
+    if why:
+        raise CannotContinue(f"{where}: {why}", "model")
+    if dtype is not None:
+        name = dtype if isinstance(dtype, str) else _dtype_name(dtype)
+        if saved.dtypes and saved.dtypes != (name,):
+            raise CannotContinue(
+                f"{where}: saved from a {', '.join(saved.dtypes)} model, this one runs in {name}", "dtype"
+            )
+    if cache_config is not None:
+        try:
+            _check_settings(saved.cache_config, saved.centered, cache_config, where=where)
+        except ValueError as e:
+            raise CannotContinue(str(e), "settings") from None
+    if prompt is None:
+        return None
+    ids = prompt if isinstance(prompt, torch.Tensor) else torch.tensor([list(prompt)], dtype=torch.long)
+    if ids.ndim != 2 or ids.shape[1] == 0:
+        raise CannotContinue(f"{where}: the prompt must be a non-empty (batch, tokens) tensor of ids", "tokens")
+    try:
+        return continued_prefix(saved.token_ids, ids, where=where)
+    except ValueError as e:
+        raise CannotContinue(str(e), "tokens") from None
+
+
+def can_continue(
+    saved: SavedCache,
+    prompt,
+    *,
+    cache_config,
+    model_fingerprint: str | None = None,
+    dtype: torch.dtype | str | None = None,
+    where: str = "prompt cache",
+) -> tuple[int | None, CannotContinue | None]:
+    """:func:`check_continuation` for a caller that must not raise (a server's session starts over instead):
+    ``(n, None)`` when ``saved`` continues ``prompt`` holding its first ``n`` tokens, else ``(None, why)``
+    (``str(why)`` the one-line reason, ``why.kind`` which check)."""
+    try:
+        return check_continuation(
+            saved,
+            prompt,
+            cache_config=cache_config,
+            model_fingerprint=model_fingerprint,
+            dtype=dtype,
+            where=where,
+        ), None
+    except CannotContinue as e:
+        return None, e
+
+
 def continued_prefix(
     cached: torch.Tensor | None, token_ids: torch.Tensor, *, where: str = "prompt cache"
 ) -> int:
@@ -487,18 +676,37 @@ def check_cache_config(header: dict, cache_config, *, where: str = "prompt cache
     by identity when the cache is loaded, not by its path)."""
     from .config import parse_spec
 
-    saved = parse_spec(header["cache_config"]).replace(mean_center=None)
+    _check_settings(
+        parse_spec(header["cache_config"]), header.get("mean_center") is not None, cache_config, where=where
+    )
+
+
+def _check_settings(saved, centered: bool, cache_config, *, where: str) -> None:
+    """ValueError unless ``saved`` (a CacheConfig; ``centered``: it holds mean-centered keys) are the
+    settings ``cache_config`` (a CacheConfig or spec) asks for, the K bias path aside."""
+    from .config import parse_spec
+
+    saved = saved.replace(mean_center=None)
     want = parse_spec(cache_config) if isinstance(cache_config, str) else cache_config
     if want.replace(mean_center=None) != saved:
         raise ValueError(
             f"{where}: saved with cache {saved.to_spec()!r}, expected {want.replace(mean_center=None).to_spec()!r}"
         )
-    has_bias = header.get("mean_center") is not None
-    if (want.mean_center is not None) != has_bias:
+    if (want.mean_center is not None) != centered:
         raise ValueError(
-            f"{where}: saved {'with' if has_bias else 'without'} K mean-centering, expected "
+            f"{where}: saved {'with' if centered else 'without'} K mean-centering, expected "
             f"{'with' if want.mean_center else 'without'}"
         )
+
+
+def _other_model(recorded: str | None, mine: str | None) -> str | None:
+    """Why a cache recording model fingerprint ``recorded`` is not this model's (``mine``), or None."""
+    if recorded and mine and recorded != mine:
+        return (
+            f"saved for another model: the file records model fingerprint {recorded[:23]}..., this model's is "
+            f"{mine[:23]}..."
+        )
+    return None
 
 
 def content_sha256(tensors: dict[str, torch.Tensor], header: dict) -> str:

@@ -111,7 +111,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cache_config = cache_config_from_args(args)  # ValueError -> one line, before any slow work
     _check_args(args)
-    saved_header = _check_prompt_cache(args, cache_config)
+    saved_cache = _check_prompt_cache(args, cache_config)
     prompt = _read_prompt(args)
 
     from ..atomic import AtomicFile
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     no_quantizing = _nothing_quantized(args, cache_config, input_ids.shape[1])
 
     if args.prompt_cache:
-        cache, feed, prompt_cache = _prompt_cache(args, model, input_ids, cache_config, saved_header)
+        cache, feed, prompt_cache = _prompt_cache(args, model, input_ids, cache_config, saved_cache)
     else:
         static_len = input_ids.shape[1] + args.tokens if args.compile else None
         cache, feed, prompt_cache = bias_cache_maker(model, args, static_len=static_len)(cache_config), input_ids, None
@@ -257,10 +257,25 @@ def _check_args(args: argparse.Namespace) -> None:
     check_model_args(args)
 
 
-def _check_prompt_cache(args: argparse.Namespace, cache_config) -> dict | None:
+#: What to do about a --prompt-cache file the continuation rule refuses, by CannotContinue.kind (the
+#: "damaged" and "tokens" messages say it themselves).
+_PROMPT_CACHE_FIX = {
+    "model": "use the model it was saved from, or another --prompt-cache file",
+    "dtype": "pass the --dtype it was saved with, or another --prompt-cache file",
+    "settings": "pass the cache flags it was saved with, or another --prompt-cache file",
+}
+
+
+def _refused(e) -> UserError:
+    """A --prompt-cache file the continuation rule refuses: one line, the rule's reason and the fix."""
+    fix = _PROMPT_CACHE_FIX.get(e.kind)
+    return UserError(f"{e}: {fix}" if fix else str(e))
+
+
+def _check_prompt_cache(args: argparse.Namespace, cache_config):
     """Before the model loads: an existing --prompt-cache file must have been saved with these cache flags
-    (its header is read; its tensors later), a new one must be writable. Returns the file's header, or None
-    when it is to be created."""
+    (its header and token ids are read; its tensors later), a new one must be writable. Returns the file's
+    :class:`~kvslim.promptcache.SavedCache`, or None when it is to be created."""
     path = args.prompt_cache
     if path is None:
         return None
@@ -271,33 +286,33 @@ def _check_prompt_cache(args: argparse.Namespace, cache_config) -> dict | None:
     if not os.path.exists(path):
         check_output("--prompt-cache", path)
         return None
-    from ..promptcache import check_cache_config, read_header
+    from ..promptcache import CannotContinue, SavedCache, check_continuation
 
-    header = read_header(path)  # ValueError: one line naming the file
     try:
-        check_cache_config(header, cache_config, where=f"--prompt-cache {path}")
-    except ValueError as e:
-        raise UserError(
-            f"{e}: pass the cache flags it was saved with, or another --prompt-cache file"
-        ) from None
-    return header
+        saved = SavedCache.read(path)
+        check_continuation(saved, cache_config=cache_config, where=f"--prompt-cache {path}")
+    except CannotContinue as e:
+        raise _refused(e) from None
+    return saved
 
 
-def _prompt_cache(args, model, input_ids, cache_config, header: dict | None):
+def _prompt_cache(args, model, input_ids, cache_config, saved):
     """``(cache, tokens still to feed (1, n), report entry)`` for --prompt-cache FILE.
 
     No file: prefill every prompt token but the last into a new cache and save it with their ids (the last
     token is fed by the generation, which needs its logits; llama.cpp re-evaluates it the same way). A file:
-    load it for this model, check that the prompt starts with its tokens, feed only the rest."""
+    the continuation rule (:func:`kvslim.promptcache.check_continuation`: this model, its dtype, these cache
+    flags, a prompt that starts with the file's tokens) before its tensors are read, then load it and feed
+    only the rest."""
     import torch
 
     from ..fingerprint import model_fingerprint
     from ..generate import prefill
-    from ..promptcache import continued_prefix, load
+    from ..promptcache import CannotContinue, check_continuation, load
 
     path, n_prompt = args.prompt_cache, input_ids.shape[1]
     fingerprint = model_fingerprint(model)
-    if header is None:
+    if saved is None:
         cache = bias_cache_maker(model, args)(cache_config)
         head = input_ids[:, :-1]  # (1, T - 1)
         if head.shape[1]:
@@ -310,13 +325,17 @@ def _prompt_cache(args, model, input_ids, cache_config, header: dict | None):
             input_ids[:, -1:],
             {"file": path, "reused_tokens": 0, "saved_tokens": head.shape[1], "note": note},
         )
-    dtypes = {e["dtype"] for e in header["layers"] if e.get("dtype")}
-    model_dtype = str(model.dtype).removeprefix("torch.")
-    if dtypes and dtypes != {model_dtype}:
-        raise UserError(
-            f"--prompt-cache {path}: saved from a {', '.join(sorted(dtypes))} model, this one runs in {model_dtype}: "
-            f"pass the --dtype it was saved with, or another file"
+    try:
+        n = check_continuation(
+            saved,
+            input_ids,
+            cache_config=cache_config,
+            model_fingerprint=fingerprint,
+            dtype=model.dtype,
+            where=f"--prompt-cache {path}",
         )
+    except CannotContinue as e:
+        raise _refused(e) from None
     restored = load(
         path,
         config=model.config,
@@ -325,10 +344,7 @@ def _prompt_cache(args, model, input_ids, cache_config, header: dict | None):
         device=model.device,
         cache_config=cache_config,
         allow_other_model=args.kv_mean_center_any_model,
-    )
-    n = continued_prefix(
-        restored.token_ids, input_ids, where=f"--prompt-cache {path}"
-    )  # ValueError: one line
+    )  # ValueError (one line): the checks that need the tensors (checksum, shapes, levers, the bias)
     note = f"--prompt-cache {path}: reused {n} of the prompt's {n_prompt} tokens; prefilling {n_prompt - n}"
     return (
         restored.cache,
