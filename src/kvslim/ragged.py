@@ -6,14 +6,15 @@ caches have different lengths, different evicted ranges and different settings (
 longest row costs, for every row, and would need one storage layout for all of them. Instead
 :class:`RaggedCache` hands each attention layer a :class:`RaggedSegments`: one
 :class:`~kvslim.layer.Segments` view per row (None for a filler row, see below), and the ``kvslim``
-attention (:mod:`kvslim.attention`) attends row by row on each row's own codes. The linear layers, the
-norms and RoPE run once over the whole batch — that is what a batch is for: the weights are read once
-per step for every row.
+attention (:mod:`kvslim.attention`) attends on each row's own codes: one C call a layer for every row the
+fused kernel reads (:func:`kvslim.kernels.cpu.attend_rows`, each row computed as it would be alone), row by
+row for the others. The linear layers, the norms and RoPE run once over the whole batch — that is what a
+batch is for: the weights are read once per step for every row.
 
 A row that fails (its K/V not finite, or its store refuses them) in a step run with an ``errors`` dict is
 dropped from the rest of that step: it is recorded in ``errors[b]`` and becomes a filler row (below) from
 that layer on, so the other rows' logits are exactly those they would have had with it (every row's work
-is its own: the linear layers are row-wise, attention is row by row). Its own cache has taken the token in
+is its own: the linear layers are row-wise, attention computes each row on its own, even in one call). Its own cache has taken the token in
 the layers before the failure and is not to be fed again: the caller ends that row. Without ``errors`` the
 first failure raises, as a batch-1 cache would.
 

@@ -155,11 +155,18 @@ def cpu_serves(x: torch.Tensor, *bodies: Encoded) -> bool:
     and the devices decide (the format's own support is the caller's :func:`cpu.attend_supported`): for a
     call that fuses several kernel calls (:func:`kvslim.attention._fused_decode`), at a fraction of the cost of
     one ``select`` per body. For CPU tensors "auto" never picks triton (its interpreter is opt-in by name)."""
-    if get_backend() not in ("auto", "cpu") or not x.is_cpu or not 0 < x.shape[2] <= cpu.MAX_M:
-        return False
-    if not all(t.is_cpu for enc in bodies for t in (*enc.token.values(), *enc.group.values())):
-        return False
-    return _usable("cpu")
+    return cpu_serves_query(x) and on_cpu(*bodies)
+
+
+def cpu_serves_query(x: torch.Tensor) -> bool:
+    """:func:`cpu_serves`' answer for what does not depend on the bodies (the backend, the query): asked once
+    for the rows of a ragged step, whose bodies are then checked with :func:`on_cpu` one by one."""
+    return get_backend() in ("auto", "cpu") and x.is_cpu and 0 < x.shape[2] <= cpu.MAX_M and _usable("cpu")
+
+
+def on_cpu(*bodies: Encoded) -> bool:
+    """Whether every part of these encoded bodies is a CPU tensor."""
+    return all(t.is_cpu for enc in bodies for t in (*enc.token.values(), *enc.group.values()))
 
 
 def available() -> dict:

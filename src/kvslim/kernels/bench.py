@@ -15,6 +15,17 @@ slows them alike; the table shows medians (and the spread) of microseconds per l
 
 Shapes default to SmolLM2-135M's decode step: B=1, 3 KV heads, M=3 queries per KV head (its GQA
 group), head dim 64.
+
+``--rows R1,R2,...`` times a ragged decode step's attention instead: one layer's fused attention (sinks none,
+an encoded K and V body in a Hadamard basis, a float16 residual of ``--residual`` tokens) for R rows of
+``--lengths`` tokens each (``--ragged``: row r of R holds (r + 1) / R of it), as
+
+- ``per-row``:  one :func:`kvslim.kernels.cpu.attend` call per row (one C ``kv_attend`` each), what a ragged
+  step did before ``attend_rows``, the Python marshalling of each call included,
+- ``one-call``: one :func:`kvslim.kernels.cpu.attend_rows` call for every row (C ``kv_attend_rows``),
+
+whose outputs are bit-identical (checked before timing). Microseconds per layer, over ``--layers`` distinct
+layers cycled, modes interleaved, median of ``--repeats``.
 """
 
 from __future__ import annotations
@@ -163,6 +174,124 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _row_layers(
+    name: str,
+    rows: int,
+    lengths: list[int],
+    residual: int,
+    heads: int,
+    head_dim: int,
+    layers: int,
+    group_size: int,
+    gen: torch.Generator,
+):
+    """Per layer, the AttendRow of every row: its own encoded K and V body (``length - residual`` tokens, views
+    with slack) and float16 residual."""
+    out = [[] for _ in range(layers)]
+    for r, t in enumerate(lengths):
+        n = max(t - residual, 1)
+        mean = torch.randn(1, heads, 1, head_dim, generator=gen) * 2
+        k = torch.randn(1, heads, n, head_dim, generator=gen) + mean
+        v = torch.randn(1, heads, n, head_dim, generator=gen)
+        kc, kb = _layer_bodies(name, "k", k, layers, group_size)
+        vc, vb = _layer_bodies(name, "v", v, layers, group_size)
+        res = t - n
+        for i in range(layers):
+            kr = torch.randn(1, heads, res, head_dim, generator=gen).half()
+            vr = torch.randn(1, heads, res, head_dim, generator=gen).half()
+            out[i].append(
+                cpu.AttendRow(r, None, None, kr, vr, ((kc, kb[i], 0),), ((vc, vb[i], 0),), head_dim, head_dim)
+            )
+    return out
+
+
+def bench_rows(
+    formats=("int4", "q4_0"),
+    rows=(1, 4, 16),
+    lengths=(1024, 4096),
+    ragged: bool = False,
+    residual: int = 64,
+    heads: int = 3,
+    queries: int = 3,
+    head_dim: int = 64,
+    layers: int = 8,
+    repeats: int = 7,
+    group_size: int = 32,
+    clock: str = "wall",
+    seed: int = 0,
+) -> list[dict]:
+    """Rows {format, rows, tokens (the longest row's), total_tokens, mode, us_per_layer (median), spread}: one
+    ragged step's attention per layer, a call per row (``per-row``) against one call (``one-call``)."""
+    ok, why = cpu.status()
+    if not ok:
+        raise RuntimeError(f"the C kernels are unavailable: {why}")
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {clock!r}")
+    tick = CLOCKS[clock]
+    gen = torch.Generator().manual_seed(seed)
+    out_rows = []
+    for name in formats:
+        for n_rows in rows:
+            for t in lengths:
+                lens = [max(t * (r + 1) // n_rows, 1) if ragged else t for r in range(n_rows)]
+                per_layer = _row_layers(
+                    name, n_rows, lens, residual, heads, head_dim, layers, group_size, gen
+                )
+                q = torch.randn(n_rows, heads, queries, head_dim, generator=gen) * head_dim**-0.5
+                outs = [torch.zeros_like(q) for _ in range(layers)]
+
+                def per_row(i, rs=per_layer, o=outs, q=q):
+                    for r in rs[i]:
+                        o[i][r.qrow] = cpu.attend(
+                            q[r.qrow : r.qrow + 1].clone(), r.k_sink, r.v_sink, r.k_res, r.v_res, *r.k_body[0],
+                            *r.v_body[0][:2], k_hblock=r.k_hblock, v_hblock=r.v_hblock,
+                        )[0]  # fmt: skip
+
+                def one_call(i, rs=per_layer, o=outs, q=q):
+                    if cpu.attend_rows(q, rs[i], o[i]):
+                        raise RuntimeError("attend_rows left rows")
+
+                per_row(0)
+                ref = outs[0].clone()
+                one_call(0)
+                if not torch.equal(ref, outs[0]):
+                    raise RuntimeError(f"{name}: one call and per-row calls differ")  # the kernel's contract
+                modes = {"per-row": per_row, "one-call": one_call}
+                for fn in modes.values():  # warm-up
+                    _time(fn, min(2, layers), tick)
+                times = {m: [] for m in modes}
+                for _ in range(repeats):
+                    for mode, fn in modes.items():
+                        times[mode].append(_time(fn, layers, tick))
+                for mode, ts in times.items():
+                    out_rows.append(
+                        {
+                            "format": name,
+                            "rows": n_rows,
+                            "tokens": t,
+                            "total_tokens": sum(lens),
+                            "mode": mode,
+                            "us_per_layer": statistics.median(ts),
+                            "spread": (min(ts), max(ts)),
+                        }
+                    )
+    return out_rows
+
+
+def format_rows_table(rows: list[dict]) -> str:
+    """One line per (format, rows, tokens): both modes, their ratio, and tokens read per microsecond."""
+    by = {}
+    for r in rows:
+        by.setdefault((r["format"], r["rows"], r["tokens"]), {})[r["mode"]] = r
+    head = f"{'format':7} {'rows':>4} {'tokens':>6} {'total':>7} {'per-row us':>10} {'one-call us':>11} {'speedup':>7}"
+    lines = [head + f" {'tok/us':>6}"]
+    for (name, n, t), m in by.items():
+        a, b = m["per-row"]["us_per_layer"], m["one-call"]["us_per_layer"]
+        total = m["one-call"]["total_tokens"]
+        lines.append(f"{name:7} {n:4d} {t:6d} {total:7d} {a:10.0f} {b:11.0f} {a / b:7.2f} {total / b:6.1f}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvslim.kernels.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--formats", default=",".join(FORMATS), help="comma-separated format names")
@@ -181,9 +310,44 @@ def main(argv=None) -> int:
         help="wall time, or process CPU time (steadier on a shared machine with --threads 1)",
     )
     ap.add_argument("--json", default=None, help="write the rows to this file")
+    ap.add_argument(
+        "--rows",
+        default=None,
+        help="comma-separated row counts: time a ragged step's fused attention, a call per row against one call",
+    )
+    ap.add_argument(
+        "--ragged", action="store_true", help="with --rows: row r of R holds (r + 1) / R of the length"
+    )
+    ap.add_argument("--residual", type=int, default=64, help="with --rows: float16 residual tokens per row")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.rows:
+        rows = bench_rows(
+            formats=[f.strip() for f in args.formats.split(",") if f.strip()],
+            rows=[int(x) for x in args.rows.split(",")],
+            lengths=[int(x) for x in args.lengths.split(",")],
+            ragged=args.ragged,
+            residual=args.residual,
+            heads=args.heads,
+            queries=args.queries,
+            head_dim=args.head_dim,
+            layers=args.layers,
+            repeats=args.repeats,
+            clock=args.clock,
+        )
+        print(f"threads {torch.get_num_threads()}; {cpu.status()[1]}")
+        print(
+            f"{args.clock} microseconds per layer (a ragged step's attention), median of {args.repeats} passes over "
+            f"{args.layers} layers; H_kv={args.heads} M={args.queries} D={args.head_dim} residual={args.residual}"
+            f"{' ragged lengths' if args.ragged else ''}"
+        )
+        print(format_rows_table(rows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        print(json.dumps(rows))
+        return 0
     rows = bench(
         formats=[f.strip() for f in args.formats.split(",") if f.strip()],
         lengths=[int(x) for x in args.lengths.split(",")],

@@ -52,7 +52,7 @@ from .. import paths
 from ..atomic import remove_stale
 from ..formats import FORMATS
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 SOURCES = Path(__file__).parent / "csrc"
 BASE_FLAGS = ["-O3", "-shared", "-fPIC", "-std=c11", "-ffp-contract=fast"]
 #: Tried in order; the first set the compiler accepts is used.
@@ -242,6 +242,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kv_run.restype = _I
     lib.kv_attend.argtypes = [ctypes.c_void_p]
     lib.kv_attend.restype = _I
+    lib.kv_attend_rows.argtypes = [ctypes.c_void_p]
+    lib.kv_attend_rows.restype = _I
+    lib.kv_rows_layout.argtypes = [ctypes.c_void_p]
+    lib.kv_rows_layout.restype = None
     lib.kv_to_half_finite.argtypes = [ctypes.c_void_p]
     lib.kv_to_half_finite.restype = _I
     lib.kv_row_format.argtypes = [
@@ -283,6 +287,18 @@ def row_codes(lib: ctypes.CDLL) -> dict:
     return codes
 
 
+#: kv_attend_rows' row table (csrc/kvslim_kernels.c): int64 fields of the header, of a row record and of a
+#: piece record, and the row record's status field; the loader refuses a library that says otherwise.
+ROWS_LAYOUT = {"head": 18, "row": 32, "piece": 20, "status": 30}
+
+
+def rows_layout(lib: ctypes.CDLL) -> dict:
+    """kv_attend_rows' table widths as the library has them (see :data:`ROWS_LAYOUT`)."""
+    out = (ctypes.c_int64 * 4)()
+    lib.kv_rows_layout(out)
+    return dict(zip(ROWS_LAYOUT, out, strict=True))
+
+
 _lock = threading.Lock()
 _state: dict = {}  # "lib", "ok", "reason", "path", "flags", "rows" once tried
 
@@ -302,6 +318,10 @@ def _load() -> None:
     if lib.kv_abi_version() != ABI_VERSION:
         raise RuntimeError(f"{path} has ABI {lib.kv_abi_version()}, expected {ABI_VERSION}")
     rows = row_codes(lib)
+    if rows_layout(lib) != ROWS_LAYOUT:
+        raise RuntimeError(
+            f"{path} lays out kv_attend_rows' table as {rows_layout(lib)}, expected {ROWS_LAYOUT}"
+        )
     openmp = bool(lib.kv_has_openmp())
     _state.update(
         lib=lib,

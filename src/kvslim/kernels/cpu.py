@@ -10,12 +10,13 @@ that is not contiguous is copied first. Nothing here raises at import; an unusab
 from __future__ import annotations
 
 import array
+from typing import NamedTuple
 
 import torch
 
 from ..formats import Codec, Encoded
 from ..formats.layout import body_layout, expect, rows_contiguous
-from .clib import NAMED_ROWS, library, row_code, status  # noqa: F401 - status: the dispatcher reads cpu.status
+from .clib import NAMED_ROWS, ROWS_LAYOUT, library, row_code, status  # noqa: F401 - the dispatcher reads cpu.status
 
 #: Longest query axis (GQA group x new tokens) the C kernels take. They redo the dot products per
 #: query, where decode + GEMM amortizes the decode: measured (1 thread, T=4096, 3 KV heads, D=64) the
@@ -289,6 +290,134 @@ def attend(
     vals = [b, h, m, d, torch.get_num_threads(), s_k, rk, rv, *kp, vp[0], vp[1], vp[2], vp[4], k_hblock, v_hblock]
     _call(library().kv_attend, "attend", vals, (q, ks, vs, kr, vr, *kparts, *vparts, out))
     return out
+
+
+# --------------------------------------------------------------------------- many rows in one call
+
+
+class AttendRow(NamedTuple):
+    """One row of :func:`attend_rows`: what :func:`attend` takes for a batch of 1, plus where its query is.
+
+    qrow: the row's index in the call's q and out. k_sink, v_sink, k_res, v_res: (1, H, n, D) fp32/fp16/bf16 or
+    None. k_body, v_body: the encoded body as pieces ``(codec, Encoded, offset)``, oldest first, concatenated
+    (one piece: a cache's body; many: blocks anywhere in memory, as a paged pool keeps them); ``offset``: where
+    a per-channel K piece's first token sits in its group (0 for the others). A row's V pieces share one
+    format. k_hblock, v_hblock: the bodies' Hadamard blocks (0: none), as :func:`attend`'s."""
+
+    qrow: int
+    k_sink: torch.Tensor | None
+    v_sink: torch.Tensor | None
+    k_res: torch.Tensor | None
+    v_res: torch.Tensor | None
+    k_body: tuple
+    v_body: tuple
+    k_hblock: int = 0
+    v_hblock: int = 0
+
+
+_HEAD, _ROW, _PIECE, _STATUS = (ROWS_LAYOUT[k] for k in ("head", "row", "piece", "status"))
+
+
+def _part(t: torch.Tensor) -> tuple:
+    s = t.stride()
+    return t.data_ptr(), s[0], s[1], s[2], _DT[t.dtype]
+
+
+_FP = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _fp_part(t: torch.Tensor | None, h: int, d: int, dummy: tuple) -> tuple[int, tuple]:
+    """(tokens, part) of a row's full-precision sinks or residual (1, H, n, D); None or empty: (0, dummy)."""
+    if t is None or t.shape[2] == 0:
+        return 0, dummy
+    if t.dim() != 4 or tuple(t.shape[:2]) != (1, h) or t.shape[3] != d or t.dtype not in _FP:
+        raise ValueError(
+            f"attention rows: a full-precision part {tuple(t.shape)} {t.dtype} does not fit a row of (1, {h}, n, {d})"
+        )
+    return t.shape[2], _part(rows_contiguous(t))
+
+
+def _row_pieces(pieces, h: int, d: int, role: str, vals: list) -> tuple[int, int]:
+    """A row's K or V body pieces appended to ``vals`` as piece records; returns (pieces, tokens)."""
+    tokens, first = 0, None
+    for codec, enc, offset in pieces:
+        p, parts = _body_args(codec, enc, 1, h, d, offset, role)
+        if role == "v":
+            first = first or p[:2]
+            if p[:2] != first:
+                raise ValueError(
+                    f"attention rows: a row's V pieces must share one format, got {first} and {p[:2]}"
+                )
+        vals += p
+        for t in parts:
+            vals += _part(t)
+        tokens += p[4]
+    return len(pieces), tokens
+
+
+def attend_rows(q: torch.Tensor, rows, out: torch.Tensor) -> list[int]:
+    """The decode attention of many rows in one C call (``kv_attend_rows``, one OpenMP region): row ``r`` of
+    ``rows`` (:class:`AttendRow`) writes ``out[r.qrow]`` exactly as :func:`attend` would compute it for that row
+    alone (bit for bit, at the same thread count), each row with its own length, formats, sinks, residual and
+    bases. q (N, H, M, D) fp32, already scaled; out (N, H, M, D) fp32 with a contiguous last dim (written in
+    place; the rows no row names are left as they are).
+
+    Returns the indices (into ``rows``) of the rows not computed, their ``out`` rows not to be trusted: a row
+    whose arguments do not fit (the reason is what :func:`attend` raises for it), a row the C side refused, or
+    every row when the call failed (out of memory). The caller computes them its own way, one by one, so that a
+    failure stays with its row."""
+    if q.dim() != 4 or q.dtype != torch.float32 or not q.is_cpu:
+        raise ValueError(
+            f"attention rows: q must be a CPU (N, H, M, D) float32 tensor, got {tuple(q.shape)} {q.dtype}"
+        )
+    fits = out.shape == q.shape and out.dtype == torch.float32 and out.is_cpu
+    if not fits or (q.shape[3] > 1 and out.stride(3) != 1):
+        raise ValueError(
+            f"attention rows: out must be a CPU float32 {tuple(q.shape)} tensor with a contiguous last dim, got "
+            f"{tuple(out.shape)} {out.dtype} with strides {out.stride()}"
+        )
+    q = rows_contiguous(q)
+    nq, h, m, d = q.shape
+    dummy = _part(q)
+    recs, pieces, sent, left, taken = [], [], [], [], set()
+    for i, row in enumerate(rows):
+        try:
+            qrow = int(row.qrow)
+            if not 0 <= qrow < nq or qrow in taken:
+                raise ValueError(
+                    f"attention rows: row {i}'s query row {qrow} is outside 0..{nq - 1} or taken"
+                )
+            (s_k, ks), (s_v, vs), (rk, kr), (rv, vr) = (
+                _fp_part(t, h, d, dummy) for t in (row.k_sink, row.v_sink, row.k_res, row.v_res)
+            )
+            if s_k != s_v:
+                raise ValueError(f"attention rows: {s_k} sink keys but {s_v} sink values")
+            mine: list = []
+            first = len(pieces) // _PIECE
+            kn, nk = _row_pieces(row.k_body, h, d, "k", mine)
+            vn, nv = _row_pieces(row.v_body, h, d, "v", mine)
+            if nk + rk != nv + rv or s_k + nk + rk < 1:
+                raise ValueError(f"attention rows: K holds {nk} + {rk} tokens after the sinks, V {nv} + {rv}")
+            hbs = (int(row.k_hblock), int(row.v_hblock))
+        except Exception:  # noqa: BLE001 - the caller's own path for this row says what is wrong with it
+            left.append(i)
+            continue
+        taken.add(qrow)
+        pieces += mine
+        # the status field starts at "refused" (2): a row is done only where C says so
+        recs += (qrow, s_k, rk, rv, *hbs, first, kn, first + kn, vn, *ks, *vs, *kr, *vr, 2, 0)
+        sent.append(i)
+    if not sent:
+        return left
+    head = [len(sent), nq, h, m, d, torch.get_num_threads(), len(pieces) // _PIECE, 0, *dummy, *_part(out)]
+    args = array.array("q", head + recs + pieces)  # held until the call returns; C writes each row's status
+    rc = library().kv_attend_rows(args.buffer_info()[0])
+    if rc == 0:
+        return left
+    if rc == 2:  # some rows refused: their status says which
+        left += [i for j, i in enumerate(sent) if args[_HEAD + j * _ROW + _STATUS]]
+        return sorted(left)
+    return sorted(left + sent)  # out of memory: nothing written is reliable
 
 
 def to_half_finite(*xs: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], bool] | None:

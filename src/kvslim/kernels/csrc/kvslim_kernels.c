@@ -36,6 +36,10 @@
  * small calls, see KV_GRAIN). V sums are reduced over the chunks of a (batch, head) at the end, on the
  * calling thread. Without OpenMP everything runs on one thread.
  *
+ * Entry points: kv_run (one kernel: K scores or V sums of a body), kv_attend (a layer's decode attention:
+ * sinks, body, residual, softmax, value sums), kv_attend_rows (kv_attend for many rows of a ragged batch in
+ * one call, each row bit-identical to its own kv_attend; a row's body may be a list of blocks).
+ *
  * Return codes: 0 ok, 1 out of memory (scratch), 2 bad arguments. The Python side validates shapes;
  * nothing here can check that a pointer and its strides stay inside a tensor.
  */
@@ -52,12 +56,14 @@
 #include <immintrin.h>
 #endif
 
-#define KV_ABI_VERSION 4
+#define KV_ABI_VERSION 5
 
 #if defined(__GNUC__) || defined(__clang__)
 #define KV_INLINE static inline __attribute__((always_inline))
+#define KV_NOINLINE __attribute__((noinline))
 #else
 #define KV_INLINE static inline
+#define KV_NOINLINE
 #endif
 
 #if defined(_OPENMP)
@@ -711,13 +717,11 @@ static int run_tasks(const kv_call *k, int64_t ntasks, int nt, size_t scratch_fl
 
 enum { OP_K_ROWS = 0, OP_V_ROWS = 1, OP_K_AFFINE = 2, OP_V_AFFINE = 3, OP_K_ROWS_T = 4, OP_K_AFFINE_T = 5 };
 
-/* The always-inline task bodies, instantiated per format (fmt / bits are constants in each case). */
-static void run_task(const kv_call *k, int64_t task, float *scratch) {
-    const kv_dims *dm = k->dm;
-    const int M = dm->M, D = dm->D, H = dm->H, T = dm->T, nc = k->nc;
-    const int b = (int)(task / ((int64_t)H * nc)), h = (int)((task / nc) % H), c = (int)(task % nc);
-    const int t0 = (int)((int64_t)c * T / nc), t1 = (int)((int64_t)(c + 1) * T / nc);
-    float *acc = k->part ? k->part + task * M * D : NULL;
+/* Tokens t0 .. t1 of (b, h): the always-inline task bodies, instantiated per format (fmt / bits are constants
+ * in each case). V sums go into acc (M, D), in token order. Not inlined: kv_run, kv_attend and kv_attend_rows
+ * run these same instructions (see the fused decode attention below). */
+static KV_NOINLINE void run_range(const kv_call *k, int b, int h, int t0, int t1, float *scratch, float *acc) {
+    const int M = k->dm->M, D = k->dm->D;
 #define KV_ROWS(FMT)                                                                                            \
     case FMT:                                                                                                   \
         if (k->op == OP_K_ROWS || k->op == OP_K_ROWS_T)                                                         \
@@ -758,6 +762,15 @@ static void run_task(const kv_call *k, int64_t task, float *scratch) {
     }
 #undef KV_ROWS
 #undef KV_AFFINE
+}
+
+/* Task (b, h, token chunk c) of a call: chunk c of nc splits T at c * T / nc. */
+static void run_task(const kv_call *k, int64_t task, float *scratch) {
+    const kv_dims *dm = k->dm;
+    const int M = dm->M, D = dm->D, H = dm->H, T = dm->T, nc = k->nc;
+    const int b = (int)(task / ((int64_t)H * nc)), h = (int)((task / nc) % H), c = (int)(task % nc);
+    const int t0 = (int)((int64_t)c * T / nc), t1 = (int)((int64_t)(c + 1) * T / nc);
+    run_range(k, b, h, t0, t1, scratch, k->part ? k->part + task * M * D : NULL);
 }
 
 /* Sum the per-chunk partial sums of each (b, h) into out, un-permuting plane order (per = 1: natural). */
@@ -836,9 +849,13 @@ static int run_call(kv_call *k) {
  *   out    = p_sink @ v_sink + H_v (p_body @ body values) + p_res @ v_res   (T = S + NV + RV)
  * K and V bodies may hold different token counts (per-channel K encodes whole groups, per-token V may
  * not); the token axis is shared. H_k, H_v: the body's Hadamard basis (block 0: none), normalized. The body
- * tasks are kv_run's (run_task: same code, same chunks), so the codes are read exactly as kv_run reads them.
+ * tasks are kv_run's (run_range: same code, same chunks), so the codes are read exactly as kv_run reads them.
  * The phases run in one OpenMP region: K chunks and the fp scores, softmax rows, V chunks, then per
- * (b, h) the V chunks reduced, rotated back and the fp values added. */
+ * (b, h) the V chunks reduced, rotated back and the fp values added.
+ *
+ * Each phase's work for one (b, h) is a function of its own below, not inlined (KV_NOINLINE), and so is
+ * run_range: kv_attend and kv_attend_rows run the same instructions on a row, which is what makes their results
+ * bit-identical (the compiler may vectorize or contract a loop differently where it is inlined). */
 
 typedef struct {
     int kind, code, group, offset, n; /* kind 0: rows (code = format), 1: affine (code = bits) */
@@ -862,6 +879,71 @@ static int body_ok(const kv_body *kb, int is_v, int D) {
     return kb->group >= 1 && kb->offset >= 0 && kb->offset < kb->group;
 }
 
+static int hblock_ok(int hb, int D) { return hb == 0 || (hb > 0 && !(hb & (hb - 1)) && D % hb == 0); }
+
+/* The body's queries of (b, h): dst (M, D) contiguous = H_k q. */
+static KV_NOINLINE void rotate_queries(const kv_part *q, int b, int h, int M, int D, int hb, float *restrict dst) {
+    for (int m = 0; m < M; m++) {
+        float *r = dst + (int64_t)m * D;
+        memcpy(r, (const float *)at(q, b, h, 0) + (int64_t)m * q->s2, (size_t)D * 4);
+        hadamard_blocks(r, D, hb);
+    }
+}
+
+/* Scores of (b, h)'s sink and residual keys: columns 0 .. S and S + NK .. T of its M score rows sb (M, T). */
+static KV_NOINLINE void fp_scores(const kv_part *q, const kv_part *ksk, const kv_part *kres, int b, int h, int M,
+                                  int D, int S, int NK, int RK, int T, float *restrict sb, float *restrict row) {
+    const float *qbh = (const float *)at(q, b, h, 0);
+    for (int j = 0; j < S + RK; j++) {
+        const int col = j < S ? j : S + NK + (j - S);
+        load_floats(j < S ? at(ksk, b, h, j) : at(kres, b, h, j - S), j < S ? ksk->dtype : kres->dtype, row, D);
+        for (int m = 0; m < M; m++) sb[(int64_t)m * T + col] = dot(qbh + (int64_t)m * q->s2, row, D);
+    }
+}
+
+/* One row of T scores -> probabilities, in place. */
+static KV_NOINLINE void softmax_row(float *restrict x, int T) {
+    float mx = x[0], sum = 0.0f;
+    for (int t = 1; t < T; t++) mx = x[t] > mx ? x[t] : mx;
+    for (int t = 0; t < T; t++) sum += (x[t] = expf(x[t] - mx));
+    const float inv = 1.0f / sum;
+    KV_SIMD
+    for (int t = 0; t < T; t++) x[t] *= inv;
+}
+
+/* (b, h)'s output rows: its ncv V chunks' partial sums (part: (ncv, M, D), plane order of vper) summed in chunk
+ * order, un-permuted, rotated back (vhb), then the sink and residual values weighted by pbh (M, T) added. */
+static KV_NOINLINE void finish_head(const float *restrict part, int ncv, const kv_part *out, const kv_part *vsk,
+                                    const kv_part *vres, int b, int h, int M, int D, int vper, int vhb, int S,
+                                    int NV, int RV, int T, const float *restrict pbh, float *restrict scratch) {
+    const int np = D / vper;
+    float *row = scratch, *acc = scratch + D;
+    for (int m = 0; m < M; m++) {
+        float *o = (float *)at(out, b, h, 0) + (int64_t)m * out->s2;
+        memset(acc, 0, (size_t)D * 4);
+        for (int c = 0; c < ncv; c++) {
+            const float *pc = part + (int64_t)c * M * D + (int64_t)m * D;
+            KV_SIMD
+            for (int k = 0; k < D; k++) acc[k] += pc[k];
+        }
+        for (int i = 0; i < vper; i++)
+            for (int j = 0; j < np; j++) o[vper * j + i] = acc[i * np + j];
+        hadamard_blocks(o, D, vhb);
+        const float *pm = pbh + (int64_t)m * T;
+        for (int j = 0; j < S + RV; j++) {
+            const int col = j < S ? j : S + NV + (j - S);
+            load_floats(j < S ? at(vsk, b, h, j) : at(vres, b, h, j - S), j < S ? vsk->dtype : vres->dtype, row, D);
+            axpy(o, pm[col], row, D);
+        }
+    }
+}
+
+/* Body chunks of a call for T body tokens of bh heads on nt threads: kv_attend's split (and kv_run's). */
+static int body_chunks(int bh, int T, int nt) { return T ? n_chunks(bh, T, nt, 128) : 0; }
+
+/* Per-thread scratch of the fused calls, in floats: a tile, the folded queries, scales and zeros. */
+static size_t attend_scratch(int M, int D) { return (size_t)(TILE + M + 8) * D + (size_t)M + 64; }
+
 /* args: B, H, M, D, nthreads, S, RK, RV, K body (kind, code, group, offset, n), V body (kind, code, group, n),
  * K hadamard block, V hadamard block; then 12 parts of 5 int64 (data, s0, s1, s2, dtype): q (B, H, M, D) fp32,
  * k_sink, v_sink (B, H, S, D), k_res (B, H, RK, D), v_res (B, H, RV, D) fp32/fp16/bf16, K body x, s, z,
@@ -879,13 +961,13 @@ int kv_attend(const int64_t *a) {
     const int khb = (int)a[17], vhb = (int)a[18];
     if (B < 1 || H < 1 || M < 1 || D < 1 || S < 0 || RK < 0 || RV < 0) return KV_EARG;
     if (!body_ok(&kb, 0, D) || !body_ok(&vb, 1, D) || S + kb.n + RK != S + vb.n + RV || S + kb.n + RK < 1) return KV_EARG;
-    if ((khb && (khb & (khb - 1) || D % khb)) || (vhb && (vhb & (vhb - 1) || D % vhb))) return KV_EARG;
+    if (!hblock_ok(khb, D) || !hblock_ok(vhb, D)) return KV_EARG;
     const int T = S + kb.n + RK, NK = kb.n, NV = vb.n, BH = B * H;
     const int vper = vb.kind == 1 ? 8 / vb.code : 1;
     const kv_dims dm = {B, H, M, NK > NV ? NK : NV, D, (int32_t)a[4]};
     const int nt = threads_of(&dm);
-    const int nck = NK ? n_chunks(BH, NK, nt, 128) : 0, ncv = NV ? n_chunks(BH, NV, nt, 128) : 0;
-    const size_t scratch_floats = (size_t)(TILE + M + 8) * D + (size_t)M + 64;
+    const int nck = body_chunks(BH, NK, nt), ncv = body_chunks(BH, NV, nt);
+    const size_t scratch_floats = attend_scratch(M, D);
 
     float *scores = (float *)malloc((size_t)BH * M * T * sizeof(float));
     float *qrot = khb && NK ? (float *)malloc((size_t)BH * M * D * sizeof(float)) : NULL;
@@ -897,12 +979,7 @@ int kv_attend(const int64_t *a) {
     /* the body's queries: H_k q (contiguous), or q itself */
     kv_part qb = *q;
     if (qrot) {
-        for (int bh = 0; bh < BH; bh++)
-            for (int m = 0; m < M; m++) {
-                float *r = qrot + ((int64_t)bh * M + m) * D;
-                memcpy(r, (const float *)at(q, bh / H, bh % H, 0) + (int64_t)m * q->s2, (size_t)D * 4);
-                hadamard_blocks(r, D, khb);
-            }
+        for (int bh = 0; bh < BH; bh++) rotate_queries(q, bh / H, bh % H, M, D, khb, qrot + (int64_t)bh * M * D);
         qb = (kv_part){qrot, (int64_t)H * M * D, (int64_t)M * D, D, DT_F32, 0};
     }
     /* body scores and probabilities: columns S .. S + NK of each (b, h, m) row of T */
@@ -931,25 +1008,12 @@ int kv_attend(const int64_t *a) {
                 run_task(&kc, task, scratch);
                 continue;
             }
-            const int bh = (int)(task - (int64_t)BH * nck), b = bh / H, h = bh % H;
-            const float *qbh = (const float *)at(q, b, h, 0);
-            float *row = scratch, *sb = scores + (int64_t)bh * M * T;
-            for (int j = 0; j < S + RK; j++) {
-                const int col = j < S ? j : S + NK + (j - S);
-                load_floats(j < S ? at(ksk, b, h, j) : at(kres, b, h, j - S), j < S ? ksk->dtype : kres->dtype, row, D);
-                for (int m = 0; m < M; m++) sb[(int64_t)m * T + col] = dot(qbh + (int64_t)m * q->s2, row, D);
-            }
+            const int bh = (int)(task - (int64_t)BH * nck);
+            fp_scores(q, ksk, kres, bh / H, bh % H, M, D, S, NK, RK, T, scores + (int64_t)bh * M * T, scratch);
         }
         /* 2. softmax of every row */
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < (int64_t)BH * M; r++) {
-            float *x = scores + r * T, mx = x[0], sum = 0.0f;
-            for (int t = 1; t < T; t++) mx = x[t] > mx ? x[t] : mx;
-            for (int t = 0; t < T; t++) sum += (x[t] = expf(x[t] - mx));
-            const float inv = 1.0f / sum;
-            KV_SIMD
-            for (int t = 0; t < T; t++) x[t] *= inv;
-        }
+        for (int64_t r = 0; r < (int64_t)BH * M; r++) softmax_row(scores + r * T, T);
         /* 3. V: the body's chunks, each into its own partial sum */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < (int64_t)BH * ncv; task++)
@@ -958,32 +1022,267 @@ int kv_attend(const int64_t *a) {
 #pragma omp for schedule(static)
         for (int bh = 0; bh < BH; bh++) {
             if (!scratch) continue;
-            const int b = bh / H, h = bh % H, np = D / vper;
-            float *row = scratch, *acc = scratch + D;
-            const float *pbh = scores + (int64_t)bh * M * T;
-            for (int m = 0; m < M; m++) {
-                float *o = (float *)at(out, b, h, 0) + (int64_t)m * out->s2;
-                memset(acc, 0, (size_t)D * 4);
-                for (int c = 0; c < ncv; c++) {
-                    const float *pc = part + ((int64_t)bh * ncv + c) * M * D + (int64_t)m * D;
-                    KV_SIMD
-                    for (int k = 0; k < D; k++) acc[k] += pc[k];
-                }
-                for (int i = 0; i < vper; i++)
-                    for (int j = 0; j < np; j++) o[vper * j + i] = acc[i * np + j];
-                hadamard_blocks(o, D, vhb);
-                const float *pm = pbh + (int64_t)m * T;
-                for (int j = 0; j < S + RV; j++) {
-                    const int col = j < S ? j : S + NV + (j - S);
-                    load_floats(j < S ? at(vsk, b, h, j) : at(vres, b, h, j - S), j < S ? vsk->dtype : vres->dtype, row, D);
-                    axpy(o, pm[col], row, D);
-                }
-            }
+            finish_head(part + (int64_t)bh * ncv * M * D, ncv, out, vsk, vres, bh / H, bh % H, M, D, vper, vhb, S, NV,
+                        RV, T, scores + (int64_t)bh * M * T, scratch);
         }
         free(scratch);
     }
     free(scores), free(qrot), free(part);
     return err;
+}
+
+/* --------------------------------------------------------------------------------- many rows in one call
+ *
+ * kv_attend_rows: the decode attention of R rows in one call and one OpenMP region. A row is a batch-1
+ * kv_attend of its own: its own length, formats, sinks, residual and bases (kvslim's batch engine keeps a
+ * SlimCache per row), and its encoded K and V bodies are each a list of pieces, concatenated in order (one
+ * piece: a cache's body view; many: the blocks of a paged pool, anywhere in memory, as vLLM keeps them).
+ *
+ * Row r's arithmetic is kv_attend's for that row alone, in the same order, so the output is bit-identical to R
+ * kv_attend calls with the same nthreads: the same body chunks (the count kv_attend picks for the row alone,
+ * whatever else is in the call: a V chunk is summed on its own and the chunks are added in order), the same
+ * instructions (the per-head phases above and run_range are not inlined), a piece boundary inside a chunk
+ * changing nothing (K scores are per token; V sums run token by token into the chunk's accumulator). Only the
+ * schedule differs: one task list per phase over rows x heads x chunks, the costliest first, on threads_of the
+ * whole call's work.
+ *
+ * The row table, one int64 array (kvslim.kernels.cpu builds it; kv_rows_layout() reports its widths):
+ *   header (RT_HEAD): R, NQ, H, M, D, nthreads, npieces, 0, q part, out part
+ *       q (NQ, H, M, D) fp32 already scaled; out (NQ, H, M, D) fp32, of which row r writes out[qrow] only
+ *   R row records (RT_ROW): qrow, S, RK, RV, K hadamard block, V hadamard block, K first piece, K piece count,
+ *       V first piece, V piece count, then the parts k_sink, v_sink (1, H, S, D), k_res (1, H, RK, D),
+ *       v_res (1, H, RV, D) fp32/fp16/bf16 (unused ones may repeat q), then status (RT_STATUS: the caller
+ *       writes KV_EARG; this call writes KV_OK for each row it computes), 0
+ *   npieces piece records (RT_PIECE): kind, code, group, offset, n, then the parts x, s, z: kv_attend's body
+ *       arguments for n tokens (K: offset = the piece's first token's place in its group; V: offset unused).
+ *       A row's V pieces share kind and code (their sum is un-permuted once). Rows may share pieces.
+ *   part = data, s0, s1, s2, dtype; a row's parts are batch 1 (dim 0 is never indexed).
+ *
+ * Returns KV_OK (every row done); KV_EARG: the rows whose status says so were refused and their output left
+ * untouched, the others done (a bad header refuses every row); KV_ENOMEM: no output is reliable. */
+
+enum { RT_HEAD = 18, RT_ROW = 32, RT_PIECE = 20, RT_STATUS = 30 };
+
+typedef struct {
+    kv_body b;
+    kv_part x, s, z;
+} rt_piece;
+
+typedef struct {
+    kv_part q, qb, out, ksk, vsk, kres, vres; /* q, out: this row's (1, H, M, D); qb: the body's queries */
+    int S, RK, RV, NK, NV, T, khb, vhb, vper, nck, ncv, nkp, nvp;
+    const rt_piece *kp, *vp;
+    float *scores, *qrot, *part; /* (H, M, T); (H, M, D) or NULL; (H, ncv, M, D) or NULL */
+} rt_row;
+
+typedef struct {
+    int32_t row, h, c, cost; /* c: a body chunk, or -1: the row's sink and residual keys */
+} rt_task;
+
+static kv_part part_of(const int64_t *e) {
+    return (kv_part){(const void *)(intptr_t)e[0], e[1], e[2], e[3], (int32_t)e[4], 0};
+}
+
+static int fp_ok(const kv_part *p, int n) {
+    return n == 0 || (p->data && (p->dtype == DT_F32 || p->dtype == DT_F16 || p->dtype == DT_BF16));
+}
+
+/* Row record e of the table -> w (its arena pointers not yet set); KV_OK or KV_EARG. used: NQ flags (qrow
+ * taken). Token counts stay below 2^30, so every int product below fits where it is computed in int64. */
+static int rt_setup(const int64_t *e, const rt_piece *pieces, int64_t np, int64_t nq, int H, int M, int D,
+                    int nthreads, const kv_part *q, const kv_part *out, unsigned char *used, rt_row *w) {
+    const int64_t lim = (int64_t)1 << 30;
+    const int64_t qrow = e[0], S = e[1], RK = e[2], RV = e[3], kf = e[6], kn = e[7], vf = e[8], vn = e[9];
+    if (qrow < 0 || qrow >= nq || used[qrow]) return KV_EARG;
+    if (S < 0 || S >= lim || RK < 0 || RK >= lim || RV < 0 || RV >= lim) return KV_EARG;
+    if (e[4] < 0 || e[4] > D || e[5] < 0 || e[5] > D || !hblock_ok((int)e[4], D) || !hblock_ok((int)e[5], D))
+        return KV_EARG;
+    if (kf < 0 || kn < 0 || kf > np - kn || vf < 0 || vn < 0 || vf > np - vn) return KV_EARG;
+    int64_t nk = 0, nv = 0;
+    for (int64_t i = kf; i < kf + kn; i++) {
+        if (!body_ok(&pieces[i].b, 0, D)) return KV_EARG;
+        if ((nk += pieces[i].b.n) >= lim) return KV_EARG;
+    }
+    for (int64_t i = vf; i < vf + vn; i++) {
+        if (!body_ok(&pieces[i].b, 1, D) || pieces[i].b.kind != pieces[vf].b.kind || pieces[i].b.code != pieces[vf].b.code)
+            return KV_EARG;
+        if ((nv += pieces[i].b.n) >= lim) return KV_EARG;
+    }
+    if (S + nk + RK != S + nv + RV || S + nk + RK < 1 || S + nk + RK >= lim) return KV_EARG;
+    *w = (rt_row){.ksk = part_of(e + 10), .vsk = part_of(e + 15), .kres = part_of(e + 20), .vres = part_of(e + 25)};
+    if (!fp_ok(&w->ksk, (int)S) || !fp_ok(&w->vsk, (int)S) || !fp_ok(&w->kres, (int)RK) || !fp_ok(&w->vres, (int)RV))
+        return KV_EARG;
+    w->q = *q, w->out = *out;
+    w->q.data = (const float *)q->data + qrow * q->s0;
+    w->out.data = (const float *)out->data + qrow * out->s0;
+    w->qb = w->q;
+    w->S = (int)S, w->RK = (int)RK, w->RV = (int)RV, w->NK = (int)nk, w->NV = (int)nv, w->T = (int)(S + nk + RK);
+    w->khb = (int)e[4], w->vhb = (int)e[5];
+    w->kp = pieces + kf, w->vp = pieces + vf, w->nkp = (int)kn, w->nvp = (int)vn;
+    w->vper = vn && pieces[vf].b.kind == 1 ? 8 / pieces[vf].b.code : 1;
+    /* the chunks kv_attend takes for this row alone (B = 1) */
+    const kv_dims alone = {1, H, M, w->NK > w->NV ? w->NK : w->NV, D, nthreads};
+    const int nt = threads_of(&alone);
+    w->nck = body_chunks(H, w->NK, nt), w->ncv = body_chunks(H, w->NV, nt);
+    used[qrow] = 1;
+    return KV_OK;
+}
+
+/* Body chunk c of row w's K (is_v 0) or V stream for head h: each piece's part of the chunk, in token order. */
+static void rt_body(const rt_row *w, int is_v, int h, int c, int H, int M, int D, float *scratch) {
+    const int n = is_v ? w->NV : w->NK, nc = is_v ? w->ncv : w->nck, npc = is_v ? w->nvp : w->nkp;
+    const int t0 = (int)((int64_t)c * n / nc), t1 = (int)((int64_t)(c + 1) * n / nc);
+    const rt_piece *pc = is_v ? w->vp : w->kp;
+    float *acc = is_v ? w->part + ((int64_t)h * nc + c) * M * D : NULL;
+    const kv_dims dm = {1, H, M, n, D, 1};
+    int start = 0; /* the piece's first token in the row's body */
+    for (int i = 0; i < npc && start < t1; start += pc[i].b.n, i++) {
+        const int lo = t0 > start ? t0 : start, hi = t1 < start + pc[i].b.n ? t1 : start + pc[i].b.n;
+        if (lo >= hi) continue;
+        /* the piece's columns of the row's scores (K out, V in) */
+        const kv_part sc = {w->scores + w->S + start, (int64_t)H * M * w->T, (int64_t)M * w->T, w->T, DT_F32, 0};
+        const kv_body *b = &pc[i].b;
+        const kv_call k = {.op = is_v ? (b->kind ? OP_V_AFFINE : OP_V_ROWS) : (b->kind ? OP_K_AFFINE : OP_K_ROWS),
+                           .fmt = b->code, .bits = b->code, .group = b->group, .offset = is_v ? 0 : b->offset, .nc = nc,
+                           .x = is_v ? &sc : &w->qb, .p1 = &pc[i].x, .p2 = &pc[i].s, .p3 = &pc[i].z,
+                           .out = is_v ? NULL : &sc, .dm = &dm, .part = NULL, .tr = NULL};
+        run_range(&k, 0, h, lo - start, hi - start, scratch, acc);
+    }
+}
+
+static int rt_costlier(const void *x, const void *y) {
+    const rt_task *a = (const rt_task *)x, *b = (const rt_task *)y;
+    if (a->cost != b->cost) return a->cost > b->cost ? -1 : 1;
+    if (a->row != b->row) return a->row < b->row ? -1 : 1; /* a fixed order: the schedule never depends on qsort */
+    if (a->h != b->h) return a->h < b->h ? -1 : 1;
+    return (a->c > b->c) - (a->c < b->c);
+}
+
+int kv_attend_rows(int64_t *a) {
+    const int64_t R = a[0], NQ = a[1], NP = a[6];
+    const int H = (int)a[2], M = (int)a[3], D = (int)a[4], nthreads = (int)a[5];
+    int64_t *rec = a + RT_HEAD;
+    if (R < 0 || R > (1 << 24)) return KV_EARG;
+    const kv_part q = part_of(a + 8), out = part_of(a + 13);
+    int bad = NQ < 1 || NQ > ((int64_t)1 << 30) || NP < 0 || NP > ((int64_t)1 << 30) || H < 1 || M < 1 || D < 1 ||
+              a[2] > 65536 || a[3] > 65536 || a[4] > 65536 || q.dtype != DT_F32 || out.dtype != DT_F32;
+    for (int64_t r = 0; r < R; r++) rec[r * RT_ROW + RT_STATUS] = KV_EARG; /* until set up */
+    if (bad) return KV_EARG;
+    if (R == 0) return KV_OK;
+    const int64_t *pr = rec + R * RT_ROW;
+    rt_piece *pieces = (rt_piece *)malloc((size_t)(NP ? NP : 1) * sizeof(rt_piece));
+    rt_row *rows = (rt_row *)malloc((size_t)R * sizeof(rt_row));
+    unsigned char *used = (unsigned char *)calloc((size_t)NQ, 1);
+    if (!pieces || !rows || !used) {
+        free(pieces), free(rows), free(used);
+        return KV_ENOMEM;
+    }
+    for (int64_t i = 0; i < NP; i++) {
+        const int64_t *e = pr + i * RT_PIECE;
+        int v[5];
+        for (int j = 0; j < 5; j++) v[j] = e[j] < INT32_MIN || e[j] > INT32_MAX ? -1 : (int)e[j];
+        pieces[i] = (rt_piece){.x = part_of(e + 5), .s = part_of(e + 10), .z = part_of(e + 15)};
+        pieces[i].b = (kv_body){v[0], v[1], v[2], v[3], v[4], &pieces[i].x, &pieces[i].s, &pieces[i].z};
+    }
+    /* set up the rows; sizes of the scores, rotated queries and V partial sums; task counts; the call's work */
+    int64_t n = 0, nscores = 0, nqrot = 0, npart = 0, nktask = 0, nvtask = 0, work = 0;
+    for (int64_t r = 0; r < R; r++) {
+        rt_row *w = &rows[n];
+        if (rt_setup(rec + r * RT_ROW, pieces, NP, NQ, H, M, D, nthreads, &q, &out, used, w) != KV_OK) continue;
+        rec[r * RT_ROW + RT_STATUS] = KV_OK;
+        n++;
+        nscores += (int64_t)H * M * w->T;
+        nqrot += w->khb && w->NK ? (int64_t)H * M * D : 0;
+        npart += (int64_t)H * w->ncv * M * D;
+        nktask += (int64_t)H * (w->nck + 1);
+        nvtask += (int64_t)H * w->ncv;
+        work += (int64_t)H * (w->NK > w->NV ? w->NK : w->NV) * (M + 1);
+    }
+    float *scores = (float *)malloc((size_t)(nscores ? nscores : 1) * sizeof(float));
+    float *qrot = (float *)malloc((size_t)(nqrot ? nqrot : 1) * sizeof(float));
+    float *part = (float *)calloc((size_t)(npart ? npart : 1), sizeof(float));
+    rt_task *kt = (rt_task *)malloc((size_t)(nktask ? nktask : 1) * sizeof(rt_task));
+    rt_task *vt = (rt_task *)malloc((size_t)(nvtask ? nvtask : 1) * sizeof(rt_task));
+    int err = !scores || !qrot || !part || !kt || !vt ? KV_ENOMEM : KV_OK;
+    if (err == KV_OK && n) {
+        int64_t os = 0, oq = 0, op = 0, ik = 0, iv = 0;
+        for (int32_t i = 0; i < (int32_t)n; i++) {
+            rt_row *w = &rows[i];
+            w->scores = scores + os, os += (int64_t)H * M * w->T;
+            w->qrot = w->khb && w->NK ? qrot + oq : NULL, oq += w->qrot ? (int64_t)H * M * D : 0;
+            if (w->qrot) w->qb = (kv_part){w->qrot, (int64_t)H * M * D, (int64_t)M * D, D, DT_F32, 0};
+            w->part = part + op, op += (int64_t)H * w->ncv * M * D;
+            for (int h = 0; h < H; h++) {
+                for (int c = 0; c < w->nck; c++)
+                    kt[ik++] = (rt_task){i, h, c, (int32_t)(((int64_t)(c + 1) * w->NK / w->nck) - ((int64_t)c * w->NK / w->nck))};
+                kt[ik++] = (rt_task){i, h, -1, w->S + w->RK};
+                for (int c = 0; c < w->ncv; c++)
+                    vt[iv++] = (rt_task){i, h, c, (int32_t)(((int64_t)(c + 1) * w->NV / w->ncv) - ((int64_t)c * w->NV / w->ncv))};
+            }
+        }
+        qsort(kt, (size_t)nktask, sizeof(rt_task), rt_costlier);
+        qsort(vt, (size_t)nvtask, sizeof(rt_task), rt_costlier);
+        /* threads_of the whole call's work */
+        const int64_t nt64 = work / KV_GRAIN;
+        const int nt = nt64 < 1 || nthreads < 1 ? 1 : nt64 > nthreads ? nthreads : (int)nt64;
+        const int64_t nheads = n * H;
+        const size_t scratch_floats = attend_scratch(M, D);
+#pragma omp parallel num_threads(nt)
+        {
+            float *scratch = (float *)calloc(scratch_floats, sizeof(float));
+            if (!scratch) {
+#pragma omp atomic write
+                err = KV_ENOMEM;
+            }
+            /* 0. the body queries of rows in a Hadamard basis */
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < nheads; i++) {
+                const rt_row *w = &rows[i / H];
+                const int h = (int)(i % H);
+                if (w->qrot) rotate_queries(&w->q, 0, h, M, D, w->khb, w->qrot + (int64_t)h * M * D);
+            }
+            /* 1. K: body chunks and each head's sink and residual scores, costliest first */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < nktask; i++) {
+                if (!scratch) continue;
+                const rt_task *t = &kt[i];
+                const rt_row *w = &rows[t->row];
+                if (t->c >= 0)
+                    rt_body(w, 0, t->h, t->c, H, M, D, scratch);
+                else
+                    fp_scores(&w->q, &w->ksk, &w->kres, 0, t->h, M, D, w->S, w->NK, w->RK, w->T,
+                              w->scores + (int64_t)t->h * M * w->T, scratch);
+            }
+            /* 2. softmax of every row of scores */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < nheads; i++) {
+                const rt_row *w = &rows[i / H];
+                float *sb = w->scores + (i % H) * M * w->T;
+                for (int m = 0; m < M; m++) softmax_row(sb + (int64_t)m * w->T, w->T);
+            }
+            /* 3. V: body chunks, each into its own partial sum */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < nvtask; i++)
+                if (scratch) rt_body(&rows[vt[i].row], 1, vt[i].h, vt[i].c, H, M, D, scratch);
+            /* 4. per (row, head): the partials summed in chunk order, un-permuted, rotated back; fp values added */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < nheads; i++) {
+                if (!scratch) continue;
+                const rt_row *w = &rows[i / H];
+                const int h = (int)(i % H);
+                finish_head(w->part + (int64_t)h * w->ncv * M * D, w->ncv, &w->out, &w->vsk, &w->vres, 0, h, M, D,
+                            w->vper, w->vhb, w->S, w->NV, w->RV, w->T, w->scores + (int64_t)h * M * w->T, scratch);
+            }
+            free(scratch);
+        }
+    }
+    free(pieces), free(rows), free(used), free(scores), free(qrot), free(part), free(kt), free(vt);
+    return err != KV_OK ? err : n < R ? KV_EARG : KV_OK;
+}
+
+/* The row table's widths, for the loader to compare with its own: RT_HEAD, RT_ROW, RT_PIECE, RT_STATUS. */
+void kv_rows_layout(int64_t *dst) {
+    dst[0] = RT_HEAD, dst[1] = RT_ROW, dst[2] = RT_PIECE, dst[3] = RT_STATUS;
 }
 
 int kv_abi_version(void) { return KV_ABI_VERSION; }

@@ -1,0 +1,315 @@
+"""One attention call per layer for every row of a ragged step (kernels.cpu.attend_rows, C's kv_attend_rows,
+attention._ragged_fused): each row's output is bit for bit what the row alone gets (kernels.cpu.attend, one C
+kv_attend call, or the row's whole per-row path), whatever the other rows are, their order, the thread count
+or how a body is cut into pieces; rows the call cannot read take the per-row path; a failing row stays alone;
+greedy continuations through the engine equal each request run alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import types
+
+import pytest
+import torch
+
+import kvslim
+from conftest import tiny_config, tiny_model
+from kvslim import SlimCache, attention
+from kvslim import generate as gen
+from kvslim.formats import Encoded
+from kvslim.kernels import clib, cpu
+from kvslim.ragged import RaggedSegments
+
+H, M, D = 2, 2, 32  # the tiny llama's KV heads, GQA group (4 query heads / 2) and head dim
+#: what the attention functions read off the model's attention module (sdpa repeats the KV heads M times)
+_MODULE = types.SimpleNamespace(training=False, num_key_value_groups=M, is_causal=True)
+
+#: (cache spec, tokens fed before the decode token): the formats the C kernels read (KIVI int8/int4/int2,
+#: GGML q8_0/q4_0/q4_1/q5_0, fp8), mixed K/V formats, rotated and unrotated bases, sinks, windows, residual 0,
+#: bfloat16 residuals, bodies of 1 token and of several chunks. Comments: body tokens, what the row tests.
+FUSED = [
+    ("int4", 700),  # 544: 2 chunks a head alone at 2 threads, where a call of longer rows would split in 4
+    ("q4_0,residual=0,group=1", 0),  # 1: a 1-token body, no residual
+    ("int8,residual=0,group=8", 9),  # 8: one per-channel group, a 2-token residual
+    ("int4,sink=4,window=60,group=8,residual=8", 300),  # 52: sinks, a window, the first group partly evicted
+    ("q8_0,sink=4,window=60,residual=0,group=1", 300),  # 61: sinks, a window, residual 0
+    ("int4,k=q8_0,sink=2,window=200,residual=32", 900),  # 166: K and V in different formats
+    ("int4,sink=2,window=200,group=16,residual=16", 903),  # 179: first group 13 tokens into a group
+    ("q5_0,rotate=none", 400),  # 256: no Hadamard basis
+    ("int2,pre_rope=false,group=16,residual=16", 257),  # 240: int2
+    ("q4_1,residual_dtype=bfloat16", 1500),  # 1344: 4 chunks a head, bfloat16 residual
+    ("fp8,residual=32", 64),  # 32: fp8
+    ("int8,v=q4_0,rotate=k", 2000),  # 1856: K rotated, V not
+]
+#: rows the fused call does not read: they keep the per-row path (pre-RoPE keys, nothing encoded yet, lossless)
+PER_ROW = [("int2", 300), ("int4", 5), ("none", 50)]
+
+
+def _segments(spec: str, n: int, seed: int):
+    """Layer 0 of a SlimCache with ``spec`` fed ``n`` random tokens, then one decode token: its Segments view."""
+    cache = SlimCache.from_config(kvslim.parse_spec(spec), config=tiny_config())
+    store = cache.layers[0].store
+    g = torch.Generator().manual_seed(seed)
+    kv = lambda t: torch.randn(1, H, t, D, generator=g) * 2 + torch.linspace(-3, 3, D)  # noqa: E731 - channel means
+    if n:
+        store.append(kv(n), kv(n))
+    return store.append(kv(1), kv(1), segments=True)
+
+
+def _alone(query_row: torch.Tensor, seg) -> torch.Tensor:
+    """A row's attention alone: what _segments_attention computes for a batch of one (B=1, 1, Hq, D)."""
+    return attention._segments_attention(_MODULE, query_row.clone(), seg, None, 0.0, None, {})[0]
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    if not cpu.status()[0]:
+        pytest.skip("no C compiler: the fused call needs the C kernels")
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def _queries(b: int, seed: int) -> torch.Tensor:
+    return torch.randn(b, H * M, 1, D, generator=torch.Generator().manual_seed(seed))
+
+
+def _rows(specs, seed=0):
+    return [_segments(spec, n, seed + i) for i, (spec, n) in enumerate(specs)]
+
+
+def test_the_row_table_layout_matches_the_library():
+    if not cpu.status()[0]:
+        pytest.skip("no C compiler")
+    assert clib.rows_layout(clib.library()) == clib.ROWS_LAYOUT
+
+
+def test_attend_rows_equals_attend_per_row_bit_for_bit(threads):
+    """Every FUSED row in one call, in a shuffled order, equals kernels.cpu.attend for that row alone (a fresh
+    query tensor, as the per-row path has), at 1 and 2 threads."""
+    segs = _rows(FUSED)
+    qf = torch.randn(len(segs) + 3, H, M, D, generator=torch.Generator().manual_seed(1)) * D**-0.5
+    order = list(range(len(segs)))
+    random.Random(threads).shuffle(order)
+    rows = [attention._fused_row(segs[i], qrow=i + 3) for i in order]  # query rows 0..2 are no row's
+    out = torch.full_like(qf, 7.0)
+    assert cpu.attend_rows(qf, rows, out) == []
+    assert torch.equal(out[:3], torch.full_like(out[:3], 7.0))  # rows no row names are left as they were
+    for i, seg in enumerate(segs):
+        assert attention._fusable(qf, seg), FUSED[i]
+        hk, hv = attention._hblocks(seg)
+        alone = cpu.attend(
+            qf[i + 3 : i + 4].clone(), seg.k_sink, seg.v_sink, seg.k_res, seg.v_res, seg.k_codec, seg.k_body,
+            seg.k_offset, seg.v_codec, seg.v_body, k_hblock=hk, v_hblock=hv,
+        )  # fmt: skip
+        assert torch.equal(out[i + 3 : i + 4], alone), FUSED[i]
+
+
+def _cut(seg, cuts):
+    """The K and V bodies of ``seg`` as pieces ``(codec, Encoded, offset)`` cut before each token index in
+    ``cuts``: views, as a paged pool's blocks are (a per-channel K piece keeps the groups it touches)."""
+    pieces = []
+    for codec, body, offset in ((seg.k_codec, seg.k_body, seg.k_offset), (seg.v_codec, seg.v_body, 0)):
+        n = next(iter(body.token.values())).shape[2]
+        bounds = [0, *sorted({c for c in cuts if 0 < c < n}), n]
+        pieces.append(
+            tuple(
+                (codec, *body.narrow(lo, hi, offset, codec.token_group)) for lo, hi in zip(bounds, bounds[1:])
+            )
+        )
+    return pieces[0], pieces[1]
+
+
+def test_a_body_cut_into_pieces_gives_the_same_bits(threads):
+    """A body as a list of blocks (what a paged pool hands the kernel): cut anywhere (1-token pieces, cuts inside
+    a per-channel group, at chunk boundaries and off them), the output is the one-piece output, bit for bit."""
+    segs = _rows([FUSED[0], FUSED[3], FUSED[6], FUSED[9], FUSED[11]], seed=5)
+    qf = torch.randn(len(segs), H, M, D, generator=torch.Generator().manual_seed(2)) * D**-0.5
+    whole = torch.zeros_like(qf)
+    assert cpu.attend_rows(qf, [attention._fused_row(s, i) for i, s in enumerate(segs)], whole) == []
+    rng = random.Random(3)
+    cut_rows = []
+    for i, seg in enumerate(segs):
+        n = seg.n_body("k")
+        cuts = {1, 2, 3, n // 4, n // 2, n // 2 + 1, n - 1} | {
+            rng.randrange(1, n) for _ in range(5)
+        }  # n // 2, n // 4: chunk ends
+        kp, vp = _cut(seg, cuts)
+        assert len(kp) > 5 and len(vp) == len(kp)
+        cut_rows.append(attention._fused_row(seg, i)._replace(k_body=kp, v_body=vp))
+    pieces = torch.zeros_like(qf)
+    assert cpu.attend_rows(qf, cut_rows, pieces) == []
+    assert torch.equal(pieces, whole)
+
+
+def test_ragged_attention_equals_each_row_alone_with_per_row_rows_and_fillers(threads, monkeypatch):
+    """_ragged_attention on a step of FUSED rows, rows the fused call cannot read (pre-RoPE int2, a cache with
+    nothing encoded, a lossless one) and filler rows: every row's output equals the row alone through its whole
+    path (_segments_attention), fillers are 0; the fused rows went in one call, the others did not."""
+    specs = FUSED[:6] + PER_ROW + FUSED[6:]
+    segs = _rows(specs, seed=11)
+    rows = segs[:4] + [None] + segs[4:9] + [None] + segs[9:]
+    names = specs[:4] + [None] + specs[4:9] + [None] + specs[9:]
+    query = _queries(len(rows), 4)
+    calls = []
+    real = cpu.attend_rows
+    monkeypatch.setattr(
+        cpu, "attend_rows", lambda q, rs, out: calls.append(sorted(r.qrow for r in rs)) or real(q, rs, out)
+    )
+    out, _ = attention.kvslim_attention(_MODULE, query, RaggedSegments(tuple(rows)), None, None, scaling=None)
+    assert out.shape == (len(rows), 1, H * M, D)
+    fused = [b for b, name in enumerate(names) if name in FUSED]
+    assert calls == [fused]
+    for b, seg in enumerate(rows):
+        if seg is None:
+            assert torch.equal(out[b], torch.zeros_like(out[b]))
+        else:
+            assert torch.equal(out[b : b + 1], _alone(query[b : b + 1], seg)), names[b]
+
+
+def test_a_step_without_fused_rows_runs_row_by_row(threads):
+    """Only rows the fused call cannot read, and fillers: each row alone, fillers 0."""
+    segs = _rows(PER_ROW, seed=13)
+    rows = (None, *segs, None)
+    query = _queries(len(rows), 8)
+    out, _ = attention._ragged_attention(_MODULE, query, RaggedSegments(rows), 0.0, None, {})
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.equal(out[-1], torch.zeros_like(out[-1]))
+    for b in range(1, len(rows) - 1):
+        assert torch.equal(out[b : b + 1], _alone(query[b : b + 1], rows[b]))
+
+
+def _broken(seg):
+    """seg with a K body one token short of its V body: arguments that do not fit (the per-row path raises)."""
+    body = Encoded(token={k: v[:, :, :-1] for k, v in seg.k_body.token.items()}, group=dict(seg.k_body.group))
+    return dataclasses.replace(seg, k_body=body)
+
+
+def test_a_row_that_cannot_be_marshalled_fails_alone(threads):
+    """A row whose body does not fit its residual is left by the fused call, fails on the per-row path and is
+    dropped (key.drop); the other rows are exactly the rows alone. Without a drop hook it raises."""
+    segs = _rows(FUSED[:4], seed=21)
+    bad = _broken(segs[1])
+    rows = (segs[0], bad, segs[2], segs[3])
+    query = _queries(4, 5)
+    dropped = {}
+    out, _ = attention._ragged_attention(
+        _MODULE, query, RaggedSegments(rows, lambda b, e: dropped.setdefault(b, e)), 0.0, None, {}
+    )
+    assert set(dropped) == {1} and isinstance(dropped[1], ValueError)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    for b in (0, 2, 3):
+        assert torch.equal(out[b : b + 1], _alone(query[b : b + 1], rows[b]))
+    with pytest.raises(ValueError):
+        attention._ragged_attention(_MODULE, query, RaggedSegments(rows), 0.0, None, {})
+
+
+def _garbage(args):
+    raise MemoryError("a failure inside the batched call")
+
+
+@pytest.mark.parametrize(
+    "entry", [lambda args: 1, lambda args: 2, _garbage], ids=["out-of-memory", "refused", "raises"]
+)
+def test_a_failed_call_falls_back_to_the_per_row_path(threads, monkeypatch, entry):
+    """The C call out of memory (code 1), refusing without a word (code 2, no row's status set: every row stays
+    refused) or raising: every row runs alone instead, with the same bits."""
+    segs = _rows(FUSED[:5], seed=31)
+    query = _queries(5, 6)
+    real = cpu.library()
+    fake = types.SimpleNamespace(kv_attend=real.kv_attend, kv_attend_rows=entry)
+    monkeypatch.setattr(cpu, "library", lambda: fake)
+    out, _ = attention._ragged_attention(_MODULE, query, RaggedSegments(tuple(segs)), 0.0, None, {})
+    monkeypatch.undo()
+    for b, seg in enumerate(segs):
+        assert torch.equal(out[b : b + 1], _alone(query[b : b + 1], seg))
+
+
+def test_rows_the_c_side_refuses_are_handed_back(threads):
+    """What Python does not check, C does, row by row: a Hadamard block that does not tile the head; a duplicate
+    or out-of-range query row and V pieces of two formats are caught before. The others are computed."""
+    segs = _rows(FUSED[:3], seed=41)
+    qf = torch.randn(3, H, M, D, generator=torch.Generator().manual_seed(7)) * D**-0.5
+    good = [attention._fused_row(s, i) for i, s in enumerate(segs)]
+    ref = torch.zeros_like(qf)
+    assert cpu.attend_rows(qf, good, ref) == []
+    out = torch.zeros_like(qf)
+    rows = [good[0], good[1]._replace(k_hblock=3), good[2]]
+    assert cpu.attend_rows(qf, rows, out) == [1]
+    assert (
+        torch.equal(out[0], ref[0])
+        and torch.equal(out[2], ref[2])
+        and torch.equal(out[1], torch.zeros_like(out[1]))
+    )
+    mixed_v = good[2]._replace(v_body=good[2].v_body + good[0].v_body[:1])  # another format after the first
+    assert cpu.attend_rows(
+        qf, [good[0], good[0], good[1]._replace(qrow=9), mixed_v], torch.zeros_like(qf)
+    ) == [1, 2, 3]
+    with pytest.raises(ValueError, match="out must be"):
+        cpu.attend_rows(qf, good, torch.zeros(3, H, M, D + 1))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return kvslim.enable(tiny_model("llama"))
+
+
+#: (prompt length, cache spec) of the engine test: fused rows of several formats and lengths, a window, a
+#: pre-RoPE row and a lossless one (per-row path), different lengths so rows join and leave at different steps
+MIX = [
+    (300, "int4"),
+    (37, "int4,sink=4,window=60,group=8,residual=8"),
+    (200, "int8,residual=32"),
+    (150, "int2,group=16,residual=16"),
+    (90, "q8_0,sink=4,window=50,residual=0"),
+    (9, "none"),
+    (260, "q4_0,k=int8,group=16,residual=16"),
+]
+
+
+def test_engine_greedy_equals_each_request_alone(model, monkeypatch):
+    """Continuous batching with the fused call: each request's greedy tokens equal the request run alone through
+    the engine and through kvslim's single-stream loop (kv_attend per layer), token for token; steps with
+    several fused rows really happened."""
+    from kvslim.engine import Engine, Request
+
+    if not cpu.status()[0]:
+        pytest.skip("no C compiler")
+    sizes = []
+    real = cpu.attend_rows
+    monkeypatch.setattr(cpu, "attend_rows", lambda q, rs, out: sizes.append(len(rs)) or real(q, rs, out))
+    g = torch.Generator().manual_seed(0)
+    reqs = [
+        Request(torch.randint(3, 128, (n,), generator=g).tolist(), max_new_tokens=12 + 2 * i, cache=spec)
+        for i, (n, spec) in enumerate(MIX)
+    ]
+    together = Engine(model, max_batch=4, prefill_chunk=64).run(reqs)
+    assert max(sizes) >= 3
+    for req, got in zip(reqs, together, strict=True):
+        alone = Engine(model, prefill_chunk=64).run([req])[0]
+        assert got.tokens == alone.tokens, req.cache.to_spec()
+        cache = SlimCache.from_config(req.cache, config=model.config)
+        single = gen.greedy(model, torch.tensor([req.prompt]), cache, req.max_new_tokens, prefill_chunk=64)
+        assert got.tokens == single, req.cache.to_spec()
+
+
+def test_rows_bench_runs_and_checks_identity(capsys):
+    """python -m kvslim.kernels.bench --rows: both modes per (format, rows, tokens), a table and JSON."""
+    from kvslim.kernels import bench
+
+    if not cpu.status()[0]:
+        pytest.skip("no C compiler")
+    rows = bench.bench_rows(
+        formats=("int4",), rows=(2,), lengths=(40,), ragged=True, residual=8, layers=1, repeats=1
+    )
+    assert {(r["mode"], r["rows"], r["total_tokens"]) for r in rows} == {
+        ("per-row", 2, 60),
+        ("one-call", 2, 60),
+    }
+    assert (
+        bench.main(["--rows", "1", "--lengths", "33", "--formats", "q4_0", "--layers", "1", "--repeats", "1"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "one-call us" in out and '"mode": "one-call"' in out
