@@ -51,15 +51,26 @@ def _free_port() -> int:
 
 
 class Server:
-    """uvicorn serving ``app`` on 127.0.0.1 in a background thread; ``stop()`` ends it (bounded waits)."""
+    """uvicorn serving ``app`` on 127.0.0.1 in a background thread; ``stop()`` ends it (bounded waits).
+    graceful: run it as ``kvslim serve`` does (:class:`kvslim.serve.shutdown.GracefulServer`, whose
+    ``handle_exit`` a test calls as a signal would). key: the API key its clients send."""
 
-    def __init__(self, app):
+    def __init__(self, app, *, graceful: float | None = None, key: str = "none"):
         import uvicorn
 
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.key = key
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        if graceful is None:
+            self.server = uvicorn.Server(config)
+            run = self.server.run
+        else:
+            from kvslim.serve.shutdown import GracefulServer
+
+            self.server = GracefulServer(config, app.state.runner, graceful)
+            run = self.server.run_and_park
+        self.thread = threading.Thread(target=run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:
@@ -72,10 +83,11 @@ class Server:
         self.thread.join(30)
 
     def client(self, **kw):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=60, **kw)
+        kw.setdefault("api_key", self.key)
+        return openai.OpenAI(base_url=self.url + "/v1", max_retries=0, timeout=60, **kw)
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.url + "/metrics", timeout=10).text
+        text = httpx.get(self.url + "/metrics", timeout=10, headers={"Authorization": f"Bearer {self.key}"}).text
         return {
             line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
             for line in text.splitlines()
@@ -97,10 +109,25 @@ def _budget(model) -> int:
 
 @pytest.fixture(scope="module")
 def server(model):
-    app = build_app(
-        model, char_tokenizer(), model_name=NAME, cache="int4", memory_budget=_budget(model), prefill_chunk=64
-    )
+    tok = char_tokenizer()
+    app = build_app(model, tok, model_name=NAME, cache="int4", memory_budget=_budget(model), prefill_chunk=64)
     srv = Server(app)
+    srv.runner, srv.tok = app.state.runner, tok
+    yield srv
+    srv.stop()
+
+
+KEY = "sk-test-0123456789"
+#: the guarded server's body limit (bytes): small, so a test can pass it cheaply
+SMALL_BODY = 64 << 10
+
+
+@pytest.fixture(scope="module")
+def guarded(model):
+    """A server with an API key, one request at a time, one waiting at most, and a 64 KiB body limit."""
+    app = build_app(model, char_tokenizer(), model_name=NAME, cache="int4", memory_budget=_budget(model),
+                    api_key=KEY, max_concurrency=1, max_queue=1, max_body=SMALL_BODY, prefill_chunk=64)
+    srv = Server(app, key=KEY)
     srv.runner = app.state.runner
     yield srv
     srv.stop()
@@ -238,7 +265,11 @@ def test_bad_requests_get_a_4xx_in_openai_shape(server, model):
     url = server.url
     post = lambda path, **kw: httpx.post(url + path, timeout=30, **kw)  # noqa: E731
     chat = {"model": NAME, "messages": MESSAGES, "max_tokens": 4}
-    assert _error(post("/v1/chat/completions", content=b"{not json"), 400)["code"] == "invalid_json"
+    raw = {"Content-Type": "application/json"}
+    assert _error(post("/v1/chat/completions", content=b"{not json", headers=raw), 400)["code"] == "invalid_json"
+    assert _error(post("/v1/chat/completions", content=b"[" * 100_000, headers=raw), 400)["code"] == "invalid_json"
+    nan = b'{"model": "tiny", "prompt": "a", "temperature": NaN}'
+    assert _error(post("/v1/completions", content=nan, headers=raw), 400)["code"] == "invalid_json"
     _error(post("/v1/chat/completions", json=[1, 2]), 400)
     _error(post("/v1/chat/completions", json={"model": NAME}), 400)
     assert _error(post("/v1/chat/completions", json={**chat, "model": "gpt-9"}), 404)["code"] == "model_not_found"
@@ -249,6 +280,8 @@ def test_bad_requests_get_a_4xx_in_openai_shape(server, model):
     assert _error(post("/v1/chat/completions", json={**chat, "temperature": 7}), 400)["param"] == "temperature"
     assert _error(post("/v1/chat/completions", json={**chat, "temperature": "hot"}), 400)["param"] == "temperature"
     assert _error(post("/v1/chat/completions", json={**chat, "kvslim_cache": "int9"}), 400)["param"] == "kvslim_cache"
+    for spec in ("none,group=1000000", "int4,residual=100000", "int4,sink=5000,window=64", "int4,group=128,window=64"):
+        assert _error(post("/v1/chat/completions", json={**chat, "kvslim_cache": spec}), 400)["param"] == "kvslim_cache"
     # a client never names a file on the server, and a seed past 2**63 is a 400, not a failed engine
     bias = {**chat, "kvslim_cache": "q4_0,mean_center=/etc/passwd"}
     assert "mean_center" in _error(post("/v1/chat/completions", json=bias), 400)["message"]
@@ -300,6 +333,463 @@ def test_parse_bytes():
     for bad in ("2 parsecs", "", "-1GB", "0"):
         with pytest.raises(ValueError, match="size"):
             parse_bytes(bad)
+
+
+# -- access: Host, key, content type --------------------------------------------------------
+
+
+def _healthy(srv) -> None:
+    """The server still answers /health and a normal request correctly."""
+    auth = {"Authorization": f"Bearer {srv.key}"}
+    assert httpx.get(srv.url + "/health", timeout=10, headers=auth).json() == {"status": "ok"}
+    assert srv.client().completions.create(model=NAME, prompt="ok", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_every_endpoint_needs_the_key(guarded):
+    url, ok = guarded.url, {"Authorization": f"Bearer {KEY}"}
+    chat = {"model": NAME, "messages": MESSAGES, "max_tokens": 2}
+    for wrong in ({}, {"Authorization": "Bearer sk-test-012345678"}, {"Authorization": f"Basic {KEY}"},
+                  {"Authorization": KEY}, {"Authorization": f"Bearer {KEY}x"}):
+        for method, path in (("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"), ("GET", "/nowhere"),
+                             ("POST", "/v1/chat/completions"), ("DELETE", "/v1/sessions/x")):
+            resp = httpx.request(method, url + path, json=chat if method == "POST" else None, headers=wrong, timeout=10)
+            assert _error(resp, 401)["code"] == "invalid_api_key", (wrong, path)
+            assert resp.headers["www-authenticate"] == "Bearer"
+    with pytest.raises(openai.AuthenticationError):
+        guarded.client(api_key="wrong").chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=2)
+    assert httpx.get(url + "/metrics", headers=ok, timeout=10).status_code == 200
+    assert guarded.metrics()['kvslim_refusals_total{kind="access"}'] >= 30
+    _healthy(guarded)
+
+
+def test_posts_must_be_json_and_loopback_hosts_only(server):
+    url, body = server.url, {"model": NAME, "prompt": "hi", "max_tokens": 2}
+    data = json.dumps(body).encode()
+    for ctype in (None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data", "application/jsonx"):
+        headers = {} if ctype is None else {"Content-Type": ctype}
+        resp = httpx.post(url + "/v1/completions", content=data, headers=headers, timeout=10)
+        assert _error(resp, 415)["code"] == "unsupported_media_type", ctype
+    for ctype in ("application/json; charset=utf-8", "Application/JSON"):
+        resp = httpx.post(url + "/v1/completions", content=data, headers={"Content-Type": ctype}, timeout=30)
+        assert resp.status_code == 200, resp.text
+    # DNS rebinding: a page's own host name pointing at 127.0.0.1
+    for host in ("evil.example", f"evil.example:{server.port}", "localhost.evil.example", "127.0.0.1.nip.io",
+                 "[::2]", "localhost:80x"):
+        for resp in (httpx.get(url + "/health", headers={"Host": host}, timeout=10),
+                     httpx.post(url + "/v1/completions", json=body, headers={"Host": host}, timeout=10)):
+            assert _error(resp, 421)["code"] == "misdirected_request", host
+    for host in ("localhost", f"localhost:{server.port}", "LOCALHOST", "127.0.0.2", f"[::1]:{server.port}"):
+        assert httpx.get(url + "/health", headers={"Host": host}, timeout=10).status_code == 200, host
+    _healthy(server)
+
+
+def test_loopback_names():
+    from kvslim.serve.security import host_header_is_loopback, is_loopback_host
+
+    assert all(map(is_loopback_host, ("127.0.0.1", "127.1.2.3", "::1", "[::1]", "localhost", "localhost.")))
+    assert not any(map(is_loopback_host, ("0.0.0.0", "::", "10.0.0.1", "example.com", "", "127.0.0.1.example")))
+    assert all(map(host_header_is_loopback, ("localhost:8000", "[::1]:1", "127.0.0.1", "[::1]")))
+    assert not any(map(host_header_is_loopback, ("[::1", "[::1]x", "localhost:", "localhost:1234567", "::1",
+                                                 "a.localhost", "127.0.0.1:80:80")))
+
+
+def test_a_chunked_body_past_the_limit_is_refused_while_read(guarded):
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    head = b'{"model": "tiny", "max_tokens": 2, "prompt": "'
+
+    def chunks():  # no Content-Length: the server cannot know the size before reading
+        yield head
+        for _ in range(2 * SMALL_BODY // 1024):
+            yield b"x" * 1024
+        yield b'"}'
+
+    resp = httpx.post(guarded.url + "/v1/completions", content=chunks(), headers=auth, timeout=30)
+    assert "content-length" not in resp.request.headers
+    assert _error(resp, 413)["code"] == "request_too_large"
+    declared = {**auth, "Content-Length": str(SMALL_BODY + 1)}
+    resp = httpx.post(guarded.url + "/v1/completions", content=b"{" + b" " * SMALL_BODY, headers=declared, timeout=30)
+    assert _error(resp, 413)["code"] == "request_too_large"
+    # just under the limit, chunked: read whole (a 400 for the prompt past the context, not a 413)
+    small = head + b"y" * (SMALL_BODY - len(head) - 100) + b'"}'
+    resp = httpx.post(guarded.url + "/v1/completions", content=iter([small[:1000], small[1000:]]), headers=auth,
+                      timeout=30)
+    assert _error(resp, 400)["code"] == "context_length_exceeded"
+    _healthy(guarded)
+
+
+# -- bounds on what a client controls --------------------------------------------------------
+
+
+def test_session_ids_are_bounded_printable_unicode(server):
+    url, raw = server.url, {"Content-Type": "application/json"}
+    post = lambda body: httpx.post(url + "/v1/completions", content=body, headers=raw, timeout=30)  # noqa: E731
+    for session in (r'"\ud800"', r'"a\udfffb"', '"' + "s" * 257 + '"', r'"a\nb"', r'"\u0000"', '""', "7", "[]"):
+        body = b'{"model": "tiny", "prompt": "hi", "max_tokens": 1, "session": ' + session.encode() + b"}"
+        assert _error(post(body), 400)["param"] == "session", session
+    # a prompt or a message with a lone surrogate is a 400 too (no tokenizer takes it)
+    assert _error(post(rb'{"model": "tiny", "prompt": "a\ud800", "max_tokens": 1}'), 400)["param"] == "prompt"
+    chat = rb'{"model": "tiny", "messages": [{"role": "user", "content": "\udc00"}], "max_tokens": 1}'
+    assert _error(httpx.post(url + "/v1/chat/completions", content=chat, headers=raw, timeout=30), 400)["param"] \
+        == "messages"
+    bad_header = {"X-Session-Id": b"\xff\xfe"}
+    resp = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 1},
+                      headers=bad_header, timeout=30)
+    assert _error(resp, 400)["param"] == "session"
+    ok = server.client().completions.create(model=NAME, prompt="hi", max_tokens=1,
+                                            extra_body={"session": "ünïcödé 会话 " + "s" * 240})
+    assert ok.usage.completion_tokens == 1
+    _healthy(server)
+
+
+UNHONOURED = [  # (endpoint, field, a value that is not honoured)
+    ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("chat", "tool_choice", "auto"),
+    ("chat", "functions", [{"name": "f"}]),
+    ("chat", "function_call", "auto"),
+    ("chat", "response_format", {"type": "json_object"}),
+    ("chat", "logit_bias", {"5": 10}),
+    ("chat", "presence_penalty", 0.5),
+    ("chat", "frequency_penalty", -1),
+    ("chat", "audio", {"voice": "alloy", "format": "wav"}),
+    ("chat", "modalities", ["text", "audio"]),
+    ("chat", "prediction", {"type": "content", "content": "x"}),
+    ("chat", "web_search_options", {}),
+    ("chat", "reasoning_effort", "low"),
+    ("chat", "store", True),
+    ("chat", "service_tier", "flex"),
+    ("chat", "n", 2),
+    ("chat", "stream_options", {"include_obfuscation": True}),
+    ("chat", "suffix", "x"),  # a completions field: unknown to chat
+    ("chat", "frobnicate", 1),
+    ("completions", "suffix", "the end"),
+    ("completions", "echo", True),
+    ("completions", "best_of", 3),
+    ("completions", "logit_bias", {"5": 10}),
+    ("completions", "presence_penalty", 1),
+    ("completions", "n", 3),
+    ("completions", "tools", []),  # a chat field: unknown to completions
+]
+
+
+def test_fields_not_honoured_are_refused_by_name(server):
+    url = server.url
+    base = {"chat": ("/v1/chat/completions", {"model": NAME, "messages": MESSAGES, "max_tokens": 2}),
+            "completions": ("/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": 2})}
+    for endpoint, field, value in UNHONOURED:
+        path, body = base[endpoint]
+        err = _error(httpx.post(url + path, json={**body, field: value}, timeout=30), 400)
+        assert err["param"] == field and field in err["message"], (endpoint, field, err)
+    err = _error(httpx.post(url + base["chat"][0], json={**base["chat"][1], "frobnicate": 1}, timeout=30), 400)
+    assert err["message"] == "Unrecognized request argument supplied: 'frobnicate'"
+    client = server.client()
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=2,
+                                       tools=[{"type": "function", "function": {"name": "f"}}])
+    # neutral values and null mean "not asked": served
+    neutral = {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "logit_bias": {},
+               "presence_penalty": 0, "frequency_penalty": 0.0, "n": 1, "user": "u-1", "modalities": ["text"],
+               "store": False, "parallel_tool_calls": False, "metadata": {"k": "v"}, "audio": None, "seed": None,
+               "stop": None, "max_tokens": None, "max_completion_tokens": 2, "logprobs": None, "temperature": None,
+               "stream": None, "stream_options": {"include_usage": None}, "session": None, "kvslim_cache": None}
+    resp = httpx.post(url + base["chat"][0], json={**base["chat"][1], **neutral}, timeout=30)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 2
+    neutral = {"suffix": "", "echo": False, "best_of": 1, "n": None, "user": "u"}
+    assert httpx.post(url + base["completions"][0], json={**base["completions"][1], **neutral},
+                      timeout=30).status_code == 200
+    # a message carrying tool calls or images is not a text message
+    for message in ({"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]},
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+                    {"role": "tool", "content": "4", "tool_call_id": "1"}):
+        body = {**base["chat"][1], "messages": [*MESSAGES, message]}
+        assert _error(httpx.post(url + base["chat"][0], json=body, timeout=30), 400)["param"] == "messages"
+    _healthy(server)
+
+
+def test_a_full_queue_answers_429_with_retry_after(guarded):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    deadline = time.monotonic() + 30
+    while guarded.metrics()["kvslim_active_streams"]:  # an earlier test's cancelled request may still hold the slot
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    long = {"model": NAME, "prompt": "long", "max_tokens": 3000, "stream": True}
+    with httpx.Client(timeout=30, headers=auth) as http, \
+            http.stream("POST", guarded.url + "/v1/completions", json=long) as running:
+        assert running.status_code == 200
+        lines = running.iter_lines()
+        next(lines), next(lines)  # admitted: it holds the one slot
+        with http.stream("POST", guarded.url + "/v1/completions", json=long) as waiting:
+            assert waiting.status_code == 200  # queued: the one place in the queue
+            resp = http.post(guarded.url + "/v1/completions", json={**long, "stream": False})
+            err = _error(resp, 429)
+            assert err["code"] == "rate_limit_exceeded" and int(resp.headers["retry-after"]) >= 1
+            with pytest.raises(openai.RateLimitError):
+                guarded.client().completions.create(model=NAME, prompt="x", max_tokens=1)
+    deadline = time.monotonic() + 30
+    while guarded.metrics()["kvslim_active_streams"]:  # both streams were cancelled when their clients left
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert guarded.metrics()['kvslim_refusals_total{kind="queue"}'] >= 2
+    _healthy(guarded)
+
+
+def test_limits_reach_the_engine(guarded, model):
+    engine = guarded.runner.engine
+    assert engine.max_queue == 1
+    assert engine.max_prompt_tokens == model.config.max_position_embeddings  # the default: the model's context
+    store = engine.sessions
+    assert store.max_sessions == 1000 and store.ttl == 24 * 3600
+
+
+def test_tokenizing_runs_off_the_event_loop_with_the_default_special_tokens(server, monkeypatch):
+    seen = []
+    encode, template = server.tok.encode, server.tok.apply_chat_template
+
+    def spy_encode(text, *args, **kw):
+        seen.append(("encode", threading.current_thread(), kw))
+        return encode(text, *args, **kw)
+
+    def spy_template(*args, **kw):
+        seen.append(("template", threading.current_thread(), kw))
+        return template(*args, **kw)
+
+    monkeypatch.setattr(server.tok, "encode", spy_encode)
+    monkeypatch.setattr(server.tok, "apply_chat_template", spy_template)
+    client = server.client()
+    client.completions.create(model=NAME, prompt="abc", max_tokens=1)
+    client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=1)
+    assert [s[0] for s in seen] == ["encode", "template"]
+    assert all(s[1] is not server.thread for s in seen)  # uvicorn's event loop runs in server.thread
+    assert "add_special_tokens" not in seen[0][2]  # the tokenizer's default (a BOS for many models)
+
+
+# -- errors never carry server paths ---------------------------------------------------------
+
+
+def test_error_bodies_carry_no_server_paths(server, monkeypatch, caplog):
+    from kvslim.serve.errors import scrub
+
+    secret = "/srv/secret-dir/models/tok.json"
+
+    def broken(*args, **kw):
+        raise OSError(f"[Errno 2] No such file or directory: '{secret}'")
+
+    monkeypatch.setattr(server.tok, "encode", broken)
+    monkeypatch.setattr(server.tok, "apply_chat_template", broken)
+    resp = httpx.post(server.url + "/v1/completions", json={"model": NAME, "prompt": "hi"}, timeout=30)
+    err = _error(resp, 500)
+    assert "secret" not in resp.text and "Errno" not in resp.text and "err-" in err["message"]
+    assert err["type"] == "server_error"
+    resp = httpx.post(server.url + "/v1/chat/completions", json={"model": NAME, "messages": MESSAGES}, timeout=30)
+    assert _error(resp, 400)["param"] == "messages" and "secret" not in resp.text
+    monkeypatch.undo()
+    assert scrub(f"cannot read {secret}: gone; C:\\Users\\me\\x.gguf too") == "cannot read <path>: gone; <path> too"
+    assert scrub("tokens/s and 3/4 stay") == "tokens/s and 3/4 stay"
+    _healthy(server)
+
+
+# -- OpenAI compatibility ------------------------------------------------------------------
+
+
+def _stop_case(text: str) -> tuple[str, int]:
+    """A 3-character stop string from ``text`` (so it spans 3 tokens) whose first occurrence is at >= 5."""
+    for k in range(5, len(text) - 3):
+        if text.find(text[k : k + 3]) == k:
+            return text[k : k + 3], k
+    pytest.skip("the tiny model's reply repeats itself too much for a stop string")
+
+
+def test_stop_strings_end_the_reply_and_are_never_sent(server):
+    client = server.client()
+    args = dict(model=NAME, prompt="abc", max_tokens=30, temperature=0)
+    full = client.completions.create(**args).choices[0].text
+    stop, at = _stop_case(full)
+    for stops in (stop, [stop], ["~~never~~", stop]):
+        whole = client.completions.create(**args, stop=stops)
+        assert whole.choices[0].text == full[:at] and whole.choices[0].finish_reason == "stop"
+        assert whole.usage.completion_tokens == at + len(stop)  # up to the token that completed the stop string
+        parts = list(client.completions.create(**args, stop=stops, stream=True, stream_options={"include_usage": True}))
+        texts = [p.choices[0].text for p in parts if p.choices]
+        assert "".join(texts) == full[:at] and not any(stop in t for t in texts)
+        assert [p.choices[0].finish_reason for p in parts if p.choices][-1] == "stop"
+        assert parts[-1].usage.completion_tokens == at + len(stop)
+    # a prefix of the stop string that turns out not to be one is held back, then sent
+    prefix_stop = full[at : at + 2] + "\x7f"
+    held = "".join(p.choices[0].text for p in client.completions.create(**args, stop=prefix_stop, stream=True))
+    assert held == full
+    never = client.completions.create(**args, stop=["\x7f\x7f"])
+    assert never.choices[0].text == full and never.choices[0].finish_reason == "length"
+    chat = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=30, temperature=0)
+    reply = chat.choices[0].message.content
+    cstop, cat = _stop_case(reply)
+    stopped = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=30, temperature=0, stop=cstop)
+    assert stopped.choices[0].message.content == reply[:cat] and stopped.choices[0].finish_reason == "stop"
+    deadline = time.monotonic() + 30
+    while server.metrics()["kvslim_active_streams"]:  # the engine requests ended by stop strings are gone
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    for bad in ("", ["a"] * 5, [1], "x" * 257):
+        with pytest.raises(openai.BadRequestError, match="stop"):
+            client.completions.create(**{**args, "max_tokens": 2}, stop=bad)
+    _healthy(server)
+
+
+def test_stop_text_matches_across_any_split():
+    import random
+
+    from kvslim.serve.stops import StopText
+
+    rng = random.Random(0)
+    text = "Hello, world. Hel-lo again: the end. END"
+    for stops, expected in ((("world",), "Hello, "), (("lo a", "end."), "Hello, world. Hel-"), (("end.", "nd. E"), "Hello, world. Hel-lo again: the "),
+                            (("end. EN", "nd."), "Hello, world. Hel-lo again: the e"),
+                            (("END", "the"), "Hello, world. Hel-lo again: "), (("nope",), text),
+                            (("Hello",), ""), (("d. H", "d. Hex"), "Hello, worl")):
+        for _ in range(50):
+            cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, 10)))
+            pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+            st = StopText(stops)
+            out = "".join(st.push(p) for p in pieces) + st.flush()
+            assert out == expected, (stops, pieces)
+            assert st.stopped == (expected != text)
+
+
+def test_logprobs_in_openai_shapes(server):
+    client = server.client()
+    chat = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=6, temperature=0,
+                                          logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 6 and "".join(c.token for c in content) == chat.choices[0].message.content
+    for c in content:
+        assert c.logprob <= 0 and c.bytes == list(c.token.encode()) and len(c.top_logprobs) == 3
+        tops = [t.logprob for t in c.top_logprobs]
+        assert tops == sorted(tops, reverse=True) and c.top_logprobs[0].token == c.token  # greedy: the top one
+        assert abs(c.logprob - tops[0]) < 1e-6
+    streamed = list(client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=6, temperature=0,
+                                                   logprobs=True, stream=True))
+    entries = [e for p in streamed if p.choices and p.choices[0].logprobs for e in p.choices[0].logprobs.content]
+    assert [e.token for e in entries] == [c.token for c in content] and all(e.top_logprobs == [] for e in entries)
+    plain = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+    text = client.completions.create(model=NAME, prompt="abc", max_tokens=5, temperature=0, logprobs=2)
+    lp = text.choices[0].logprobs
+    assert "".join(lp.tokens) == text.choices[0].text and lp.text_offset == [0, 1, 2, 3, 4]
+    assert len(lp.token_logprobs) == 5 and all(x <= 0 for x in lp.token_logprobs)
+    assert all(2 <= len(top) <= 3 and tok in top for top, tok in zip(lp.top_logprobs, lp.tokens))
+    for bad in ({"logprobs": 6}, {"logprobs": True}, {"logprobs": -1}):
+        with pytest.raises(openai.BadRequestError, match="logprobs"):
+            client.completions.create(model=NAME, prompt="abc", max_tokens=2, **bad)
+    for bad in ({"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}, {"logprobs": 1}):
+        with pytest.raises(openai.BadRequestError, match="logprobs"):
+            client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=2, **bad)
+
+
+def test_max_completion_tokens_and_nulls(server):
+    client = server.client()
+    r = client.chat.completions.create(model=NAME, messages=MESSAGES, max_completion_tokens=3, temperature=0)
+    assert r.usage.completion_tokens == 3
+    with pytest.raises(openai.BadRequestError, match="disagree"):
+        client.chat.completions.create(model=NAME, messages=MESSAGES, max_completion_tokens=3, max_tokens=4)
+    r = httpx.post(server.url + "/v1/completions", timeout=30, json={
+        "model": NAME, "prompt": "abc", "max_tokens": None, "temperature": None, "top_p": None, "n": None,
+        "stream": None, "stop": None, "seed": None, "logprobs": None, "echo": None, "suffix": None,
+        "best_of": None, "logit_bias": None, "user": None, "presence_penalty": None})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 256  # --default-max-tokens
+    assert _error(httpx.post(server.url + "/v1/completions", json={"prompt": "abc"}, timeout=30), 400)["param"] \
+        == "model"
+
+
+def test_delete_a_session(server):
+    client = server.client()
+    client.completions.create(model=NAME, prompt="remember me", max_tokens=2, extra_body={"session": "to/delete é"})
+    url = server.url + "/v1/sessions/" + "to%2Fdelete%20%C3%A9"
+    assert httpx.delete(url, timeout=30).status_code == 204
+    assert _error(httpx.delete(url, timeout=30), 404)["code"] == "session_not_found"
+    assert _error(httpx.delete(server.url + "/v1/sessions/" + "x" * 300, timeout=30), 400)["param"] == "session"
+    again = client.completions.create(model=NAME, prompt="remember me too", max_tokens=2,
+                                      extra_body={"session": "to/delete é"})
+    assert again.usage.prompt_tokens_details.cached_tokens == 0  # it started over
+    _healthy(server)
+
+
+# -- shutdown --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("signals", [1, 2])
+def test_a_signal_ends_streams_parks_sessions_and_returns(model, tmp_path, signals):
+    """The first SIGTERM: no new requests, in-flight streams end with an error event after the grace,
+    idle sessions parked, the server's run returns; a second signal ends them at once and still parks."""
+    import signal
+
+    app = build_app(model, char_tokenizer(), model_name=NAME, cache="int4", memory_budget=_budget(model),
+                    session_dir=tmp_path, shutdown_grace=0.5 if signals == 1 else 30)
+    srv = Server(app, graceful=0.5 if signals == 1 else 30)
+    client = srv.client()
+    client.completions.create(model=NAME, prompt="keep me", max_tokens=3, extra_body={"session": "kept"})
+    body = {"model": NAME, "prompt": "a long one", "max_tokens": 4000, "stream": True}
+    started = time.monotonic()
+    with httpx.Client(timeout=60) as http, http.stream("POST", srv.url + "/v1/completions", json=body) as resp:
+        lines = resp.iter_lines()
+        next(lines), next(lines)
+        for _ in range(signals):
+            srv.server.handle_exit(signal.SIGTERM, None)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]" and "shutting down" in rest[-2]
+    srv.thread.join(30)
+    assert not srv.thread.is_alive() and time.monotonic() - started < 20
+    assert any(p.suffix == ".safetensors" for p in tmp_path.iterdir())  # the idle session was parked
+    assert not app.state.runner.alive
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(srv.url + "/health", timeout=5)
+
+
+# -- the CLI's parts ---------------------------------------------------------------------------
+
+
+def test_cli_defaults_and_access_rules(monkeypatch):
+    from kvslim.cli import serve as cli
+    from kvslim.cli.common import UserError, cache_config_from_args
+
+    parser = __import__("argparse").ArgumentParser()
+    cli.configure(parser)
+    args = parser.parse_args([])
+    assert cache_config_from_args(args).to_spec() == "int8"  # compressed by default (docs/serve.md: why int8)
+    assert args.memory_budget == "auto" and args.session_ttl == 86400 and args.max_sessions == 1000
+    assert parser.parse_args(["--kv-quantize", "none"]).kv_quantize == "none"
+    assert parser.parse_args(["--session-ttl", "90m"]).session_ttl == 5400
+    assert parser.parse_args(["--memory-budget", "1GiB"]).memory_budget == 1 << 30
+    monkeypatch.delenv("KVSLIM_API_KEY", raising=False)
+    assert cli.api_key_from(parser.parse_args([])) is None
+    for host in ("0.0.0.0", "::", "192.168.1.5", "example.com"):
+        with pytest.raises(UserError, match="--allow-no-api-key"):
+            cli.api_key_from(parser.parse_args(["--host", host]))
+        assert cli.api_key_from(parser.parse_args(["--host", host, "--allow-no-api-key"])) is None
+        assert cli.api_key_from(parser.parse_args(["--host", host, "--api-key", "k"])) == "k"
+    monkeypatch.setenv("KVSLIM_API_KEY", "from-env")
+    assert cli.api_key_from(parser.parse_args(["--host", "0.0.0.0"])) == "from-env"
+    with pytest.raises(UserError, match="blank"):
+        cli.api_key_from(parser.parse_args(["--api-key", " "]))
+
+
+def test_parse_duration_and_the_default_budget(monkeypatch):
+    from kvslim.cli.serve import parse_duration
+    from kvslim.serve import defaults
+    from kvslim.serve.defaults import available_memory, default_memory_budget
+
+    assert parse_duration("24h") == 86400 and parse_duration("90") == 90 and parse_duration("1.5d") == 129600
+    for bad in ("", "0", "-1h", "3 weeks", "h"):
+        with pytest.raises(ValueError, match="duration"):
+            parse_duration(bad)
+    available, source = available_memory()
+    budget, why = default_memory_budget("cpu")
+    assert available and 0 < budget <= available and abs(budget - available // 2) <= 1
+    assert source in why and "50%" in why
+    # a container's limit below the host's MemAvailable is the one that counts
+    monkeypatch.setattr(defaults, "_meminfo_available", lambda: 64 << 30)
+    monkeypatch.setattr(defaults, "_cgroup_room", lambda: 3 << 30)
+    assert default_memory_budget("cpu") == (3 << 29, "50% of 3.0 GiB available (cgroup limit)")
+    monkeypatch.setattr(defaults, "_cgroup_room", lambda: None)
+    assert default_memory_budget("cpu")[0] == 32 << 30
 
 
 @pytest.mark.slow

@@ -3,10 +3,13 @@
 Each request gets its own :class:`~kvslim.SlimCache` (its own settings, length, positions, sinks and
 eviction). A :meth:`Engine.step`:
 
-1. admits waiting requests the budget allows (:class:`~kvslim.engine.scheduler.Scheduler`);
-2. prefills one chunk (``prefill_chunk`` tokens) of the oldest request still reading its prompt, alone,
-   through :func:`kvslim.generate.prefill` — a long prompt is read over several steps, so it never stalls
-   the running rows for more than one chunk; its last chunk samples the request's first token;
+1. admits waiting requests the budget allows (:class:`~kvslim.engine.scheduler.Scheduler`), one at a time,
+   each given its cache as soon as it is admitted — its session's kept cache (read back from disk if it was
+   parked) or a new one — so making room for the next never parks the session the previous one continues;
+2. prefills one chunk (``prefill_chunk`` tokens) of one request still reading its prompt, alone, through
+   :func:`kvslim.generate.prefill`. The requests reading prompts take turns, one chunk each in rotation:
+   a long prompt delays another request's first token by at most one chunk per prompt ahead of it, and
+   stalls the running rows by at most one chunk per step; a prompt's last chunk samples its first token;
 3. feeds every decoding row its pending token in one ragged forward
    (:func:`kvslim.generate.forward_rows`: the linear layers once for all rows, attention row by row on
    each row's own codes, no padding to the longest row) and samples each row's next token with its own
@@ -17,16 +20,30 @@ eviction). A :meth:`Engine.step`:
    prefilling only its new tokens (idle sessions count against the budget; the least recently used are
    parked on disk when admission needs their room).
 
+Faults stay in their row. Whatever fails for one request — making room for it, restoring its session, a
+prefill chunk, its K/V in the ragged step (dropped from the step, :mod:`kvslim.ragged`), sampling
+(non-finite logits), keeping or parking its session — ends that request alone with ``finish_reason
+"error"`` and a one-line ``error`` naming the step and the cause (server paths elided); the other rows and
+the engine go on. Only a forward that fails as a whole (no row left, out of memory) ends every row of it.
+
+Refusals are typed (:mod:`kvslim.engine.errors`): :meth:`Engine.submit` raises a
+:class:`~kvslim.engine.errors.Refusal` subclass saying which limit a request hit, before anything is queued.
+
 Greedy output of a request equals that request run alone through the engine, token for token, whatever
 else shares its steps (every row's logits are bit-identical: :mod:`kvslim.ragged`, "Filler rows"; the
-prefill of a request never mixes with another's). The engine is driven from one thread; :meth:`submit`
-and :meth:`cancel` may be called from others (a lock orders them with steps).
+prefill of a request never mixes with another's). The engine is driven from one thread; :meth:`submit`,
+:meth:`cancel`, :meth:`cancel_all` and :meth:`delete_session` may be called from others (a lock orders
+them with steps).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+import math
 import threading
+import time
+from collections import deque
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -34,12 +51,26 @@ import torch
 from .. import generate as gen
 from ..checks import check_int
 from ..config import CacheConfig, parse_spec
-from .request import Event, Request, Result
+from .errors import (
+    BudgetRefusal,
+    ContextRefusal,
+    InputRefusal,
+    QueueFull,
+    RequestLimits,
+    SettingsRefusal,
+    describe,
+)
+from .request import FINISH_REASONS, Event, Request, Result
 from .scheduler import Row, Scheduler
 from .sessions import SessionStore
 
+log = logging.getLogger("kvslim.engine")
+
 #: RoPE types whose frequencies transformers computes from the largest position id of the whole batch
 BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+#: the limits a request's own cache settings meet unless the engine is given others
+DEFAULT_LIMITS = RequestLimits()
 
 
 class Engine:
@@ -48,11 +79,17 @@ class Engine:
     model: a loaded transformers causal LM; the engine switches it to the ``kvslim`` attention
     (:func:`kvslim.enable`), which it needs for ragged steps. Every layer must store K/V (models with
     linear-attention or KV-sharing layers, and MLA, are refused). cache: the default cache settings (a
-    :class:`~kvslim.config.CacheConfig` or spec; requests may bring their own). memory_budget: bytes every
-    admitted request's cache may reach together (None: no limit); a request waits until its share fits,
-    and one that cannot fit alone is refused. max_batch: rows decoded together at most. prefill_chunk:
-    prompt tokens read per step. session_dir: where idle sessions are parked when the budget needs their
-    memory (None: they are dropped then, counted and logged; :mod:`kvslim.engine.sessions`).
+    :class:`~kvslim.config.CacheConfig` or spec; requests may bring their own); its ``mean_center`` bias
+    file is read once, here, and checked against the model's fingerprint (ValueError if it was calibrated
+    for another model, unless ``allow_other_model``). memory_budget: bytes every admitted request's cache
+    may reach together (None: no limit); a request waits until its share fits, and one that cannot fit
+    alone is refused. max_batch: rows decoded together at most. prefill_chunk: prompt tokens read per
+    step. session_dir: where idle sessions are parked when the budget needs their memory (None: they are
+    dropped then, counted and logged; :mod:`kvslim.engine.sessions`). max_queue: requests waiting for a
+    slot at most (None: no limit; past it :class:`~kvslim.engine.errors.QueueFull`). max_prompt_tokens:
+    the longest prompt taken (None: the context decides). request_limits: the maxima of a request's own
+    cache settings (:class:`~kvslim.engine.errors.RequestLimits`). max_sessions, session_ttl: idle sessions
+    kept at most, and seconds an idle session is kept (None: no bound; :class:`SessionStore`).
     """
 
     def __init__(
@@ -64,6 +101,12 @@ class Engine:
         max_batch: int = 16,
         prefill_chunk: int = 256,
         session_dir=None,
+        max_queue: int | None = None,
+        max_prompt_tokens: int | None = None,
+        request_limits: RequestLimits = DEFAULT_LIMITS,
+        max_sessions: int | None = None,
+        session_ttl: float | None = None,
+        allow_other_model: bool = False,
     ):
         import kvslim
 
@@ -76,6 +119,14 @@ class Engine:
             check_int("memory_budget", memory_budget, minimum=1, hint="bytes, or None for no limit")
         check_int("max_batch", max_batch, minimum=1)
         check_int("prefill_chunk", prefill_chunk, minimum=1)
+        if max_queue is not None:
+            check_int("max_queue", max_queue, minimum=1, hint="or None for no limit")
+        if max_prompt_tokens is not None:
+            check_int("max_prompt_tokens", max_prompt_tokens, minimum=1, hint="or None for no limit")
+        if not isinstance(request_limits, RequestLimits):
+            raise ValueError(f"request_limits must be a RequestLimits, got {type(request_limits).__name__}")
+        if not isinstance(allow_other_model, bool):
+            raise ValueError(f"allow_other_model must be True or False, got {allow_other_model!r}")
         config = getattr(model, "config", None)
         if config is None:
             raise ValueError(f"Engine needs a loaded transformers model, got {type(model).__name__}")
@@ -100,27 +151,63 @@ class Engine:
         self.dtype = next(model.parameters()).dtype
         self.scheduler = Scheduler(memory_budget, max_batch)
         self.prefill_chunk = prefill_chunk
+        self.max_queue = max_queue
+        self.max_prompt_tokens = max_prompt_tokens
+        self.request_limits = request_limits
         self.results: dict[str, Result] = {}
         self._ids = itertools.count()
         self._lock = threading.RLock()
         self._events: list[Event] = []  # produced outside step() (cancellations), handed out by the next step
+        self._step_times: deque[float] = deque(maxlen=32)  # seconds of recent working steps (Retry-After)
+        self._expired_at = float("-inf")
         self.steps = 0
         self.prefilled_tokens = 0  # prompt tokens fed through prefill (a continued session's are not)
-        fingerprint = None
-        if session_dir is not None:
+        self.row_errors = 0  # requests ended by a failure in a step
+        self._fingerprint = None
+        if session_dir is not None or self.default_cache.mean_center is not None:
             from ..fingerprint import model_fingerprint
 
-            fingerprint = model_fingerprint(model)
-        self.sessions = SessionStore(
-            session_dir, config=model.config, device=self.model.device, model_fingerprint=fingerprint
-        )
+            self._fingerprint = model_fingerprint(model)
+        self._allow_other_model = allow_other_model
+        self._bias = self._read_bias(self.default_cache.mean_center)
         self._make_cache(self.default_cache)  # the default settings must fit this model (raises if not)
+        self.sessions = SessionStore(
+            session_dir,
+            config=model.config,
+            device=self.model.device,
+            model_fingerprint=self._fingerprint,
+            dtype=self.dtype,
+            max_sessions=max_sessions,
+            ttl=session_ttl,
+        )
 
-    # -- requests --------------------------------------------------------------------------
+    # -- caches ------------------------------------------------------------------------------
+    @staticmethod
+    def _read_bias(path):
+        """The default cache's bias file, read once (every cache built from it shares the tensors)."""
+        if path is None:
+            return None
+        from ..biasfile import read_bias_file
+
+        try:
+            return read_bias_file(path)
+        except OSError as e:
+            raise ValueError(f"the cache's mean_center bias file {path!r} cannot be read: {e.strerror or e}") from None
+
     def _make_cache(self, cfg: CacheConfig):
         from ..cache import SlimCache, SlimCacheLayer
 
-        cache = SlimCache.from_config(cfg, config=self.model.config)
+        if cfg.mean_center is None:
+            cache = SlimCache.from_config(cfg, config=self.model.config)
+        else:  # only ever the default's file (submit refuses others), loaded once, checked against the model
+            cache = SlimCache.from_config(
+                cfg,
+                config=self.model.config,
+                mean_center=self._bias,
+                model_fingerprint=self._fingerprint,
+                allow_other_model=self._allow_other_model,
+            )
+            cache.cache_config = cfg  # its settings name the file its bias came from (a parked session records it)
         kinds = sorted(
             {type(layer).__name__ for layer in cache.layers if not isinstance(layer, SlimCacheLayer)}
         )
@@ -131,25 +218,42 @@ class Engine:
             )
         return cache
 
+    # -- requests --------------------------------------------------------------------------
     def submit(self, request: Request) -> str:
-        """Queue ``request``; returns its id. Raises ValueError (and queues nothing) for a request the engine
-        cannot serve: a token id outside the vocabulary, a cache setting this model cannot take, a prompt +
-        max_new_tokens past the model's context without a window, one that cannot fit the budget alone, or
-        an id already in use."""
+        """Queue ``request``; returns its id. Raises a :class:`~kvslim.engine.errors.Refusal` (and queues
+        nothing) for a request the engine will not serve: :class:`InputRefusal` (a token id outside the
+        vocabulary, a prompt past ``max_prompt_tokens``, an id already in use), :class:`SettingsRefusal`
+        (cache settings this model cannot take, or past ``request_limits``), :class:`ContextRefusal` (prompt
+        + max_new_tokens past the model's context without bounded position ids), :class:`BudgetRefusal`
+        (cannot fit the memory budget even alone), :class:`QueueFull` (``max_queue`` requests waiting)."""
         if not isinstance(request, Request):
-            raise ValueError(f"submit() takes a kvslim.engine.Request, got {type(request).__name__}")
-        cfg = request.cache or self.default_cache
+            raise InputRefusal(f"submit() takes a kvslim.engine.Request, got {type(request).__name__}")
+        n_prompt = len(request.prompt)
         top = max(request.prompt)
         if self.vocab_size and top >= self.vocab_size:
-            raise ValueError(
+            raise InputRefusal(
                 f"prompt token id {top} is outside the model's vocabulary (0..{self.vocab_size - 1})"
             )
-        total = len(request.prompt) + request.max_new_tokens
+        if self.max_prompt_tokens is not None and n_prompt > self.max_prompt_tokens:
+            raise InputRefusal(
+                f"the prompt has {n_prompt} tokens, more than this server takes ({self.max_prompt_tokens}, "
+                "max_prompt_tokens)"
+            )
+        self._check_queue()  # a full queue is refused before any work is spent on the request
+        cfg = request.cache or self.default_cache
+        ctx = self.shapes.max_position_embeddings
+        if request.cache is not None and request.cache != self.default_cache:
+            self.request_limits.check(cfg, context=ctx)  # SettingsRefusal
+            if cfg.mean_center is not None and cfg.mean_center != self.default_cache.mean_center:
+                raise SettingsRefusal(
+                    "cache setting mean_center: a request can only use the engine's own bias file (read once "
+                    "when it started), not a file of its choosing"
+                )
+        total = n_prompt + request.max_new_tokens
         try:
             cache = self._make_cache(cfg)  # raises ValueError for settings this model cannot take
-        except OSError as e:  # a bias file that cannot be read
-            raise ValueError(f"cache settings {cfg.to_spec()!r}: {e}") from None
-        ctx = self.shapes.max_position_embeddings
+        except ValueError as e:
+            raise SettingsRefusal(str(e)) from None
         # Past the context only a bounded cache whose position ids are re-based (kept below the period plus a
         # chunk) stays inside it; any other cache would feed ids the model was never trained on.
         bounded_ids = cache.rebase_period is not None and cache.rebase_period + self.prefill_chunk <= (
@@ -161,14 +265,14 @@ class Engine:
                 if cfg.window is None
                 else "this cache's position ids are not kept bounded"
             )
-            raise ValueError(
-                f"prompt ({len(request.prompt)} tokens) + max_new_tokens ({request.max_new_tokens}) = {total} is past "
+            raise ContextRefusal(
+                f"prompt ({n_prompt} tokens) + max_new_tokens ({request.max_new_tokens}) = {total} is past "
                 f"the model's context of {ctx} tokens, and {why}: shorten it, or use a bounded cache "
                 f"(sink=4,window=...) whose positions stay inside the context"
             )
         reserved = cache.projected_nbytes(total, dtype=self.dtype)
         if not self.scheduler.fits_alone(reserved):
-            raise ValueError(
+            raise BudgetRefusal(
                 f"this request's cache can reach {reserved} bytes ({cfg.to_spec()}, {total} tokens), more than the "
                 f"whole memory budget of {self.scheduler.memory_budget} bytes: raise the budget, lower max_new_tokens "
                 f"or use a smaller cache (a window, fewer bits)"
@@ -176,7 +280,8 @@ class Engine:
         with self._lock:
             rid = request.request_id or f"req-{next(self._ids)}"
             if rid in self.results or self.scheduler.find(rid) is not None:
-                raise ValueError(f"request_id {rid!r} is already in use")
+                raise InputRefusal(f"request_id {rid!r} is already in use")
+            self._check_queue()
             # the empty cache built above (no tokens: a waiting request holds no cache memory) serves on admission
             row = Row(request_id=rid, request=request, reserved=reserved, empty=cache)
             if request.temperature > 0:
@@ -185,9 +290,31 @@ class Engine:
                     row.generator.seed()
                 else:
                     row.generator.manual_seed(request.seed)
-            self.results[rid] = Result(rid, prompt_tokens=len(request.prompt), reserved_bytes=reserved)
+            self.results[rid] = Result(rid, prompt_tokens=n_prompt, reserved_bytes=reserved)
             self.scheduler.submit(row)
         return rid
+
+    def _check_queue(self) -> None:
+        with self._lock:
+            waiting = len(self.scheduler.waiting)
+            if self.max_queue is not None and waiting >= self.max_queue:
+                raise QueueFull(
+                    f"{waiting} requests are already waiting (max_queue {self.max_queue}): retry later",
+                    self._retry_after(),
+                )
+
+    def _retry_after(self) -> int:
+        """Seconds until a queued request may find room: the mean recent step time, times the steps the
+        active row closest to its end still needs, times the waves of ``max_batch`` the queue ahead forms."""
+        times = self._step_times
+        per_step = sum(times) / len(times) if times else 0.05
+        chunk = self.prefill_chunk
+        left = [
+            r.request.max_new_tokens - len(r.tokens) + math.ceil((len(r.request.prompt) - r.fed) / chunk)
+            for r in self.scheduler.active
+        ]
+        waves = max(1, math.ceil(len(self.scheduler.waiting) / self.scheduler.max_batch))
+        return max(1, min(3600, math.ceil(per_step * (min(left) if left else 1) * waves)))
 
     def cancel(self, request_id: str) -> bool:
         """End a request now (a client went away): its cache is freed; its final event comes with the next
@@ -196,8 +323,45 @@ class Engine:
             row = self.scheduler.find(request_id)
             if row is None:
                 return False
-            self._finish(row, "cancelled", self._events)
+            self._end(row, "cancelled", self._events)
             return True
+
+    def cancel_all(self, reason: str = "cancelled", error: str | None = None, *, active_only: bool = False) -> int:
+        """End every waiting and running request now (only the running ones with ``active_only``: a runner
+        whose step failed) with ``reason`` (one of ``FINISH_REASONS``) and ``error`` (a server shutting down);
+        their final events come with the next step (or :meth:`take_events`). A running row's session keeps
+        what it was fed, as for a cancellation. Returns how many requests were ended."""
+        if reason not in FINISH_REASONS:
+            raise ValueError(f"reason must be one of {', '.join(FINISH_REASONS)}, got {reason!r}")
+        with self._lock:
+            rows = list(self.scheduler.active)
+            if not active_only:
+                rows += self.scheduler.waiting
+            for row in rows:
+                self._end(row, reason, self._events, error=error)
+            return len(rows)
+
+    def take_events(self) -> list[Event]:
+        """The events not handed out yet — cancellations, and what a step that raised had produced before it
+        did — now instead of with the next step (a runner whose step failed, or that stopped stepping)."""
+        with self._lock:
+            events, self._events = self._events, []
+            return events
+
+    def pending_ids(self) -> set[str]:
+        """The ids of the requests waiting or running (what a final event is still owed to)."""
+        with self._lock:
+            return {r.request_id for r in (*self.scheduler.active, *self.scheduler.waiting)}
+
+    def delete_session(self, session: str) -> bool:
+        """Forget ``session``: its kept cache (memory and disk) is removed, and a request of it still running
+        will not leave its cache to it. Returns False when there was none of either."""
+        with self._lock:
+            running = False
+            for row in (*self.scheduler.active, *self.scheduler.waiting):
+                if row.request.session == session:
+                    row.keep_session, running = False, True
+            return bool(self.sessions.delete(session)) or running
 
     # -- running ---------------------------------------------------------------------------
     @property
@@ -208,9 +372,11 @@ class Engine:
     def step(self) -> list[Event]:
         """One scheduling step (module docstring); returns what it produced, in row order."""
         with self._lock, torch.inference_mode():
-            events, self._events = self._events, []
-            for row in self.scheduler.admit(self._room):
-                self._attach(row)
+            start = time.perf_counter()
+            # appended to in place: should the step raise, take_events() still hands out what it produced
+            events = self._events
+            self._expire()
+            self._admit(events)
             row = self.scheduler.next_prefill()
             if row is not None:
                 self._prefill_chunk(row, events)
@@ -218,7 +384,38 @@ class Engine:
             if rows:
                 self._decode(rows, events)
             self.steps += 1
+            if row is not None or rows:
+                self._step_times.append(time.perf_counter() - start)
+            self._events = []
             return events
+
+    def _expire(self) -> None:
+        """Idle sessions past their TTL leave, checked at most once a second (a step stays cheap)."""
+        now = time.monotonic()
+        if now - self._expired_at < 1.0:
+            return
+        self._expired_at = now
+        try:
+            self.sessions.expire()
+        except Exception:  # noqa: BLE001 - housekeeping never ends a request or the engine
+            log.exception("expiring idle sessions failed")
+
+    def _admit(self, events: list[Event]) -> None:
+        """Admit what fits, attaching each row's cache as it is admitted (module docstring, 1)."""
+        waiting = self.scheduler.waiting
+        while waiting:
+            head = waiting[0]
+            try:
+                row = self.scheduler.admit_next(self._room)
+            except Exception as e:  # noqa: BLE001 - making room (parking another session) failed: this row ends
+                self._fail(head, events, "making room for it", e)
+                continue
+            if row is None:
+                return
+            try:
+                self._attach(row)
+            except Exception as e:  # noqa: BLE001 - its session could not be restored: this row ends
+                self._fail(row, events, "restoring its session", e)
 
     def _room(self, row: Row, free: int) -> bool:
         """Admission's hook: park idle sessions (not ``row``'s own) until ``row`` fits in ``free`` bytes."""
@@ -237,14 +434,138 @@ class Engine:
                 return
         row.cache, row.empty = row.empty, None
 
-    def _release(self, row: Row, reason: str) -> None:
-        """A row leaves: a session row that ended cleanly (or was cancelled between steps) leaves its cache,
-        holding the prompt tokens fed and every generated token but the last (never fed), to its session."""
+    def _prefill_chunk(self, row: Row, events: list[Event]) -> None:
+        prompt = row.request.prompt
+        end = min(row.fed + self.prefill_chunk, len(prompt))
+        phase = "prefill"
+        try:
+            ids = torch.tensor([prompt[row.fed : end]], dtype=torch.long, device=self.model.device)
+            logits = gen.prefill(self.model, ids, row.cache)  # (1, V)
+            self.prefilled_tokens += end - row.fed
+            row.fed = end
+            self._track(row)
+            if row.fed < len(prompt):
+                return
+            row.state = "decode"
+            phase = "sampling"
+            token, logprob, top = self._sample(row, logits)
+        except Exception as e:  # noqa: BLE001 - this request fails (non-finite K/V, out of memory...), not the engine
+            self._fail(row, events, phase, e)
+            return
+        self._emit(row, token, logprob, top, events)
+
+    def _decode(self, rows: list[Row], events: list[Event]) -> None:
+        errors: dict = {}
+        try:
+            logits = gen.forward_rows(
+                self.model, [r.pending for r in rows], [r.cache for r in rows], errors=errors
+            )
+            ok = self._finite(logits).tolist()  # one sync for the step
+        except Exception as e:  # noqa: BLE001 - the forward failed as a whole: its rows end, the engine goes on
+            for b, r in enumerate(rows):
+                self._fail(r, events, "the decode step", errors.get(b, e))
+            return
+        for b, r in enumerate(rows):
+            if b in errors:  # its K/V were refused: dropped from the step, the other rows' logits are exact
+                self._fail(r, events, "the decode step", errors[b])
+                continue
+            try:
+                self._track(r)
+                token, logprob, top = self._sample(r, logits[b : b + 1], ok[b])
+            except Exception as e:  # noqa: BLE001 - this row alone
+                self._fail(r, events, "sampling", e)
+                continue
+            self._emit(r, token, logprob, top, events)
+
+    @staticmethod
+    def _finite(logits: torch.Tensor) -> torch.Tensor:
+        """(B,) bool: whether each row's logits can be sampled (no NaN, no +inf, some finite value; a -inf
+        logit is a token the model rules out)."""
+        bad = torch.isnan(logits).any(dim=-1) | torch.isposinf(logits).any(dim=-1)
+        return ~bad & torch.isfinite(logits).any(dim=-1)
+
+    def _sample(self, row: Row, logits: torch.Tensor, finite: bool | None = None):
+        """Row ``row``'s next token from ``logits`` (1, V), with its logprob and top alternatives when asked:
+        ``(token, logprob | None, top_logprobs | None)``. Non-finite logits raise (that row ends)."""
+        if finite is None:
+            finite = bool(self._finite(logits)[0])
+        if not finite:
+            raise ValueError("the model's logits for this request are not finite (NaN or inf)")
+        req = row.request
+        token = int(gen.sample_next(logits, req.temperature, req.top_p, row.generator)[0])
+        if req.logprobs is None:
+            return token, None, None
+        lp = torch.log_softmax(logits[0].float(), dim=-1)  # (V,), the raw logits: before temperature and top_p
+        top: tuple = ()
+        if req.logprobs:
+            values, ids = lp.topk(min(req.logprobs, lp.numel()))  # sorted, most likely first
+            top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+        return token, float(lp[token]), top
+
+    def _emit(self, row: Row, token: int, logprob, top, events: list[Event]) -> None:
+        try:
+            row.tokens.append(token)
+            result = self.results[row.request_id]
+            result.tokens.append(token)
+            reason = None
+            if token in row.request.stop_ids:
+                reason = "stop"
+            elif len(row.tokens) >= row.request.max_new_tokens:
+                reason = "length"
+            if reason is None:
+                row.pending = token
+                events.append(
+                    Event(row.request_id, token, len(row.tokens) - 1, logprob=logprob, top_logprobs=top)
+                )
+                return
+        except Exception as e:  # noqa: BLE001 - this row alone
+            self._fail(row, events, "emitting its token", e)
+            return
+        self._end(row, reason, events, token=token, logprob=logprob, top=top)
+
+    def _fail(self, row: Row, events: list[Event], phase: str, exc: BaseException) -> None:
+        """``row`` failed in ``phase``: it ends alone with an error naming the phase and the cause."""
+        error = f"{phase} failed: {describe(exc)}"
+        if isinstance(exc, (ValueError, OSError)):
+            log.warning("request %s: %s", row.request_id, error)
+        else:  # not a refusal of bad data: the traceback is for whoever reads the log
+            log.warning("request %s: %s", row.request_id, error, exc_info=exc)
+        row.failed = True
+        self._end(row, "error", events, error=error)
+
+    def _end(self, row: Row, reason: str, events: list[Event], *, token=None, error=None, logprob=None, top=None):
+        """``row`` leaves with its final event (carrying ``token`` when it ended on one). Leaving never fails:
+        when keeping its session does, the row still leaves, and its final event says so (an error)."""
+        if row.state == "done":
+            return
+        try:
+            self._release(row)
+        except Exception as e:  # noqa: BLE001 - the session is lost; the row still leaves
+            self.scheduler.release(row)
+            log.warning("request %s: keeping session %r failed: %s", row.request_id, row.request.session, describe(e))
+            if reason != "error":
+                reason, error = "error", f"keeping its session failed: {describe(e)}"
+        if reason == "error":
+            self.row_errors += 1
+        result = self.results.get(row.request_id)
+        if result is not None:
+            result.finish_reason, result.error = reason, error
+        index = len(row.tokens) - (token is not None)
+        events.append(
+            Event(
+                row.request_id, token, index, finished=True, finish_reason=reason, error=error,
+                logprob=logprob, top_logprobs=top,
+            )
+        )
+
+    def _release(self, row: Row) -> None:
+        """A row leaves: unless it failed, a session row leaves its cache, holding the prompt tokens fed and
+        every generated token but the last (never fed), to its session."""
         session, cache, state = row.request.session, row.cache, row.state
         self.scheduler.release(row)
-        if session is None or cache is None:
+        if session is None or cache is None or not row.keep_session:
             return
-        if reason == "error":
+        if row.failed:
             self.sessions.forget(session)
             return
         if row.fed:
@@ -255,71 +576,6 @@ class Engine:
             budget = self.scheduler.memory_budget
             if budget is not None:  # a cache may hold more than its reservation (buffers allocated ahead)
                 self.sessions.make_room(budget - self.scheduler.reserved)
-
-    def _prefill_chunk(self, row: Row, events: list[Event]) -> None:
-        prompt = row.request.prompt
-        end = min(row.fed + self.prefill_chunk, len(prompt))
-        ids = torch.tensor([prompt[row.fed : end]], dtype=torch.long, device=self.model.device)
-        try:
-            logits = gen.prefill(self.model, ids, row.cache)  # (1, V)
-        except Exception as e:  # noqa: BLE001 - this request fails (non-finite K/V, out of memory...), not the engine
-            self._finish(
-                row,
-                "error",
-                events,
-                error=f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e),
-            )
-            return
-        self.prefilled_tokens += end - row.fed
-        row.fed = end
-        self._track(row)
-        if row.fed == len(prompt):
-            row.state = "decode"
-            self._emit(row, self._sample(row, logits), events)
-
-    def _decode(self, rows: list[Row], events: list[Event]) -> None:
-        try:
-            logits = gen.forward_rows(self.model, [r.pending for r in rows], [r.cache for r in rows])
-        except Exception as e:  # noqa: BLE001 - the step's rows fail, the engine and the waiting requests go on
-            # A row's cache refused its K/V mid-step (or the forward failed): the step's other rows may have stored
-            # this token in some layers, so none of them can go on consistently: they end with the error. (Known
-            # gap: one row's non-finite K/V ends the other rows of its step too.)
-            msg = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-            for r in rows:
-                self._finish(r, "error", events, error=msg)
-            return
-        for b, r in enumerate(rows):
-            self._track(r)
-            self._emit(r, self._sample(r, logits[b : b + 1]), events)
-
-    def _sample(self, row: Row, logits: torch.Tensor) -> int:
-        req = row.request
-        return int(gen.sample_next(logits, req.temperature, req.top_p, row.generator)[0])
-
-    def _emit(self, row: Row, token: int, events: list[Event]) -> None:
-        row.tokens.append(token)
-        result = self.results[row.request_id]
-        result.tokens.append(token)
-        reason = None
-        if token in row.request.stop_ids:
-            reason = "stop"
-        elif len(row.tokens) >= row.request.max_new_tokens:
-            reason = "length"
-        if reason is None:
-            row.pending = token
-            events.append(Event(row.request_id, token, len(row.tokens) - 1))
-            return
-        events.append(Event(row.request_id, token, len(row.tokens) - 1, finished=True, finish_reason=reason))
-        result.finish_reason = reason
-        self._release(row, reason)
-
-    def _finish(self, row: Row, reason: str, events: list[Event], error: str | None = None) -> None:
-        result = self.results[row.request_id]
-        result.finish_reason, result.error = reason, error
-        events.append(
-            Event(row.request_id, None, len(row.tokens), finished=True, finish_reason=reason, error=error)
-        )
-        self._release(row, reason)
 
     def _track(self, row: Row) -> None:
         n = row.cache.nbytes()
@@ -339,17 +595,27 @@ class Engine:
             pass
         return [self.results.pop(i) for i in ids]
 
-    def park_sessions(self) -> None:
-        """Write every idle session in memory to session_dir (a server shutting down); without one, nothing."""
+    def park_sessions(self, timeout: float = 30.0) -> None:
+        """Write every idle session in memory to session_dir and wait (up to ``timeout`` seconds) for pending
+        writes (a server shutting down); without one, nothing."""
         with self._lock:
             if self.sessions.session_dir is not None:
                 self.sessions.make_room(0)
+            self.sessions.flush(timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Park every idle session and stop the session store's writer (the engine serves nothing after)."""
+        with self._lock:
+            if self.sessions.session_dir is not None:
+                self.sessions.make_room(0)
+            self.sessions.close(timeout)
 
     def memory(self) -> dict:
         """Bytes now: held by the admitted caches, reserved for them, held by idle sessions in memory, the
         budget; ``fp16_bytes``: what plain fp16 caches of every token the admitted rows and the idle sessions
         hold would take (no window, no compression: the comparison a user makes); rows waiting and active;
-        sessions kept in memory and parked on disk, and the session counters."""
+        requests ended by a failure (``row_errors``); sessions kept in memory and parked on disk, and the
+        session counters."""
         with self._lock:
             active = self.scheduler.active
             sh = self.shapes
@@ -366,8 +632,10 @@ class Engine:
                 "fp16_bytes": tokens * per_token,
                 "active": len(active),
                 "waiting": len(self.scheduler.waiting),
+                "row_errors": self.row_errors,
                 "sessions_kept": len(self.sessions.kept),
                 "sessions_on_disk": self.sessions.on_disk(),
                 "prefilled_tokens": self.prefilled_tokens,
                 **{f"sessions_{k}": v for k, v in vars(self.sessions.stats).items()},
             }
+

@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from ..checks import check_int
 from ..config import CacheConfig, parse_spec
 
+#: the most alternatives a request may ask for each token (OpenAI's top_logprobs maximum)
+MAX_LOGPROBS = 20
+
 #: why a request ended: a stop token, max_new_tokens reached, refused or failed, cancelled by the client
 FINISH_REASONS = ("stop", "length", "error", "cancelled")
 
@@ -29,7 +32,8 @@ class Request:
     the engine's default). request_id: a name for events (None: the engine numbers it). session: a
     conversation's id (None: none): the request continues the session's kept cache when its prompt starts
     with the tokens that cache holds, and leaves its own cache there when it ends
-    (:mod:`kvslim.engine.sessions`).
+    (:mod:`kvslim.engine.sessions`). logprobs: None (none reported), or 0..20 (:data:`MAX_LOGPROBS`): each
+    token's event carries its log-probability and that many most likely alternatives.
     """
 
     prompt: Sequence[int]
@@ -41,6 +45,7 @@ class Request:
     cache: CacheConfig | str | None = None
     request_id: str | None = None
     session: str | None = None
+    logprobs: int | None = None
 
     def __post_init__(self):
         from ..generate import check_sampling
@@ -70,6 +75,11 @@ class Request:
             raise ValueError(f"request_id must be a string or None, got {_show(self.request_id)}")
         if self.session is not None and (not isinstance(self.session, str) or not self.session):
             raise ValueError(f"session must be a non-empty string or None, got {_show(self.session)}")
+        if self.logprobs is not None:
+            check_int(
+                "logprobs", self.logprobs, minimum=0, below=MAX_LOGPROBS + 1,
+                expected=f"an integer in 0..{MAX_LOGPROBS} or None",
+            )
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,9 @@ class Event:
     token: the new token id (None on a final event that carries no token: a refusal, a failure, a
     cancellation). index: 0-based index of ``token`` among the request's generated tokens. finished: the
     request is over; finish_reason: one of :data:`FINISH_REASONS`; error: the reason, for ``error``.
+    logprob, top_logprobs: for a request with ``logprobs`` set, ``token``'s log-probability and the
+    ``logprobs`` most likely ``(token id, log-probability)`` pairs, most likely first — log-softmax of the
+    model's raw logits (before temperature and top_p, as OpenAI reports them), float32; None otherwise.
     """
 
     request_id: str
@@ -87,6 +100,8 @@ class Event:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
 
 
 @dataclass
