@@ -28,7 +28,32 @@ which must report cached tokens > 0.
         -- --kv-quantize int4 --streaming-llm-sink 4 --streaming-llm-window 1020
 
 Flags after ``--`` are model and cache flags, given to ``kvslim serve`` and to ``kvslim sample``;
-``--serve-args`` adds flags for the server only (``--memory-budget 64MiB``). See docs/serving.md.
+``--serve-args`` adds flags for the server only; ``--memory-budget SIZE`` and ``--api-key KEY`` are passed to
+every server this script starts (the clients then send the key). ``--stagger S`` starts conversation i at
+i x S seconds instead of all at once. See docs/serving.md.
+
+Issue 29's measurements:
+
+- ``--long-prompt TOKENS``: the load phase runs twice, with the same conversations under new session ids:
+  once as above (the baseline), then again with one extra client that sends a prompt of about TOKENS tokens
+  (the texts of /usr/share/common-licenses, repeated: real English) to ``/v1/completions``, streamed, at
+  ``--long-prompt-delay`` seconds into the phase, through the server's cache (a windowed one, from the flags
+  after ``--``, or ``--long-prompt-cache SPEC`` sent as ``kvslim_cache``). Its prefill lasts until its first
+  token; a request of the other conversations *overlaps* it when it was waiting for its own first token
+  during that time. The report compares the time to first token (p50/p90/p99) of the baseline, of the
+  second phase, and of the requests that overlapped the long prefill (and of the baseline's requests of
+  the same turns).
+- ``--attack``: before the load phase (``--sessions 0``: instead of it), replays issue 29's bad requests
+  against the started server, one at a time, and prints a table: the request, its status (and the one
+  expected), whether the server still answers ``/health`` 200 and a normal request at temperature 0 with the
+  text it gave before, its RSS after and its peak RSS during the request (``VmHWM``, reset through
+  ``/proc/PID/clear_refs``). The last row is a flood of ``--attack-sessions`` distinct session ids (one
+  token in, one out each), after which the files in the session directory and the sessions the server
+  reports are listed too.
+
+    python scripts/load_test.py --sessions 15 --turns 8 --stagger 0.5 --long-prompt 50000 \\
+        --long-prompt-delay 30 -- --kv-quantize int4 --streaming-llm-sink 4 --streaming-llm-window 1020
+    python scripts/load_test.py --sessions 0 --attack --attack-sessions 10000 --memory-budget 256MiB
 """
 
 from __future__ import annotations
@@ -49,6 +74,7 @@ from pathlib import Path
 
 import httpx
 
+#: the model id clients send when the server lists none (it is read from GET /v1/models once started)
 MODEL = "SmolLM2-135M-Instruct"
 OPENERS = (
     "Name a color and say one thing about it.",
@@ -81,12 +107,17 @@ def free_port() -> int:
 
 
 class Server:
-    """``kvslim serve`` as a child process on 127.0.0.1; its log goes to ``log_path``."""
+    """``kvslim serve`` as a child process on 127.0.0.1; its log goes to ``log_path``. api_key: given to the
+    server in its environment (``KVSLIM_API_KEY``, out of the process list) and sent by every client of this
+    script (``headers``)."""
 
-    def __init__(self, kvslim: str, flags: list[str], session_dir: str, log_path: str):
+    def __init__(self, kvslim: str, flags: list[str], session_dir: str, log_path: str, api_key: str | None = None):
         self.kvslim, self.flags, self.session_dir, self.log_path = kvslim, flags, session_dir, log_path
+        self.api_key = api_key
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.proc: subprocess.Popen | None = None
         self.port = 0
+        self.model = MODEL
 
     @property
     def url(self) -> str:
@@ -108,12 +139,15 @@ class Server:
             *self.flags,
         ]
         log = open(self.log_path, "a")  # noqa: SIM115 (the child holds it; closed in stop())
-        log.write(f"$ {shlex.join(cmd)}\n")
+        log.write(f"$ {shlex.join(cmd)}{' (KVSLIM_API_KEY set)' if self.api_key else ''}\n")
         log.flush()
         self._log = log
         t0 = time.monotonic()
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        with httpx.Client(base_url=self.url, timeout=2.0) as client:
+        env = {k: v for k, v in os.environ.items() if k != "KVSLIM_API_KEY"}
+        if self.api_key:
+            env["KVSLIM_API_KEY"] = self.api_key
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        with httpx.Client(base_url=self.url, timeout=2.0, headers=self.headers) as client:
             while time.monotonic() - t0 < timeout:
                 if self.proc.poll() is not None:
                     raise RuntimeError(
@@ -121,23 +155,39 @@ class Server:
                     )
                 try:
                     if client.get("/health").status_code == 200:
-                        return time.monotonic() - t0
-                except httpx.HTTPError:
+                        took = time.monotonic() - t0
+                        models = client.get("/v1/models", timeout=30.0).json().get("data") or []
+                        self.model = models[0]["id"] if models else MODEL
+                        return took
+                except (httpx.HTTPError, ValueError, KeyError):
                     pass
                 time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"kvslim serve did not answer /health in {timeout:.0f} s:\n{self.tail()}")
 
-    def rss(self) -> int | None:
-        """VmRSS in bytes, or None once the process is gone."""
+    def rss(self, key: str = "VmRSS") -> int | None:
+        """VmRSS (or another ``/proc/PID/status`` size, e.g. ``VmHWM``) in bytes, or None once the process is gone."""
         try:
             with open(f"/proc/{self.proc.pid}/status") as f:
                 for line in f:
-                    if line.startswith("VmRSS:"):
+                    if line.startswith(key + ":"):
                         return int(line.split()[1]) * 1024
         except (OSError, ValueError, AttributeError):
             return None
         return None
+
+    def peak(self) -> int | None:
+        """The peak RSS (``VmHWM``) since the process started or the last :meth:`reset_peak`."""
+        return self.rss("VmHWM")
+
+    def reset_peak(self) -> bool:
+        """Reset ``VmHWM`` to the current RSS (``/proc/PID/clear_refs``); False where the kernel refuses."""
+        try:
+            with open(f"/proc/{self.proc.pid}/clear_refs", "w") as f:
+                f.write("5")
+            return True
+        except OSError:
+            return False
 
     def stop(self, timeout: float = 60.0) -> dict:
         """SIGTERM, then wait: ``{"exit_code", "stop_s", "killed"}`` (killed: it did not exit in ``timeout``)."""
@@ -167,9 +217,9 @@ class Server:
             return ""
 
 
-def read_metrics(url: str) -> dict[str, float]:
+def read_metrics(url: str, headers: dict | None = None) -> dict[str, float]:
     """``/metrics`` as ``{"name{labels}": value}`` (comments dropped)."""
-    text = httpx.get(f"{url}/metrics", timeout=30.0).text
+    text = httpx.get(f"{url}/metrics", timeout=30.0, headers=headers or {}).text
     out = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
@@ -189,10 +239,11 @@ async def chat_turn(
     max_tokens: int,
     timeout: float,
     t_origin: float,
+    model: str = MODEL,
 ) -> dict:
     """One streamed chat completion at temperature 0; the record of what happened (never raises)."""
     body = {
-        "model": MODEL,
+        "model": model,
         "messages": messages,
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -201,10 +252,16 @@ async def chat_turn(
     }
     if session is not None:
         body["session"] = session
+    return await stream_request(client, "/v1/chat/completions", body, timeout=timeout, t_origin=t_origin)
+
+
+async def stream_request(client: httpx.AsyncClient, path: str, body: dict, *, timeout: float, t_origin: float) -> dict:
+    """One streamed request (chat or text completion); the record of what happened (never raises)."""
     rec = {
         "outcome": "lost",
         "reason": None,
         "ttft_s": None,
+        "first_token_s": None,  # the first chunk with text or a finish_reason (a reply may start with no text)
         "itl_s": [],
         "text": "",
         "finish": None,
@@ -218,7 +275,7 @@ async def chat_turn(
     state = {"done": False, "last": None}
 
     async def read() -> None:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        async with client.stream("POST", path, json=body) as r:
             if r.status_code != 200:
                 raw = await r.aread()
                 try:
@@ -244,7 +301,7 @@ async def chat_turn(
                     rec["completion_tokens"] = u.get("completion_tokens")
                     rec["cached_tokens"] = (u.get("prompt_tokens_details") or {}).get("cached_tokens")
                 for choice in obj.get("choices", []):
-                    content = (choice.get("delta") or {}).get("content")
+                    content = (choice.get("delta") or {}).get("content") or choice.get("text")
                     if content:
                         now = time.perf_counter()
                         if rec["ttft_s"] is None:
@@ -255,6 +312,8 @@ async def chat_turn(
                         parts.append(content)
                     if choice.get("finish_reason"):
                         rec["finish"] = choice["finish_reason"]
+                    if (content or choice.get("finish_reason")) and rec["first_token_s"] is None:
+                        rec["first_token_s"] = time.perf_counter() - t0
 
     try:
         await asyncio.wait_for(read(), timeout)
@@ -277,7 +336,10 @@ async def chat_turn(
 # -- the load phase ------------------------------------------------------------------------
 
 
-async def conversation(client, sid: int, args, deadline: float, t_origin: float, records: list) -> None:
+async def conversation(
+    client, sid: int, args, deadline: float, t_origin: float, records: list, *, model: str = MODEL, prefix="load"
+) -> None:
+    await asyncio.sleep(sid * args.stagger)  # staggered arrivals (--stagger; 0: all at once)
     messages = [{"role": "user", "content": OPENERS[sid % len(OPENERS)]}]
     for turn in range(1, args.turns + 1):
         if time.monotonic() > deadline:
@@ -285,10 +347,11 @@ async def conversation(client, sid: int, args, deadline: float, t_origin: float,
         rec = await chat_turn(
             client,
             messages,
-            session=f"load-{sid}",
+            session=f"{prefix}-{sid}",
             max_tokens=args.max_tokens,
             timeout=args.request_timeout,
             t_origin=t_origin,
+            model=model,
         )
         rec.update(session=sid, turn=turn)
         records.append(rec)
@@ -300,8 +363,11 @@ async def conversation(client, sid: int, args, deadline: float, t_origin: float,
         ]
 
 
-async def load_phase(server: Server, args) -> dict:
+async def load_phase(server: Server, args, *, prefix: str = "load", long_prompt: str | None = None) -> dict:
+    """The conversations (session ids ``{prefix}-{i}``), the server's RSS every 0.5 s and, with
+    ``long_prompt``, one more client sending it at ``--long-prompt-delay`` s (its record: ``"long"``)."""
     records: list[dict] = []
+    long: dict = {}
     rss: list[tuple[float, int]] = []
     t_origin = time.perf_counter()
     deadline = time.monotonic() + args.time_limit
@@ -315,16 +381,29 @@ async def load_phase(server: Server, args) -> dict:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.5)
 
+    async def long_client(client):
+        await asyncio.sleep(args.long_prompt_delay)
+        body = {"model": server.model, "prompt": long_prompt, "max_tokens": args.long_prompt_max_tokens,
+                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        if args.long_prompt_cache:
+            body["kvslim_cache"] = args.long_prompt_cache
+        long.update(await stream_request(client, "/v1/completions", body, timeout=args.long_prompt_timeout,
+                                         t_origin=t_origin))
+
     limits = httpx.Limits(max_connections=args.sessions + 4, max_keepalive_connections=args.sessions + 4)
     sampler = asyncio.create_task(sample_rss())
-    async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=None) as client:
-        await asyncio.gather(
-            *(conversation(client, i, args, deadline, t_origin, records) for i in range(args.sessions))
-        )
+    async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=None, headers=server.headers) as client:
+        tasks = [
+            conversation(client, i, args, deadline, t_origin, records, model=server.model, prefix=prefix)
+            for i in range(args.sessions)
+        ]
+        if long_prompt is not None:
+            tasks.append(long_client(client))
+        await asyncio.gather(*tasks)
     wall = time.perf_counter() - t_origin
     stop.set()
     await sampler
-    return {"records": records, "rss": rss, "wall_s": wall}
+    return {"records": records, "rss": rss, "wall_s": wall, "long": long or None}
 
 
 # -- statistics ----------------------------------------------------------------------------
@@ -564,14 +643,14 @@ def greedy_check(server: Server, args, flags: list[str], tmp: str) -> list[dict]
         sample_text = proc.stdout.removesuffix("\n")
         rep = json.loads(Path(report).read_text())
         sample_s = time.monotonic() - t0
-        body = {"model": MODEL, "max_tokens": args.greedy_tokens, "temperature": 0}
+        body = {"model": server.model, "max_tokens": args.greedy_tokens, "temperature": 0}
         if mode == "chat":
             body["messages"] = [{"role": "user", "content": prompt}]
             endpoint = "/v1/chat/completions"
         else:
             body["prompt"] = prompt
             endpoint = "/v1/completions"
-        r = httpx.post(server.url + endpoint, json=body, timeout=args.request_timeout)
+        r = httpx.post(server.url + endpoint, json=body, timeout=args.request_timeout, headers=server.headers)
         r.raise_for_status()
         reply = r.json()
         choice = reply["choices"][0]
@@ -604,34 +683,41 @@ def restart_check(args, flags: list[str], tmp: str) -> dict:
     session_dir = os.path.join(tmp, "sessions-restart")
     log = os.path.join(tmp, "serve-restart.log")
     messages = [{"role": "user", "content": "Name a color and say one thing about it."}]
-    body = {"model": MODEL, "max_tokens": args.max_tokens, "temperature": 0, "session": "restart-1"}
-    first = Server(args.kvslim, flags, session_dir, log)
+    body = {"max_tokens": args.max_tokens, "temperature": 0, "session": "restart-1"}
+    first = Server(args.kvslim, flags, session_dir, log, api_key=args.api_key)
     first.start()
     try:
         r1 = httpx.post(
             first.url + "/v1/chat/completions",
-            json={**body, "messages": messages},
+            json={**body, "model": first.model, "messages": messages},
             timeout=args.request_timeout,
+            headers=first.headers,
         ).json()
     finally:
         stop1 = first.stop()
     files = sorted(os.listdir(session_dir)) if os.path.isdir(session_dir) else []
     sizes = [os.path.getsize(os.path.join(session_dir, f)) for f in files]
+    if "choices" not in r1:
+        return {"ok": False, "error": f"turn 1: {str(r1)[:300]}", "first_server_stop": stop1}
     messages += [
         {"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
         {"role": "user", "content": "Why that one?"},
     ]
-    second = Server(args.kvslim, flags, session_dir, log)
+    second = Server(args.kvslim, flags, session_dir, log, api_key=args.api_key)
     second.start()
     try:
         r2 = httpx.post(
             second.url + "/v1/chat/completions",
-            json={**body, "messages": messages},
+            json={**body, "model": second.model, "messages": messages},
             timeout=args.request_timeout,
+            headers=second.headers,
         ).json()
-        metrics = read_metrics(second.url)
+        metrics = read_metrics(second.url, second.headers)
     finally:
         stop2 = second.stop()
+    if "usage" not in r1 or "usage" not in r2:
+        return {"ok": False, "error": f"turn 1: {str(r1)[:300]}; turn 2: {str(r2)[:300]}",
+                "first_server_stop": stop1, "second_server_stop": stop2}
     u1, u2 = r1["usage"], r2["usage"]
     cached = u2["prompt_tokens_details"]["cached_tokens"]
     return {
@@ -654,6 +740,258 @@ def restart_check(args, flags: list[str], tmp: str) -> dict:
     }
 
 
+# -- the long prompt (--long-prompt) ----------------------------------------------------------
+
+LICENSES = "/usr/share/common-licenses"
+
+
+def english_text(min_chars: int) -> str:
+    """The texts of /usr/share/common-licenses (each file once, symlinks skipped), repeated to at least
+    ``min_chars`` characters: real English, as a long document a user pastes would be."""
+    texts = []
+    for name in sorted(os.listdir(LICENSES)):
+        path = os.path.join(LICENSES, name)
+        if os.path.isfile(path) and not os.path.islink(path):
+            texts.append(Path(path).read_text(errors="replace"))
+    if not texts:
+        raise RuntimeError(f"no texts in {LICENSES}")
+    one = "\n\n".join(texts)
+    return (one + "\n\n") * (min_chars // (len(one) + 2) + 1)
+
+
+def long_prompt_text(server: Server, tokens: int) -> tuple[str, float]:
+    """About ``tokens`` tokens of English text for this server's tokenizer, and the characters per token
+    measured on 8 pieces of 1,000 characters taken across the texts (one ``/v1/completions`` request of one
+    token)."""
+    one = english_text(1)
+    step = max(1, (len(one) - 1000) // 8)
+    sample = "".join(one[i * step : i * step + 1000] for i in range(8))
+    r = httpx.post(server.url + "/v1/completions", headers=server.headers, timeout=600.0,
+                   json={"model": server.model, "prompt": sample, "max_tokens": 1, "temperature": 0})
+    r.raise_for_status()
+    per_token = len(sample) / r.json()["usage"]["prompt_tokens"]
+    chars = int(tokens * per_token)
+    return english_text(chars)[:chars], per_token
+
+
+def overlapped(rec: dict, long: dict) -> bool:
+    """Whether ``rec`` waited for its first token while the long prompt was prefilling (from the long
+    request's start to its first chunk)."""
+    if rec.get("start_s") is None or long.get("start_s") is None or long.get("first_token_s") is None:
+        return False  # the long prompt was refused or failed: nothing overlapped its prefill
+    prefill_end = long["start_s"] + long["first_token_s"]
+    first = rec["start_s"] + (rec["ttft_s"] if rec.get("ttft_s") is not None else 0.0)
+    return rec["start_s"] < prefill_end and first > long["start_s"]
+
+
+def ttft_row(recs: list[dict]) -> dict:
+    t = [r["ttft_s"] for r in recs if r["outcome"] == "answered" and r["ttft_s"] is not None]
+    return {"n": len(t), "p50_s": pct(t, 50), "p90_s": pct(t, 90), "p99_s": pct(t, 99)}
+
+
+def compare_long(base: dict, loaded: dict, long: dict | None, tokens: int, per_token: float) -> dict:
+    """The time to first token without the long prompt, with it, and of the requests its prefill overlapped."""
+    long = long or {}
+    over = [r for r in loaded["records"] if overlapped(r, long)]
+    turns = {r["turn"] for r in over}
+    rows = {
+        "without (baseline phase)": ttft_row(base["records"]),
+        "without, same turns as the overlapping": ttft_row([r for r in base["records"] if r["turn"] in turns]),
+        "with (second phase, every request)": ttft_row(loaded["records"]),
+        "with, overlapping its prefill": ttft_row(over),
+    }
+    b, o = rows["without (baseline phase)"]["p99_s"], rows["with, overlapping its prefill"]["p99_s"]
+    return {
+        "tokens_requested": tokens,
+        "chars_per_token": per_token,
+        "prompt_tokens": long.get("prompt_tokens"),
+        "outcome": long.get("outcome"),
+        "reason": long.get("reason"),
+        "start_s": long.get("start_s"),
+        "prefill_s": long.get("first_token_s"),
+        "end_s": long.get("end_s"),
+        "ttft": rows,
+        "p99_overlap_over_baseline": o / b if o is not None and b else None,
+    }
+
+
+def print_long(c: dict) -> None:
+    p = print
+    p(
+        f"\nlong prompt: {c['prompt_tokens']} tokens (asked {c['tokens_requested']}, {c['chars_per_token']:.2f} "
+        f"characters per token) | outcome {c['outcome']}{' (' + c['reason'] + ')' if c['reason'] else ''} | "
+        f"sent at {c['start_s'] or 0:.1f} s | prefill (its TTFT) {_ms(c['prefill_s'])} ms"
+    )
+    p("\n| other conversations' requests | n | TTFT p50 (ms) | p90 | p99 |\n|---|---:|---:|---:|---:|")
+    for name, r in c["ttft"].items():
+        p(f"| {name} | {r['n']} | {_ms(r['p50_s'])} | {_ms(r['p90_s'])} | {_ms(r['p99_s'])} |")
+    ratio = c["p99_overlap_over_baseline"]
+    p(f"TTFT p99 overlapping / baseline: {'n/a' if ratio is None else f'{ratio:.2f}x'} (target <= 2)")
+
+
+# -- the attack table (--attack) ---------------------------------------------------------------
+
+
+def _raw(body: bytes, ctype: str = "application/json", **headers) -> dict:
+    return {"content": body, "headers": {"Content-Type": ctype, **headers}}
+
+
+def attack_requests(server: Server, normal: dict) -> list[tuple[str, str, str, dict]]:
+    """Issue 29's bad requests: (name, path, expected status, httpx request arguments)."""
+    m = server.model
+    one = {**normal, "max_tokens": 1}
+    big = 64 << 20
+
+    def chunked():  # a body with no Content-Length, past the 8 MiB limit
+        yield b'{"model": "x", "prompt": "'
+        piece = b" " * (1 << 20)
+        for _ in range(big // len(piece)):
+            yield piece
+        yield b'"}'
+
+    rows = [
+        ("session \"\\ud800\" (a lone surrogate)", "/v1/completions", "400",
+         _raw(b'{"model": "%s", "prompt": "hi", "max_tokens": 1, "session": "\\ud800"}' % m.encode())),
+        ("X-Session-Id: invalid UTF-8 bytes", "/v1/completions", "400",
+         {"json": one, "headers": {"X-Session-Id": b"\xed\xa0\x80"}}),
+        ("session id of 100,000 characters", "/v1/completions", "400", {"json": {**one, "session": "s" * 100_000}}),
+        ('kvslim_cache "none,group=1000000"', "/v1/completions", "400", {"json": {**one, "kvslim_cache": "none,group=1000000"}}),
+        ('kvslim_cache "none,group=10000000"', "/v1/completions", "400",
+         {"json": {**one, "kvslim_cache": "none,group=10000000"}}),
+        ('kvslim_cache "int4,window=100000000"', "/v1/completions", "400",
+         {"json": {**one, "kvslim_cache": "int4,window=100000000"}}),
+        ("Content-Type: text/plain", "/v1/completions", "415", _raw(json.dumps(one).encode(), "text/plain")),
+        ("Content-Type: application/x-www-form-urlencoded", "/v1/completions", "415",
+         _raw(json.dumps(one).encode(), "application/x-www-form-urlencoded")),
+        ("Host: evil.example (DNS rebinding)", "/v1/completions", "421",
+         {"json": one, "headers": {"Host": f"evil.example:{server.port}"}}),
+        ("tools (not honoured)", "/v1/chat/completions", "400",
+         {"json": {"model": m, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                   "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}}),
+        ('stop ["\\n"] (honoured)', "/v1/completions", "200", {"json": {**one, "max_tokens": 4, "stop": ["\n"]}}),
+        ("chunked body of 64 MiB", "/v1/completions", "413", {"content": chunked(),
+                                                              "headers": {"Content-Type": "application/json"}}),
+        ("10,000 nested lists", "/v1/completions", "400", _raw(b"[" * 10_000 + b"]" * 10_000)),
+        ("max_tokens of 5,000 digits", "/v1/completions", "400",
+         _raw(b'{"model": "%s", "prompt": "hi", "max_tokens": %s}' % (m.encode(), b"9" * 5000))),
+        ("temperature of 401 digits (past a float)", "/v1/completions", "400",
+         _raw(b'{"model": "%s", "prompt": "hi", "max_tokens": 1, "temperature": 1%s}' % (m.encode(), b"0" * 400))),
+        ("temperature NaN", "/v1/completions", "400",
+         _raw(b'{"model": "%s", "prompt": "hi", "max_tokens": 1, "temperature": NaN}' % m.encode())),
+        ("max_tokens 10**9", "/v1/completions", "400", {"json": {**one, "max_tokens": 10**9}}),
+        ("body not UTF-8", "/v1/completions", "400", _raw(b'{"model": "x", "prompt": "\xff\xfe"}')),
+    ]
+    if server.api_key:
+        rows.append(("no API key", "/v1/completions", "401", {"json": one, "bare": True}))
+    return rows
+
+
+def _normal_text(client: httpx.Client, normal: dict) -> str | None:
+    try:
+        r = client.post("/v1/completions", json=normal)
+        return r.json()["choices"][0]["text"] if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, KeyError, IndexError):
+        return None
+
+
+def _after(server: Server, client: httpx.Client, normal: dict, reference: str | None) -> dict:
+    health: int | str = "no answer"
+    for _ in range(2):  # a connection the server closed after its last reply fails once: ask again
+        try:
+            health = client.get("/health").status_code
+            break
+        except httpx.TransportError as e:
+            health = type(e).__name__
+    return {"health": health, "normal_ok": _normal_text(client, normal) == reference,
+            "rss_after_bytes": server.rss(), "peak_bytes": server.peak()}
+
+
+def attack(server: Server, args) -> list[dict]:
+    """Each bad request once, then the session flood; a row per request (see the module docstring)."""
+    normal = {"model": server.model, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    rows: list[dict] = []
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=120.0) as client:
+        reference = _normal_text(client, normal)
+        rows.append({"request": "(before) a normal request", "expected": "200",
+                     "status": 200 if reference is not None else "failed",
+                     **_after(server, client, normal, reference)})
+        for name, path, expected, kw in attack_requests(server, normal):
+            server.reset_peak()
+            headers = kw.pop("headers", {})
+            bare = kw.pop("bare", False)  # a client of its own, without the key
+            t0 = time.monotonic()
+            try:
+                with httpx.Client(base_url=server.url, timeout=120.0) if bare else contextlib.nullcontext(client) as c:
+                    status: int | str = c.post(path, headers=headers, **kw).status_code
+            except httpx.HTTPError as e:  # an early refusal may close the connection mid-upload
+                status = f"closed ({type(e).__name__})"
+            row = {"request": name, "expected": expected, "status": status, "seconds": round(time.monotonic() - t0, 2)}
+            rows.append({**row, **_after(server, client, normal, reference)})
+        server.reset_peak()
+        t0 = time.monotonic()
+        codes = asyncio.run(_flood(server, args.attack_sessions))
+        row = {"request": f"{args.attack_sessions} distinct session ids (1 token in, 1 out)", "expected": "200",
+               "status": ", ".join(f"{k} x{v}" for k, v in sorted(codes.items(), key=str)),
+               "seconds": round(time.monotonic() - t0, 1)}
+        row.update(_after(server, client, normal, reference))
+        metrics = read_metrics(server.url, server.headers)
+        files = [n for n in os.listdir(server.session_dir)] if os.path.isdir(server.session_dir) else []
+        row["sessions"] = {"files": len(files), "memory": metrics.get('kvslim_sessions{where="memory"}'),
+                           "disk": metrics.get('kvslim_sessions{where="disk"}')}
+        rows.append(row)
+    return rows
+
+
+async def _flood(server: Server, n: int, concurrency: int = 8) -> dict:
+    codes: dict = {}
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=120.0, limits=limits) as c:
+
+        async def one(i: int) -> None:
+            body = {"model": server.model, "prompt": "Hi", "max_tokens": 1, "session": f"flood-{i}"}
+            async with sem:
+                for _ in range(50):  # 429 (queue full): wait as Retry-After says, then again
+                    try:
+                        r = await c.post("/v1/completions", json=body)
+                        key: int | str = r.status_code
+                    except httpx.HTTPError as e:
+                        key = type(e).__name__
+                        break
+                    if key != 429:
+                        break
+                    await asyncio.sleep(min(float(r.headers.get("retry-after", 1)), 5.0))
+            codes[key] = codes.get(key, 0) + 1
+
+        await asyncio.gather(*(one(i) for i in range(n)))
+    return codes
+
+
+def row_ok(r: dict) -> bool:
+    """The status expected (an early close counts for 413), /health 200 and the normal text unchanged."""
+    status = str(r["status"])
+    as_expected = status.split(" ")[0] == r["expected"] and "," not in status
+    as_expected |= r["expected"] == "413" and status.startswith("closed")
+    return as_expected and r["health"] == 200 and r["normal_ok"]
+
+
+def print_attack(rows: list[dict]) -> None:
+    p = print
+    p("\n| request | status (expected) | /health after | normal request after | RSS after (MiB) | peak RSS (MiB) | ok |")
+    p("|---|---|---:|---|---:|---:|---|")
+    for r in rows:
+        p(
+            f"| {r['request']} | {r['status']} ({r['expected']}) | {r['health']} | "
+            f"{'same text' if r['normal_ok'] else 'WRONG'} | {_mib(r['rss_after_bytes'])} | {_mib(r['peak_bytes'])} | "
+            f"{'yes' if row_ok(r) else 'NO'} |"
+        )
+    for r in rows:
+        if "sessions" in r:
+            s = r["sessions"]
+            p(f"after the flood: {s['files']} files in the session directory, sessions in memory {s['memory']}, "
+              f"on disk {s['disk']}")
+
+
 # -- main ----------------------------------------------------------------------------------
 
 
@@ -674,9 +1012,13 @@ def parse(argv=None):
         default=str(Path(sys.executable).with_name("kvslim")),
         help="the kvslim executable (default: beside this Python)",
     )
-    p.add_argument("--sessions", type=int, default=16, help="concurrent conversations (default: 16)")
+    p.add_argument("--sessions", type=int, default=16, help="concurrent conversations (default: 16; 0: none, with --attack)")
     p.add_argument("--turns", type=int, default=20, help="turns per conversation (default: 20)")
     p.add_argument("--max-tokens", type=int, default=32, help="max_tokens per turn (default: 32)")
+    p.add_argument(
+        "--stagger", type=float, default=0.0, metavar="SECONDS",
+        help="seconds between the starts of two conversations (default: 0, all at once)",
+    )
     p.add_argument(
         "--time-limit",
         type=float,
@@ -687,6 +1029,36 @@ def parse(argv=None):
         "--request-timeout", type=float, default=180.0, help="seconds one request may take (default: 180)"
     )
     p.add_argument("--serve-args", default="", help="extra flags for kvslim serve only, one string")
+    p.add_argument("--memory-budget", default=None, metavar="SIZE", help="the server's --memory-budget (e.g. 256MiB)")
+    p.add_argument(
+        "--api-key", default=os.environ.get("KVSLIM_API_KEY"), metavar="KEY",
+        help="the key the servers require (given to them as KVSLIM_API_KEY); every client sends it "
+        "(default: the environment's KVSLIM_API_KEY)",
+    )
+    p.add_argument(
+        "--long-prompt", type=int, default=None, metavar="TOKENS",
+        help="run the load phase twice, the second time with one more client sending a prompt of about TOKENS "
+        "tokens, and compare the other requests' time to first token",
+    )
+    p.add_argument(
+        "--long-prompt-delay", type=float, default=10.0, metavar="SECONDS",
+        help="seconds into the second phase the long prompt is sent (default: 10)",
+    )
+    p.add_argument(
+        "--long-prompt-max-tokens", type=int, default=16, help="max_tokens of the long prompt (default: 16)"
+    )
+    p.add_argument(
+        "--long-prompt-cache", default=None, metavar="SPEC",
+        help="kvslim_cache of the long prompt's request (default: the server's cache), e.g. int4,sink=4,window=1020",
+    )
+    p.add_argument(
+        "--long-prompt-timeout", type=float, default=1800.0, help="seconds the long prompt may take (default: 1800)"
+    )
+    p.add_argument("--attack", action="store_true", help="replay issue 29's bad requests first and print the table")
+    p.add_argument(
+        "--attack-sessions", type=int, default=10_000, metavar="N",
+        help="distinct session ids of the attack's session flood (default: 10000)",
+    )
     p.add_argument(
         "--greedy-check", action="store_true", help="compare greedy text with kvslim sample afterwards"
     )
@@ -707,15 +1079,24 @@ def parse(argv=None):
     args, rest = p.parse_known_args(argv)
     if rest and rest[0] == "--":
         rest = rest[1:]
-    for name in ("sessions", "turns", "max_tokens"):
+    for name in ("turns", "max_tokens", "long_prompt_max_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.sessions < 0 or (args.sessions == 0 and not args.attack):
+        p.error("--sessions must be >= 1 (or 0 with --attack: the attack table only)")
+    if args.sessions == 0 and args.long_prompt is not None:
+        p.error("--long-prompt needs conversations to measure (--sessions >= 1)")
+    if args.long_prompt is not None and args.long_prompt < 1:
+        p.error("--long-prompt must be >= 1 token")
+    if args.stagger < 0 or args.long_prompt_delay < 0 or args.attack_sessions < 0:
+        p.error("--stagger, --long-prompt-delay and --attack-sessions must be >= 0")
     return args, rest
 
 
 def main(argv=None) -> int:
     args, flags = parse(argv)
-    serve_flags = flags + shlex.split(args.serve_args)
+    budget = ["--memory-budget", args.memory_budget] if args.memory_budget else []
+    serve_flags = flags + budget + shlex.split(args.serve_args)
     result: dict = {
         "argv": sys.argv[1:],
         "flags": flags,
@@ -725,28 +1106,50 @@ def main(argv=None) -> int:
     }
     print(f"load average before: {result['loadavg_before']} ({os.cpu_count()} CPUs)")
     lost = 0
+    attack_ok = True
     with tempfile.TemporaryDirectory(prefix="kvslim-load-") as tmp:
         server = Server(
-            args.kvslim, serve_flags, os.path.join(tmp, "sessions"), os.path.join(tmp, "serve.log")
+            args.kvslim, serve_flags, os.path.join(tmp, "sessions"), os.path.join(tmp, "serve.log"), args.api_key
         )
         result["server_start_s"] = server.start()
         print(
-            f"server up on {server.url} in {result['server_start_s']:.1f} s (RSS {_mib(server.rss())} MiB); "
-            f"{args.sessions} sessions x {args.turns} turns, max_tokens {args.max_tokens}"
+            f"server up on {server.url} in {result['server_start_s']:.1f} s (RSS {_mib(server.rss())} MiB), serving "
+            f"{server.model}; {args.sessions} sessions x {args.turns} turns, max_tokens {args.max_tokens}"
         )
         try:
             result["rss_idle_bytes"] = server.rss()
-            load = asyncio.run(load_phase(server, args))
-            s = summarize(load, args)
-            metrics = read_metrics(server.url)
-            lost = s["lost"]
-            # nothing lost, from the server's side too: every request it finished is one the client read
-            s["server_finished"] = sum(v for k, v in metrics.items() if k.startswith("kvslim_requests_total"))
-            print_table(s, metrics)
-            print(
-                f"server counted {s['server_finished']:g} requests (every outcome); the client sent {s['requests']}"
-            )
-            result.update(summary=s, metrics=metrics, rss=load["rss"], records=load["records"])
+            if args.attack:
+                rows = attack(server, args)
+                print_attack(rows)
+                result["attack"] = rows
+                attack_ok = all(row_ok(r) for r in rows)
+                peak = max((r["peak_bytes"] or 0 for r in rows), default=0)
+                over = peak - (result["rss_idle_bytes"] or 0)
+                print(f"largest peak RSS {_mib(peak)} MiB: {_mib(over)} MiB over the idle server's "
+                      f"{_mib(result['rss_idle_bytes'])} MiB (memory budget: {args.memory_budget or 'the default'})")
+                result["attack_peak_over_idle_bytes"] = over
+            if args.sessions:
+                load = asyncio.run(load_phase(server, args))
+                s = summarize(load, args)
+                metrics = read_metrics(server.url, server.headers)
+                lost = s["lost"]
+                # nothing lost, from the server's side too: every request it finished is one the client read
+                s["server_finished"] = sum(v for k, v in metrics.items() if k.startswith("kvslim_requests_total"))
+                print_table(s, metrics)
+                print(
+                    f"server counted {s['server_finished']:g} requests (every outcome); the client sent {s['requests']}"
+                )
+                result.update(summary=s, metrics=metrics, rss=load["rss"], records=load["records"])
+                if args.long_prompt is not None:
+                    text, per_token = long_prompt_text(server, args.long_prompt)
+                    print(f"\nsecond phase: the same conversations, and {len(text)} characters sent at "
+                          f"{args.long_prompt_delay:g} s")
+                    loaded = asyncio.run(load_phase(server, args, prefix="long", long_prompt=text))
+                    c = compare_long(load, loaded, loaded["long"], args.long_prompt, per_token)
+                    print_long(c)
+                    lost += sum(r["outcome"] == "lost" for r in loaded["records"])
+                    result["long_prompt"] = {**c, "long": loaded["long"], "records": loaded["records"],
+                                             "rss": loaded["rss"], "wall_s": loaded["wall_s"]}
             if args.greedy_check:
                 result["greedy"] = greedy_check(server, args, flags, tmp)
                 for g in result["greedy"]:
@@ -764,15 +1167,18 @@ def main(argv=None) -> int:
             if result["server_stop"]["killed"]:
                 print(server.tail())
         if args.restart_check:
-            rc = restart_check(args, flags, tmp)
+            rc = restart_check(args, flags + budget, tmp)
             result["restart"] = rc
-            print(
-                f"restart: turn 1 prompt {rc['turn1']['prompt_tokens']} tokens; SIGTERM -> exit "
-                f"{rc['first_server_stop']['exit_code']}, {rc['parked_files']} file(s) parked "
-                f"({rc['parked_bytes']} bytes); new server: turn 2 prompt {rc['turn2']['prompt_tokens']} tokens, "
-                f"cached {rc['turn2']['cached_tokens']}, sessions_restored_total "
-                f"{rc['sessions_restored_total']:g} -> {'ok' if rc['ok'] else 'FAILED'}"
-            )
+            if "error" in rc:
+                print(f"restart: FAILED ({rc['error']})")
+            else:
+                print(
+                    f"restart: turn 1 prompt {rc['turn1']['prompt_tokens']} tokens; SIGTERM -> exit "
+                    f"{rc['first_server_stop']['exit_code']}, {rc['parked_files']} file(s) parked "
+                    f"({rc['parked_bytes']} bytes); new server: turn 2 prompt {rc['turn2']['prompt_tokens']} tokens, "
+                    f"cached {rc['turn2']['cached_tokens']}, sessions_restored_total "
+                    f"{rc['sessions_restored_total'] or 0:g} -> {'ok' if rc['ok'] else 'FAILED'}"
+                )
     result["loadavg_after"] = loadavg()
     print(f"load average after: {result['loadavg_after']}")
     if args.plot and "summary" in result:
@@ -784,9 +1190,9 @@ def main(argv=None) -> int:
         print(f"plot: {args.plot}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps(result, indent=1, default=str) + "\n")
         print(f"json: {args.json}")
-    failed = lost > 0 or result["server_stop"]["killed"]
+    failed = lost > 0 or result["server_stop"]["killed"] or not attack_ok
     failed |= args.restart_check and not result["restart"]["ok"]
     failed |= args.greedy_check and not all(g.get("identical") for g in result.get("greedy", []))
     return 1 if failed else 0

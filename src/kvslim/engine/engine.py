@@ -239,7 +239,6 @@ class Engine:
                 f"the prompt has {n_prompt} tokens, more than this server takes ({self.max_prompt_tokens}, "
                 "max_prompt_tokens)"
             )
-        self._check_queue()  # a full queue is refused before any work is spent on the request
         cfg = request.cache or self.default_cache
         ctx = self.shapes.max_position_embeddings
         if request.cache is not None and request.cache != self.default_cache:
@@ -270,6 +269,8 @@ class Engine:
                 f"the model's context of {ctx} tokens, and {why}: shorten it, or use a bounded cache "
                 f"(sink=4,window=...) whose positions stay inside the context"
             )
+        # a full queue after the request's own checks: a bad request is told what is wrong with it, not to retry
+        self._check_queue()
         reserved = cache.projected_nbytes(total, dtype=self.dtype)
         if not self.scheduler.fits_alone(reserved):
             raise BudgetRefusal(
@@ -316,14 +317,18 @@ class Engine:
         waves = max(1, math.ceil(len(self.scheduler.waiting) / self.scheduler.max_batch))
         return max(1, min(3600, math.ceil(per_step * (min(left) if left else 1) * waves)))
 
-    def cancel(self, request_id: str) -> bool:
-        """End a request now (a client went away): its cache is freed; its final event comes with the next
-        step. Returns False when no such request is waiting or running."""
+    def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
+        """End a request now: its cache is freed; its final event comes with the next step. reason:
+        ``cancelled`` (a client went away) or ``stop`` (the caller saw a stop of its own, e.g. a stop string in
+        the decoded text: the request ended normally). Either way its session keeps what was fed. Returns
+        False when no such request is waiting or running."""
+        if reason not in ("cancelled", "stop"):
+            raise ValueError(f"reason must be 'cancelled' or 'stop', got {reason!r}")
         with self._lock:
             row = self.scheduler.find(request_id)
             if row is None:
                 return False
-            self._end(row, "cancelled", self._events)
+            self._end(row, reason, self._events)
             return True
 
     def cancel_all(self, reason: str = "cancelled", error: str | None = None, *, active_only: bool = False) -> int:

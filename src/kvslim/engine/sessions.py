@@ -312,12 +312,14 @@ class SessionStore:
 
     def delete(self, session: str) -> bool:
         """Remove ``session`` (memory, pending write and file); False when the store holds none. A request
-        running on it goes on, and its end keeps the session again."""
+        running on it goes on; whether its end keeps the session again is the caller's choice (the engine's
+        :meth:`~kvslim.engine.Engine.delete_session` makes it not)."""
         key = session_key(session)
         with self._cond:
             ix = self._ix
             found = session in self.kept or key in ix.files or key in ix.jobs or key in ix.last
             self._remove(key, session)
+            ix.taken.discard(key)  # no request on it will hand it back (or, handing it back, re-adds it)
             if found:
                 self.stats.deleted += 1
         return found

@@ -263,7 +263,7 @@ class _API:
                         yield "data: [DONE]\n\n"
                         return
                     if not done:  # a stop string: end the request in the engine, a normal stop for the client
-                        self._cancel(rid)
+                        self._cancel(rid, "stop")
                     yield _sse(reply.chunk(finish=turn.finish_reason(ev)))
                     if include_usage:
                         result = item.result if done else await _final(queue)
@@ -281,9 +281,9 @@ class _API:
             if not finished:  # the client went away mid-stream: free its cache now
                 self._cancel(rid)
 
-    def _cancel(self, rid: str) -> None:
+    def _cancel(self, rid: str, reason: str = "cancelled") -> None:
         """Cancel in the engine without blocking the event loop (cancel waits for the engine's lock)."""
-        asyncio.get_running_loop().run_in_executor(None, self.runner.cancel, rid)
+        asyncio.get_running_loop().run_in_executor(None, self.runner.cancel, rid, reason)
 
     async def _whole(self, http, rid, queue, reply: Reply, turn: ReplyText) -> Response:
         parts: list[str] = []
@@ -303,7 +303,7 @@ class _API:
                     if isinstance(item, Done):
                         result = item.result
                     else:  # a stop string: end the request in the engine, a normal stop for the client
-                        self._cancel(rid)
+                        self._cancel(rid, "stop")
                         result = await _final(queue)
                     break
                 if isinstance(item, Done):

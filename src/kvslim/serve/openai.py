@@ -164,8 +164,9 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float) -> floa
     value = body.get(name)
     if value is None:
         return default
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-            or not lo <= value <= hi):
+    # the range first: an int too large for a float makes math.isfinite raise OverflowError
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi
+            or not math.isfinite(value)):
         raise APIError(400, f"{name} must be a number in [{lo:g}, {hi:g}], got {show(value)}", param=name)
     return float(value)
 

@@ -172,9 +172,10 @@ class Runner:
             self._wake.notify_all()
         return rid, queue
 
-    def cancel(self, request_id: str) -> None:
-        """The client went away: end the request now, freeing its cache (its final event still comes)."""
-        self.engine.cancel(request_id)
+    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+        """End the request now, freeing its cache (its final event still comes): the client went away
+        (``cancelled``), or its reply met a stop string (``stop``, counted as a normal stop)."""
+        self.engine.cancel(request_id, reason)
         with self._wake:
             self._wake.notify_all()
 
