@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvslim.formats import Encoded, format_names, make_codec
+from kvslim.formats import Encoded, format_names, get_format, make_codec
 
 #: the affine (KIVI) formats: per-channel K with token groups, per-token V with channel groups
-AFFINE = ("int8", "int4", "int2")
+AFFINE = tuple(n for n in format_names() if get_format(n).family["k"] == "affine_k")
 #: of the score scale sum_d |q_d| |K_td| (and sum_t p_t |V_td|)
 REL = 1e-5
 

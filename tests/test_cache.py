@@ -276,7 +276,7 @@ def test_lossy_formats_stay_close(fmt):
         got = _prefill_then_decode(model, cache, ids, 16)
     kl = _kl(full, got)
     assert torch.isfinite(kl).all()
-    bound = {"int2": 0.5, "q4_0": 0.05, "q4_1": 0.05, "int4": 0.05, "fp8": 0.02}.get(fmt, 0.005)
+    bound = {"int2": 0.5, "int3": 0.1, "q4_0": 0.05, "q4_1": 0.05, "int4": 0.05, "fp8": 0.02}.get(fmt, 0.005)
     assert kl.mean().item() < bound, (fmt, kl.mean().item())
 
 
@@ -419,7 +419,21 @@ def test_reset_empties():
     [
         (dict(window=0), "window must be >= 1"),
         (dict(sink=-1, window=4), "sink must be >= 0"),
-        (dict(kv_quantize="int3"), "unknown KV format 'int3'"),
+        (dict(kv_quantize="int5"), "unknown KV format 'int5'"),
+        (
+            dict(kv_quantize="int4", keep_layers=(0, 2)),
+            r"^keep_layers names layer 2, out of range: this model has 2 layers",
+        ),
+        (dict(kv_quantize="int4", keep_layers=(-3,)), "names layer -3, out of range"),
+        (
+            dict(
+                kv_quantize="int4",
+                keep_layers=(0,),
+                keep_format="q4_0",
+                config=tiny_config("llama", head_dim=16),
+            ),
+            "keep_format='q4_0' cannot store this model's KV",
+        ),
         (dict(k_quantize="q9"), "unknown KV format"),
         (dict(group_size=32, residual=48), "not a multiple of group_size"),
         (dict(group_size=0), "group_size must be >= 1"),
@@ -428,8 +442,9 @@ def test_reset_empties():
     ],
 )
 def test_invalid_options(kwargs, match):
+    kwargs.setdefault("config", tiny_config("llama"))
     with pytest.raises(ValueError, match=match):
-        SlimCache(config=tiny_config("llama"), **kwargs)
+        SlimCache(**kwargs)
 
 
 def test_block_format_needs_head_dim_multiple_of_32():

@@ -111,15 +111,24 @@ CHANGED = dict(
     residual_dtype="bfloat16",
     rotate="k",
     pre_rope=True,
+    keep_layers="0,-1",
+    keep_format="k8v4",
 )
+#: what an option needs beside it to be legal (keep_format applies to the layers keep_layers names)
+NEEDS = dict(keep_format={"keep_layers": "0,-1"})
+
+
+SPEC_KEYS_BY_NAME = {o.name: o.spec for o in OPTIONS}
 
 
 def test_every_spec_key_round_trips_a_value_other_than_its_default():
     assert set(CHANGED) == {o.name for o in OPTIONS[1:]}
     for opt in OPTIONS[1:]:
         value = CHANGED[opt.name]
-        c = CacheConfig(kv_quantize="q8_0", **{opt.name: value})
-        assert c.to_spec() == f"q8_0,{opt.spec}={int(value) if value is True else value}"
+        need = NEEDS.get(opt.name, {})
+        c = CacheConfig(kv_quantize="q8_0", **need, **{opt.name: value})
+        before = "".join(f",{SPEC_KEYS_BY_NAME[k]}={v}" for k, v in need.items())
+        assert c.to_spec() == f"q8_0{before},{opt.spec}={int(value) if value is True else value}"
         assert parse_spec(c.to_spec()) == c
     every = CacheConfig(kv_quantize="q8_0", **CHANGED)
     assert parse_spec(every.to_spec()) == every
@@ -162,3 +171,104 @@ def test_cli_flags_come_from_the_declaration():
             argv += [opt.flag] if value is True else [opt.flag, str(value)]  # a bool flag alone: on
             want[opt.name] = value
     assert cache_config_from_args(parser.parse_args(argv)) == CacheConfig(kv_quantize="int4", **want)
+
+
+# -- presets and per-layer precision ---------------------------------------------------------------------
+
+
+def test_presets_resolve_to_k_and_v_and_round_trip():
+    from kvslim.formats import PRESETS, preset_names
+
+    assert preset_names() == ["k8v4", "k4v3", "k4v2", "k3v2"]
+    for name, p in PRESETS.items():
+        c = parse_spec(name)
+        assert (c.kv_quantize, c.k_format, c.v_format) == (name, p.k, p.v)
+        assert c.to_spec() == name and parse_spec(c.to_spec()) == c
+        assert get_format(p.k).bits >= get_format(p.v).bits  # K keeps at least V's bits
+    c = parse_spec("k4v2,v=int3,sink=4,window=100")
+    assert (c.k_format, c.v_format) == ("int4", "int3")  # v= overrides the preset's V half
+    assert parse_spec(c.to_spec()) == c
+    assert CacheConfig(kv_quantize="k8v4").replace(k_quantize="int4").k_format == "int4"
+    with pytest.raises(
+        ValueError,
+        match=r"unknown KV format 'k9v9'; expected a format \(none, .*int3.*\) or a K/V preset \(k8v4, k4v3, k4v2, k3v2\)",
+    ):
+        parse_spec("k9v9")
+    with pytest.raises(ValueError, match="unknown KV format 'k4v2'"):
+        CacheConfig(k_quantize="k4v2")  # a preset names a pair, not one tensor's format
+    with pytest.raises(ValueError, match="mean_center does not apply to K format 'int4'"):
+        CacheConfig(kv_quantize="k4v2", mean_center="b.gguf")  # the preset's K half is what is checked
+
+
+@pytest.mark.parametrize(
+    "spec,layers,rest",
+    [
+        ("int2,keep_layers=first,last", (0, -1), {}),
+        ("int2,keep_layers=0,1,-1,keep_format=int8", (0, 1, -1), {"keep_format": "int8"}),
+        ("k4v2,keep_layers=-1,sink=4,window=100", (-1,), {"sink": 4, "window": 100}),
+        ("int4,keep_layers=LAST , 2 ,keep_format=k8v4", (-1, 2), {"keep_format": "k8v4"}),
+        ("int4,keep_layers=none", (), {}),
+    ],
+)
+def test_keep_layers_spec(spec, layers, rest):
+    c = parse_spec(spec)
+    assert c.keep_layers == layers and all(getattr(c, k) == v for k, v in rest.items())
+    assert parse_spec(c.to_spec()) == c
+    if layers:
+        assert f"keep_layers={','.join(map(str, layers))}" in c.to_spec()
+
+
+def test_keep_layers_values_and_refusals():
+    assert (
+        CacheConfig(keep_layers=[0, -1])
+        == CacheConfig(keep_layers="first,last")
+        == CacheConfig(keep_layers=(0, -1))
+    )
+    assert CacheConfig(keep_layers=None).keep_layers == ()
+    c = CacheConfig(kv_quantize="int2", keep_layers=(0, -1), keep_format="k8v4")
+    assert c.kept_layers(30) == frozenset({0, 29}) and c.keep_formats == ("int8", "int4")
+    assert c.layer_formats(0, 30) == ("int8", "int4") and c.layer_formats(5, 30) == ("int2", "int2")
+    assert c.layer_formats(29, 30) == ("int8", "int4")
+    with pytest.raises(
+        ValueError,
+        match=r"^keep_layers names layer 30, out of range: this model has 30 layers \(0..29, or -30..-1",
+    ):
+        CacheConfig(keep_layers=(0, 30)).kept_layers(30)
+    with pytest.raises(ValueError, match="names layer -31, out of range"):
+        CacheConfig(keep_layers=(-31,)).kept_layers(30)
+    with pytest.raises(
+        ValueError, match=r"^keep_format=int8 applies to the layers keep_layers names, and it names none"
+    ):
+        CacheConfig(keep_format="int8")
+    with pytest.raises(ValueError, match="names layer 0 twice"):
+        parse_spec("int4,keep_layers=0,first")
+    with pytest.raises(
+        ValueError, match=r"cache spec 'int4,keep_layers=0,x': keep_layers must be layer indices"
+    ):
+        parse_spec("int4,keep_layers=0,x")
+    with pytest.raises(ValueError, match="keep_layers must be layer indices"):
+        CacheConfig(keep_layers=(0, True))
+    with pytest.raises(ValueError, match=r"'x' is not key=value"):
+        parse_spec("int4,sink=4,x")  # only a list value continues over commas
+    with pytest.raises(ValueError, match="unknown KV format 'int5'"):
+        CacheConfig(keep_layers=(0,), keep_format="int5")
+
+
+def test_cli_presets_and_keep_layers():
+    from kvslim.cli.common import add_cache_flags, cache_config_from_args
+    from kvslim.cli.errors import UserError
+
+    parser = argparse.ArgumentParser()
+    add_cache_flags(parser)
+    help_text = " ".join(parser.format_help().split())
+    for name in ("int3", "k8v4", "k4v3", "k4v2", "k3v2", "--kv-keep-layers", "--kv-keep-format"):
+        assert name in help_text, name
+    args = parser.parse_args(
+        ["--kv-quantize", "k4v2", "--kv-keep-layers", "first,last", "--kv-keep-format", "int8"]
+    )
+    assert cache_config_from_args(args) == parse_spec("k4v2,keep_layers=0,-1,keep_format=int8")
+    assert cache_config_from_args(parser.parse_args(["--kv-keep-layers=-1,0"])).keep_layers == (-1, 0)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-keep-layers", "one"])
+    with pytest.raises(UserError, match="^--kv-keep-format=int8 applies to the layers"):
+        cache_config_from_args(parser.parse_args(["--kv-keep-format", "int8"]))

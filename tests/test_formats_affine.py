@@ -19,7 +19,9 @@ from kvslim.formats.affine import (
     unpack_bits,
 )
 
-BITS = [8, 4, 2]
+BITS = [8, 4, 3, 2]
+#: codes per packing unit along the head dim (int3: 8 codes in 3 bytes)
+PER = {8: 1, 4: 2, 3: 8, 2: 4}
 F32_SLACK = 2.0**-22  # a few fp32 roundings, relative to the magnitudes involved
 
 
@@ -78,7 +80,49 @@ def check_against_reference(x, bits, axis, g, scale_dtype=torch.float16):
 # --------------------------------------------------------------------------- packing
 
 
+def bitstream(codes: list[int], bits: int) -> list[int]:
+    """The packing's definition, written independently with Python integers: the row's codes as one
+    little-endian bit stream, element d in bits bits * d .. bits * d + bits - 1."""
+    stream = sum(c << (bits * d) for d, c in enumerate(codes))
+    return list(stream.to_bytes(len(codes) * bits // 8, "little"))
+
+
 @pytest.mark.parametrize("bits", BITS)
+def test_pack_is_byte_exact_with_the_bit_stream_definition(bits):
+    gen = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 2**bits, (5, 64), generator=gen, dtype=torch.uint8)
+    packed = pack_bits(codes, bits)
+    assert packed.shape == (5, 64 * bits // 8)
+    assert [bitstream(row, bits) for row in codes.tolist()] == packed.tolist()
+    assert torch.equal(unpack_bits(packed, bits, 64), codes)
+
+
+def test_int3_unit_layout_by_hand():
+    """8 codes in 3 bytes: w = c0 | c1 << 3 | ... | c7 << 21, bytes w & 0xff, (w >> 8) & 0xff, w >> 16."""
+    assert pack_bits(torch.arange(8, dtype=torch.uint8), 3).tolist() == [0x88, 0xC6, 0xFA]
+    assert pack_bits(torch.tensor([7, 0, 0, 0, 0, 0, 0, 0], dtype=torch.uint8), 3).tolist() == [7, 0, 0]
+    # code 2 straddles bytes 0 and 1 (bits 6..8), code 5 bytes 1 and 2 (bits 15..17)
+    assert pack_bits(torch.tensor([0, 0, 7, 0, 0, 0, 0, 0], dtype=torch.uint8), 3).tolist() == [0xC0, 0x01, 0]
+    assert pack_bits(torch.tensor([0, 0, 0, 0, 0, 7, 0, 0], dtype=torch.uint8), 3).tolist() == [0, 0x80, 0x03]
+    assert pack_bits(torch.tensor([0] * 7 + [7], dtype=torch.uint8), 3).tolist() == [0, 0, 0xE0]
+    assert unpack_bits(torch.tensor([0xFF, 0xFF, 0xFF], dtype=torch.uint8), 3, 8).tolist() == [7] * 8
+
+
+def test_int3_every_code_in_every_slot():
+    """Unit u holds code (u + i) % 8 in slot i: 8 units put every code in every slot of the 3-byte unit."""
+    codes = ((torch.arange(8)[:, None] + torch.arange(8)[None, :]) % 8).to(torch.uint8).reshape(1, 64)
+    packed = pack_bits(codes, 3)
+    assert packed.shape == (1, 24)
+    assert torch.equal(unpack_bits(packed, 3, 64), codes)
+    for slot in range(8):
+        assert set(unpack_bits(packed, 3, 64)[..., slot::8].unique().tolist()) == set(range(8))
+    # every 3-byte value decodes to some 8 codes and packs back to itself (the unit has no spare bits)
+    gen = torch.Generator().manual_seed(0)
+    units = torch.randint(0, 256, (4096, 3), generator=gen, dtype=torch.uint8)
+    assert torch.equal(pack_bits(unpack_bits(units, 3, 8), 3), units)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
 def test_pack_unpack_round_trips_every_code_in_every_slot(bits):
     per = 8 // bits
     # Every byte value is one combination of `per` codes: together they put every code in every slot.
@@ -104,10 +148,16 @@ def test_pack_validation():
         pack_bits(torch.zeros(6, dtype=torch.uint8), 2)
     with pytest.raises(ValueError, match="uint8"):
         pack_bits(torch.zeros(4, dtype=torch.int32), 4)
-    with pytest.raises(ValueError, match="bits must be one of"):
-        pack_bits(torch.zeros(4, dtype=torch.uint8), 3)
+    with pytest.raises(
+        ValueError, match=r"int3 packs 8 codes in 3 bytes: head dim must be a multiple of 8, got 12"
+    ):
+        pack_bits(torch.zeros(12, dtype=torch.uint8), 3)
+    with pytest.raises(ValueError, match=r"bits must be one of \(8, 4, 3, 2\), got 5"):
+        pack_bits(torch.zeros(4, dtype=torch.uint8), 5)
     with pytest.raises(ValueError, match="cannot hold"):
         unpack_bits(torch.zeros(4, dtype=torch.uint8), 4, 10)
+    with pytest.raises(ValueError, match="cannot hold"):
+        unpack_bits(torch.zeros(4, dtype=torch.uint8), 3, 8)  # 8 int3 codes take 3 bytes
 
 
 # --------------------------------------------------------------------------- reference checks
@@ -225,7 +275,9 @@ def test_quantize_validation():
     with pytest.raises(ValueError, match="group_size must be a positive integer"):
         quantize_per_channel(x, 4, 0)
     with pytest.raises(ValueError, match="bits must be one of"):
-        quantize_per_channel(x, 3, 4)
+        quantize_per_channel(x, 5, 4)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        quantize_per_channel(torch.randn(1, 1, 4, 12), 3, 4)
     with pytest.raises(ValueError, match="multiple of group_size=3"):
         quantize_per_token(x, 4, 3)
     with pytest.raises(ValueError, match="multiple of 4"):
@@ -281,6 +333,12 @@ def test_codec_bits_and_layout():
     assert k.bits_per_element(64) == 5.0 and v.bits_per_element(64) == 4.5
     assert make_codec("int8", "k").bits_per_element(64) == 9.0
     assert make_codec("int2", "k", group_size=64).bits_per_element(64) == 2.5
+    assert (
+        make_codec("int3", "k").bits_per_element(64) == 4.0
+        and make_codec("int3", "v").bits_per_element(64) == 3.5
+    )
+    e3 = make_codec("int3", "k").encode(torch.randn(1, 2, 32, 64))
+    assert e3.token["codes"].shape == (1, 2, 32, 24) and e3.token["codes"].dtype == torch.uint8
     assert make_codec("int4", "v", v_group_size=32).bits_per_element(64) == 5.0
     x = torch.randn(2, 3, 64, 64)
     ek, ev = k.encode(x), v.encode(x)
@@ -296,6 +354,9 @@ def test_codec_check_head_dim():
         make_codec("int2", "k").check_head_dim(66)
     with pytest.raises(ValueError, match="multiple of 2"):
         make_codec("int4", "v").check_head_dim(63)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        make_codec("int3", "k").check_head_dim(36)
+    make_codec("int3", "v").check_head_dim(80)
     with pytest.raises(ValueError, match="must divide head_dim"):
         make_codec("int8", "v", v_group_size=48).check_head_dim(64)
     with pytest.raises(ValueError, match="group_size"):
@@ -309,7 +370,7 @@ def test_codec_check_head_dim():
 def cases(draw):
     bits = draw(st.sampled_from(BITS))
     axis = draw(st.sampled_from(["channel", "token"]))
-    d = 4 * draw(st.integers(1, 16))
+    d = PER[bits] * draw(st.integers(1, 64 // PER[bits]))
     if axis == "channel":
         g = draw(st.sampled_from([1, 2, 4, 8, 32]))
         t = g * draw(st.integers(1, 3))
@@ -322,6 +383,17 @@ def cases(draw):
     dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
     seed = draw(st.integers(0, 2**31 - 1))
     return bits, axis, g, (*lead, t, d), scale, shift, dtype, seed
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.sampled_from(BITS), st.integers(1, 16), st.integers(0, 2**31 - 1))
+def test_property_pack_is_the_bit_stream(bits, units, seed):
+    gen = torch.Generator().manual_seed(seed)
+    d = PER[bits] * units
+    codes = torch.randint(0, 2**bits, (3, d), generator=gen, dtype=torch.uint8)
+    packed = pack_bits(codes, bits)
+    assert packed.tolist() == [bitstream(row, bits) for row in codes.tolist()]
+    assert torch.equal(unpack_bits(packed, bits, d), codes)
 
 
 @settings(max_examples=50, deadline=None)

@@ -18,13 +18,14 @@ def codecs():
 
 
 def test_registry_holds_every_format():
-    assert ALL[:12] == [
+    assert ALL[:13] == [
         "none",
         "fp16",
         "bf16",
         "fp8",
         "int8",
         "int4",
+        "int3",
         "int2",
         "q8_0",
         "q4_0",
@@ -36,7 +37,7 @@ def test_registry_holds_every_format():
     for name in ALL:
         assert get_format(name).name == name and get_format(name).summary
     with pytest.raises(ValueError, match="unknown KV format"):
-        get_format("int3")
+        get_format("int5")
     with pytest.raises(ValueError, match="role"):
         make_codec("int4", "q")
 
@@ -125,7 +126,7 @@ GROUPED = [(n, r) for n in ALL for r in ROLES if make_codec(n, r, group_size=8).
 
 
 def test_affine_keys_are_the_grouped_codecs():
-    assert GROUPED == [("int8", "k"), ("int4", "k"), ("int2", "k")]
+    assert GROUPED == [("int8", "k"), ("int4", "k"), ("int3", "k"), ("int2", "k")]
 
 
 @pytest.mark.parametrize("name,role", GROUPED)
@@ -144,9 +145,12 @@ def test_check_head_dim_of_odd_sizes(name):
         if name.startswith("q"):
             with pytest.raises(ValueError, match="multiple of 32"):
                 codec.check_head_dim(80)
-        if name in ("int4", "int2"):
+        if name in ("int4", "int3", "int2"):
             with pytest.raises(ValueError, match="multiple of"):
                 codec.check_head_dim(63)
+        if name == "int3":
+            with pytest.raises(ValueError, match="multiple of 8"):
+                codec.check_head_dim(36)
 
 
 @pytest.mark.parametrize("name,role", codecs())
@@ -181,7 +185,9 @@ def test_error_table_covers_every_format_and_role(capsys):
     by = {(r["format"], r["role"]): r for r in rows}
     assert by[("none", "k")]["max_abs_err"] == 0
     assert by[("int4", "k")]["bits_per_element"] == 5.0 and by[("q4_0", "v")]["bits_per_element"] == 4.5
-    assert 0 < by[("int8", "v")]["rmse"] < by[("int4", "v")]["rmse"] < by[("int2", "v")]["rmse"]
+    for role in ROLES:
+        rmse = [by[(f"int{b}", role)]["rmse"] for b in (8, 4, 3, 2)]
+        assert 0 < rmse[0] < rmse[1] < rmse[2] < rmse[3], (role, rmse)
     assert main(["--shape", "1", "1", "32", "64"]) == 0
     assert "q5_1" in capsys.readouterr().out
 
@@ -199,6 +205,7 @@ def test_registry_facts():
         "fp8": (8, True, False),
         "int8": (8, False, False),
         "int4": (4, False, False),
+        "int3": (3, False, False),
         "int2": (2, False, False),
         "q8_0": (8, True, True),
         "q4_0": (4, True, True),
@@ -210,6 +217,9 @@ def test_registry_facts():
         fmt = get_format(name)
         assert set(fmt.family) == set(ROLES) and fmt.lossy == (name != "none")
         assert (fmt.block is not None) == (fmt.family["k"] == "ggml")
+        assert (fmt.pack is not None) == (fmt.family["k"] == "affine_k")
+        if fmt.pack is not None:  # a packing unit is whole bytes of whole codes, no spare bit
+            assert fmt.pack.elements * fmt.bits == 8 * fmt.pack.nbytes
         assert not fmt.mean_center or fmt.symmetric  # centering gives back what a zero point would
 
 
@@ -238,6 +248,8 @@ def test_registry_facts_match_what_codecs_store(name, role):
         return
     codes = enc.token["codes" if "codes" in enc.token else "x"]
     assert codes.numel() * codes.element_size() * 8 == n * fmt.bits
+    if fmt.pack is not None:
+        assert codes.shape[-1] == D // fmt.pack.elements * fmt.pack.nbytes
     has_zero = "zero" in enc.token or "zero" in enc.group
     assert has_zero == (not fmt.symmetric)
 

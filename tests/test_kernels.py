@@ -58,10 +58,14 @@ def _offsets(codec):
 
 
 def _unpack64(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Packed KIVI codes (..., D * bits / 8) -> float64 (..., D): element per * j + i in bits i * bits.."""
-    per, mask = 8 // bits, (1 << bits) - 1
-    planes = [(codes.long() >> (bits * i)) & mask for i in range(per)]  # each (..., D / per)
-    return torch.stack(planes, dim=-1).flatten(-2).double()
+    """Packed KIVI codes (..., D * bits / 8) -> float64 (..., D): each row one little-endian bit stream,
+    element d in bits bits * d .. bits * d + bits - 1 (read from two bytes: an int3 code may straddle)."""
+    n = codes.shape[-1]
+    d = n * 8 // bits
+    padded = torch.cat([codes.long(), torch.zeros_like(codes[..., :1], dtype=torch.long)], dim=-1)
+    first = torch.arange(d) * bits  # each element's first bit
+    pair = padded[..., first // 8] | (padded[..., first // 8 + 1] << 8)  # (..., D)
+    return ((pair >> (first % 8)) & ((1 << bits) - 1)).double()
 
 
 def decode64(codec, enc: Encoded, offset: int) -> torch.Tensor:
@@ -161,8 +165,10 @@ def test_c_kernels_every_offset_and_long_query_axis(c_kernels):
 def test_c_kernels_other_head_dims(c_kernels, d):
     """Head dims off the vectorized fast paths (not a multiple of 8 or 32 floats per plane) and bigger."""
     gen = torch.Generator().manual_seed(d)
-    names = ["int8", "int4", "int2", "fp16", "bf16", "fp8"] + (
-        ["q8_0", "q4_1", "q5_0"] if d % 32 == 0 else []
+    names = (
+        ["int8", "int4", "int2", "fp16", "bf16", "fp8"]
+        + (["q8_0", "q4_1", "q5_0"] if d % 32 == 0 else [])
+        + (["int3"] if d % 8 == 0 else [])  # int3 packs 8 codes in 3 bytes
     )
     for name in names:
         for role in ("k", "v"):
@@ -201,6 +207,8 @@ def test_c_kernels_threaded(c_kernels):
         ("q4_1", "k", None, 0),
         ("q5_0", "v", None, 0),
         ("int2", "v", None, 0),
+        ("int3", "k", 32, 7),
+        ("int3", "v", 16, 0),
     ):
         codec = case_codec(name, role, group)
         for b, h, m, t in ((1, 3, 3, 2500), (2, 3, 9, 700)):

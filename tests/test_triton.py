@@ -231,7 +231,7 @@ def test_programs_compile_for_the_gpu(monkeypatch, tmp_path):
     assert not gpu.interpreting() and programs is not gpu._programs[True]
     gen = torch.Generator().manual_seed(10)
     cases = [("int2", "k"), ("int4", "v"), ("q8_0", "k"), ("q4_0", "v"), ("q4_1", "k")]
-    cases += [("q5_0", "v"), ("q5_1", "k"), ("fp8", "v"), ("bf16", "k")]
+    cases += [("q5_0", "v"), ("q5_1", "k"), ("fp8", "v"), ("bf16", "k"), ("int3", "k"), ("int3", "v")]
     for i, (name, role) in enumerate(cases):
         codec = make_codec(name, role, group_size=8, v_group_size=16)
         lay, _ = gpu._layout(codec, encoded_view(codec, 1, 2, 8, 0, gen, 64), 1, 2, 8, None, 0)
@@ -335,8 +335,15 @@ def test_ragged_engine_step_on_the_triton_kernels(triton_backend, monkeypatch):
         used.append("cpu")
         return real_attend(*a, **k)
 
+    real_rows = kernels.cpu.attend_rows
+
+    def spy_rows(*a, **k):  # ... and a ragged step's rows as one C call per layer (kv_attend_rows)
+        used.append("cpu")
+        return real_rows(*a, **k)
+
     monkeypatch.setattr(kernels, "select", spy)
     monkeypatch.setattr(kernels.cpu, "attend", spy_attend)
+    monkeypatch.setattr(kernels.cpu, "attend_rows", spy_rows)
     for backend in ("cpu", "triton"):
         kernels.set_backend(backend)
         caches = [SlimCache.from_config(kvslim.parse_spec(s), config=model.config) for s in specs]

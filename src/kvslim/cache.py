@@ -41,6 +41,7 @@ from . import attention, compat
 from .compat import DummyLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer  # by release: see compat
 from .config import (
     DEFAULT_GROUP_SIZE,
+    DEFAULT_KEEP_FORMAT,
     DEFAULT_POSITIONS,
     DEFAULT_PRE_ROPE,
     DEFAULT_RESIDUAL_DTYPE,
@@ -279,8 +280,9 @@ class SlimCache(Cache):
 
     Args:
         kv_quantize: storage of K and V: ``none`` (the model's dtype), ``fp16``, ``bf16``, ``fp8``,
-            ``int8``/``int4``/``int2`` (KIVI: K per channel in groups of ``group_size`` tokens, V per
-            token), ``q8_0``/``q4_0``/``q4_1``/``q5_0``/``q5_1`` (llama.cpp blocks of 32 channels).
+            ``int8``/``int4``/``int3``/``int2`` (KIVI: K per channel in groups of ``group_size`` tokens, V per
+            token), ``q8_0``/``q4_0``/``q4_1``/``q5_0``/``q5_1`` (llama.cpp blocks of 32 channels); or a named
+            K/V preset (``k8v4``, ``k4v3``, ``k4v2``, ``k3v2``: ``k4v2`` is K int4, V int2).
         k_quantize, v_quantize: per-tensor overrides.
         sink, window: StreamingLLM; after every update each layer holds at most ``sink + window``
             tokens: the first ``sink`` seen and the last ``window``. ``window=None``: unbounded; the first
@@ -311,6 +313,10 @@ class SlimCache(Cache):
             or ``original`` (every key at its original position); ``auto`` (default) is ``cache`` where
             the model's RoPE can be moved, else ``original`` — ``cache.positions`` and ``report()`` say
             which. Only the fp sinks are re-rotated. See docs/streaming.md.
+        keep_layers, keep_format: per-layer precision. The model layers ``keep_layers`` names (indices, negative
+            from the end: ``(0, -1)`` or ``"first,last"``; default none) store K and V in ``keep_format`` (a format
+            or preset; default ``none``, lossless) instead. Needs ``config``; an index out of range is a
+            ValueError. ``cache.kept_layers`` holds the resolved indices; ``nbytes()`` counts each layer as stored.
         residual_dtype: storage of a lossy format's full-precision tokens (residual and sinks):
             ``auto`` (default: ``float16`` when the model's K/V are float32, else the model's dtype),
             ``model``, ``float16`` or ``bfloat16``. A value beyond float16's range is an error naming
@@ -353,6 +359,8 @@ class SlimCache(Cache):
         residual_dtype: str = DEFAULT_RESIDUAL_DTYPE,
         rotate: str = DEFAULT_ROTATE,
         pre_rope: bool | str = DEFAULT_PRE_ROPE,
+        keep_layers: tuple[int, ...] = (),
+        keep_format: str = DEFAULT_KEEP_FORMAT,
         config=None,
         compressed_attention: bool | None = None,
         observe=None,
@@ -378,6 +386,8 @@ class SlimCache(Cache):
             residual_dtype=residual_dtype,
             rotate=rotate,
             pre_rope=pre_rope,
+            keep_layers=keep_layers,
+            keep_format=keep_format,
         )
         cfg = self.cache_config
         if mean_center is not None and path is None:
@@ -423,15 +433,29 @@ class SlimCache(Cache):
         }
         self._biases: list[torch.Tensor] | None = None
         self._shapes = None
+        #: the codecs of the layers keep_layers names (None: no layer is kept apart)
+        self._keep_codecs: dict | None = None
+        #: the model layers stored at keep_format (indices 0 .. n_layers - 1)
+        self.kept_layers: frozenset[int] = frozenset()
+        if cfg.keep_layers:
+            if config is None:
+                raise ValueError(
+                    f"keep_layers={cfg.keep_layers} needs config=model.config (the model's number of layers)"
+                )
+            self._keep_codecs = {
+                role: make_codec(fmt, role, group_size=cfg.group_size, v_group_size=cfg.v_group_size)
+                for role, fmt in zip("kv", cfg.keep_formats, strict=True)
+            }
         if config is not None:
             self._shapes = _model_shapes(config)
-            for role, codec in self._codecs.items():
+            self.kept_layers = cfg.kept_layers(self._shapes.n_layers)  # one line for an index out of range
+            checks = [(f"{role}_quantize", role, codec) for role, codec in self._codecs.items()]
+            checks += [("keep_format", role, codec) for role, codec in (self._keep_codecs or {}).items()]
+            for what, role, codec in checks:
                 try:
                     codec.check_head_dim(self._shapes.k_head_dim if role == "k" else self._shapes.v_head_dim)
                 except ValueError as e:
-                    raise ValueError(
-                        f"{role}_quantize={codec.name!r} cannot store this model's KV: {e}"
-                    ) from None
+                    raise ValueError(f"{what}={codec.name!r} cannot store this model's KV: {e}") from None
         # The low-bit levers in effect, "auto" resolved (docs/quality.md, "Low-bit levers"):
         self._hadamard, self._rope_source = resolve_levers(
             cfg, config, self._shapes, self._codecs, mean_center
@@ -514,22 +538,40 @@ class SlimCache(Cache):
             return SlimHybridLayer(factory, self, i, layer_type, kwargs.get("number_of_states", 1))
         return SlimCacheLayer(factory, self, i, layer_type)
 
-    def _new_store(self, layer_idx: int, policy: KeepPolicy | None = None) -> SlimLayer:
+    def _layer_storage(self, layer_idx: int) -> tuple:
+        """``(k codec, v codec, k Hadamard, v Hadamard, k bias, pre_rope)`` of model layer ``layer_idx``: the
+        cache's, or for a layer ``keep_layers`` names its ``keep_format`` codecs, with the cache's Hadamard rotation
+        and pre-RoPE K where they are quantized (not ``none`` or fp16/bf16: there a rotation only adds rounding,
+        and a kept ``none`` layer stays exactly the plain cache's), and the K bias where its K format takes one
+        in the same basis (None otherwise: nothing held that is not used)."""
         bias = None if self._biases is None else self._biases[layer_idx]
+        if layer_idx not in self.kept_layers:
+            codecs, had = self._codecs, self._hadamard
+            return codecs["k"], codecs["v"], had["k"], had["v"], bias, self.pre_rope
+        codecs = self._keep_codecs
+        quantized = {role: codecs[role].lossy and codecs[role].family != "cast" for role in ("k", "v")}
+        had = {role: self._hadamard[role] if quantized[role] else None for role in ("k", "v")}
+        k = codecs["k"]
+        if not (k.lossy and k.format.mean_center and had["k"] is self._hadamard["k"]):
+            bias = None
+        return k, codecs["v"], had["k"], had["v"], bias, self.pre_rope and quantized["k"]
+
+    def _new_store(self, layer_idx: int, policy: KeepPolicy | None = None) -> SlimLayer:
+        k_codec, v_codec, k_hadamard, v_hadamard, bias, pre_rope = self._layer_storage(layer_idx)
         cfg = self.cache_config
         return SlimLayer(
             self.policy if policy is None else policy,
-            self._codecs["k"],
-            self._codecs["v"],
+            k_codec,
+            v_codec,
             cfg.residual_tokens,
             cfg.group_size,
             k_bias=bias,
             positions=self.positions,
             rotary=self.rotary,
             fp_dtype=_FP_DTYPES[cfg.residual_dtype],
-            k_hadamard=self._hadamard["k"],
-            v_hadamard=self._hadamard["v"],
-            pre_rope=self.pre_rope,
+            k_hadamard=k_hadamard,
+            v_hadamard=v_hadamard,
+            pre_rope=pre_rope,
         )
 
     def _replicate(self) -> SlimCacheLayer:

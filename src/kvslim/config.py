@@ -3,14 +3,21 @@
 The spec syntax is the same everywhere in the CLI (``eval --config``, ``bench --config``):
 ``FORMAT[,key=value...]`` with keys ``k``, ``v`` (per-tensor formats), ``sink``, ``window``,
 ``group``, ``residual``, ``v_group``, ``mean_center`` (a bias file), ``positions``, ``residual_dtype``,
-``rotate`` and ``pre_rope``. Examples::
+``rotate``, ``pre_rope``, ``keep_layers`` and ``keep_format`` (per-layer precision). Examples::
 
     int4
     q4_0,mean_center=bias.gguf
     none,sink=4,window=1020
     int2,group=32,residual=128
     q8_0,k=q4_0            # K in q4_0, V in q8_0
+    k4v2                   # the preset: K int4, V int2
     int2,rotate=kv,pre_rope=1
+    int2,keep_layers=first,last              # layers 0 and -1 kept lossless (keep_format=none)
+    k4v2,keep_layers=0,1,-1,keep_format=int8 # a list value takes the parts up to the next key=value
+
+The head is a format name or a named K/V preset (:mod:`kvslim.formats.presets`: ``k4v2`` is K int4, V int2).
+A list value (``keep_layers``) is comma-separated like the spec itself: the parts after ``keep_layers=`` that
+are not ``key=value`` belong to it.
 
 Every option is declared once, on its :class:`CacheConfig` field (:func:`option`): its type of value,
 default, legal values, spec key and CLI flag. :data:`OPTIONS` lists the declarations; validation, the
@@ -25,7 +32,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from .checks import check_int
-from .formats import FORMATS, format_names, get_format
+from .formats import FORMATS, PRESETS, get_format, pair_names, resolve_pair
 
 #: K formats mean-centering is enabled for (``Format.mean_center`` in the registry; measured, see
 #: docs/mean-center.md), narrowest first: q4_0, q5_0, q8_0.
@@ -64,10 +71,62 @@ DEFAULT_GROUP_SIZE = 32
 
 
 #: How each kind of option is read from a spec and checked (:class:`Option`):
-#: ``format``: a format name (the registry's); ``int``: an integer >= ``minimum``; ``choice``: one of
-#: ``choices``; ``bool``: True or False; ``path``: a file path, not checked here. ``None`` is legal where
-#: the default is None, ``"auto"`` where the default is ``"auto"``.
-KINDS = ("format", "int", "choice", "bool", "path")
+#: ``format``: a format name (the registry's); ``pair``: a format name or a K/V preset name (``k4v2``);
+#: ``int``: an integer >= ``minimum``; ``choice``: one of ``choices``; ``bool``: True or False; ``path``: a
+#: file path, not checked here; ``layers``: a tuple of model layer indices (:func:`parse_layers`). ``None`` is
+#: legal where the default is None, ``"auto"`` where the default is ``"auto"``.
+KINDS = ("format", "pair", "int", "choice", "bool", "path", "layers")
+
+#: How a layer list may name layers besides their indices (negative ones count from the end).
+LAYER_NAMES = {"first": 0, "last": -1}
+#: The default format of the layers ``keep_layers`` names: lossless, the model's own dtype (vLLM's
+#: ``--kv-cache-dtype-skip-layers`` keeps them unquantized too).
+DEFAULT_KEEP_FORMAT = "none"
+
+
+def parse_layers(value) -> tuple[int, ...]:
+    """A layer list as a tuple of indices: a string of comma-separated items, or a sequence of them; an item is
+    an integer (negative: from the end, -1 the last layer) or ``first`` / ``last``. None, ``""`` or ``"none"``:
+    ``()``.
+    ValueError naming the bad item and what is legal; an index given twice is refused."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
+        return ()
+    items = value.split(",") if isinstance(value, str) else value
+    if isinstance(items, (bytes, dict)) or not hasattr(items, "__iter__"):
+        raise ValueError(f"keep_layers must be layer indices or first/last, got {value!r}")
+    out: list[int] = []
+    for item in items:
+        text = item.strip().lower() if isinstance(item, str) else item
+        if isinstance(text, str) and text in LAYER_NAMES:
+            index = LAYER_NAMES[text]
+        elif isinstance(text, int) and not isinstance(text, bool):
+            index = text
+        else:
+            try:
+                index = int(text) if isinstance(text, str) and text else None
+            except ValueError:
+                index = None
+            if index is None:
+                raise ValueError(
+                    f"keep_layers must be layer indices (0 the first, -1 the last) or first/last, comma-separated; "
+                    f"got {item!r} in {value!r}"
+                )
+        if index in out:
+            raise ValueError(f"keep_layers names layer {index} twice in {value!r}")
+        out.append(index)
+    return tuple(out)
+
+
+def resolve_layers(layers: tuple[int, ...], n_layers: int) -> frozenset[int]:
+    """The model layer indices (0 .. n_layers - 1) a layer list names; ValueError in one line for an index out
+    of range."""
+    for i in layers:
+        if not -n_layers <= i < n_layers:
+            raise ValueError(
+                f"keep_layers names layer {i}, out of range: this model has {n_layers} layers "
+                f"(0..{n_layers - 1}, or -{n_layers}..-1 from the end)"
+            )
+    return frozenset(i % n_layers for i in layers)
 
 
 @dataclass(frozen=True)
@@ -118,6 +177,13 @@ class Option:
             if not isinstance(value, str):
                 raise ValueError(f"{self.name} must be a format name, got {value!r}")
             get_format(value)  # raises with the legal names
+        elif self.kind == "pair":
+            if not isinstance(value, str):
+                raise ValueError(f"{self.name} must be a format or K/V preset name, got {value!r}")
+            resolve_pair(value)  # raises with the legal names
+        elif self.kind == "layers":
+            if not isinstance(value, tuple) or parse_layers(value) != value:
+                raise ValueError(f"{self.name} must be a tuple of layer indices, got {value!r}")
         elif self.kind == "choice":
             if value not in self.choices:
                 raise ValueError(
@@ -131,6 +197,8 @@ class Option:
 
     def spec_value(self, value):
         """``value`` as the spec writes it (``to_spec``)."""
+        if self.kind == "layers":
+            return ",".join(str(i) for i in value)
         return int(value) if isinstance(value, bool) else value
 
     def parse(self, text: str, spec: str):
@@ -144,6 +212,11 @@ class Option:
                     f"cache spec {spec!r}: {self.spec} must be 1, 0 or auto (true/false), got {text!r}"
                 )
             return _BOOLS[low]
+        if self.kind == "layers":
+            try:
+                return parse_layers(text)
+            except ValueError as e:
+                raise ValueError(f"cache spec {spec!r}: {e}") from None
         if self.kind != "int":
             return text
         if low in ("none", "") and self.optional:
@@ -167,8 +240,9 @@ def option(default, kind: str, spec: str | None, **declared):
 class CacheConfig:
     """Everything that defines a cache mode. Validated on construction.
 
-    kv_quantize: storage format of K and V unless overridden (``none`` = the model's dtype).
-    k_quantize / v_quantize: per-tensor overrides (None = ``kv_quantize``).
+    kv_quantize: storage format of K and V unless overridden (``none`` = the model's dtype), or a named K/V
+        preset (``k4v2``: K int4, V int2; :mod:`kvslim.formats.presets`).
+    k_quantize / v_quantize: per-tensor overrides (None = ``kv_quantize``, or its preset's half).
     sink: the first ``sink`` tokens are kept at full precision (>= 0): StreamingLLM's attention sinks, kept
         forever with a window; without one (RotateKV's attention-sink-aware quantization) nothing is
         evicted and the sinks are simply never quantized.
@@ -198,10 +272,23 @@ class CacheConfig:
         (default) lets the cache decide (2-bit K where the model's RoPE allows it; as a bias file records).
     A ``mean_center`` bias must have been calibrated in the basis K is stored in (``rotate`` with K,
     ``pre_rope``); the bias file records it.
+    keep_layers: model layers kept at ``keep_format`` instead of the cache's formats (per-layer precision:
+        the first and last layers are the sensitive ones in practitioners' measurements, KVTuner): a tuple of
+        indices, negative ones from the end (``(0, -1)``; a string ``"first,last"`` is parsed); default none.
+        Needs ``config`` (the number of layers); an index out of range is a ValueError.
+    keep_format: the format (or K/V preset) of the kept layers, ``none`` (default: lossless, the model's own
+        dtype). Their encoded tensors get the cache's Hadamard rotation unless they are fp16/bf16, and the K
+        bias only where their K format takes one.
     """
 
     kv_quantize: str = option(
-        "none", "format", None, flag="--kv-quantize", flag_help="K and V storage format (default: none)"
+        "none",
+        "pair",
+        None,
+        flag="--kv-quantize",
+        flag_help="K and V storage format, or a K/V preset ("
+        + "; ".join(f"{p.name}: K {p.k}, V {p.v}" for p in PRESETS.values())
+        + ") (default: none)",
     )
     k_quantize: str | None = option(
         None, "format", "k", flag="--k-quantize", flag_help="K storage format (overrides --kv-quantize)"
@@ -291,10 +378,34 @@ class CacheConfig:
         flag_help="store K before RoPE and rotate it on read (KVQuant); auto: 2-bit K (int2) and as the bias file "
         f"records (default: {DEFAULT_PRE_ROPE}; the flag alone: on)",
     )
+    keep_layers: tuple[int, ...] = option(
+        (),
+        "layers",
+        "keep_layers",
+        flag="--kv-keep-layers",
+        metavar="LAYERS",
+        flag_help="keep these model layers at --kv-keep-format: comma-separated indices, negative from the end, "
+        "or first/last, e.g. first,last (default: none; start a list with a negative index as --kv-keep-layers=-1)",
+    )
+    keep_format: str = option(
+        DEFAULT_KEEP_FORMAT,
+        "pair",
+        "keep_format",
+        flag="--kv-keep-format",
+        flag_help=f"format (or K/V preset) of the layers --kv-keep-layers names (default: {DEFAULT_KEEP_FORMAT}, "
+        "lossless)",
+    )
 
     def __post_init__(self):
+        # a layer list is stored as a tuple of indices, whichever way it was spelled (a list, "first,last")
+        object.__setattr__(self, "keep_layers", parse_layers(self.keep_layers))
         for opt in OPTIONS:
             opt.check(getattr(self, opt.name))
+        if self.keep_format != DEFAULT_KEEP_FORMAT and not self.keep_layers:
+            raise ValueError(
+                f"keep_format={self.keep_format} applies to the layers keep_layers names, and it names none: "
+                f"give keep_layers (e.g. keep_layers=first,last) or leave keep_format at {DEFAULT_KEEP_FORMAT}"
+            )
         if self.residual != "auto" and self.residual % self.group_size:
             raise ValueError(
                 f"residual={self.residual} is not a multiple of group_size={self.group_size}: tokens leave "
@@ -314,11 +425,29 @@ class CacheConfig:
 
     @property
     def k_format(self) -> str:
-        return self.k_quantize or self.kv_quantize
+        """K's format: ``k_quantize``, else ``kv_quantize`` (a preset's K half)."""
+        return self.k_quantize or resolve_pair(self.kv_quantize)[0]
 
     @property
     def v_format(self) -> str:
-        return self.v_quantize or self.kv_quantize
+        """V's format: ``v_quantize``, else ``kv_quantize`` (a preset's V half)."""
+        return self.v_quantize or resolve_pair(self.kv_quantize)[1]
+
+    @property
+    def keep_formats(self) -> tuple[str, str]:
+        """``(K format, V format)`` of the layers ``keep_layers`` names (``keep_format`` resolved)."""
+        return resolve_pair(self.keep_format)
+
+    def kept_layers(self, n_layers: int) -> frozenset[int]:
+        """The indices (0 .. n_layers - 1) of the layers kept at ``keep_format`` in a model of ``n_layers``
+        layers; ValueError for an index out of range."""
+        return resolve_layers(self.keep_layers, n_layers)
+
+    def layer_formats(self, layer: int, n_layers: int) -> tuple[str, str]:
+        """``(K format, V format)`` model layer ``layer`` of ``n_layers`` stores."""
+        if layer in self.kept_layers(n_layers):
+            return self.keep_formats
+        return self.k_format, self.v_format
 
     @property
     def residual_tokens(self) -> int:
@@ -382,15 +511,22 @@ def parse_spec(spec: str) -> CacheConfig:
     head, *rest = [p.strip() for p in spec.split(",")]
     if "=" in head:
         raise ValueError(
-            f"cache spec {spec!r} must start with a format name (one of {', '.join(format_names())}), got {head!r}"
+            f"cache spec {spec!r} must start with a format or K/V preset name (one of {', '.join(pair_names())}), "
+            f"got {head!r}"
         )
     kwargs: dict = {OPTIONS[0].name: head}
+    pairs: list[list[str]] = []  # [key, value]; a list value gathers the parts up to the next key=value
     for part in rest:
         if "=" not in part:
+            if pairs and SPEC_KEYS.get(pairs[-1][0]) is not None and SPEC_KEYS[pairs[-1][0]].kind == "layers":
+                pairs[-1][1] += "," + part
+                continue
             raise ValueError(f"cache spec {spec!r}: {part!r} is not key=value; keys: {', '.join(SPEC_KEYS)}")
         key, value = (s.strip() for s in part.split("=", 1))
         if key not in SPEC_KEYS:
             raise ValueError(f"cache spec {spec!r}: unknown key {key!r}; keys: {', '.join(SPEC_KEYS)}")
+        pairs.append([key, value])
+    for key, value in pairs:
         opt = SPEC_KEYS[key]
         if opt.name in kwargs:
             raise ValueError(f"cache spec {spec!r}: key {key!r} given twice")

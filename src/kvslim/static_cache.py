@@ -144,17 +144,18 @@ class StaticSlimCache(SlimCache):
         self._max_len = max_cache_len if cfg.window is None else None
         layers = []
         for i in range(len(self.layers)):
-            bias = None if self._biases is None else self._biases[i]
+            # each layer's own formats and levers (keep_layers)
+            k_codec, v_codec, k_hadamard, v_hadamard, bias, _ = self._layer_storage(i)
             store = StaticStore(
-                self._codecs["k"],
-                self._codecs["v"],
+                k_codec,
+                v_codec,
                 sink=cfg.sink,
                 window=cfg.window,
                 residual=cfg.residual_tokens,
                 group_size=cfg.group_size,
                 capacity=self._max_len,
-                k_basis=BodyBasis(self._hadamard["k"], bias) if self._codecs["k"].lossy else None,
-                v_basis=BodyBasis(self._hadamard["v"]) if self._codecs["v"].lossy else None,
+                k_basis=BodyBasis(k_hadamard, bias) if k_codec.lossy else None,
+                v_basis=BodyBasis(v_hadamard) if v_codec.lossy else None,
                 fp_dtype=_FP_DTYPES[cfg.residual_dtype],
                 positions=self.positions,
                 rotary=self.rotary,

@@ -7,8 +7,8 @@ import argparse
 import math
 import os
 
-from ..config import DEFAULT_GROUP_SIZE, OPTIONS, SPEC_KEYS, CacheConfig
-from ..formats import format_names
+from ..config import DEFAULT_GROUP_SIZE, OPTIONS, SPEC_KEYS, CacheConfig, parse_layers
+from ..formats import format_names, pair_names
 from .errors import UserError, fail, say  # noqa: F401  (re-exported for the subcommands)
 
 #: torch.Generator.manual_seed takes a 64-bit unsigned seed.
@@ -234,6 +234,10 @@ def add_cache_flags(parser: argparse.ArgumentParser) -> None:
             kwargs["type"] = _auto_or_int if opt.flag_auto else int
         elif opt.kind == "format":
             kwargs["choices"] = format_names()
+        elif opt.kind == "pair":
+            kwargs["choices"] = pair_names()
+        elif opt.kind == "layers":
+            kwargs["type"] = _layers
         elif opt.kind == "choice":
             kwargs["choices"] = opt.choices
         elif opt.kind == "bool":
@@ -245,6 +249,14 @@ def add_cache_flags(parser: argparse.ArgumentParser) -> None:
 def spec_keys_help() -> str:
     """The spec keys, as a --config help lists them."""
     return ", ".join(SPEC_KEYS)
+
+
+def _layers(value: str) -> tuple[int, ...]:
+    """A flag value: a layer list (:func:`kvslim.config.parse_layers`)."""
+    try:
+        return parse_layers(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).replace("keep_layers must be", "expected")) from None
 
 
 def _auto_or_int(value: str):

@@ -1,4 +1,4 @@
-"""Affine (asymmetric) integer formats of KIVI: int8, int4 and int2 with real bit-packing.
+"""Affine (asymmetric) integer formats of KIVI: int8, int4, int3 and int2 with real bit-packing.
 
 KIVI (Liu et al., 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache") quantizes
 K *per channel* (statistics over a group of ``G`` tokens, one scale/zero per channel and group:
@@ -24,8 +24,23 @@ exactly, and ``scale >= eps`` means no division by zero. A slice whose min or ra
 fp16 (``|min| > 65504`` or ``(max - min) / levels > 65504``) raises ValueError; pass
 ``scale_dtype=torch.float32`` for such data.
 
-Packing: codes are packed along the last dimension, low bits first (int4: element ``2j`` in the low
-nibble of byte ``j``; int2: element ``4j + i`` in bits ``2i..2i+1``); int8 stores codes as they are.
+Packing: the codes of one slice row (a token's ``D`` channels) are one little-endian bit stream, low
+bits first: element ``d`` sits in bits ``bits * d .. bits * d + bits - 1`` of the row's bytes, so a row of
+``D`` codes takes exactly ``D * bits / 8`` bytes. Byte by byte, per packing unit (``Format.pack``: codes and
+bytes of one unit; ``D`` must be a multiple of its codes):
+
+=====  ======  =====================================================================================
+bits   unit    layout of unit ``j`` (codes ``c0..c7`` = elements ``per * j + 0 ..``)
+=====  ======  =====================================================================================
+8      1 / 1   byte ``j`` = ``c0`` (the codes as they are)
+4      2 / 1   byte ``j`` = ``c0 | c1 << 4``
+3      8 / 3   24-bit word ``w = c0 | c1 << 3 | ... | c7 << 21``; bytes ``3j, 3j+1, 3j+2`` =
+               ``w & 0xff, (w >> 8) & 0xff, w >> 16`` (c2 and c5 straddle a byte boundary)
+2      4 / 1   byte ``j`` = ``c0 | c1 << 2 | c2 << 4 | c3 << 6``
+=====  ======  =====================================================================================
+
+int3 is the one format whose codes straddle bytes; 8 codes in 3 bytes is the smallest unit that wastes
+no bit (10 codes in a 32-bit word would waste 2 and tie the head dim to multiples of 10).
 
 This module knows nothing about positions or caches: the codecs at the bottom only map
 ``(B, H, T, D)`` blocks to stored tensors and back (see :mod:`.base`).
@@ -39,29 +54,42 @@ from types import MappingProxyType
 import torch
 
 from ..checks import check_int
-from .base import Codec, Encoded, Format, check_finite, tracing
+from .base import FORMATS, Block, Codec, Encoded, Format, check_finite, tracing
 
 EPS = 1e-5
-BITS = (8, 4, 2)
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _check_bits(bits: int) -> int:
-    if bits not in BITS:
-        raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
-    return 8 // bits  # codes per byte
+def _check_bits(bits: int) -> Block:
+    """The packing unit (codes, bytes) of ``bits``-bit codes (the registered affine formats')."""
+    unit = PACKING.get(bits) if isinstance(bits, int) and not isinstance(bits, bool) else None
+    if unit is None:
+        raise ValueError(f"bits must be one of {tuple(PACKING)}, got {bits!r}")
+    return unit
 
 
 def _check_group(group_size, what: str) -> int:
     return check_int(what, group_size, minimum=1, expected="a positive integer")
 
 
+def _unit_text(unit: Block) -> str:
+    if unit.nbytes == 1:
+        return f"{unit.elements} code{'s' if unit.elements > 1 else ''} per byte"
+    return f"{unit.elements} codes in {unit.nbytes} bytes"
+
+
 def _check_packing(bits: int, dim: int) -> None:
-    per = 8 // bits
-    if dim < 1 or dim % per:
+    unit = _check_bits(bits)
+    if dim < 1 or dim % unit.elements:
         raise ValueError(
-            f"int{bits} packs {per} codes per byte: head dim must be a multiple of {per}, got {dim}"
+            f"int{bits} packs {_unit_text(unit)}: head dim must be a multiple of {unit.elements}, got {dim}"
         )
+
+
+def packed_dim(bits: int, dim: int) -> int:
+    """Bytes of one packed row of ``dim`` codes (``dim`` a multiple of the unit's codes)."""
+    unit = _check_bits(bits)
+    return dim // unit.elements * unit.nbytes
 
 
 def _check_scale_dtype(scale_dtype: torch.dtype) -> None:
@@ -80,9 +108,11 @@ def _check_float(x: torch.Tensor, what: str = "x") -> None:
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """codes: uint8 (..., D) with values < 2^bits -> uint8 (..., D * bits // 8), low bits first.
+    """codes: uint8 (..., D) with values < 2^bits -> uint8 (..., D * bits // 8), low bits first (the
+    module docstring's table).
 
-    D must be divisible by ``8 // bits``. int8 returns the codes unchanged.
+    D must be a multiple of the packing unit's codes (int4: 2, int3: 8, int2: 4). int8 returns the codes
+    unchanged.
     """
     _check_bits(bits)
     if codes.dtype != torch.uint8:
@@ -93,31 +123,46 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """:func:`pack_bits` without validation, for codes of any integer dtype (..., D) -> uint8."""
-    per = 8 // bits
+    per, nbytes = PACKING[bits]
     if per == 1:
         return codes.to(torch.uint8)
     # Strided slices and scalar shifts: several times faster on CPU than a broadcast shift tensor.
-    packed = codes[..., 0::per].clone()  # (..., D/per)
+    if nbytes == 1:
+        packed = codes[..., 0::per].clone()  # (..., D/per)
+        for i in range(1, per):
+            packed |= codes[..., i::per] << (bits * i)
+        return packed.to(torch.uint8)
+    # int3: each unit of 8 codes as one 24-bit word, written as its 3 little-endian bytes
+    *lead, d = codes.shape
+    word = codes[..., 0::per].to(torch.int32)  # (..., D/8)
     for i in range(1, per):
-        packed |= codes[..., i::per] << (bits * i)
-    return packed.to(torch.uint8)
+        word |= codes[..., i::per].to(torch.int32) << (bits * i)
+    packed = torch.stack([word & 0xFF, (word >> 8) & 0xFF, word >> 16], dim=-1)  # (..., D/8, 3)
+    return packed.reshape(*lead, d // per * nbytes).to(torch.uint8)
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """packed: uint8 (..., dim * bits // 8) -> codes uint8 (..., dim). Inverse of :func:`pack_bits`."""
-    per = _check_bits(bits)
+    per, nbytes = _check_bits(bits)
     if packed.dtype != torch.uint8:
         raise ValueError(f"packed codes must be uint8, got {packed.dtype}")
-    if dim % per or packed.shape[-1] * per != dim:
+    if dim % per or packed.shape[-1] * per != dim * nbytes:
         raise ValueError(
             f"int{bits} packed codes of last dim {packed.shape[-1]} cannot hold {dim} codes "
-            f"(need dim = {per} * last dim)"
+            f"(need dim = {per} * last dim" + (f" / {nbytes})" if nbytes > 1 else ")")
         )
     if per == 1:
         return packed
     mask = (1 << bits) - 1
-    codes = torch.stack([(packed >> (bits * i)) & mask for i in range(per)], dim=-1)  # (..., D/per, per)
-    return codes.reshape(*packed.shape[:-1], dim)
+    if nbytes == 1:
+        codes = torch.stack([(packed >> (bits * i)) & mask for i in range(per)], dim=-1)  # (..., D/per, per)
+        return codes.reshape(*packed.shape[:-1], dim)
+    # int3: 3 bytes -> one 24-bit word -> 8 codes
+    lead = packed.shape[:-1]
+    units = packed.reshape(*lead, dim // per, nbytes).to(torch.int32)  # (..., D/8, 3)
+    word = units[..., 0] | (units[..., 1] << 8) | (units[..., 2] << 16)  # (..., D/8)
+    codes = torch.stack([(word >> (bits * i)) & mask for i in range(per)], dim=-1)  # (..., D/8, 8)
+    return codes.reshape(*lead, dim).to(torch.uint8)
 
 
 # --------------------------------------------------------------------------- scale / zero / codes
@@ -238,10 +283,10 @@ def dequantize_per_channel(
     tokens into the first group (0 <= offset < G, the leading tokens of that group were evicted), so
     n_groups must be ceil((offset + T) / G). Returns (..., T, D).
     """
-    per = _check_bits(bits)
+    per, nbytes = _check_bits(bits)
     g = _check_group(group_size, "group_size")
     check_int("offset", offset, minimum=0, below=g)
-    t, d = packed.shape[-2], packed.shape[-1] * per
+    t, d = packed.shape[-2], packed.shape[-1] // nbytes * per
     n_groups = scale.shape[-2]
     if scale.shape != zero.shape or scale.shape[-1] != d or n_groups != -(-(offset + t) // g):
         raise ValueError(
@@ -276,9 +321,9 @@ def dequantize_per_token(
     packed: (..., T, D * bits // 8); scale, zero: (..., T, D // g) with g = ``group_size``
     (None: inferred from the scale's shape). Returns (..., T, D).
     """
-    per = _check_bits(bits)
+    per, unit_bytes = _check_bits(bits)
     *lead, t, nbytes = packed.shape
-    d = nbytes * per
+    d = nbytes // unit_bytes * per
     n = scale.shape[-1]
     g = (d // n if n and d % n == 0 else 0) if group_size is None else _check_group(group_size, "group_size")
     if scale.shape != zero.shape or g == 0 or d % g or tuple(scale.shape[-2:]) != (t, d // g):
@@ -387,13 +432,32 @@ class _AffineFormat(Format):
 class Int8Format(_AffineFormat, name="int8"):
     summary = "KIVI affine 8-bit: K per channel over token groups, V per token; fp16 scale+zero"
     bits = 8
+    pack = Block(1, 1)
 
 
 class Int4Format(_AffineFormat, name="int4"):
     summary = "KIVI affine 4-bit, 2 codes per byte: K per channel over token groups, V per token"
     bits = 4
+    pack = Block(2, 1)
+
+
+class Int3Format(_AffineFormat, name="int3"):
+    summary = "KIVI affine 3-bit, 8 codes in 3 bytes: K per channel over token groups, V per token"
+    bits = 3
+    pack = Block(8, 3)
 
 
 class Int2Format(_AffineFormat, name="int2"):
     summary = "KIVI affine 2-bit, 4 codes per byte: K per channel over token groups, V per token"
     bits = 2
+    pack = Block(4, 1)
+
+
+#: bits -> packing unit (codes, bytes) of the registered affine formats, widest first: read from the
+#: registry (``Format.pack``), the one place the facts are written.
+PACKING: dict[int, Block] = {
+    f.bits: f.pack
+    for f in sorted((f for f in FORMATS.values() if isinstance(f, _AffineFormat)), key=lambda f: -f.bits)
+}
+#: the code widths of the affine formats, widest first
+BITS = tuple(PACKING)

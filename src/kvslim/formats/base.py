@@ -78,17 +78,20 @@ class Format:
         name: the registry name (``int4``, ``q4_0``, ...).
         summary: human summary for ``--help`` and docs.
         bits: nominal bits of one code (16 fp16/bf16; 8 fp8/int8/q8_0; 5 q5_0/q5_1; 4 int4/q4_0/q4_1;
-            2 int2), metadata excluded (that is :meth:`Codec.bits_per_element`); None for ``none``,
+            3 int3; 2 int2), metadata excluded (that is :meth:`Codec.bits_per_element`); None for ``none``,
             which stores the model's own dtype.
         lossy: ``False`` only for ``none`` (stored as given).
         symmetric: zero-point free, the grid anchored at 0 (floats, fp8, q8_0, q4_0, q5_0): a
             per-channel mean costs it dynamic range, which is what K mean-centering gives back.
-            Affine formats (int8/4/2, q4_1, q5_1) absorb a mean in their zero point.
+            Affine formats (int8/4/3/2, q4_1, q5_1) absorb a mean in their zero point.
         mean_center: K mean-centering is allowed with this K format (measured, docs/mean-center.md).
         family: the storage layout family of the codec built for each role (``{"k": ..., "v": ...}``),
             which kernels dispatch on: affine_k, affine_v, ggml, fp8, cast; "generic" = only the
             decode + matmul reference.
         block: for block formats (GGML), elements and bytes of one block; None otherwise.
+        pack: for bit-packed integer formats (the affine ones), codes and bytes of one packing unit
+            along the head dim: int8 (1, 1), int4 (2, 1), int3 (8, 3), int2 (4, 1); the head dim must be
+            a multiple of its ``elements``. None otherwise.
     """
 
     name: str = ""
@@ -99,6 +102,7 @@ class Format:
     mean_center: bool = False
     family: Mapping[str, str] = MappingProxyType({"k": "generic", "v": "generic"})
     block: Block | None = None
+    pack: Block | None = None
 
     def __init_subclass__(cls, name: str | None = None, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -195,7 +199,21 @@ FORMATS: dict[str, Format] = {}
 
 def format_names() -> list[str]:
     """All registered names, in a stable order for CLI choices and docs."""
-    order = ["none", "fp16", "bf16", "fp8", "int8", "int4", "int2", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
+    order = [
+        "none",
+        "fp16",
+        "bf16",
+        "fp8",
+        "int8",
+        "int4",
+        "int3",
+        "int2",
+        "q8_0",
+        "q4_0",
+        "q4_1",
+        "q5_0",
+        "q5_1",
+    ]
     return [n for n in order if n in FORMATS] + sorted(n for n in FORMATS if n not in order)
 
 

@@ -9,7 +9,8 @@ strides of the views the cache hands out). Each backend then only maps the parts
 Families (``Codec.family``, from the format registry), for a body of ``T`` tokens, ``B`` x ``H`` heads
 of ``D`` channels:
 
-- ``affine_k`` (KIVI per-channel K): codes uint8 (B, H, T, D * bits / 8); scale, zero fp16/bf16/fp32
+- ``affine_k`` (KIVI per-channel K): codes uint8 (B, H, T, D * bits / 8), each row a little-endian bit stream
+  (``Format.pack``: int3 packs 8 codes in 3 bytes, D a multiple of 8; :mod:`.affine`); scale, zero fp16/bf16/fp32
   (B, H, n, D), one row per group of ``token_group`` tokens, ``n = ceil((offset + T) / token_group)``;
 - ``affine_v`` (KIVI per-token V): codes as above; scale, zero (B, H, T, D / g), ``g`` channels each
   (the codec's ``group_size``, None: the whole head);
@@ -76,12 +77,16 @@ def body_layout(
     Raises ValueError naming the part, its shape and dtype and what the codec needs."""
     family = codec.family
     if family in ("affine_k", "affine_v"):
-        per = 8 // codec.bits
+        per, nbytes = codec.format.pack
         codes = rows_contiguous(enc.token["codes"])
-        d = codes.shape[-1] * per if d is None else d
+        d = codes.shape[-1] // nbytes * per if d is None else d
         if d % per:
-            raise ValueError(f"{codec.name} packs {per} codes per byte: head dim {d} is not a multiple")
-        expect(codes, (b, h, t, d // per), (torch.uint8,), f"{codec.name} {codec.role.upper()} codes")
+            raise ValueError(
+                f"{codec.name} packs {per} codes in {nbytes} byte(s): head dim {d} is not a multiple of {per}"
+            )
+        expect(
+            codes, (b, h, t, d // per * nbytes), (torch.uint8,), f"{codec.name} {codec.role.upper()} codes"
+        )
         if family == "affine_k":
             g = codec.token_group
             check_int("offset", offset, minimum=0, below=g)

@@ -140,10 +140,12 @@ def _v_group(codec: Codec, d: int) -> int:
 
 
 def affine_v_supported(codec: Codec, enc: Encoded) -> bool:
-    """The C kernel needs each channel group to be whole bytes of codes (g a multiple of 8 // bits)."""
-    d = enc.token["codes"].shape[-1] * (8 // codec.bits)
+    """The C kernel needs each channel group to be whole packing units of codes (g a multiple of the unit's
+    codes, ``Format.pack``: 1, 2, 4, or 8 for int3)."""
+    per, nbytes = codec.format.pack
+    d = enc.token["codes"].shape[-1] // nbytes * per
     g = _v_group(codec, d)
-    return d % g == 0 and g % (8 // codec.bits) == 0
+    return d % g == 0 and g % per == 0
 
 
 def v_affine(p: torch.Tensor, codec: Codec, enc: Encoded, offset: int) -> torch.Tensor:

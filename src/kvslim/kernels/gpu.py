@@ -142,7 +142,7 @@ def supported(codec: Codec, enc: Encoded) -> bool:
     """Whether the programs read this body's layout (device and query axis are checked by the caller)."""
     family = codec.family
     if family in ("affine_k", "affine_v"):
-        return codec.bits in (8, 4, 2)
+        return codec.format.pack is not None and codec.bits in (8, 4, 3, 2)
     if family == "ggml":
         return _ggml_ok(codec)
     if family == "fp8":

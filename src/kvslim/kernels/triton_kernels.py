@@ -22,7 +22,9 @@ reference does; element ``d`` of token ``t``:
 ======  ============================================================================================
 FMT     value
 ======  ============================================================================================
-0  K    per-channel affine: code ``(byte[d // per] >> (d % per) * bits) & mask``, ``per = 8 // bits``;
+0  K    per-channel affine: code ``(bytes16[p // 8] >> p % 8) & mask`` at bit ``p = d * bits`` of the
+        row's little-endian bit stream (``bytes16``: the byte and the next one, read only where an int3
+        code straddles the byte boundary, ``p % 8 > 5``);
         ``code * scale[g, d] + zero[g, d]`` with ``g = (offset + t) // group`` (KIVI K)
 1  V    per-token affine: same code; ``code * scale[t, d // group] + zero[t, d // group]`` (KIVI V)
 2-6     GGML q8_0, q4_0, q4_1, q5_0, q5_1: block ``j = d // 32`` of ``NB`` bytes, ``i = d % 32``;
@@ -95,8 +97,12 @@ def tile(
     this (b, h)'s first token; ``group``: tokens per K scale row (FMT 0), channels per V scale (FMT 1)."""
     mask = t_ok & d_ok
     if FMT == AFFINE_K or FMT == AFFINE_V:  # noqa: SIM109 (Triton's frontend has no `in`)
-        byte = tl.load(x_ptr + t * sxt + d // (8 // BITS), mask=mask, other=0).to(tl.int32)
-        code = ((byte >> ((d % (8 // BITS)) * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+        p = d * BITS  # the code's first bit in the row's little-endian bit stream
+        byte = tl.load(x_ptr + t * sxt + p // 8, mask=mask, other=0).to(tl.int32)
+        if BITS == 3:  # int3: codes 2 and 5 of each 3-byte unit straddle a byte boundary
+            nxt = tl.load(x_ptr + t * sxt + p // 8 + 1, mask=mask & (p % 8 > 5), other=0).to(tl.int32)
+            byte = byte | (nxt << 8)
+        code = ((byte >> (p % 8)) & ((1 << BITS) - 1)).to(tl.float32)
         if FMT == AFFINE_K:
             g = (offset + t) // group  # the token's scale row; the first group is partly evicted
             s = tl.load(s_ptr + g * sst + d, mask=mask, other=0).to(tl.float32)

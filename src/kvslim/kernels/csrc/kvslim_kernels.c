@@ -16,12 +16,14 @@
  * compiler's vectorizer.
  *
  * Formats:
- *   - KIVI per-channel K (int8/int4/int2, one scale/zero per channel and token group of G): folded into
+ *   - KIVI per-channel K (int8/int4/int3/int2, one scale/zero per channel and token group of G): folded into
  *     the query once per group, q'_d = q_d * scale_d and c = sum_d q_d * zero_d, so a token costs
  *     score = sum_d q'_d * code_d + c. Packed codes are read plane by plane (int4: all low nibbles, then
  *     all high nibbles), so q' is stored permuted the same way and every inner loop is contiguous.
+ *     A packing unit holds `per` codes in whole bytes: 1, 2 or 4 codes in one byte (int8/4/2), 8 codes in
+ *     3 bytes (int3: one little-endian 24-bit word, code i in bits 3i..3i+2; see formats/affine.py).
  *   - KIVI per-token V (scale/zero per token and channel group of g, g a multiple of the codes per
- *     byte): the row is decoded in the same plane order, and the sum is un-permuted once at the end.
+ *     packing unit): the row is decoded in the same plane order, and the sum is un-permuted once at the end.
  *   - GGML q8_0/q4_0/q4_1/q5_0/q5_1 (per token, blocks of QK = 32 along D, byte layout of ggml-common.h,
  *     checked against kvslim's format registry when the library loads),
  *     fp32, fp16, bf16, fp8 e4m3 with a per-token fp32 scale: a row decoder per format.
@@ -228,14 +230,31 @@ static int n_chunks(int bh, int T, int nthreads, int min_chunk) {
 }
 
 /* Packed KIVI codes are handled in plane order: k = i * np + j holds element d = per * j + i
- * (i < per codes per byte, j < np bytes). */
+ * (i < per codes per packing unit, j < np units). */
+
+/* The affine code widths the kernels read, and the codes of one packing unit (1, 2 or 4 per byte; int3:
+ * 8 in 3 bytes). */
+KV_INLINE int affine_bits_ok(int bits) { return bits == 8 || bits == 4 || bits == 3 || bits == 2; }
+KV_INLINE int codes_per_unit(int bits) { return bits == 3 ? 8 : 8 / bits; }
 
 /* Codes of one token (np bytes) -> floats in plane order, times scale[k / run] plus zero[k / run] when
  * scale is not NULL (run: the plane elements sharing a scale; a multiple of 8 for the AVX2 path). */
 KV_INLINE void unpack_planes(const uint8_t *restrict c, float *restrict row, int np, int bits,
                              const float *restrict scale, const float *restrict zero, int run) {
-    const int per = 8 / bits;
+    const int per = codes_per_unit(bits);
     const unsigned mask = (1u << bits) - 1u;
+    if (bits == 3) { /* unit j: bytes 3j..3j+2, a little-endian 24-bit word, code i in bits 3i..3i+2 */
+        for (int j = 0; j < np; j++) {
+            const uint32_t w = (uint32_t)c[3 * j] | (uint32_t)c[3 * j + 1] << 8 | (uint32_t)c[3 * j + 2] << 16;
+            for (int i = 0; i < 8; i++) row[i * np + j] = (float)((w >> (3 * i)) & 7u);
+        }
+        if (scale)
+            for (int i = 0; i < 8; i++) {
+                float *restrict r = row + i * np;
+                for (int j = 0; j < np; j++) r[j] = r[j] * scale[j / run] + zero[j / run];
+            }
+        return;
+    }
 #if defined(__AVX2__) && defined(__FMA__)
     if (np % 8 == 0 && (scale == NULL || run % 8 == 0)) {
         const __m256i vmask = _mm256_set1_epi32((int)mask);
@@ -595,7 +614,7 @@ KV_INLINE void fold_group(const kv_part *q, const kv_part *sc, const kv_part *zr
 KV_INLINE void k_affine_task(int bits, const kv_part *q, const kv_part *codes, const kv_part *sc, const kv_part *zr,
                              const kv_part *out, int M, int D, int G, int offset, int b, int h, int t0, int t1,
                              float *restrict scratch) {
-    const int per = 8 / bits, np = D / per;
+    const int per = codes_per_unit(bits), np = D / per;
     float *rows = scratch, *qq = rows + TILE * D, *tmp = qq + M * D, *cst = tmp + 2 * D;
     float *ob = (float *)at(out, b, h, 0);
     for (int t = t0; t < t1;) {
@@ -620,7 +639,7 @@ KV_INLINE void k_affine_task(int bits, const kv_part *q, const kv_part *codes, c
 KV_INLINE void k_affine_t_task(int bits, const kv_part *q, const kv_part *codes, const kv_part *sc, const kv_part *zr,
                                const kv_part *out, int M, int D, int G, int offset, int b, int h, int t0, int t1,
                                float *restrict scratch, const kv_tr *tr) {
-    const int per = 8 / bits, np = D / per;
+    const int per = codes_per_unit(bits), np = D / per;
     float *rows = scratch, *tmp = rows + TILE * D, *s = tmp + D, *z = s + D, *sp = z + D, *zp = sp + D;
     const float *qb = (const float *)at(q, b, h, 0);
     float *ob = (float *)at(out, b, h, 0);
@@ -658,7 +677,7 @@ KV_INLINE void k_affine_t_task(int bits, const kv_part *q, const kv_part *codes,
 KV_INLINE void v_affine_task(int bits, const kv_part *p, const kv_part *codes, const kv_part *sc, const kv_part *zr,
                              int M, int D, int g, int b, int h, int t0, int t1, float *restrict scratch,
                              float *restrict acc) {
-    const int per = 8 / bits, np = D / per, ng = D / g, run = g / per;
+    const int per = codes_per_unit(bits), np = D / per, ng = D / g, run = g / per;
     float *rows = scratch, *s = rows + TILE * D, *z = s + ng;
     const float *pb = (const float *)at(p, b, h, 0);
     for (int t = t0; t < t1; t += TILE) {
@@ -757,6 +776,7 @@ static KV_NOINLINE void run_range(const kv_call *k, int b, int h, int t0, int t1
     switch (k->bits) {
         KV_AFFINE(8)
         KV_AFFINE(4)
+        KV_AFFINE(3)
         KV_AFFINE(2)
     default: return;
     }
@@ -807,15 +827,15 @@ static int run_call(kv_call *k) {
         if (tr->rhalf < 0 || tr->roff < 0 || tr->roff + 2 * tr->rhalf > D) return KV_EARG;
     }
     if (k->op == OP_K_AFFINE_T) {
-        if (k->bits != 8 && k->bits != 4 && k->bits != 2) return KV_EARG;
-        if (D % (8 / k->bits) || k->group < 1 || k->offset < 0 || k->offset >= k->group) return KV_EARG;
+        if (!affine_bits_ok(k->bits)) return KV_EARG;
+        if (D % codes_per_unit(k->bits) || k->group < 1 || k->offset < 0 || k->offset >= k->group) return KV_EARG;
         scratch = (size_t)(TILE + 5) * D; /* rows, plane-order codes, scale, zero, their plane-order copies */
     } else if (k->op == OP_K_ROWS || k->op == OP_V_ROWS || k->op == OP_K_ROWS_T) {
         if (k->fmt < R_Q8_0 || k->fmt > R_FP8 || (D % QK != 0 && k->fmt <= R_Q5_1)) return KV_EARG;
         scratch = (size_t)TILE * D;
     } else {
-        if (k->bits != 8 && k->bits != 4 && k->bits != 2) return KV_EARG;
-        per = 8 / k->bits;
+        if (!affine_bits_ok(k->bits)) return KV_EARG;
+        per = codes_per_unit(k->bits);
         if (D % per || k->group < 1) return KV_EARG;
         if (k->op == OP_K_AFFINE) {
             if (k->offset < 0 || k->offset >= k->group) return KV_EARG;
@@ -874,8 +894,8 @@ static void hadamard_blocks(float *restrict x, int D, int hb) {
 static int body_ok(const kv_body *kb, int is_v, int D) {
     if (kb->n < 0) return 0;
     if (kb->kind == 0) return kb->code >= R_Q8_0 && kb->code <= R_FP8 && (D % QK == 0 || kb->code > R_Q5_1);
-    if (kb->kind != 1 || (kb->code != 8 && kb->code != 4 && kb->code != 2) || D % (8 / kb->code)) return 0;
-    if (is_v) return kb->group >= 1 && D % kb->group == 0 && kb->group % (8 / kb->code) == 0;
+    if (kb->kind != 1 || !affine_bits_ok(kb->code) || D % codes_per_unit(kb->code)) return 0;
+    if (is_v) return kb->group >= 1 && D % kb->group == 0 && kb->group % codes_per_unit(kb->code) == 0;
     return kb->group >= 1 && kb->offset >= 0 && kb->offset < kb->group;
 }
 
@@ -963,7 +983,7 @@ int kv_attend(const int64_t *a) {
     if (!body_ok(&kb, 0, D) || !body_ok(&vb, 1, D) || S + kb.n + RK != S + vb.n + RV || S + kb.n + RK < 1) return KV_EARG;
     if (!hblock_ok(khb, D) || !hblock_ok(vhb, D)) return KV_EARG;
     const int T = S + kb.n + RK, NK = kb.n, NV = vb.n, BH = B * H;
-    const int vper = vb.kind == 1 ? 8 / vb.code : 1;
+    const int vper = vb.kind == 1 ? codes_per_unit(vb.code) : 1;
     const kv_dims dm = {B, H, M, NK > NV ? NK : NV, D, (int32_t)a[4]};
     const int nt = threads_of(&dm);
     const int nck = body_chunks(BH, NK, nt), ncv = body_chunks(BH, NV, nt);
@@ -1119,7 +1139,7 @@ static int rt_setup(const int64_t *e, const rt_piece *pieces, int64_t np, int64_
     w->S = (int)S, w->RK = (int)RK, w->RV = (int)RV, w->NK = (int)nk, w->NV = (int)nv, w->T = (int)(S + nk + RK);
     w->khb = (int)e[4], w->vhb = (int)e[5];
     w->kp = pieces + kf, w->vp = pieces + vf, w->nkp = (int)kn, w->nvp = (int)vn;
-    w->vper = vn && pieces[vf].b.kind == 1 ? 8 / pieces[vf].b.code : 1;
+    w->vper = vn && pieces[vf].b.kind == 1 ? codes_per_unit(pieces[vf].b.code) : 1;
     /* the chunks kv_attend takes for this row alone (B = 1) */
     const kv_dims alone = {1, H, M, w->NK > w->NV ? w->NK : w->NV, D, nthreads};
     const int nt = threads_of(&alone);
