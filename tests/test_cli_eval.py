@@ -14,6 +14,16 @@ import pytest
 from conftest import PPL_KEYS, tiny_model
 from kvslim.cli import main
 
+#: A perplexity record: conftest's keys and the bits per element of the cache the text went through.
+PPL_RECORD_KEYS = PPL_KEYS | {"bits_per_element", "bits"}
+BITS_KEYS = {
+    "bits_per_element",
+    "tokens_seen",
+    "stored_tokens",
+    "elements",
+    "bytes",
+}
+
 
 @pytest.fixture(scope="module")
 def english(text_path) -> str:
@@ -143,8 +153,13 @@ def test_ppl_json_table_and_plot(capsys, model_dir, text_file, tmp_path):
     assert set(data) == {"model", "tokens", "prefill", "chunk", "text", "bucket", "results"}
     assert data["tokens"] == 80 and data["prefill"] == 16 and data["model"] == model_dir
     assert [r["config"] for r in data["results"]] == ["none", "int4,residual=0", "none,sink=4,window=1000"]
-    assert all(set(r) == PPL_KEYS for r in data["results"])
+    assert all(set(r) == PPL_RECORD_KEYS and set(r["bits"]) == BITS_KEYS for r in data["results"])
     ref, lossy, window = data["results"]
+    # after the 79 tokens fed (the 80th is only a target): the fp32 reference at 32 bits; int4 without a
+    # residual: 64 tokens encoded (5 bits at head_dim 32, see test_evaluate) and 15 in fp16
+    assert ref["bits"]["tokens_seen"] == 79 and ref["bits_per_element"] == 32.0
+    assert lossy["bits_per_element"] == pytest.approx((64 * 5 + 15 * 16) / 79)
+    assert "bits/elem" in err and "after 79 tokens seen" in err
     assert ref["kld_mean"] == 0.0 and ref["top1"] == 1.0 and ref["ppl_ratio"] == 1.0
     assert window["kld_max"] == 0.0 and window["top1"] == 1.0
     assert lossy["kld_mean"] > 0 and lossy["scored_tokens"] == 64
@@ -152,7 +167,7 @@ def test_ppl_json_table_and_plot(capsys, model_dir, text_file, tmp_path):
     assert set(ref["curve"][0]) == {"start", "end", "ppl", "kld_mean"}
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     lines = out.splitlines()
-    assert lines[0].split()[:2] == ["config", "ppl"] and lines[2].startswith("none ")
+    assert lines[0].split()[:3] == ["config", "bits/elem", "ppl"] and lines[2].split()[:2] == ["none", "32"]
 
 
 def test_greedy_json(capsys, model_dir, tmp_path):
@@ -171,7 +186,8 @@ def test_greedy_json(capsys, model_dir, tmp_path):
     # short prompts + 6 tokens fit in int4's 128-token residual: the CLI says nothing was quantized
     assert "note: int4:" in err and "nothing was quantized" in err
     assert ref["config"] == "none" and ref["prefix_match_mean"] == 1.0 and window["prefix_match_mean"] == 1.0
-    assert set(ref) == {"config", "prefix_match_mean", "prompts"}
+    assert set(ref) == {"config", "prefix_match_mean", "bits_per_element", "bits", "prompts"}
+    assert ref["bits_per_element"] == 32.0 and window["bits_per_element"] == 32.0
     assert set(ref["prompts"][0]) == {"name", "prefix_match", "matched", "reference_tokens", "prompt_tokens"}
     assert "story" in out and "chat" in out
 
@@ -190,12 +206,22 @@ def test_memory_json(capsys, model_dir, tmp_path):
     assert set(data) == {"model", "tokens", "lengths", "dtype", "results"}
     assert data["lengths"] == [100, 1000] and data["tokens"] == 1000
     assert [r["config"] for r in data["results"]] == ["none", "int4", "q4_0,sink=4,window=252"]
-    keys = {"config", "lengths", "bytes", "stored_tokens", "bytes_per_token", "ratio_fp16", "ratio_fp32"}
+    keys = {
+        "config",
+        "lengths",
+        "bytes",
+        "stored_tokens",
+        "bytes_per_token",
+        "bits_per_element",
+        "ratio_fp16",
+        "ratio_fp32",
+    }
     assert all(set(r) == keys for r in data["results"])
     none = data["results"][0]
     per_token = 2 * 2 * 2 * 32 * 4  # K and V, 2 layers, 2 KV heads, head_dim 32, float32
     assert none["bytes"] == [per_token * 100, per_token * 1000] and none["ratio_fp32"] == [1.0, 1.0]
     assert data["results"][2]["stored_tokens"] == [100, 256]
+    assert none["bits_per_element"] == [32.0, 32.0] and "bits/elem" in out
 
 
 def test_passkey_json(capsys, model_dir, tmp_path):
@@ -212,7 +238,61 @@ def test_passkey_json(capsys, model_dir, tmp_path):
     assert set(data) == {"model", "tokens", "lengths", "depths", "trials", "results"}
     ref, window = data["results"]
     assert ref["config"] == "none" and window["config"] == "none,sink=4,window=32"
-    assert set(ref) == {"config", "accuracy", "cells"}
+    assert set(ref) == {"config", "accuracy", "bits_per_element", "bits", "cells"}
+    assert ref["bits_per_element"] == 32.0
     assert [(c["length"], c["depth"]) for c in ref["cells"]] == [(400, 0.0), (400, 1.0)]
     assert all(c["tokens"] <= 400 and c["trials"] == 1 for c in ref["cells"])
     assert "400@0" in out
+
+
+def test_long_json_and_tables(capsys, model_dir, tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("The history of the printing press begins in\nchat:Tell me a story.\n")
+    out_json = tmp_path / "long.json"
+    rc, out, err = run(
+        capsys,
+        *(
+            f"long --model {model_dir} --prompts {prompts} --tokens 40 --bucket 16 --config int4,residual=0 "
+            f"--config none,sink=2,window=1000 --json {out_json} --no-progress"
+        ).split(),
+    )
+    assert rc == 0, err
+    data = json.loads(out_json.read_text())
+    assert set(data) == {"model", "tokens", "stop_at_eos", "bucket", "prompts", "results"}
+    assert data["tokens"] == 40 and data["stop_at_eos"] is False
+    assert [p["name"] for p in data["prompts"]] == ["line1", "line2"]
+    assert all(p["reference_tokens"] == 40 for p in data["prompts"])
+    ref, lossy, window = data["results"]
+    assert [r["config"] for r in data["results"]] == ["none", "int4,residual=0", "none,sink=2,window=1000"]
+    keys = {
+        "config", "bits_per_element", "bits", "diverged", "prompts_run", "divergence_min", "divergence_median",
+        "prefix_mean", "match", "kld_mean", "kld_p99", "kld_max", "ref_top1", "ref_ppl", "generated_tokens",
+        "curve", "prompts",
+    }  # fmt: skip
+    assert all(set(r) == keys and set(r["bits"]) == BITS_KEYS for r in data["results"])
+    for r in (ref, window):  # the window holds every token: the reference's forwards, exactly
+        assert (
+            r["diverged"] == 0 and r["divergence_min"] == 40 and r["kld_max"] == 0.0 and r["ref_top1"] == 1.0
+        )
+        assert all(p["first_divergence"] is None for p in r["prompts"])
+    assert ref["bits_per_element"] == 32.0 and lossy["bits_per_element"] < 16.0
+    assert lossy["kld_mean"] > 0 and lossy["generated_tokens"] == 80
+    assert [(c["start"], c["end"]) for c in lossy["curve"]] == [(0, 16), (16, 32), (32, 40)]
+    assert set(lossy["curve"][0]) == {"start", "end", "kld_mean", "ref_top1", "match", "alive"}
+    assert set(lossy["prompts"][0]) == {
+        "name", "prompt_tokens", "generated", "first_divergence", "matched", "prefix", "position_match",
+        "kld_mean", "ref_top1",
+    }  # fmt: skip
+    lines = out.splitlines()
+    assert lines[0].split()[:4] == ["config", "bits/elem", "diverged", "div"] and lines[2].split()[:3] == [
+        "none",
+        "32",
+        "0/2",
+    ]
+    assert "first divergence" in out and "none" in out
+    assert "bits/elem" in err and "KL(reference || mode)" in err
+
+
+def test_long_bad_tokens(capsys):
+    rc, _, err = run(capsys, "long", "--tokens", "0")
+    assert rc == 2 and "--tokens" in err

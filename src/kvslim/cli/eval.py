@@ -1,9 +1,11 @@
 """``kvslim eval``: the quality cost of cache modes, side by side with the reference, in one run.
 
-Subcommands ``ppl``, ``greedy``, ``memory`` and ``passkey``. Parsing and printing only; the work is
-:mod:`kvslim.evaluate` (``compare_perplexity``, ``greedy_prefix_match``, ``memory_table``,
-``passkey``). Every ``--config SPEC`` is one mode (``FORMAT[,key=value...]``, see
-:func:`kvslim.config.parse_spec`); the reference ``none`` is always run and reported first.
+Subcommands ``ppl``, ``greedy``, ``long``, ``memory`` and ``passkey``. Parsing and printing only; the work
+is :mod:`kvslim.evaluate` (``compare_perplexity``, ``greedy_prefix_match``, ``long_generation``,
+``memory_table``, ``passkey``). Every ``--config SPEC`` is one mode (``FORMAT[,key=value...]``, see
+:func:`kvslim.config.parse_spec`); the reference ``none`` is always run and reported first. Every table
+has a ``bits/elem`` column: the bits per stored K/V element of each mode's cache, metadata included
+(:class:`kvslim.evaluate.KVBits`), read from the caches the measurement filled (``memory``: by formula).
 
 Under ``torchrun`` the model is loaded tensor parallel (:func:`kvslim.cli.common.load_model_from_args`), every
 rank measures alike through caches for its own KV heads, and rank 0 alone prints, shows progress bars and
@@ -105,6 +107,33 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "step of each mode compiles",
     )
 
+    p = add(
+        "long",
+        "free-running greedy generation of N tokens per prompt: first divergence from the reference, "
+        "agreement over the run, and each mode's own continuation scored by the reference (KL)",
+    )
+    p.add_argument(
+        "--prompts",
+        default=None,
+        metavar="FILE",
+        help="one prompt per line ('chat:' prefix = chat template; \\n = newline); default: a built-in set of 5",
+    )
+    p.add_argument(
+        "--tokens", type=int, default=2048, metavar="N", help="tokens generated per prompt and mode (2048)"
+    )
+    p.add_argument(
+        "--stop-at-eos",
+        action="store_true",
+        help="end each prompt's runs where the reference emits EOS (default: exactly N tokens, EOS included)",
+    )
+    p.add_argument(
+        "--bucket",
+        type=int,
+        default=256,
+        metavar="B",
+        help="generated positions per point of the KL curve (256)",
+    )
+
     p = add("memory", "bytes of each mode at each length, for the model's real shapes")
     p.add_argument(
         "--lengths",
@@ -124,7 +153,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return {"ppl": _ppl, "greedy": _greedy, "memory": _memory, "passkey": _passkey}[args.eval_command](args)
+    commands = {"ppl": _ppl, "greedy": _greedy, "long": _long, "memory": _memory, "passkey": _passkey}
+    return commands[args.eval_command](args)
 
 
 # --------------------------------------------------------------------------------------------
@@ -204,6 +234,42 @@ def _progress(args) -> bool:
     return not args.no_progress and sys.stderr.isatty() and is_main_rank()
 
 
+def _bits_note(results) -> None:
+    """Say on stderr what the bits/elem column counts and at which length it was read."""
+    seen = sorted({r.bits.tokens_seen for r in results if r.bits is not None})
+    if not seen:
+        return
+    at = (
+        f"after {seen[0]} tokens seen"
+        if len(seen) == 1
+        else "after each mode's longest run (bits.tokens_seen in --json)"
+    )
+    print(
+        "bits/elem: bytes of every stored K/V tensor (codes, scales, zeros, full-precision residual and sinks, "
+        f"bias; every layer) x 8 / stored K/V elements, read from each mode's real cache {at}",
+        file=sys.stderr,
+    )
+
+
+def _note_unquantized(specs: list[str], longest: int) -> None:
+    """A mode whose full-precision residual holds every token measured nothing of its format: say so."""
+    from ..evaluate import resolve_modes
+
+    for m in resolve_modes(specs)[1:]:
+        c = m.config
+        if (
+            c.window is None
+            and c.residual_tokens >= longest
+            and (c.k_format != "none" or c.v_format != "none")
+        ):
+            print(
+                f"note: {m.label}: every prompt + continuation ({longest} tokens at most) fits in the "
+                f"full-precision residual of {c.residual_tokens} tokens, so nothing was quantized; use residual=0 "
+                "or more --tokens to measure the format",
+                file=sys.stderr,
+            )
+
+
 def _out(obj, args) -> None:
     if args.json and is_main_rank():
         write_json(args.json, obj)
@@ -267,6 +333,7 @@ def _ppl(args) -> int:
     rows = [
         [
             r["config"],
+            r["bits_per_element"],
             r["ppl"],
             r["ppl_stderr"],
             r["ppl_ratio"],
@@ -277,7 +344,12 @@ def _ppl(args) -> int:
         ]
         for r in records
     ]
-    print(format_table(["config", "ppl", "±", "ppl ratio", "KLD mean", "KLD p99", "KLD max", "top-1"], rows))
+    print(
+        format_table(
+            ["config", "bits/elem", "ppl", "±", "ppl ratio", "KLD mean", "KLD p99", "KLD max", "top-1"], rows
+        )
+    )
+    _bits_note(report.results)
     _out(
         {
             "model": _model_name(args),
@@ -313,7 +385,7 @@ def _greedy(args) -> int:
     check_input_file("--prompts", args.prompts)
     specs = _specs(args)
 
-    from ..evaluate import greedy_prefix_match, load_prompts, resolve_modes
+    from ..evaluate import greedy_prefix_match, load_prompts
 
     try:
         prompts = load_prompts(args.prompts) if args.prompts else None
@@ -343,32 +415,111 @@ def _greedy(args) -> int:
         if compiled is not None:
             uncompile(model)
     if compiled is not None:
-        say(f"compiled decode step: {compiled.compiles} graph(s) compiled in {compiled.compile_s:.1f} s, "
-            f"{compiled.steps} compiled steps")
+        say(
+            f"compiled decode step: {compiled.compiles} graph(s) compiled in {compiled.compile_s:.1f} s, "
+            f"{compiled.steps} compiled steps"
+        )
     names = [p.name for p in report.results[0].prompts]
-    rows = [[r.config, r.prefix_match_mean, *(p.prefix_match for p in r.prompts)] for r in report.results]
-    print(format_table(["config", "mean", *names], rows, floatfmt=".3f"))
+    rows = [
+        [r.config, r.bits_per_element, r.prefix_match_mean, *(p.prefix_match for p in r.prompts)]
+        for r in report.results
+    ]
+    print(format_table(["config", "bits/elem", "mean", *names], rows, floatfmt=".3f"))
     ref_lens = ", ".join(f"{p.name} {p.reference_tokens}" for p in report.results[0].prompts)
     print(f"reference continuation lengths (tokens): {ref_lens}")
+    _bits_note(report.results)
     longest = max(p.prompt_tokens + p.reference_tokens for p in report.results[0].prompts)
-    for m in resolve_modes(specs)[1:]:
-        c = m.config
-        if (
-            c.window is None
-            and c.residual_tokens >= longest
-            and (c.k_format != "none" or c.v_format != "none")
-        ):
-            print(
-                f"note: {m.label}: every prompt + continuation ({longest} tokens at most) fits in the "
-                f"full-precision residual of {c.residual_tokens} tokens, so nothing was quantized; use residual=0 "
-                "or more --tokens to measure the format",
-                file=sys.stderr,
-            )
+    _note_unquantized(specs, longest)
     record = {"model": _model_name(args), "tokens": args.tokens, "results": report.records()}
     if compiled is not None:
-        record["compile"] = {"graphs": compiled.compiles, "compile_s": compiled.compile_s, "steps": compiled.steps}
+        record["compile"] = {
+            "graphs": compiled.compiles,
+            "compile_s": compiled.compile_s,
+            "steps": compiled.steps,
+        }
     _out(record, args)
     return 0
+
+
+def _long(args) -> int:
+    _positive("--tokens", args.tokens)
+    _positive("--bucket", args.bucket)
+    _check_out("--json", args.json)
+    check_input_file("--prompts", args.prompts)
+    specs = _specs(args)
+
+    from ..evaluate import LONG_PROMPTS, encode_prompt, load_prompts, long_generation
+
+    try:
+        prompts = load_prompts(args.prompts) if args.prompts else list(LONG_PROMPTS)
+    except UnicodeDecodeError as e:
+        raise UserError(f"--prompts {args.prompts}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    model, tokenizer = _load(args)
+    prompt_lens = [encode_prompt(tokenizer, p).shape[1] for p in prompts]
+    _warn_beyond_context(max(prompt_lens) + args.tokens, specs, model)
+    report = long_generation(
+        model,
+        tokenizer,
+        prompts,
+        specs,
+        tokens=args.tokens,
+        stop_at_eos=args.stop_at_eos,
+        progress=_progress(args),
+        make_cache=bias_cache_maker(model, args),
+    )
+    results = report.results
+    names = [r.name for r in results[0].runs]
+    rows = [
+        [
+            r.config,
+            r.bits_per_element,
+            f"{r.diverged}/{len(r.runs)}",
+            r.divergence_min,
+            r.divergence_median,
+            r.prefix_mean,
+            r.match_mean,
+            r.kld_mean,
+            r.kld_p99,
+            r.ref_top1,
+            r.ref_ppl,
+        ]
+        for r in results
+    ]
+    headers = ["config", "bits/elem", "diverged", "div min", "div median", "prefix", "match", "KLD mean",
+               "KLD p99", "ref top-1", "ref ppl"]  # fmt: skip
+    print(format_table(headers, rows))
+    print()
+    first = [[r.config, *(_divergence(run) for run in r.runs)] for r in results]
+    print(format_table(["first divergence", *names], first))
+    lens = ", ".join(f"{run.name} {run.prompt_tokens}+{run.n}" for run in results[0].runs)
+    print(
+        f"tokens per prompt (prompt+generated): {lens}. div min / div median: tokens matched before the first "
+        "divergence (the run's length when none); prefix: mean matched / generated; match: position-wise "
+        "fraction of tokens equal to the reference's; KLD, ref top-1, ref ppl: each mode's own continuation "
+        "scored by the reference, KL(reference || mode)",
+        file=sys.stderr,
+    )
+    _bits_note(results)
+    _note_unquantized(specs, max(run.prompt_tokens + run.n for run in results[0].runs))
+    _out(
+        {
+            "model": _model_name(args),
+            "tokens": args.tokens,
+            "stop_at_eos": args.stop_at_eos,
+            "bucket": args.bucket,
+            "prompts": [
+                {"name": run.name, "prompt_tokens": run.prompt_tokens, "reference_tokens": run.n}
+                for run in results[0].runs
+            ],
+            "results": report.records(args.bucket),
+        },
+        args,
+    )
+    return 0
+
+
+def _divergence(run) -> int | str:
+    return "none" if run.first_divergence is None else run.first_divergence
 
 
 def _memory(args) -> int:
@@ -381,18 +532,25 @@ def _memory(args) -> int:
     model, _ = _load(args)  # only its config and dtype are used
     rows = memory_table(model.config, specs, lengths, dtype=model.dtype)
     table = [
-        [r.config, r.seen, r.stored, _mib(r.bytes), r.bytes_per_token, r.ratio_fp16, r.ratio_fp32]
+        [
+            r.config,
+            r.seen,
+            r.stored,
+            _mib(r.bytes),
+            r.bytes_per_token,
+            r.bits_per_element,
+            r.ratio_fp16,
+            r.ratio_fp32,
+        ]
         for r in rows
     ]
-    print(
-        format_table(
-            ["config", "seen", "stored", "MiB", "B/stored tok", "x fp16", "x fp32"], table, floatfmt=".4g"
-        )
-    )
+    headers = ["config", "seen", "stored", "MiB", "B/stored tok", "bits/elem", "x fp16", "x fp32"]
+    print(format_table(headers, table, floatfmt=".4g"))
     print(
         "bytes: every stored tensor (codes, scales, zeros, full-precision residual, sinks, bias), all layers, "
-        f"batch 1, model dtype {args.dtype}; x fp16 / x fp32: how many times smaller than an unbounded "
-        "fp16 / fp32 cache of the same tokens seen",
+        f"batch 1, model dtype {args.dtype}, by formula (kvslim.evaluate.cache_bytes; no forward pass); "
+        "bits/elem: bytes x 8 / stored K/V elements; x fp16 / x fp32: how many times smaller than an "
+        "unbounded fp16 / fp32 cache of the same tokens seen",
         file=sys.stderr,
     )
     _out(
@@ -436,9 +594,12 @@ def _passkey(args) -> int:
         make_cache=bias_cache_maker(model, args),
     )
     cells = report.results[0].cells
-    headers = ["config", "all", *(f"{c.length}@{c.depth:g}" for c in cells)]
-    rows = [[r.config, r.accuracy, *(c.accuracy for c in r.cells)] for r in report.results]
+    headers = ["config", "bits/elem", "all", *(f"{c.length}@{c.depth:g}" for c in cells)]
+    rows = [
+        [r.config, r.bits_per_element, r.accuracy, *(c.accuracy for c in r.cells)] for r in report.results
+    ]
     print(format_table(headers, rows, floatfmt=".2f"))
+    _bits_note(report.results)
     print(
         "columns: length@depth (prompt tokens @ relative key position); accuracy over "
         f"{args.trials} random key(s) each; prompt fed {args.chunk} tokens per forward",

@@ -11,8 +11,11 @@ results, so every number has its baseline next to it. One module per measurement
 - :mod:`.plot`: :func:`plot_ppl_curves` (matplotlib, imported lazily);
 - :mod:`.greedy`: :func:`greedy_prefix_match` — the fraction of the reference's greedy continuation
   a mode reproduces before its first divergence;
+- :mod:`.longgen`: :func:`long_generation` — every mode free-runs N tokens: its first divergence, its
+  agreement over the run, and its own continuation scored by the reference (KL that compounds);
 - :mod:`.retrieval`: :func:`passkey` — a 5-digit key hidden in filler text, the model asked for it;
-- :mod:`.memory`: :func:`memory_table` — the bytes each mode holds at each length.
+- :mod:`.memory`: :func:`memory_table` — the bytes each mode holds at each length; :func:`kv_bits` —
+  bits per stored K/V element of a real cache, which every measurement above reports for each mode.
 
 This package knows nothing about the command line; :mod:`kvslim.cli.eval` only parses and prints.
 Caches are built from specs (``parse_spec``) by ``SlimCache.from_config``; every entry point takes
@@ -31,7 +34,17 @@ from .greedy import (
     greedy_prefix_match,
     load_prompts,
 )
-from .memory import MemoryRow, ModelShape, cache_bytes, memory_records, memory_table, stream_layout
+from .longgen import LONG_PROMPTS, LongReport, LongResult, LongRun, long_generation
+from .memory import (
+    KVBits,
+    MemoryRow,
+    ModelShape,
+    cache_bytes,
+    kv_bits,
+    memory_records,
+    memory_table,
+    stream_layout,
+)
 from .modes import REFERENCE, CacheMaker, Mode, resolve_modes, slim_cache_maker
 from .perplexity import (
     MAX_REFERENCE_BYTES,
@@ -59,6 +72,7 @@ from .retrieval import (
 
 __all__ = [
     "BUILTIN_PROMPTS",
+    "LONG_PROMPTS",
     "MAX_REFERENCE_BYTES",
     "PASSKEY_ANSWER",
     "PASSKEY_FILLER",
@@ -69,6 +83,10 @@ __all__ = [
     "CacheMaker",
     "GreedyReport",
     "GreedyResult",
+    "KVBits",
+    "LongReport",
+    "LongResult",
+    "LongRun",
     "MemoryRow",
     "Mode",
     "ModelShape",
@@ -86,7 +104,9 @@ __all__ = [
     "encode_prompt",
     "full_forward_nll",
     "greedy_prefix_match",
+    "kv_bits",
     "load_prompts",
+    "long_generation",
     "memory_records",
     "memory_table",
     "passkey",

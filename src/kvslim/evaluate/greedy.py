@@ -13,6 +13,7 @@ import torch
 
 from ..config import CacheConfig
 from ..generate import greedy
+from .memory import KVBits, longest
 from .modes import CacheMaker, cache_maker, check_int, progress_bar, resolve_modes
 
 
@@ -104,8 +105,16 @@ class PromptMatch:
 
 @dataclass
 class GreedyResult:
+    """One mode's prefix matches; ``bits``: its cache's bits per stored K/V element after its longest run
+    (a mode that diverges stops early, so its runs can be shorter than the reference's)."""
+
     config: str
     prompts: list[PromptMatch] = field(default_factory=list)
+    bits: KVBits | None = None
+
+    @property
+    def bits_per_element(self) -> float:
+        return float("nan") if self.bits is None else self.bits.bits_per_element
 
     @property
     def prefix_match_mean(self) -> float:
@@ -115,6 +124,8 @@ class GreedyResult:
         return {
             "config": self.config,
             "prefix_match_mean": self.prefix_match_mean,
+            "bits_per_element": self.bits_per_element,
+            "bits": None if self.bits is None else self.bits.record(),
             "prompts": [
                 {
                     "name": p.name,
@@ -167,12 +178,16 @@ def greedy_prefix_match(
     refs: list[list[int]] = []
     with progress_bar(len(prompts) * len(modes), "greedy", progress, unit="run") as bar:
         for name, ids in zip(names, encoded):
-            ref = greedy(model, ids, make(modes[0].config), tokens, stop_ids=stops)
+            cache = make(modes[0].config)
+            ref = greedy(model, ids, cache, tokens, stop_ids=stops)
+            results[0].bits = longest(results[0].bits, cache)
             refs.append(ref)
             results[0].prompts.append(PromptMatch(name, len(ref), len(ref), ids.shape[1]))
             bar.update(1)
             for m, res in zip(modes[1:], results[1:]):
-                out = greedy(model, ids, make(m.config), len(ref), stop_ids=stops, follow=ref)
+                cache = make(m.config)
+                out = greedy(model, ids, cache, len(ref), stop_ids=stops, follow=ref)
+                res.bits = longest(res.bits, cache)
                 matched = next(
                     (i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref))
                 )

@@ -1,8 +1,15 @@
 """Memory: the bytes each mode holds at each length, from the codecs' real encodings.
 
-A formula, not a measurement: :func:`cache_bytes` mirrors :class:`kvslim.layer.SlimLayer`'s storage
-(sinks, encoded body, full-precision residual, mean-centering bias) for a model's shapes, so a table
-up to 128k tokens costs no forward pass. A test checks it against a real SlimCache's tensors.
+Two ways to count, one definition of a stored byte (every stored tensor: codes, scales, zeros, the
+full-precision residual and sinks, the mean-centering bias; not the buffers' preallocated slack):
+
+- a formula, :func:`cache_bytes`, mirrors :class:`kvslim.layer.SlimLayer`'s storage for a model's
+  shapes, so a table up to 128k tokens costs no forward pass (a test checks it against a real
+  SlimCache's tensors);
+- a measurement, :func:`kv_bits`, reads a real cache an evaluation has just filled: bits per stored
+  K/V element, the number every ``kvslim eval`` table prints next to its quality columns. Measured
+  rather than projected, so whatever a config stores (a lever's extra scales, layers kept at a higher
+  precision) is counted without this module knowing about it.
 """
 
 from __future__ import annotations
@@ -103,7 +110,8 @@ def stream_layout(
 
 @dataclass(frozen=True)
 class MemoryRow:
-    """The bytes of one mode after ``seen`` tokens; ``stored`` tokens are held (sinks + window at most)."""
+    """The bytes of one mode after ``seen`` tokens; ``stored`` tokens are held (sinks + window at most);
+    ``elements_per_token``: K/V elements of one stored token (all layers, K and V, the batch)."""
 
     config: str
     seen: int
@@ -111,6 +119,13 @@ class MemoryRow:
     bytes: int
     fp16_full_bytes: int
     fp32_full_bytes: int
+    elements_per_token: int = 0
+
+    @property
+    def bits_per_element(self) -> float:
+        """Bits per stored K/V element, metadata included (the :class:`KVBits` definition, by formula)."""
+        elements = self.stored * self.elements_per_token
+        return 8 * self.bytes / elements if elements else float("nan")
 
     @property
     def bytes_per_token(self) -> float:
@@ -182,6 +197,81 @@ def cache_bytes(
     return n_sink + stream_len, shape.layers * total
 
 
+@dataclass(frozen=True)
+class KVBits:
+    """What a cache holds per stored K/V element, read from a real cache after ``tokens_seen`` tokens.
+
+    ``bytes``: every stored tensor of every layer's K/V store — codes, scales, zeros, full-precision
+    residual and sinks, mean-centering bias (:meth:`SlimCache.live_nbytes`), whatever format each layer
+    uses. Not counted: the growing buffers' preallocated slack (it depends on how the buffers grew, not
+    on the config: ``SlimCache.nbytes()`` has it) and per-cache constants (RoPE tables, per-row
+    bookkeeping). ``elements``: stored K/V elements summed over the layers holding K/V, ``stored tokens
+    x batch x KV heads x (k_dim + v_dim)``, each layer with its own stored tokens (a sliding layer holds
+    fewer).
+    """
+
+    tokens_seen: int
+    stored_tokens: int
+    elements: int
+    bytes: int
+
+    @property
+    def bits_per_element(self) -> float:
+        """``8 * bytes / elements`` (nan for an empty cache): 16.0 for an fp16 cache, 32.0 for fp32."""
+        return 8 * self.bytes / self.elements if self.elements else float("nan")
+
+    def record(self) -> dict:
+        return {
+            "bits_per_element": self.bits_per_element,
+            "tokens_seen": self.tokens_seen,
+            "stored_tokens": self.stored_tokens,
+            "elements": self.elements,
+            "bytes": self.bytes,
+        }
+
+
+def kv_bits(cache) -> KVBits:
+    """Bits per stored K/V element of ``cache`` as it is now (see :class:`KVBits`).
+
+    A :class:`~kvslim.SlimCache` is read store by store (its stored tensors). A
+    :class:`~kvslim.StaticSlimCache` holds its capacity from the first write on, so its bytes are those
+    its stored tokens take, by :func:`cache_bytes` (the tokens it keeps and the groups it encodes are a
+    SlimCache's with the same config): a compiled run reports the bits an eager one does. Any other
+    transformers cache (``DynamicCache``, a test's stand-in) is read from its layers' ``keys`` /
+    ``values``, which are all it stores.
+    """
+    from ..cache import SlimCache
+    from ..static_cache import StaticSlimCache
+
+    seen = int(cache.get_seq_length())
+    if isinstance(cache, SlimCache):
+        fed = [s for s in cache.stores() if s.kv_shape is not None]  # a layer not fed yet holds nothing
+        elements = sum(s.stored * s.kv_shape[0] * s.kv_shape[1] * (s.kv_shape[2] + s.v_dim) for s in fed)
+        if isinstance(cache, StaticSlimCache):
+            if not fed:
+                return KVBits(seen, 0, 0, 0)
+            b, h, d = fed[0].kv_shape
+            shape = ModelShape(len(fed), h, d, fed[0].dtype)
+            stored, nbytes = cache_bytes(shape, cache.cache_config, seen, batch=b)
+            return KVBits(seen, stored, elements, nbytes)
+        return KVBits(seen, cache.stored_tokens(), elements, sum(s.live_nbytes() for s in fed))
+    elements = nbytes = stored = 0
+    for layer in cache.layers:
+        for t in (layer.keys, layer.values):
+            if t is not None and t.numel():
+                elements += t.numel()
+                nbytes += t.numel() * t.element_size()
+                stored = max(stored, t.shape[-2])
+    return KVBits(seen, stored, elements, nbytes)
+
+
+def longest(current: KVBits | None, cache) -> KVBits:
+    """:func:`kv_bits` of ``cache`` if it has seen more tokens than ``current`` (else ``current``): an
+    evaluation with runs of several lengths reports its longest."""
+    bits = kv_bits(cache)
+    return bits if current is None or bits.tokens_seen > current.tokens_seen else current
+
+
 def memory_table(
     model_config,
     configs: Iterable[str | CacheConfig],
@@ -213,13 +303,15 @@ def memory_table(
                     nbytes,
                     shape.full_cache_bytes(length, 2, batch),
                     shape.full_cache_bytes(length, 4, batch),
+                    shape.full_cache_bytes(1, 1, batch),
                 )
             )
     return rows
 
 
 def memory_records(rows: Sequence[MemoryRow]) -> list[dict]:
-    """Group rows by mode into JSON records: config, lengths, bytes, stored_tokens, ratios (aligned lists)."""
+    """Group rows by mode into JSON records: config, lengths, bytes, stored_tokens, bytes_per_token,
+    bits_per_element, ratios (aligned lists)."""
     out: dict[str, dict] = {}
     for r in rows:
         rec = out.setdefault(
@@ -230,6 +322,7 @@ def memory_records(rows: Sequence[MemoryRow]) -> list[dict]:
                 "bytes": [],
                 "stored_tokens": [],
                 "bytes_per_token": [],
+                "bits_per_element": [],
                 "ratio_fp16": [],
                 "ratio_fp32": [],
             },
@@ -238,6 +331,7 @@ def memory_records(rows: Sequence[MemoryRow]) -> list[dict]:
         rec["bytes"].append(r.bytes)
         rec["stored_tokens"].append(r.stored)
         rec["bytes_per_token"].append(r.bytes_per_token)
+        rec["bits_per_element"].append(r.bits_per_element)
         rec["ratio_fp16"].append(r.ratio_fp16)
         rec["ratio_fp32"].append(r.ratio_fp32)
     return list(out.values())

@@ -6,7 +6,8 @@ owns the forwards and the positions. This module only scores the logits it yield
 
 - :func:`perplexity_through_cache`: one mode's perplexity with its standard error (delta method, as
   mlx-lm and llama.cpp report it) and, given the reference's logits, KL(reference || mode) per token
-  in float64 over the full vocabulary and top-1 agreement;
+  in float64 over the full vocabulary and top-1 agreement; and the bits per stored K/V element of the
+  cache the text went through, read once it has seen every fed token (:func:`.memory.kv_bits`);
 - :func:`compare_perplexity`: every mode and the reference ``none`` in one run, either against the
   stored reference logits or, when those would not fit, in lockstep;
 - :func:`full_forward_nll`: the no-cache ground truth the reference mode must reproduce.
@@ -22,6 +23,7 @@ import torch
 
 from ..config import CacheConfig
 from ..generate import _one_row, check_teacher_forcing, teacher_forced
+from .memory import KVBits, kv_bits
 from .modes import CacheMaker, Mode, cache_maker, check_int, progress_bar, resolve_modes
 
 #: Store the reference's logits (n x vocab float32) up to this many bytes; beyond, run the
@@ -31,6 +33,15 @@ MAX_REFERENCE_BYTES = 1_600_000_000
 
 def _log_softmax64(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.double(), dim=-1)
+
+
+def kl_from_log_probs(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """KL(ref || mode) over the last axis from float64 log-probabilities (..., V) -> (...).
+
+    ``sum_v p_ref (log p_ref - log p_mode)``: exactly 0 for identical inputs. Mathematically >= 0; the
+    float64 rounding of near-identical distributions is clamped at 0.
+    """
+    return (ref_logp.exp() * (ref_logp - logp)).sum(-1).clamp_min(0.0)
 
 
 class _Scorer:
@@ -54,10 +65,7 @@ class _Scorer:
             if ref_logits is None:
                 raise ValueError("reference logits are required for every chunk once a reference is given")
             ref = ref_logits.to(logp.device)
-            ref_logp = _log_softmax64(ref)
-            # KL(ref || mode) = sum_v p_ref (log p_ref - log p_mode); exactly 0 for identical logits.
-            # Mathematically >= 0; clamp the float64 rounding of near-identical distributions.
-            kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1).clamp_min(0.0)
+            kl = kl_from_log_probs(_log_softmax64(ref), logp)
             self.kld[sl] = kl.cpu()
             self.agree[sl] = (logits.argmax(-1) == ref.argmax(-1)).cpu()
 
@@ -69,6 +77,8 @@ class PerplexityResult:
     nll: (n,) float64 negative log-likelihood of each scored token.
     kld: (n,) float64 KL(reference || mode) of each next-token distribution, or None without a reference.
     agree: (n,) bool, the mode's argmax equals the reference's, or None without a reference.
+    bits: the cache's bits per stored K/V element after the run (``tokens - 1`` tokens seen: the last
+    token is only a target), or None when not measured.
     """
 
     config: str
@@ -78,6 +88,7 @@ class PerplexityResult:
     nll: torch.Tensor
     kld: torch.Tensor | None = None
     agree: torch.Tensor | None = None
+    bits: KVBits | None = None
 
     @property
     def n_scored(self) -> int:
@@ -111,6 +122,10 @@ class PerplexityResult:
     def top1(self) -> float:
         return float("nan") if self.agree is None else float(self.agree.double().mean())
 
+    @property
+    def bits_per_element(self) -> float:
+        return float("nan") if self.bits is None else self.bits.bits_per_element
+
     def curve(self, bucket: int = 256) -> list[dict]:
         """Perplexity (and mean KL) per bucket of token positions ``[k*bucket, (k+1)*bucket)``.
 
@@ -131,7 +146,8 @@ class PerplexityResult:
         return out
 
     def summary(self, reference_ppl: float | None = None, bucket: int = 256) -> dict:
-        """The JSON record: config, ppl, ppl_stderr, kld_mean, kld_p99, kld_max, top1, ppl_ratio, curve."""
+        """The JSON record: config, ppl, ppl_stderr, kld_mean, kld_p99, kld_max, top1, ppl_ratio,
+        scored_tokens, curve, bits_per_element and bits (:meth:`KVBits.record`, None if not measured)."""
         return {
             "config": self.config,
             "ppl": self.ppl,
@@ -143,6 +159,8 @@ class PerplexityResult:
             "ppl_ratio": float("nan") if reference_ppl is None else self.ppl / reference_ppl,
             "scored_tokens": self.n_scored,
             "curve": self.curve(bucket),
+            "bits_per_element": self.bits_per_element,
+            "bits": None if self.bits is None else self.bits.record(),
         }
 
 
@@ -180,7 +198,8 @@ def perplexity_through_cache(
     ``reference_logits`` ``(N - prefill, V)`` — the reference's raw next-token logits for the same
     tokens, e.g. from ``keep_logits=True`` — also KL(reference || this) per token in float64 over the
     full vocabulary and top-1 agreement. With ``keep_logits`` returns ``(result, logits)``, ``logits``
-    being ``(N - prefill, V)`` float32 (``4 * n * V`` bytes).
+    being ``(N - prefill, V)`` float32 (``4 * n * V`` bytes). ``result.bits``: the cache's bits per
+    stored K/V element at the end (``N - 1`` tokens seen).
     """
     ids = _one_row(token_ids)
     n_tokens = ids.shape[1]
@@ -193,8 +212,9 @@ def perplexity_through_cache(
         )
     scorer = _Scorer(ids[0, prefill:].cpu(), with_reference=reference_logits is not None)
     kept = None
+    cache = cache_factory()
     with progress_bar(n, label or "ppl", progress) as bar:
-        for first, logits in teacher_forced(model, ids, cache_factory(), prefill=prefill, chunk=chunk):
+        for first, logits in teacher_forced(model, ids, cache, prefill=prefill, chunk=chunk):
             c = logits.shape[0]
             ref = None if reference_logits is None else reference_logits[first : first + c]
             scorer.add(first, logits, ref)
@@ -203,7 +223,9 @@ def perplexity_through_cache(
                     kept = torch.empty(n, logits.shape[1], dtype=torch.float32)
                 kept[first : first + c] = logits.cpu()
             bar.update(c)
-    result = PerplexityResult(label, n_tokens, prefill, chunk, scorer.nll, scorer.kld, scorer.agree)
+    result = PerplexityResult(
+        label, n_tokens, prefill, chunk, scorer.nll, scorer.kld, scorer.agree, kv_bits(cache)
+    )
     return (result, kept) if keep_logits else result
 
 
@@ -289,7 +311,8 @@ def _lockstep(
     n_tokens = ids.shape[1]
     n = n_tokens - prefill
     targets = ids[0, prefill:].cpu()
-    gens = [teacher_forced(model, ids, make(m.config), prefill=prefill, chunk=chunk) for m in modes]
+    caches = [make(m.config) for m in modes]
+    gens = [teacher_forced(model, ids, c, prefill=prefill, chunk=chunk) for c in caches]
     scorers = [_Scorer(targets, with_reference=True) for _ in modes]
     with progress_bar(n, f"ppl ({len(modes)} modes in lockstep)", progress) as bar:
         for outs in zip(*gens):
@@ -298,6 +321,6 @@ def _lockstep(
                 scorer.add(first, logits, ref_logits)
             bar.update(ref_logits.shape[0])
     return [
-        PerplexityResult(m.label, n_tokens, prefill, chunk, s.nll, s.kld, s.agree)
-        for m, s in zip(modes, scorers)
+        PerplexityResult(m.label, n_tokens, prefill, chunk, s.nll, s.kld, s.agree, kv_bits(c))
+        for m, s, c in zip(modes, scorers, caches)
     ]

@@ -16,6 +16,7 @@ import torch
 
 from ..config import CacheConfig
 from ..generate import greedy
+from .memory import KVBits, longest
 from .modes import CacheMaker, cache_maker, check_int, progress_bar, resolve_modes
 
 PASSKEY_INTRO = (
@@ -105,8 +106,16 @@ class PasskeyCell:
 
 @dataclass
 class PasskeyResult:
+    """One mode's accuracy per cell; ``bits``: its cache's bits per stored K/V element after its longest
+    prompt and answer."""
+
     config: str
     cells: list[PasskeyCell] = field(default_factory=list)
+    bits: KVBits | None = None
+
+    @property
+    def bits_per_element(self) -> float:
+        return float("nan") if self.bits is None else self.bits.bits_per_element
 
     @property
     def accuracy(self) -> float:
@@ -117,6 +126,8 @@ class PasskeyResult:
         return {
             "config": self.config,
             "accuracy": self.accuracy,
+            "bits_per_element": self.bits_per_element,
+            "bits": None if self.bits is None else self.bits.record(),
             "cells": [
                 {
                     "length": c.length,
@@ -183,7 +194,9 @@ def passkey(
         for res, m in zip(results, modes):
             cells: dict[tuple[int, float], PasskeyCell] = {}
             for length, depth, p in grid:
-                out = greedy(model, p.ids, make(m.config), answer_tokens, prefill_chunk=chunk)
+                cache = make(m.config)
+                out = greedy(model, p.ids, cache, answer_tokens, prefill_chunk=chunk)
+                res.bits = longest(res.bits, cache)
                 answer = tokenizer.decode(out, skip_special_tokens=True)
                 cell = cells.setdefault((length, depth), PasskeyCell(length, depth, p.ids.shape[1], 0, 0))
                 cell.trials += 1
