@@ -63,6 +63,7 @@ from .errors import (
 from .request import FINISH_REASONS, Event, Request, Result
 from .scheduler import Row, Scheduler
 from .sessions import SessionStore
+from .trim import Trimmer
 
 log = logging.getLogger("kvslim.engine")
 
@@ -160,6 +161,7 @@ class Engine:
         self._events: list[Event] = []  # produced outside step() (cancellations), handed out by the next step
         self._step_times: deque[float] = deque(maxlen=32)  # seconds of recent working steps (Retry-After)
         self._expired_at = float("-inf")
+        self.trimmer = Trimmer()
         self.steps = 0
         self.prefilled_tokens = 0  # prompt tokens fed through prefill (a continued session's are not)
         self.row_errors = 0  # requests ended by a failure in a step
@@ -395,7 +397,8 @@ class Engine:
             return events
 
     def _expire(self) -> None:
-        """Idle sessions past their TTL leave, checked at most once a second (a step stays cheap)."""
+        """Housekeeping, at most once a second (a step stays cheap): idle sessions past their TTL leave, and
+        the heap freed since the last time is given back (:mod:`kvslim.engine.trim`)."""
         now = time.monotonic()
         if now - self._expired_at < 1.0:
             return
@@ -404,6 +407,7 @@ class Engine:
             self.sessions.expire()
         except Exception:  # noqa: BLE001 - housekeeping never ends a request or the engine
             log.exception("expiring idle sessions failed")
+        self.trimmer.maybe()  # the heap that ended requests and parked sessions freed, back to the system
 
     def _admit(self, events: list[Event]) -> None:
         """Admit what fits, attaching each row's cache as it is admitted (module docstring, 1)."""
@@ -543,6 +547,7 @@ class Engine:
         when keeping its session does, the row still leaves, and its final event says so (an error)."""
         if row.state == "done":
             return
+        self.trimmer.freed()
         try:
             self._release(row)
         except Exception as e:  # noqa: BLE001 - the session is lost; the row still leaves
