@@ -554,6 +554,8 @@ MEMORY_SPECS = [
     "q4_0,sink=4,window=140",
     "q8_0,group=1,residual=0",
     "fp8,group=8,residual=16,sink=4,window=30",
+    "int2,keep_layers=first",  # a layer at another format (the tiny model has 2: first = 0)
+    "k4v2,keep_layers=-1,keep_format=int8,sink=4,window=100",
 ]
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import CacheConfig
+from ..config import MEAN_CENTER_FORMATS, CacheConfig
 from ..formats import make_codec
 from ..shapes import ModelShapes
 from .modes import check_int, resolve_modes
@@ -170,31 +170,40 @@ def cache_bytes(
     arrived = seen - n_sink
     first = 1 if prefill is None else max(1, min(prefill, seen))
     first_stream = first - min(first, config.sink)
-    total = 0
-    stream_len = 0
-    for role, fmt in (("k", config.k_format), ("v", config.v_format)):
-        codec = make_codec(fmt, role, group_size=config.group_size, v_group_size=config.v_group_size)
-        codec.check_head_dim(shape.head_dim)
-        # one full-precision token of this stream (its sinks and residual): residual_dtype for a lossy codec
-        per_elem_fp = batch * shape.kv_heads * shape.head_dim * fp_bytes(config.residual_dtype, codec, shape)
-        total += n_sink * per_elem_fp
-        tok_bytes, grp_bytes = _codec_costs(codec, shape)
-        body, groups, fp = stream_layout(
-            arrived,
-            lossy=codec.lossy,
-            residual=config.residual_tokens,
-            unit=config.group_size,
-            group=codec.token_group,
-            window=config.window,
-            prefill=first_stream,
-        )
-        total += round(batch * (body * tok_bytes + groups * grp_bytes)) + fp * per_elem_fp
-        if role == "k" and config.mean_center is not None and codec.token_group == 1:
-            total += batch * body * shape.kv_heads  # a byte per token and head: stored centered or not
-        stream_len = body + fp
-    if config.mean_center is not None:
-        total += shape.kv_heads * shape.head_dim * 4
-    return n_sink + stream_len, shape.layers * total
+    # layers kept at keep_format (keep_layers=) store other formats: one count per distinct (K, V) pair
+    pairs: dict[tuple[str, str], int] = {}
+    for i in range(shape.layers):
+        pair = config.layer_formats(i, shape.layers)
+        pairs[pair] = pairs.get(pair, 0) + 1
+    stored, everything = 0, 0
+    for (k_fmt, v_fmt), n_layers in pairs.items():
+        total = 0
+        stream_len = 0
+        for role, fmt in (("k", k_fmt), ("v", v_fmt)):
+            codec = make_codec(fmt, role, group_size=config.group_size, v_group_size=config.v_group_size)
+            codec.check_head_dim(shape.head_dim)
+            # one full-precision token of this stream (its sinks and residual): residual_dtype for a lossy codec
+            per_elem_fp = batch * shape.kv_heads * shape.head_dim * fp_bytes(config.residual_dtype, codec, shape)
+            total += n_sink * per_elem_fp
+            tok_bytes, grp_bytes = _codec_costs(codec, shape)
+            body, groups, fp = stream_layout(
+                arrived,
+                lossy=codec.lossy,
+                residual=config.residual_tokens,
+                unit=config.group_size,
+                group=codec.token_group,
+                window=config.window,
+                prefill=first_stream,
+            )
+            total += round(batch * (body * tok_bytes + groups * grp_bytes)) + fp * per_elem_fp
+            centered = config.mean_center is not None and k_fmt in MEAN_CENTER_FORMATS
+            if role == "k" and centered and codec.token_group == 1:
+                total += batch * body * shape.kv_heads  # a byte per token and head: stored centered or not
+            stream_len = body + fp
+        if config.mean_center is not None and k_fmt in MEAN_CENTER_FORMATS:
+            total += shape.kv_heads * shape.head_dim * 4
+        stored, everything = n_sink + stream_len, everything + n_layers * total
+    return stored, everything
 
 
 @dataclass(frozen=True)
