@@ -257,6 +257,62 @@ def test_prefill_takes_turns_so_a_long_prompt_never_holds_back_a_short_one(model
         assert engine.results[rid].tokens == _alone(model, req, chunk=chunk)
 
 
+def test_prefill_is_shortest_first_and_a_long_prompt_still_advances():
+    """Scheduler.next_prefill: the prompt with the fewest tokens left goes first (a conversation's new turn
+    is read at once while a long prompt prefills), and the long prompt, passed over MAX_SKIPS steps, gets its
+    chunk: at least one in every MAX_SKIPS + 1 steps however many short prompts keep coming."""
+    from kvslim.engine.scheduler import MAX_SKIPS, Row, Scheduler
+
+    sched = Scheduler(None, max_batch=64)
+    long = Row("long", Request([3] * 5000, max_new_tokens=1), reserved=0)
+    sched.submit(long)
+    sched.admit()
+    picks = []
+    for i in range(40):  # a new short prompt (one chunk) joins every other step: as many as the steps can read
+        if i % 2 == 0:
+            sched.submit(Row(f"s{i}", Request([3] * 20, max_new_tokens=1), reserved=0))
+            sched.admit()
+        row = sched.next_prefill()
+        picks.append(row.request_id)
+        row.fed = min(len(row.request.prompt), row.fed + 256)
+        if row.fed == len(row.request.prompt):
+            row.state = "decode"
+    assert picks[0] == "s0"  # the new turn first, not the long prompt admitted before it
+    longs = [i for i, p in enumerate(picks) if p == "long"]
+    assert all(b - a <= MAX_SKIPS + 1 for a, b in zip([-1, *longs], [*longs, 40])), longs
+    # every short prompt was read at the step it joined, or the next (after one chunk of the long one)
+    for i in range(0, 40, 2):
+        assert picks.index(f"s{i}") - i <= 1, picks
+    # ten short prompts at once beside a long one: the long one's turn still comes after MAX_SKIPS steps
+    sched = Scheduler(None, max_batch=64)
+    for row in [Row("long", Request([3] * 5000, max_new_tokens=1), reserved=0)] + [
+        Row(f"b{i}", Request([3] * 20, max_new_tokens=1), reserved=0) for i in range(10)
+    ]:
+        sched.submit(row)
+    sched.admit()
+    order = []
+    for _ in range(11):
+        row = sched.next_prefill()
+        order.append(row.request_id)
+        row.fed = min(len(row.request.prompt), row.fed + 256)
+        row.state = "decode" if row.fed == len(row.request.prompt) else "prefill"
+    assert order.index("long") == MAX_SKIPS, order
+    # with a step's budget of 256 tokens, the ten short prompts (20 tokens each) are read in one step, and the
+    # long one (a whole chunk of 256 no longer fits) in the next
+    sched = Scheduler(None, max_batch=64)
+    rows = [Row("long", Request([3] * 5000, max_new_tokens=1), reserved=0)] + [
+        Row(f"b{i}", Request([3] * 20, max_new_tokens=1), reserved=0) for i in range(10)
+    ]
+    for row in rows:
+        sched.submit(row)
+    sched.admit()
+    first = sched.prefill_plan(256)
+    assert [r.request_id for r in first] == [f"b{i}" for i in range(10)]
+    for r in first:
+        r.fed, r.state = 20, "decode"
+    assert [r.request_id for r in sched.prefill_plan(256)] == ["long"]
+
+
 # -- refusals ----------------------------------------------------------------------------------------
 
 

@@ -2,7 +2,7 @@
 
 Three roles, kept apart as in vLLM: the :class:`~kvslim.engine.scheduler.Scheduler` decides which requests
 run (admission under a memory budget, join and leave between steps, whose prompt gets the next prefill
-chunk: they take turns); the :class:`~kvslim.engine.engine.Engine` runs a step (one prefill chunk of a
+chunk: the shortest left first, with aging); the :class:`~kvslim.engine.engine.Engine` runs a step (one prefill chunk of a
 joining request, then one ragged decode step of every running row) through :mod:`kvslim.generate`, the only
 caller of the model, keeping each request's failures to that request; each request's
 :class:`~kvslim.SlimCache` owns its memory. :mod:`~kvslim.engine.errors` types the refusals. This package

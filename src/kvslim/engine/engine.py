@@ -6,10 +6,12 @@ eviction). A :meth:`Engine.step`:
 1. admits waiting requests the budget allows (:class:`~kvslim.engine.scheduler.Scheduler`), one at a time,
    each given its cache as soon as it is admitted — its session's kept cache (read back from disk if it was
    parked) or a new one — so making room for the next never parks the session the previous one continues;
-2. prefills one chunk (``prefill_chunk`` tokens) of one request still reading its prompt, alone, through
-   :func:`kvslim.generate.prefill`. The requests reading prompts take turns, one chunk each in rotation:
-   a long prompt delays another request's first token by at most one chunk per prompt ahead of it, and
-   stalls the running rows by at most one chunk per step; a prompt's last chunk samples its first token;
+2. prefills up to ``prefill_chunk`` prompt tokens, each request's chunk alone through
+   :func:`kvslim.generate.prefill`: the prompts with the fewest tokens left first (several short ones in a
+   step when their chunks fit together), and one passed over for a few steps gets its turn
+   (:meth:`Scheduler.prefill_plan`). A long prompt delays another request's first token by at most the
+   chunk running and one aged chunk, and stalls the running rows by at most one chunk's worth of tokens
+   per step; a prompt's last chunk samples its first token;
 3. feeds every decoding row its pending token in one ragged forward
    (:func:`kvslim.generate.forward_rows`: the linear layers once for all rows, attention row by row on
    each row's own codes, no padding to the longest row) and samples each row's next token with its own
@@ -384,14 +386,14 @@ class Engine:
             events = self._events
             self._expire()
             self._admit(events)
-            row = self.scheduler.next_prefill()
-            if row is not None:
+            prefilled = self.scheduler.prefill_plan(self.prefill_chunk)
+            for row in prefilled:
                 self._prefill_chunk(row, events)
             rows = [r for r in self.scheduler.decoding() if r.pending is not None]
             if rows:
                 self._decode(rows, events)
             self.steps += 1
-            if row is not None or rows:
+            if prefilled or rows:
                 self._step_times.append(time.perf_counter() - start)
             self._events = []
             return events

@@ -7,9 +7,14 @@ served: the oldest waiting row is admitted when a batch slot is free and the byt
 budget has left; a younger request never overtakes it, so a large one is not starved. A request that could
 not fit even alone is refused when it is submitted (the engine does that), never left waiting forever.
 
-Prefill is shared in turns, not first in first out: the admitted rows still reading their prompts take one
-chunk each in rotation (:meth:`Scheduler.next_prefill`), so a 50,000-token prompt delays another request's
-first token by at most one chunk per prompt ahead of it in the rotation, not by the whole long prompt.
+Prefill is shortest-first with aging, not first in first out (:meth:`Scheduler.prefill_plan`): a step
+reads up to ``prefill_chunk`` prompt tokens, taking the admitted rows still reading their prompts in order
+of the fewest tokens left — several short ones in one step when their chunks fit together — except that a
+row passed over ``MAX_SKIPS`` steps in a row goes first. A conversation's new turn (a few dozen tokens) is
+read at the next step even while a 50,000-token prompt prefills: it waits for at most the chunk already
+running and an aged one, and the long prompt still gets a chunk in every ``MAX_SKIPS + 1`` steps. Round
+robin, one row a step, measured first, left every short prompt behind the long one's chunks and the other
+short ones (docs/serving.md, "A long prompt among 15 conversations").
 Nothing here touches tensors or the model.
 """
 
@@ -19,6 +24,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .request import Request
+
+#: steps a prompt still being read may be passed over in a row before it gets a chunk (aging: a long prompt
+#: among a stream of short ones still advances, at least one chunk in every MAX_SKIPS + 1 steps)
+MAX_SKIPS = 3
 
 
 @dataclass(eq=False)
@@ -30,7 +39,7 @@ class Row:
     pending: the last sampled token, not yet fed; tokens: generated so far; reserved: bytes admission
     reserved; generator: its sampling generator (None: greedy); keep_session: whether its cache goes to its
     session when it ends (False once the session was deleted while it ran); failed: it ended on a failure
-    (its cache is not left to its session).
+    (its cache is not left to its session); skipped: steps in a row its prompt waited for a chunk.
     """
 
     request_id: str
@@ -46,6 +55,7 @@ class Row:
     peak_bytes: int = 0
     keep_session: bool = True
     failed: bool = False
+    skipped: int = 0  # steps in a row its prompt was passed over for a prefill chunk (Scheduler.next_prefill)
 
 
 class Scheduler:
@@ -96,16 +106,33 @@ class Scheduler:
             admitted.append(row)
         return admitted
 
+    def prefill_plan(self, chunk: int) -> list[Row]:
+        """The rows whose prompts get a chunk this step (module docstring), in order, within a step's budget of
+        ``chunk`` prompt tokens: the rows passed over ``MAX_SKIPS`` steps first (the longest passed over
+        first), then the fewest tokens left first (the earliest admitted on a tie); a row is taken when its
+        whole next chunk (``min(chunk, tokens left)``) fits in what is left of the budget, so a row's chunks
+        are the ones it would have alone (its results are too). The rows not taken are counted as passed over."""
+        turns = [r for r in self._turns if r.state == "prefill"]  # finished prefilling, or left: dropped
+        self._turns = deque(turns)
+        aged = sorted((r for r in turns if r.skipped >= MAX_SKIPS), key=lambda r: -r.skipped)
+        rest = sorted((r for r in turns if r.skipped < MAX_SKIPS), key=lambda r: len(r.request.prompt) - r.fed)
+        plan: list[Row] = []
+        left = chunk
+        for row in aged + rest:
+            size = min(chunk, len(row.request.prompt) - row.fed)
+            if size <= left:
+                plan.append(row)
+                left -= size
+            if not left:
+                break
+        for r in turns:
+            r.skipped = 0 if r in plan else r.skipped + 1
+        return plan
+
     def next_prefill(self) -> Row | None:
-        """The admitted row whose prompt gets the next chunk: the rows still prefilling take turns (round
-        robin); the one returned goes to the back of the rotation."""
-        while self._turns and self._turns[0].state != "prefill":
-            self._turns.popleft()  # finished prefilling, or left
-        if not self._turns:
-            return None
-        row = self._turns.popleft()
-        self._turns.append(row)
-        return row
+        """The one row :meth:`prefill_plan` puts first (a budget of one token takes one row)."""
+        plan = self.prefill_plan(1)
+        return plan[0] if plan else None
 
     def decoding(self) -> list[Row]:
         """Rows with a token to feed this step, in admission order."""
