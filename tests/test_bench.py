@@ -137,7 +137,7 @@ def test_validation(model):
     with pytest.raises(ValueError, match="steps"):
         run_bench(model, ["int4"], [8], 0, **FAST)
     with pytest.raises(ValueError, match="unknown KV format"):
-        run_bench(model, ["int3"], [8], 1, **FAST)
+        run_bench(model, ["int5"], [8], 1, **FAST)
     with pytest.raises(ValueError, match="no window"):
         run_bench(model, ["int4"], [8], 1, seen=[16], seen_configs=["int4"], **FAST)
     with pytest.raises(ValueError, match="attn"):

@@ -48,9 +48,9 @@ def test_user_errors_are_one_line(capsys, argv, message):
 
 def test_unknown_format_is_rejected(capsys):
     # argparse's own choices check: one line, exit 2, the legal names listed, no traceback.
-    assert main(["sample", "--prompt", PROMPT, "--kv-quantize", "int3"]) == 2
+    assert main(["sample", "--prompt", PROMPT, "--kv-quantize", "int5"]) == 2
     err = capsys.readouterr().err
-    assert "invalid choice: 'int3'" in err and "q4_0" in err
+    assert "invalid choice: 'int5'" in err and "q4_0" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
