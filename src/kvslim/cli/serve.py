@@ -78,6 +78,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         DEFAULT_CACHE,
         DEFAULT_MAX_QUEUE,
         DEFAULT_MAX_SESSIONS,
+        DEFAULT_PREFILL_CHUNK,
         DEFAULT_SHUTDOWN_GRACE,
     )
 
@@ -149,7 +150,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "parked either way",
     )
     parser.add_argument(
-        "--prefill-chunk", type=int, default=256, metavar="N", help="prompt tokens read per engine step (default: 256)"
+        "--prefill-chunk",
+        type=int,
+        default=DEFAULT_PREFILL_CHUNK,
+        metavar="N",
+        help=f"prompt tokens read per engine step, the shortest prompts first (default: {DEFAULT_PREFILL_CHUNK}: "
+        "a long prompt holds the others back by at most a chunk or two)"
     )
     parser.add_argument(
         "--served-model-name",

@@ -34,7 +34,7 @@ def build_app(
     cache=DEFAULT_CACHE,
     memory_budget: int | None = None,
     max_concurrency: int = 16,
-    prefill_chunk: int = 256,
+    prefill_chunk: int = 128,
     session_dir=None,
     stop_ids=(),
     default_max_tokens: int = 256,
