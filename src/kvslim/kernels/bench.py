@@ -322,52 +322,33 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    lengths = [int(x) for x in args.lengths.split(",")]
+    shape = dict(heads=args.heads, queries=args.queries, head_dim=args.head_dim, layers=args.layers,
+                 repeats=args.repeats, clock=args.clock)
     if args.rows:
-        rows = bench_rows(
-            formats=[f.strip() for f in args.formats.split(",") if f.strip()],
-            rows=[int(x) for x in args.rows.split(",")],
-            lengths=[int(x) for x in args.lengths.split(",")],
-            ragged=args.ragged,
-            residual=args.residual,
-            heads=args.heads,
-            queries=args.queries,
-            head_dim=args.head_dim,
-            layers=args.layers,
-            repeats=args.repeats,
-            clock=args.clock,
-        )
-        print(f"threads {torch.get_num_threads()}; {cpu.status()[1]}")
-        print(
-            f"{args.clock} microseconds per layer (a ragged step's attention), median of {args.repeats} passes over "
-            f"{args.layers} layers; H_kv={args.heads} M={args.queries} D={args.head_dim} residual={args.residual}"
-            f"{' ragged lengths' if args.ragged else ''}"
-        )
-        print(format_rows_table(rows))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
-        print(json.dumps(rows))
-        return 0
-    rows = bench(
-        formats=[f.strip() for f in args.formats.split(",") if f.strip()],
-        lengths=[int(x) for x in args.lengths.split(",")],
-        batch=args.batch,
-        heads=args.heads,
-        queries=args.queries,
-        head_dim=args.head_dim,
-        layers=args.layers,
-        repeats=args.repeats,
-        clock=args.clock,
-    )
+        rows = bench_rows(formats=formats, rows=[int(x) for x in args.rows.split(",")], lengths=lengths,
+                          ragged=args.ragged, residual=args.residual, **shape)
+        what = "a ragged step's attention"
+        layout = f"H_kv={args.heads} M={args.queries} D={args.head_dim} residual={args.residual}"
+        layout += " ragged lengths" if args.ragged else ""
+        table = format_rows_table(rows)
+    else:
+        rows = bench(formats=formats, lengths=lengths, batch=args.batch, **shape)
+        what = "K scores + V weighted sum"
+        layout = f"B={args.batch} H_kv={args.heads} M={args.queries} D={args.head_dim}"
+        table = format_rows(rows)
     print(f"threads {torch.get_num_threads()}; {cpu.status()[1]}")
     print(
-        f"{args.clock} microseconds per layer (K scores + V weighted sum), median of {args.repeats} passes "
-        f"over {args.layers} layers; B={args.batch} H_kv={args.heads} M={args.queries} D={args.head_dim}"
+        f"{args.clock} microseconds per layer ({what}), median of {args.repeats} passes over {args.layers} "
+        f"layers; {layout}"
     )
-    print(format_rows(rows))
+    print(table)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    if args.rows:
+        print(json.dumps(rows))
     return 0
 
 
