@@ -50,6 +50,7 @@ _BIG_JSON = 1 << 16
 #: how long a request whose stop string matched waits for the engine's final event (its usage figures)
 _STOP_WAIT = 10.0
 _ENDED = "the request was cancelled: the server is shutting down"
+_NOT_RUNNING = "the engine is not running (shutting down, or failed: see the server log)"
 
 
 def create_app(
@@ -177,7 +178,7 @@ class _API:
 
     async def health(self, http: HTTPRequest) -> Response:
         if not self.runner.alive:
-            return APIError(503, "the engine is not running (shutting down, or failed: see the server log)",
+            return APIError(503, _NOT_RUNNING,
                             type_="server_error").response()
         return JSONResponse({"status": "ok"})
 
@@ -222,7 +223,7 @@ class _API:
                                 "(--max-prompt-tokens)", param="messages" if chat else "prompt",
                            code="context_length_exceeded")
         if not self.runner.alive:
-            raise APIError(503, "the engine is not running (shutting down, or failed: see the server log)",
+            raise APIError(503, _NOT_RUNNING,
                            type_="server_error")
         loop = asyncio.get_running_loop()
         try:  # off the event loop: submit takes the engine's lock (held for a whole step) and sizes the cache
