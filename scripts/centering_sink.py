@@ -16,7 +16,7 @@ import sys
 import torch
 from transformers import DynamicCache
 
-from kvslim.biasfile import read_bias_file
+from kvslim.calibration.biasfile import read_bias_file
 from kvslim.formats import make_codec
 from kvslim.models import load_model
 

@@ -8,8 +8,8 @@ import sys
 import torch
 from transformers import DynamicCache
 
+from kvslim.calibration.meancenter import load_mean_center
 from kvslim.formats import dequantize_ggml, quantize_ggml
-from kvslim.meancenter import load_mean_center
 from kvslim.models import load_model
 
 bias_path, text_path, n = sys.argv[1], sys.argv[2], int(sys.argv[3])

@@ -9,7 +9,7 @@ or, with ``--split``, with a ``device_map`` that places the two layers on separa
 to disk). Then it runs every case of :data:`CASES` through a :class:`~kvslim.SlimCache` built by
 :func:`kvslim.distributed.rank_cache` and writes ``OUT_DIR/rank{RANK}.pt``: per case the greedy tokens, the
 teacher-forced logits, the bytes, and the first layer's stored K/V; and the weights' fingerprint
-(:func:`kvslim.fingerprint.model_fingerprint`, which gathers the sharded ones).
+(:func:`kvslim.calibration.fingerprint.model_fingerprint`, which gathers the sharded ones).
 
 This script compares nothing: the test sets each rank's record against the single-process one.
 """

@@ -9,8 +9,8 @@ from transformers import DynamicCache
 import kvslim
 from conftest import tiny_model
 from kvslim import SlimCache
+from kvslim.cache.layer import Segments
 from kvslim.generate import forward
-from kvslim.layer import Segments
 
 
 def _ids(length, seed=0, batch=1):

@@ -1,5 +1,5 @@
-"""K mean-centering: calibration (kvslim.calibrate), the bias file (kvslim.biasfile), loading for a
-cache (kvslim.meancenter), `kvslim calibrate`."""
+"""K mean-centering: calibration (kvslim.calibration.calibrate), the bias file (kvslim.calibration.biasfile), loading for a
+cache (kvslim.calibration.meancenter), `kvslim calibrate`."""
 
 from __future__ import annotations
 
@@ -11,10 +11,15 @@ import torch
 from gguf import GGUFWriter
 
 from conftest import tiny_model
-from kvslim.biasfile import from_llama_cpp_order, read_bias_file, to_llama_cpp_order, write_bias_file
-from kvslim.calibrate import chunk_spans, collect_k_means, collect_k_means_from_ids
+from kvslim.calibration.biasfile import (
+    from_llama_cpp_order,
+    read_bias_file,
+    to_llama_cpp_order,
+    write_bias_file,
+)
+from kvslim.calibration.calibrate import chunk_spans, collect_k_means, collect_k_means_from_ids
+from kvslim.calibration.meancenter import BiasSet, load_mean_center
 from kvslim.cli import main
-from kvslim.meancenter import BiasSet, load_mean_center
 from kvslim.models import model_fingerprint
 
 H, D, L = 2, 32, 2  # tiny_model: 2 layers, 2 KV heads, head_dim 32

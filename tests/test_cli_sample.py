@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-pytest.importorskip("kvslim.cache", reason="src/kvslim/cache.py (SlimCache) does not exist yet")
+pytest.importorskip("kvslim.cache.adapter", reason="src/kvslim/cache/adapter.py (SlimCache) does not exist yet")
 
 from kvslim import models  # noqa: E402
 from kvslim.cli import main  # noqa: E402

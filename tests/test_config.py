@@ -89,7 +89,7 @@ def test_readme_lists_every_spec_key_and_flag():
 
 
 def test_slimcache_keywords_are_the_declared_options():
-    from kvslim.cache import SlimCache
+    from kvslim.cache.adapter import SlimCache
 
     params = inspect.signature(SlimCache.__init__).parameters
     assert [(p, params[p].default) for p in list(params)[1 : len(OPTIONS) + 1]] == [

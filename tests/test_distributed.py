@@ -36,7 +36,7 @@ import torch
 
 import distributed_worker as worker
 from kvslim import SlimCache, distributed
-from kvslim.meancenter import BiasSet
+from kvslim.calibration.meancenter import BiasSet
 
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():

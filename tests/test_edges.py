@@ -316,7 +316,7 @@ def test_non_utf8_prompts_file_names_the_file(capsys, no_model_load, tmp_path):
 def test_fingerprints_printed_far_enough_to_differ(tmp_path, tiny):
     """Before: two fingerprints differing after 16 hex digits were printed with identical prefixes."""
     from kvslim import SlimCache
-    from kvslim.biasfile import write_bias_file
+    from kvslim.calibration.biasfile import write_bias_file
     from test_faults import bias_set
 
     theirs = "sha256:" + "ab" * 8 + "cd" * 24

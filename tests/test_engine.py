@@ -1,4 +1,4 @@
-"""The batch engine (kvslim.engine) and ragged decode steps (kvslim.ragged, generate.forward_rows):
+"""The batch engine (kvslim.engine) and ragged decode steps (kvslim.cache.ragged, generate.forward_rows):
 continuous batching is exact, admission keeps the budget, bad requests fail alone."""
 
 from __future__ import annotations

@@ -373,9 +373,9 @@ def test_request_limits_bound_a_requests_own_cache_settings(model):
 
 
 def test_the_default_bias_file_is_read_once_and_checked_against_the_model(model, tmp_path, monkeypatch):
-    from kvslim import biasfile
-    from kvslim.biasset import BiasSet
-    from kvslim.fingerprint import model_fingerprint
+    from kvslim.calibration import biasfile
+    from kvslim.calibration.biasset import BiasSet
+    from kvslim.calibration.fingerprint import model_fingerprint
 
     g = torch.Generator().manual_seed(0)
     tensors = [0.1 * torch.randn(2, 32, generator=g) for _ in range(2)]

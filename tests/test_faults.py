@@ -40,9 +40,9 @@ import torch
 from conftest import save_tiny_word_model, tiny_model
 from kvslim import atomic
 from kvslim.atomic import AtomicFile, WriteError, write_json
-from kvslim.biasfile import read_bias_file, read_layers, write_bias_file
+from kvslim.calibration.biasfile import read_bias_file, read_layers, write_bias_file
+from kvslim.calibration.meancenter import BiasSet, load_mean_center
 from kvslim.cli import main
-from kvslim.meancenter import BiasSet, load_mean_center
 
 H, D, L = 2, 32, 2  # tiny_model: 2 layers, 2 KV heads, head_dim 32
 PYTHON = sys.executable
@@ -383,7 +383,7 @@ def test_fork_file_in_llama_cpp_order_is_converted(tmp_path):
 
 
 def test_kvslim_llama_cpp_order_file_round_trips(tmp_path):
-    from kvslim.biasfile import to_llama_cpp_order
+    from kvslim.calibration.biasfile import to_llama_cpp_order
 
     b = bias_set()
     write_bias_file(tmp_path / "ll.gguf", to_llama_cpp_order(b, "llama"))
@@ -616,7 +616,7 @@ def test_fingerprint_checked_and_overridable(tmp_path):
 
 def test_slimcache_refuses_a_bias_from_another_model(tmp_path):
     from kvslim import SlimCache
-    from kvslim.calibrate import collect_k_means_from_ids
+    from kvslim.calibration.calibrate import collect_k_means_from_ids
     from kvslim.models import model_fingerprint
 
     base, instruct = tiny_model("llama", seed=0), tiny_model("llama", seed=1)  # same shapes
@@ -642,7 +642,7 @@ def test_slimcache_refuses_a_bias_from_another_model(tmp_path):
 
 
 def test_calibrate_warns_about_too_few_tokens():
-    from kvslim.calibrate import MIN_USEFUL_TOKENS, collect_k_means_from_ids
+    from kvslim.calibration.calibrate import MIN_USEFUL_TOKENS, collect_k_means_from_ids
 
     model = tiny_model("llama")
     with pytest.warns(UserWarning, match=rf"calibrating on 5 tokens.*at least {MIN_USEFUL_TOKENS} tokens"):

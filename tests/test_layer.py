@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvslim.buffers import Stream, TimeBuffer
+from kvslim.cache.buffers import Stream, TimeBuffer
+from kvslim.cache.layer import SlimLayer
+from kvslim.cache.policy import KeepPolicy
 from kvslim.formats import make_codec
-from kvslim.layer import SlimLayer
-from kvslim.policy import KeepPolicy
 
 
 def _x(n, start=0, b=1, h=2, d=4):

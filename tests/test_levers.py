@@ -13,14 +13,14 @@ import torch
 from transformers import DynamicCache
 
 import kvslim
-import kvslim.cache as cache_mod
+import kvslim.cache.adapter as cache_mod
 from conftest import tiny_config, tiny_model
 from kvslim import SlimCache
-from kvslim.biasfile import write_bias_file
+from kvslim.cache.hadamard import MIN_BLOCK, Hadamard, block_size, sylvester
+from kvslim.calibration.biasfile import write_bias_file
+from kvslim.calibration.meancenter import BiasSet
 from kvslim.formats.floats import NoneFormat
 from kvslim.generate import forward
-from kvslim.hadamard import MIN_BLOCK, Hadamard, block_size, sylvester
-from kvslim.meancenter import BiasSet
 
 ROTATE = ["none", "k", "v", "kv"]
 
@@ -230,7 +230,7 @@ def test_centering_never_makes_a_key_worse(fmt, rotated):
     """Per token, the stored key is at least as close as without centering (each token is centered only
     where that lowers its own error): a short "sink" key far from the mean stays uncentered, typical keys
     near the mean are centered."""
-    from kvslim.buffers import CENTERED, BodyBasis, Stream
+    from kvslim.cache.buffers import CENTERED, BodyBasis, Stream
     from kvslim.formats import make_codec
 
     g = torch.Generator().manual_seed(12)
@@ -370,7 +370,7 @@ def test_basis_mismatch_is_an_error(tmp_path, file_rot, file_pre, rotate, pre_ro
 
 
 def test_calibrate_in_the_stored_basis(tmp_path):
-    from kvslim.calibrate import collect_k_means_from_ids
+    from kvslim.calibration.calibrate import collect_k_means_from_ids
     from kvslim.formats import quantize_ggml  # noqa: F401  (the q4_0 format the bias is for)
 
     model = tiny_model("llama")
@@ -406,7 +406,7 @@ def test_calibrate_in_the_stored_basis(tmp_path):
     torch.testing.assert_close(pre.tensors[0], unrot.double().mean(dim=(0, 2)).float(), atol=1e-5, rtol=1e-5)
     path = tmp_path / "rot.gguf"
     write_bias_file(path, rot)
-    from kvslim.biasfile import read_bias_file
+    from kvslim.calibration.biasfile import read_bias_file
 
     back = read_bias_file(path)
     assert back.k_rot is True and back.pre_rope is False
@@ -419,7 +419,7 @@ def test_calibrate_in_the_stored_basis(tmp_path):
 def test_calibrate_cli_records_the_basis(tmp_path, license_text):
     """``kvslim calibrate --kv-rotate k --kv-pre-rope`` writes both basis keys; the file loads into the
     matching cache of the embedded model and is refused by the plain one."""
-    from kvslim.biasfile import read_bias_file
+    from kvslim.calibration.biasfile import read_bias_file
     from kvslim.cli import main
     from kvslim.models import load_model
 
@@ -500,7 +500,7 @@ def test_fork_rotated_file_in_llama_cpp_order_centers_what_kvslim_stores(tmp_pat
     for il in range(2):
         torch.testing.assert_close(cache.stores()[il].k_bias, want[il], atol=1e-5, rtol=1e-5)
     # and kvslim's own writer round-trips through llama.cpp's order
-    from kvslim.biasfile import from_llama_cpp_order, to_llama_cpp_order
+    from kvslim.calibration.biasfile import from_llama_cpp_order, to_llama_cpp_order
 
     ours = BiasSet([t.clone() for t in want], k_rot=True)
     there = to_llama_cpp_order(ours, "llama")
@@ -523,8 +523,8 @@ def test_transformed_scores_match_decode_then_transform(backend, fmt, rotated, c
     """k_scores with a KeyTransform (bias, Hadamard, RoPE per token) equals decoding the keys, transforming
     them in float64 and taking the dot products — on every backend that serves the call."""
     from kvslim import kernels
+    from kvslim.cache.rotary import Rotary
     from kvslim.formats import make_codec
-    from kvslim.rotary import Rotary
 
     g = torch.Generator().manual_seed(10)
     b, h, t, d, m = 2, 3, 77, 64, 5

@@ -242,7 +242,7 @@ def test_prompt_cache_files_continue_exactly(models, tmp_path, spec):
     ],
 )
 def test_static_cache_reads_what_a_slimcache_does(spec):
-    from kvslim.static_cache import StaticSlimCache
+    from kvslim.cache.static_adapter import StaticSlimCache
 
     model = kvslim.enable(tiny_model("llama"))
     cfg = parse_spec(spec).replace(pre_rope=False)

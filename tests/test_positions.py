@@ -10,8 +10,8 @@ from transformers import DynamicCache
 import kvslim
 from conftest import tiny_model
 from kvslim import SlimCache
+from kvslim.cache.rotary import Rotary
 from kvslim.generate import decode_one_token, forward, generate, prefill
-from kvslim.rotary import Rotary
 
 MODES = ["original", "cache"]
 

@@ -14,11 +14,11 @@ from conftest import family_config, family_model, tiny_config, tiny_model
 from kvslim import SlimCache
 from kvslim import promptcache as pc
 from kvslim.atomic import TMP_TAG, WriteError
-from kvslim.cache import SlimCacheLayer
+from kvslim.cache.adapter import SlimCacheLayer
+from kvslim.calibration.meancenter import BiasSet
 from kvslim.config import parse_spec
 from kvslim.formats import format_names
 from kvslim.generate import decode_one_token, forward, left_padding, prefill
-from kvslim.meancenter import BiasSet
 
 FP_A = "sha256:" + "a" * 64
 FP_B = "sha256:" + "b" * 64
@@ -158,7 +158,7 @@ def test_centered_rotated_pre_rope_cache(models, tmp_path):
 
 
 def test_bias_file_is_found_by_its_recorded_path(models, tmp_path):
-    from kvslim.biasfile import write_bias_file
+    from kvslim.calibration.biasfile import write_bias_file
 
     model = models["kvslim"]
     bias_path = tmp_path / "bias.gguf"
@@ -513,10 +513,10 @@ def test_sample_and_sessions_refuse_another_dtype_alike(tmp_path, caplog):
     """A prompt cache saved from the float32 model, continued by the same checkpoint in bfloat16 (the same
     fingerprint): `kvslim sample --prompt-cache` refuses it (one line, how to fix it) and a server's session
     starts over — with the same reason, from the same rule."""
+    from kvslim.calibration.fingerprint import model_fingerprint
     from kvslim.cli import UserError
     from kvslim.cli import sample as cli_sample
     from kvslim.engine.sessions import SessionStore
-    from kvslim.fingerprint import model_fingerprint
 
     f32 = tiny_model("llama")
     bf16 = tiny_model("llama", dtype=torch.bfloat16)

@@ -1,4 +1,4 @@
-"""A ragged step keeps one row's failure to that row (kvslim.ragged, generate.forward_rows(errors=)): the
+"""A ragged step keeps one row's failure to that row (kvslim.cache.ragged, generate.forward_rows(errors=)): the
 row is dropped from the step and the other rows' logits are bit-identical to the step without it."""
 
 from __future__ import annotations

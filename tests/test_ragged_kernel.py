@@ -17,9 +17,9 @@ import kvslim
 from conftest import tiny_config, tiny_model
 from kvslim import SlimCache, attention
 from kvslim import generate as gen
+from kvslim.cache.ragged import RaggedSegments
 from kvslim.formats import Encoded
 from kvslim.kernels import clib, cpu
-from kvslim.ragged import RaggedSegments
 
 H, M, D = 2, 2, 32  # the tiny llama's KV heads, GQA group (4 query heads / 2) and head dim
 #: what the attention functions read off the model's attention module (sdpa repeats the KV heads M times)

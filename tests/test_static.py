@@ -1,4 +1,4 @@
-"""StaticSlimCache (kvslim.static) and the compiled decode step (kvslim.compiled, kvslim.kernels.ops).
+"""StaticSlimCache (kvslim.cache.static) and the compiled decode step (kvslim.compiled, kvslim.kernels.ops).
 
 The reference for a static cache is a SlimCache of the same options: the same tokens kept, the same groups
 encoded at the same steps, so the same stored codes (compared exactly) and the same logits (up to the order

@@ -16,8 +16,8 @@ __version__ = "0.1.0"
 
 # public name -> (module, attribute); loaded on first access (PEP 562)
 _LAZY = {
-    "SlimCache": ("kvslim.cache", "SlimCache"),
-    "StaticSlimCache": ("kvslim.static_cache", "StaticSlimCache"),
+    "SlimCache": ("kvslim.cache.adapter", "SlimCache"),
+    "StaticSlimCache": ("kvslim.cache.static_adapter", "StaticSlimCache"),
     "compile_decode": ("kvslim.compiled", "compile_decode"),
     "CacheConfig": ("kvslim.config", "CacheConfig"),
     "parse_spec": ("kvslim.config", "parse_spec"),

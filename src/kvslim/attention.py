@@ -9,7 +9,7 @@ chunks (prefill), it behaves exactly like ``sdpa`` — it *is* sdpa then.
 
 How the two meet: whether a SlimCache hands attention its segments is decided once, when the cache
 is built (from ``config=model.config``) or by ``cache.use_compressed_attention(...)``; then a forward
-carrying at most :data:`FAST_MAX_QUERY` new tokens gets a frozen :class:`~kvslim.layer.Segments`
+carrying at most :data:`FAST_MAX_QUERY` new tokens gets a frozen :class:`~kvslim.cache.layer.Segments`
 view (taken before eviction) from ``update`` instead of materialized tensors, and
 :func:`kvslim_attention` consumes it. This module never reads a layer's private fields.
 
@@ -21,7 +21,7 @@ K and V are split at different points (per-channel K leaves the residual a group
 token at a time), so scores are concatenated over positions and the probabilities are split
 again along V's segments. Softmax runs in fp32 over the concatenated scores (the whole row).
 
-Stored bases (:mod:`kvslim.layer`): a Hadamard-rotated K body is scored with the query rotated once
+Stored bases (:mod:`kvslim.cache.layer`): a Hadamard-rotated K body is scored with the query rotated once
 (``(H q) . (H k) = q . k``) and a rotated V body's weighted sum is rotated back once — a cost per
 query, never per stored token; a mean-centered body gets ``q . bias`` added back to its scores (one
 dot product per query). Pre-RoPE keys are rotated on read: the residual's (full precision, at most
@@ -37,10 +37,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import kernels
-from .buffers import CENTERED
+from .cache.buffers import CENTERED
+from .cache.layer import Segments
+from .cache.static import StaticSegments
 from .kernels import ops
-from .layer import Segments
-from .static import StaticSegments
 
 NAME = "kvslim"
 #: Forwards with more new tokens than this (prefill chunks) materialize and run sdpa: their cost is
@@ -52,7 +52,7 @@ FUSED_DECODE = True
 
 
 def compressed_attention(query: torch.Tensor, kv: Segments, attention_mask, scaling: float) -> torch.Tensor:
-    """Attention of ``query`` (B, Hq, q, D) over a layer's :class:`~kvslim.layer.Segments`; returns
+    """Attention of ``query`` (B, Hq, q, D) over a layer's :class:`~kvslim.cache.layer.Segments`; returns
     (B, Hq, q, D) in query's dtype.
 
     attention_mask: None (causal, aligned bottom-right) or bool (B or 1, 1, q, T): True = attend.
@@ -244,7 +244,7 @@ def _body_sum(p: torch.Tensor, basis, weighted: torch.Tensor) -> torch.Tensor:
 
 
 def static_attention(query: torch.Tensor, kv: StaticSegments, scaling: float) -> torch.Tensor:
-    """Attention of ``query`` (B, Hq, q, D) over a static store's slots (:mod:`kvslim.static`): every slot
+    """Attention of ``query`` (B, Hq, q, D) over a static store's slots (:mod:`kvslim.cache.static`): every slot
     scored, the empty and evicted ones masked; the encoded ones through the custom ops
     (:mod:`kvslim.kernels.ops`), so ``torch.compile`` traces the whole step. Returns (B, Hq, q, Dv).
 
@@ -274,8 +274,8 @@ def static_attention(query: torch.Tensor, kv: StaticSegments, scaling: float) ->
 
 def kvslim_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """The registered attention function: compressed attention for Segments, row by row for a ragged step's
-    :class:`~kvslim.ragged.RaggedSegments`, sdpa otherwise."""
-    from .ragged import RaggedSegments
+    :class:`~kvslim.cache.ragged.RaggedSegments`, sdpa otherwise."""
+    from .cache.ragged import RaggedSegments
 
     if isinstance(key, StaticSegments):
         if (

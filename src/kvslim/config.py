@@ -41,7 +41,7 @@ MEAN_CENTER_FORMATS: tuple[str, ...] = tuple(
 )
 
 
-#: StreamingLLM position semantics (kvslim.layer): "cache" is the paper's, "original" the vanilla one;
+#: StreamingLLM position semantics (kvslim.cache.layer): "cache" is the paper's, "original" the vanilla one;
 #: "auto" is "cache" wherever the model's RoPE lets kvslim move a key, else "original" (report() says which).
 POSITIONS = ("auto", "cache", "original")
 #: The default, chosen by measurement (docs/streaming.md: "cache" holds perplexity flat at 3x the
@@ -53,7 +53,7 @@ RESIDUAL_DTYPES = ("auto", "model", "float16", "bfloat16")
 #: The default, chosen by measurement (docs/quality.md, "Residual and sinks": float16 costs no measurable
 #: quality against an fp32 model and halves the full-precision part; a 16-bit model keeps its own dtype).
 DEFAULT_RESIDUAL_DTYPE = "auto"
-#: Which encoded tensors are stored Hadamard-rotated (kvslim.hadamard): none, K, V or both; "auto" is
+#: Which encoded tensors are stored Hadamard-rotated (kvslim.cache.hadamard): none, K, V or both; "auto" is
 #: decided by the cache (SlimCache.rotate says what it chose).
 ROTATE = ("auto", "none", "k", "v", "kv")
 #: pre_rope: True, False, or "auto" (decided by the cache; SlimCache.pre_rope says what it chose).
@@ -255,8 +255,8 @@ class CacheConfig:
         at most 128 and at most a quarter of the window, so a bounded cache is mostly encoded whatever
         its window (:attr:`residual_tokens` is the number in effect).
     v_group_size: channel group of per-token V scales for affine formats (None = whole head_dim).
-    mean_center: path to a K bias file (GGUF, see :mod:`kvslim.biasfile`), or None.
-    positions: where StreamingLLM's kept keys sit (see :mod:`kvslim.layer`, docs/streaming.md),
+    mean_center: path to a K bias file (GGUF, see :mod:`kvslim.calibration.biasfile`), or None.
+    positions: where StreamingLLM's kept keys sit (see :mod:`kvslim.cache.layer`, docs/streaming.md),
         ``auto`` (default: ``cache`` where the model's RoPE allows it, else ``original``),
         ``cache`` (the paper: the kept tokens as one contiguous sequence, sinks right before the
         window) or ``original`` (every key at its original position; query-to-sink distances grow

@@ -305,7 +305,7 @@ def shard_bias(
     model_fingerprint: str | None = None,
     allow_other_model: bool = False,
 ):
-    """A K mean-centering bias cut to ``heads``, as a :class:`~kvslim.meancenter.BiasSet` a rank's
+    """A K mean-centering bias cut to ``heads``, as a :class:`~kvslim.calibration.meancenter.BiasSet` a rank's
     SlimCache takes.
 
     ``mean_center`` is what SlimCache takes (a bias file path, a BiasSet, per-layer ``(H_kv, D)`` tensors),
@@ -314,8 +314,8 @@ def shard_bias(
     ``(len(heads), D)``; the basis it records (``k_rot``, ``pre_rope``) is kept, so the cache resolves
     ``rotate``/``pre_rope`` as it would for the file.
     """
-    from .biasfile import read_layers
-    from .meancenter import BiasSet, load_mean_center
+    from .calibration.biasfile import read_layers
+    from .calibration.meancenter import BiasSet, load_mean_center
 
     if isinstance(mean_center, (str, os.PathLike)):
         meta = read_layers(mean_center)[1]
@@ -356,7 +356,7 @@ def rank_cache(model, **kwargs):
     cache is checked against the rank's shapes (:func:`rank_config`) and a ``mean_center`` bias — given
     full width, the same on every rank — is cut to the rank's heads (:func:`shard_bias`).
     """
-    from .cache import SlimCache
+    from .cache.adapter import SlimCache
 
     if "config" in kwargs:
         raise ValueError("rank_cache takes the config from the model; do not pass config=")

@@ -13,7 +13,7 @@ gpt-fast-style free functions that ``sample``, ``eval``, ``bench``, ``calibrate`
 - :func:`generate` runs the sampling loop and yields a :class:`TokenEvent` per step, keeping live
   :class:`GenerationStats` (readable even after a KeyboardInterrupt);
 
-Positions come from :mod:`kvslim.positions` (the one owner of position ids, padding and bases): every
+Positions come from :mod:`kvslim.cache.positions` (the one owner of position ids, padding and bases): every
 forward here builds its ids there, and nowhere else in kvslim are they built.
 
 This module knows nothing about how the cache stores tokens: any transformers ``Cache`` works; only
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .cache.positions import hand_padding, left_pad_position_ids, left_padding, position_ids  # noqa: F401 - re-exported
 from .checks import check_int
 from .compiled import compiled_decode
-from .positions import hand_padding, left_pad_position_ids, left_padding, position_ids  # noqa: F401 - re-exported
 
 # ---------------------------------------------------------------------------------------------
 # forwards
@@ -76,7 +76,7 @@ def _allocated(cache) -> bool:
     return all(getattr(layer, "is_initialized", True) for layer in cache.layers)
 
 
-#: Ragged decode steps are padded to a multiple of this many rows (:mod:`kvslim.ragged`, "Filler rows"): the
+#: Ragged decode steps are padded to a multiple of this many rows (:mod:`kvslim.cache.ragged`, "Filler rows"): the
 #: CPU BLAS (MKL here) rounds a row of a matrix product the same way for 4, 8 and 12 or more rows, and
 #: differently for 1-3, 5-7 and 9-11 (measured); padded, a row's logits do not depend on how many rows share
 #: its step.
@@ -100,12 +100,12 @@ def forward_rows(
     row ``b``'s logits, bit-identical to the same row stepped among any other rows.
 
     errors: None (a row whose K/V its cache refuses raises, as a batch-1 step would) or a dict: such a row is
-    dropped from the step instead (:mod:`kvslim.ragged`), ``errors[b]`` holds why, and the other rows'
+    dropped from the step instead (:mod:`kvslim.cache.ragged`), ``errors[b]`` holds why, and the other rows'
     logits are exactly what they would be without it; row ``b``'s cache has taken the token in some layers
     and must not be fed again. When every row fails, the first failure raises.
     """
+    from .cache.ragged import RaggedCache
     from .compat import cache_kwargs
-    from .ragged import RaggedCache
 
     check_int("row_multiple", row_multiple, minimum=1)
     if len(tokens) != len(caches) or not caches:

@@ -73,7 +73,7 @@ def _tensor_bytes(obj, seen: set[int]) -> int:
 def cache_nbytes(cache) -> int:
     """Every byte a cache holds. SlimCache reports its own; for transformers' caches every tensor
     attribute of every layer is counted (keys/values, quantized payloads, scales, zeros)."""
-    from ..cache import SlimCache
+    from ..cache.adapter import SlimCache
 
     if isinstance(cache, SlimCache):
         return cache.nbytes()
@@ -84,7 +84,7 @@ def cache_nbytes(cache) -> int:
 def cache_read_bytes(cache) -> int:
     """Bytes one decode step must read from the cache at least: the stored tokens, without the
     preallocated slack a SlimCache buffer may hold."""
-    from ..cache import SlimCache
+    from ..cache.adapter import SlimCache
 
     if isinstance(cache, SlimCache):
         return cache.live_nbytes()
@@ -93,7 +93,7 @@ def cache_read_bytes(cache) -> int:
 
 def stored_tokens(cache) -> int:
     """Tokens the cache holds now (a windowed SlimCache holds fewer than it has seen)."""
-    from ..cache import SlimCache
+    from ..cache.adapter import SlimCache
 
     if isinstance(cache, SlimCache):
         return cache.stored_tokens()

@@ -71,7 +71,7 @@ def build_modes(
     """
     from transformers import DynamicCache
 
-    from ..cache import SlimCache
+    from ..cache.adapter import SlimCache
     from ..config import parse_spec
     from ..formats import get_format
 
@@ -116,8 +116,8 @@ def _compiled_modes(config, kvslim_modes: Sequence[Mode], capacity: int) -> list
     """transformers' StaticCache and a StaticSlimCache per kvslim mode, each of ``capacity`` tokens."""
     from transformers import StaticCache
 
+    from ..cache.static_adapter import StaticSlimCache
     from ..config import parse_spec
-    from ..static_cache import StaticSlimCache
 
     modes = [Mode("tf-static", "peer", lambda: StaticCache(config=config, max_cache_len=capacity), compiled=True)]
     for mode in kvslim_modes:

@@ -1,7 +1,7 @@
 """``kvslim calibrate``: measure the K mean-centering bias of a model on a text, write it as GGUF.
 
-Parsing and printing only; the work is :func:`kvslim.calibrate.collect_k_means` and
-:func:`kvslim.biasfile.write_bias_file` (atomic: a failed write leaves --out as it was, and the
+Parsing and printing only; the work is :func:`kvslim.calibration.calibrate.collect_k_means` and
+:func:`kvslim.calibration.biasfile.write_bias_file` (atomic: a failed write leaves --out as it was, and the
 ``wrote ...`` line is printed only after the file is in place).
 """
 
@@ -82,8 +82,8 @@ def run(args: argparse.Namespace) -> int:
     text = read_text_file("--text", args.text)
     check_model_args(args)
 
-    from ..biasfile import to_llama_cpp_order, write_bias_file
-    from ..calibrate import collect_k_means
+    from ..calibration.biasfile import to_llama_cpp_order, write_bias_file
+    from ..calibration.calibrate import collect_k_means
 
     model, tokenizer = load_model_from_args(args)
     _check_context(args.ctx, model.config)

@@ -130,7 +130,7 @@ def check_bias_file(flag: str, path: str | None) -> None:
     if path is None:
         return
     check_input_file(flag, path, " (make one with `kvslim calibrate`)")
-    from ..biasfile import read_layers
+    from ..calibration.biasfile import read_layers
 
     try:
         read_layers(path)
@@ -169,8 +169,8 @@ def bias_cache_maker(model, args: argparse.Namespace, *, static_len: int | None 
     Under ``torchrun`` the cache is this rank's (:func:`kvslim.distributed.rank_cache`): its KV heads, the
     bias file cut to them. ``static_len``: a :class:`~kvslim.StaticSlimCache` holding at most that many tokens
     (``--compile``) instead."""
-    from ..cache import SlimCache
-    from ..static_cache import StaticSlimCache
+    from ..cache.adapter import SlimCache
+    from ..cache.static_adapter import StaticSlimCache
 
     fingerprint: list[str] = []
     sharded = distributed_run()
@@ -179,7 +179,7 @@ def bias_cache_maker(model, args: argparse.Namespace, *, static_len: int | None 
         kwargs = {}
         if cfg.mean_center is not None:
             if not fingerprint:
-                from ..fingerprint import model_fingerprint
+                from ..calibration.fingerprint import model_fingerprint
 
                 fingerprint.append(model_fingerprint(model))
             kwargs = dict(model_fingerprint=fingerprint[0], allow_other_model=args.kv_mean_center_any_model)

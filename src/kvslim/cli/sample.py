@@ -306,7 +306,7 @@ def _prompt_cache(args, model, input_ids, cache_config, saved):
     only the rest."""
     import torch
 
-    from ..fingerprint import model_fingerprint
+    from ..calibration.fingerprint import model_fingerprint
     from ..generate import prefill
     from ..promptcache import CannotContinue, check_continuation, load
 

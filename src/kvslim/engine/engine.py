@@ -23,7 +23,7 @@ eviction). A :meth:`Engine.step`:
    parked on disk when admission needs their room).
 
 Faults stay in their row. Whatever fails for one request — making room for it, restoring its session, a
-prefill chunk, its K/V in the ragged step (dropped from the step, :mod:`kvslim.ragged`), sampling
+prefill chunk, its K/V in the ragged step (dropped from the step, :mod:`kvslim.cache.ragged`), sampling
 (non-finite logits), keeping or parking its session — ends that request alone with ``finish_reason
 "error"`` and a one-line ``error`` naming the step and the cause (server paths elided); the other rows and
 the engine go on. Only a forward that fails as a whole (no row left, out of memory) ends every row of it.
@@ -32,7 +32,7 @@ Refusals are typed (:mod:`kvslim.engine.errors`): :meth:`Engine.submit` raises a
 :class:`~kvslim.engine.errors.Refusal` subclass saying which limit a request hit, before anything is queued.
 
 Greedy output of a request equals that request run alone through the engine, token for token, whatever
-else shares its steps (every row's logits are bit-identical: :mod:`kvslim.ragged`, "Filler rows"; the
+else shares its steps (every row's logits are bit-identical: :mod:`kvslim.cache.ragged`, "Filler rows"; the
 prefill of a request never mixes with another's). The engine is driven from one thread; :meth:`submit`,
 :meth:`cancel`, :meth:`cancel_all` and :meth:`delete_session` may be called from others (a lock orders
 them with steps).
@@ -139,7 +139,7 @@ class Engine:
                 f"the batch engine cannot serve {self.shapes.model_type}: MLA expands its cached latent before "
                 "attention, so there are no per-row codes to attend on"
             )
-        from ..levers import rotary_embedding
+        from ..cache.levers import rotary_embedding
 
         emb, _ = rotary_embedding(config)
         rope_type = getattr(emb, "rope_type", "default") if emb is not None else "default"
@@ -169,7 +169,7 @@ class Engine:
         self.row_errors = 0  # requests ended by a failure in a step
         self._fingerprint = None
         if session_dir is not None or self.default_cache.mean_center is not None:
-            from ..fingerprint import model_fingerprint
+            from ..calibration.fingerprint import model_fingerprint
 
             self._fingerprint = model_fingerprint(model)
         self._allow_other_model = allow_other_model
@@ -191,7 +191,7 @@ class Engine:
         """The default cache's bias file, read once (every cache built from it shares the tensors)."""
         if path is None:
             return None
-        from ..biasfile import read_bias_file
+        from ..calibration.biasfile import read_bias_file
 
         try:
             return read_bias_file(path)
@@ -199,7 +199,7 @@ class Engine:
             raise ValueError(f"the cache's mean_center bias file {path!r} cannot be read: {e.strerror or e}") from None
 
     def _make_cache(self, cfg: CacheConfig):
-        from ..cache import SlimCache, SlimCacheLayer
+        from ..cache.adapter import SlimCache, SlimCacheLayer
 
         if cfg.mean_center is None:
             cache = SlimCache.from_config(cfg, config=self.model.config)

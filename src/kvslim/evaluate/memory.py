@@ -3,7 +3,7 @@
 Two ways to count, one definition of a stored byte (every stored tensor: codes, scales, zeros, the
 full-precision residual and sinks, the mean-centering bias; not the buffers' preallocated slack):
 
-- a formula, :func:`cache_bytes`, mirrors :class:`kvslim.layer.SlimLayer`'s storage for a model's
+- a formula, :func:`cache_bytes`, mirrors :class:`kvslim.cache.layer.SlimLayer`'s storage for a model's
   shapes, so a table up to 128k tokens costs no forward pass (a test checks it against a real
   SlimCache's tensors);
 - a measurement, :func:`kv_bits`, reads a real cache an evaluation has just filled: bits per stored
@@ -72,7 +72,7 @@ def stream_layout(
     prefill: int = 0,
 ) -> tuple[int, int, int]:
     """``(encoded tokens, encoded groups, full-precision tokens)`` one K or V stream holds after
-    ``seen`` non-sink tokens arrived — the accounting of :class:`kvslim.layer.Stream`.
+    ``seen`` non-sink tokens arrived — the accounting of :class:`kvslim.cache.layer.Stream`.
 
     The newest ``residual`` tokens stay at full precision; older ones leave the residual ``unit``
     (the config's ``group_size``) at a time and are encoded (so ``residual + (seen - residual) % unit``
@@ -158,11 +158,11 @@ def cache_bytes(
     """``(stored tokens, bytes)`` a SlimCache of ``config`` holds after ``seen`` tokens: a first forward
     of ``prefill`` tokens (None: every token on its own), then one token per step.
 
-    Mirrors :class:`kvslim.layer.SlimLayer`: per layer, sinks in their stream's full-precision dtype
+    Mirrors :class:`kvslim.cache.layer.SlimLayer`: per layer, sinks in their stream's full-precision dtype
     (:func:`fp_bytes`), then per stream
     encoded tokens (token parts per token, group parts per group, as the codec really encodes them)
     and a full-precision residual, plus a float32 ``(H_kv, D)`` mean-centering bias and, for a centered K
-    body, one byte per token and head (``kvslim.buffers.CENTERED``). Counts the stored
+    body, one byte per token and head (``kvslim.cache.buffers.CENTERED``). Counts the stored
     tensors only, not the buffers' preallocated slack (see ``SlimCache.nbytes``).
     """
     check_int("seen", seen, 0, "tokens fed to the cache")
@@ -249,8 +249,8 @@ def kv_bits(cache) -> KVBits:
     transformers cache (``DynamicCache``, a test's stand-in) is read from its layers' ``keys`` /
     ``values``, which are all it stores.
     """
-    from ..cache import SlimCache
-    from ..static_cache import StaticSlimCache
+    from ..cache.adapter import SlimCache
+    from ..cache.static_adapter import StaticSlimCache
 
     seen = int(cache.get_seq_length())
     if isinstance(cache, SlimCache):

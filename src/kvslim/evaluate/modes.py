@@ -47,7 +47,7 @@ def resolve_modes(configs: Iterable[str | CacheConfig]) -> list[Mode]:
 
 def slim_cache_maker(model_config) -> CacheMaker:
     """``make_cache(CacheConfig) -> SlimCache`` for a model config (imports transformers lazily)."""
-    from ..cache import SlimCache
+    from ..cache.adapter import SlimCache
 
     def make(cfg: CacheConfig):
         return SlimCache.from_config(cfg, config=model_config)

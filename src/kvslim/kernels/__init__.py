@@ -1,7 +1,7 @@
 """Attention kernels on the encoded KV store: K scores and attention-weighted V sums, no fp copy.
 
 Two functions, one per matmul of attention, over the *encoded* body of a stream (see
-:mod:`kvslim.layer`: the sinks and the fp residual are plain tensors the caller handles itself)::
+:mod:`kvslim.cache.layer`: the sinks and the fp residual are plain tensors the caller handles itself)::
 
     k_scores(q, codec, enc, offset)   -> (B, H, M, T)   q @ K^T,  K = codec.decode(enc, fp32, offset)
     v_weighted(p, codec, enc, offset) -> (B, H, M, D)   p @ V,    V = codec.decode(enc, fp32, offset)
@@ -61,7 +61,7 @@ class KeyTransform:
 
     1. ``bias`` (H_kv, D) float32 added (the mean-centering zero point; None: none) — to the tokens whose
        ``centered`` flag (B, H_kv, T, 1) uint8 is set (None: to every token);
-    2. ``hadamard`` (a :class:`~kvslim.hadamard.Hadamard`) applied (None: none);
+    2. ``hadamard`` (a :class:`~kvslim.cache.hadamard.Hadamard`) applied (None: none);
     3. RoPE: channel pair ``(o + i, o + i + R/2)`` of token ``t`` (body index) rotated by the angle whose
        cosine and sine are ``cos[b, t, i]`` / ``sin[b, t, i]``, ``cos``/``sin`` (B or 1, T, R/2) float32,
        ``o = rope_offset`` (None: no rotation).

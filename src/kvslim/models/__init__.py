@@ -29,13 +29,13 @@ a library's traceback.
 One job a module: :mod:`~kvslim.models.sources` (what a spec names, the loader of each kind of source),
 :mod:`~kvslim.models.converted` (the embedded model's converted copy), :mod:`~kvslim.models.parallel`
 (tensor-parallel loading), :mod:`~kvslim.models.load` (``load_model``, which picks among them). The
-weights' fingerprint is :mod:`kvslim.fingerprint` (re-exported here). This package re-exports only, and
+weights' fingerprint is :mod:`kvslim.calibration.fingerprint` (re-exported here). This package re-exports only, and
 knows nothing about KV caches or generation.
 """
 
 from __future__ import annotations
 
-from ..fingerprint import model_fingerprint
+from ..calibration.fingerprint import model_fingerprint
 from .converted import cache_dir, check_cache_writable, converted_dir, is_converted
 from .load import load_model
 from .sources import EMBEDDED_FILE, EMBEDDED_INSTALL, EMBEDDED_PACKAGE, embedded_gguf_path, resolve_spec

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..fingerprint import model_fingerprint
+from ..calibration.fingerprint import model_fingerprint
 from .sources import _first_line, _from_dir, _from_gguf, _one_line, _quiet_progress, embedded_gguf_path
 
 #: Bump when the converted copy's layout changes, so old copies are not reused.

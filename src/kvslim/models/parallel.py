@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..fingerprint import model_fingerprint
+from ..calibration.fingerprint import model_fingerprint
 from .converted import _MARKER, _copy_problem, _read_marker, converted_dir
 from .sources import _from_dir, _from_hub, _one_line, _quiet_progress
 

@@ -6,8 +6,8 @@ Usage::
     cache = SlimCache(kv_quantize="int4", sink=4, window=1020, config=model.config)
     out = model.generate(**inputs, past_key_values=cache)      # or model(..., cache=cache)
 
-Everything about storage lives in :mod:`kvslim.layer`, everything about which tokens are kept in
-:mod:`kvslim.policy`, every format in :mod:`kvslim.formats`. This module maps transformers' per-layer
+Everything about storage lives in :mod:`kvslim.cache.layer`, everything about which tokens are kept in
+:mod:`kvslim.cache.policy`, every format in :mod:`kvslim.formats`. This module maps transformers' per-layer
 contract (``update``, ``get_seq_length``, ``get_mask_sizes``, ``reorder_cache``, ``crop``, ...)
 onto them.
 
@@ -15,7 +15,7 @@ Masking after eviction: a layer holding ``stored`` of ``seen`` tokens reports
 ``get_mask_sizes(q) = (stored + q, seen - stored)``, i.e. its stored tokens are presented as if
 they were the ``stored`` positions just before the new ones. All of them precede every new query,
 so the causal mask shows them all and stays causal among the new tokens; and because of the
-sink rule in :mod:`kvslim.policy`, the padding mask read at those positions is exactly right for
+sink rule in :mod:`kvslim.cache.policy`, the padding mask read at those positions is exactly right for
 left-padded batches too.
 
 Left padding — the convention, written once here. Row ``b`` of a batch carries ``pads[b]`` pad tokens
@@ -37,9 +37,13 @@ import weakref
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import attention, compat
-from .compat import DummyLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer  # by release: see compat
-from .config import (
+from .. import attention, compat
+from ..compat import (  # by release: see compat
+    DummyLayer,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+)
+from ..config import (
     DEFAULT_GROUP_SIZE,
     DEFAULT_KEEP_FORMAT,
     DEFAULT_POSITIONS,
@@ -48,16 +52,16 @@ from .config import (
     DEFAULT_ROTATE,
     CacheConfig,
 )
-from .formats import make_codec
+from ..formats import make_codec
+from ..shapes import ModelShapes, is_mla, text_config
 from .layer import SlimLayer
 from .levers import model_rotary, resolve_levers
 from .policy import KeepPolicy
 from .positions import base_from_positions, max_position, pads_from_positions, rebase_period
-from .shapes import ModelShapes, is_mla, text_config
 
 
 class SlimCacheLayer(CacheLayerMixin):
-    """transformers' per-layer contract over a :class:`~kvslim.layer.SlimLayer`."""
+    """transformers' per-layer contract over a :class:`~kvslim.cache.layer.SlimLayer`."""
 
     is_compileable = False
     is_sliding = False
@@ -221,7 +225,7 @@ def _refuse_assignment(name: str, value) -> None:
 class SlimHybridLayer(LinearAttentionLayer, SlimCacheLayer):
     """A layer with both a linear-attention (SSM / conv) state and attention K/V (Falcon-H1's
     ``hybrid`` layers): the recurrent state is kept exactly as transformers' own layer keeps it, the
-    K/V in a :class:`~kvslim.layer.SlimLayer`."""
+    K/V in a :class:`~kvslim.cache.layer.SlimLayer`."""
 
     def __init__(
         self, store_factory, owner: SlimCache, layer_idx: int, layer_type: str, number_of_states: int = 1
@@ -300,7 +304,7 @@ class SlimCache(Cache):
             records it and a mismatch is an error). Subtracted from a key when it is encoded, where
             that lowers the key's error (per token), and added back on read.
         rotate: ``none``, ``k``, ``v`` or ``kv``: the encoded K / V are stored rotated by an orthonormal
-            Hadamard matrix (:mod:`kvslim.hadamard`); attention rotates the query once and the output
+            Hadamard matrix (:mod:`kvslim.cache.hadamard`); attention rotates the query once and the output
             back once. Needs ``config``. ``auto`` (default): every quantized tensor that can be rotated,
             K as a bias file records it. ``cache.rotate`` and ``report()`` say what was chosen.
         pre_rope: the K stream holds keys before RoPE, un-rotated with the model's own RoPE and rotated
@@ -326,10 +330,10 @@ class SlimCache(Cache):
         compressed_attention: whether decode steps hand the ``kvslim`` attention the stored segments;
             None decides it here, once, from ``config`` (True when the model uses ``"kvslim"``).
         observe: ``observe(layer_idx, keys, values)`` is called with every update's new (raw) keys and
-            values before they are stored (:mod:`kvslim.calibrate` collects K means with it).
+            values before they are stored (:mod:`kvslim.calibration.calibrate` collects K means with it).
         observe_stored: hand ``observe`` the keys in the basis the K body stores them (rotated,
             pre-RoPE; never centered) instead of the raw keys.
-        model_fingerprint: :func:`kvslim.fingerprint.model_fingerprint` of the model; a bias file recorded for
+        model_fingerprint: :func:`kvslim.calibration.fingerprint.model_fingerprint` of the model; a bias file recorded for
             another model is then refused unless ``allow_other_model=True`` (which warns).
         offloading: DynamicCache's option; only False is accepted (the compressed store is not offloaded).
 
@@ -421,7 +425,7 @@ class SlimCache(Cache):
         )
         self.observe = observe
         #: observe() sees the new keys in the basis the K body is stored in (rotated, pre-RoPE; never
-        #: centered): what a bias for this cache's basis is the mean of (kvslim.calibrate)
+        #: centered): what a bias for this cache's basis is the mean of (kvslim.calibration.calibrate)
         self.observe_stored = observe_stored
         self._base_memo = None  # (key, base, weakref to the position ids) of the forward served (_forward_base)
         self.pads: torch.Tensor | None = None  # (B,) left padding, when handed explicitly
@@ -479,7 +483,7 @@ class SlimCache(Cache):
                 raise ValueError(
                     "mean_center needs config=model.config to check the bias against the model's shapes"
                 )
-            from .meancenter import load_mean_center
+            from ..calibration.meancenter import load_mean_center
 
             self._biases = load_mean_center(
                 mean_center,
@@ -579,7 +583,7 @@ class SlimCache(Cache):
         return SlimCacheLayer(functools.partial(self._new_store, idx), self, idx)
 
     def _forward_base(self, position_ids, pads, seen: int, n_new: int, batch: int) -> int:
-        """:func:`~kvslim.positions.base_from_positions`, once per forward: every layer of a forward hands the
+        """:func:`~kvslim.cache.positions.base_from_positions`, once per forward: every layer of a forward hands the
         same position ids at the same count (a check and a host sync per layer otherwise)."""
         key = (id(position_ids), id(pads), seen, n_new, batch)
         memo = self._base_memo
@@ -677,7 +681,7 @@ class SlimCache(Cache):
 
     def _rotary_nbytes(self) -> int:
         """The RoPE frequencies (+ pre-RoPE's angle table), each held once; the Hadamard block matrices are
-        module-level, shared by every cache (kvslim.hadamard: 4 * block^2 bytes per block size, 16 KiB for 64),
+        module-level, shared by every cache (kvslim.cache.hadamard: 4 * block^2 bytes per block size, 16 KiB for 64),
         not held here."""
         rotaries = {
             id(r): r for r in (self.rotary, getattr(self._rope_source, "rotary", None)) if r is not None
@@ -738,7 +742,7 @@ class SlimCache(Cache):
     ) -> dict:
         """Write this cache to ``path`` as it is stored (no re-quantization), atomically; ``token_ids`` (B, T)
         and ``model_fingerprint`` are recorded for the checks on load. Returns the file's header."""
-        from .promptcache import save
+        from ..promptcache import save
 
         return save(self, path, token_ids=token_ids, model_fingerprint=model_fingerprint)
 
@@ -749,7 +753,7 @@ class SlimCache(Cache):
         """A cache saved with :meth:`save`, rebuilt for the model of ``config`` with the file's settings; a
         file for another model, format, levers or bias, or a damaged one, is a ValueError naming what differs
         (:func:`kvslim.promptcache.load`, which also returns the saved token ids)."""
-        from .promptcache import load
+        from ..promptcache import load
 
         return load(
             path, config=config, model_fingerprint=model_fingerprint, mean_center=mean_center, device=device

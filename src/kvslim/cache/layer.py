@@ -22,12 +22,12 @@ Layout of one layer (per K and per V, same token order)::
 - The stored basis (docs/quality.md, "Low-bit levers"). The encoded body may be stored in another
   basis than the model's keys/values: Hadamard-rotated (``k_hadamard``/``v_hadamard``), K mean-centered
   (``k_bias``, in the rotated basis when K is rotated) — both applied when tokens are encoded and undone
-  exactly on read (:class:`~kvslim.buffers.BodyBasis`) — and, with ``pre_rope``, the whole K stream
+  exactly on read (:class:`~kvslim.cache.buffers.BodyBasis`) — and, with ``pre_rope``, the whole K stream
   (residual and body) holds keys *before* RoPE: un-rotated on append with the forward's own rotary
   (KVQuant's pre-RoPE keys), rotated again on read at the position the current forward sees them. Sinks
   always hold the keys as the model gave them.
 
-This module knows nothing about transformers; :mod:`kvslim.cache` adapts it.
+This module knows nothing about transformers; :mod:`kvslim.cache.adapter` adapts it.
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..formats import Codec, Encoded
+from ..kernels import cpu as cpu_kernels
 from .buffers import CENTERED, BodyBasis, Stream
-from .formats import Codec, Encoded
 from .hadamard import Hadamard
-from .kernels import cpu as cpu_kernels
 from .policy import KeepPolicy
 from .rotary import Rotary
 
@@ -60,7 +60,7 @@ class Segments:
     k_runs: ``((tokens, delta), ...)`` over the K stream (body then residual, oldest first): each
     run's keys sit ``delta`` positions off the current frame and must be moved by ``delta`` with
     ``rotary``. Empty: nothing to move (always, with ``k_pos``).
-    k_basis, v_basis: the basis of each encoded body (:class:`~kvslim.buffers.BodyBasis`; None: the
+    k_basis, v_basis: the basis of each encoded body (:class:`~kvslim.cache.buffers.BodyBasis`; None: the
     stream's own). k_pos: (B, L) int64, the position each K stream key (body, then residual) must be
     rotated to with ``rope`` — set when the K stream holds keys before RoPE (``pre_rope``), None otherwise.
     """
@@ -251,7 +251,7 @@ class SlimLayer:
     def basis_keys(self, keys: torch.Tensor, *, base: int = 0, rope: Rotary | None = None) -> torch.Tensor:
         """New keys (B, H, C, D), about to be appended, in the basis the K body stores them — un-rotated
         (``pre_rope``) and Hadamard-rotated (``k_hadamard``), never centered: what a mean-centering bias
-        for this basis is the mean of (:mod:`kvslim.calibrate` observes them). float32."""
+        for this basis is the mean of (:mod:`kvslim.calibration.calibrate` observes them). float32."""
         x = keys.float()
         if self.pre_rope:
             rope = self.rotary if rope is None else rope

@@ -1,9 +1,9 @@
 """The K mean-centering bias as data: :class:`BiasSet` (per-layer ``(H_kv, D)`` tensors and their provenance),
 :class:`KStats`, and the checks of one layer's tensor that every reader shares.
 
-A leaf: it imports nothing from kvslim. The file's bytes are :mod:`kvslim.biasfile`'s, the checks
-against a model and the hand-over to a cache :mod:`kvslim.meancenter`'s, measuring
-:mod:`kvslim.calibrate`'s, applying one the cache layer's (:mod:`kvslim.layer`).
+A leaf: it imports nothing from kvslim. The file's bytes are :mod:`kvslim.calibration.biasfile`'s, the checks
+against a model and the hand-over to a cache :mod:`kvslim.calibration.meancenter`'s, measuring
+:mod:`kvslim.calibration.calibrate`'s, applying one the cache layer's (:mod:`kvslim.cache.layer`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 #: The two K channel orders a bias can be in: transformers' (what kvslim's cache stores) and llama.cpp's
-#: (permuted for llama-arch models; :func:`kvslim.biasfile.to_llama_cpp_order`).
+#: (permuted for llama-arch models; :func:`kvslim.calibration.biasfile.to_llama_cpp_order`).
 CHANNEL_ORDERS = ("transformers", "llama.cpp")
 
 
@@ -41,19 +41,19 @@ class BiasSet:
 
     tensors: one float32 tensor ``(H_kv, D)`` per attention layer, index = model layer index.
         A set read from a file whose tensors are 1-D (the fork writes 1-D) holds ``(H_kv * D,)``
-        tensors unless :func:`~kvslim.biasfile.read_bias_file` was given the head shape.
+        tensors unless :func:`~kvslim.calibration.biasfile.read_bias_file` was given the head shape.
     k_rot: the basis: True if K was calibrated after a Hadamard rotation (``rotate='k'``/``'kv'``;
-        :mod:`kvslim.hadamard`).
+        :mod:`kvslim.cache.hadamard`).
     pre_rope: True if K was calibrated before RoPE (``pre_rope=True``; kvslim only, the fork has no
         such basis).
     model_fingerprint: kvslim's model fingerprint, ``sha256:<64 hex>``
-        (:func:`kvslim.fingerprint.model_fingerprint`), stored as the bare hex digits in
+        (:func:`kvslim.calibration.fingerprint.model_fingerprint`), stored as the bare hex digits in
         ``kv_mean_center.model_sha256``; None if unknown (also for a file whose ``model_sha256`` is
         another tool's identity, e.g. the fork's GGUF-file hash).
     cache_type: the K storage format the bias was calibrated for (e.g. ``q4_0``); None if unknown.
     channel_order: ``transformers`` (the K channel order of the transformers model, what kvslim's
         cache stores), ``llama.cpp`` (permuted for llama.cpp, see
-        :func:`~kvslim.biasfile.to_llama_cpp_order`), or None if unknown (a fork-written file:
+        :func:`~kvslim.calibration.biasfile.to_llama_cpp_order`), or None if unknown (a fork-written file:
         llama.cpp's order).
     n_tokens, text_sha256, ctx, n_chunks: the calibration run (tokens used, sha256 of the text's
         UTF-8 bytes, chunk length, number of chunks); None if unknown (e.g. a fork-written file).

@@ -3,7 +3,7 @@ Hadamard rotation per tensor and pre-RoPE storage, ``auto`` resolved (docs/quali
 
 What this module knows: how to find a transformers model's rotary embedding and whether kvslim can move its
 keys exactly; which levers a :class:`~kvslim.config.CacheConfig` and a bias file ask for. It knows nothing
-about storage or transformers' Cache API (:mod:`kvslim.cache` calls it once per cache).
+about storage or transformers' Cache API (:mod:`kvslim.cache.adapter` calls it once per cache).
 """
 
 from __future__ import annotations
@@ -13,17 +13,17 @@ import warnings
 
 import torch
 
-from .config import CacheConfig
+from ..config import CacheConfig
+from ..shapes import ModelShapes, is_mla, text_config
 from .hadamard import Hadamard
 from .rotary import Rotary, rotate_half_reference
-from .shapes import ModelShapes, is_mla, text_config
 
 #: RoPE variants whose frequencies do not depend on the positions fed (a key can be moved exactly).
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
 
 def model_rotary(config) -> tuple[Rotary | None, str]:
-    """The model's RoPE as a :class:`~kvslim.rotary.Rotary`, read from its own rotary module, or
+    """The model's RoPE as a :class:`~kvslim.cache.rotary.Rotary`, read from its own rotary module, or
     ``(None, why)`` when kvslim cannot move its keys exactly."""
     emb, why = rotary_embedding(config)
     if emb is None:
@@ -116,12 +116,12 @@ def resolve_levers(cfg: CacheConfig, config, shapes: ModelShapes | None, codecs:
 def bias_basis(mean_center) -> tuple[bool, bool] | None:
     """``(k_rot, pre_rope)`` a bias records (a file's keys, a BiasSet's fields; plain tensors: unrotated,
     post-RoPE), or None when it cannot be read here (loading it says why)."""
-    from .meancenter import BiasSet
+    from ..calibration.meancenter import BiasSet
 
     if isinstance(mean_center, BiasSet):
         return bool(mean_center.k_rot), bool(mean_center.pre_rope)
     if isinstance(mean_center, (str, os.PathLike)):
-        from .biasfile import read_layers
+        from ..calibration.biasfile import read_layers
 
         try:
             _, meta = read_layers(mean_center)

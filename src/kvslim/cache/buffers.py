@@ -7,7 +7,7 @@ plan (encode; may fail) and a commit (cannot fail), so a layer can make an updat
 A stream's encoded body may sit in another basis than the tokens appended (:class:`BodyBasis`: a
 Hadamard rotation, a mean-centering bias subtracted); the residual never does.
 
-This module knows nothing about positions, eviction policy or transformers (see :mod:`kvslim.layer`).
+This module knows nothing about positions, eviction policy or transformers (see :mod:`kvslim.cache.layer`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .formats import Codec, Encoded
+from ..formats import Codec, Encoded
 from .hadamard import Hadamard
 
 

@@ -1,9 +1,9 @@
-"""The static (compile-friendly) SlimCache: :mod:`kvslim.static`'s fixed buffers behind transformers' layer
+"""The static (compile-friendly) SlimCache: :mod:`kvslim.cache.static`'s fixed buffers behind transformers' layer
 contract, so ``torch.compile`` can trace a decode step (:mod:`kvslim.compiled`, docs/compile.md).
 
-With :mod:`kvslim.cache`, the only module that touches transformers' Cache API; it subclasses
-:class:`~kvslim.cache.SlimCache` for everything decided at construction (formats, levers, bias, validation)
-and swaps every layer's store for a :class:`~kvslim.static.StaticStore`.
+With :mod:`kvslim.cache.adapter`, the only module that touches transformers' Cache API; it subclasses
+:class:`~kvslim.cache.adapter.SlimCache` for everything decided at construction (formats, levers, bias, validation)
+and swaps every layer's store for a :class:`~kvslim.cache.static.StaticStore`.
 """
 
 from __future__ import annotations
@@ -11,18 +11,18 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from . import attention, compat
+from .. import attention, compat
+from ..checks import check_int
+from ..shapes import is_mla, text_config
+from .adapter import _FP_DTYPES, SlimCache, _layer_plan, _refuse_assignment
 from .buffers import BodyBasis
-from .cache import _FP_DTYPES, SlimCache, _layer_plan, _refuse_assignment
-from .checks import check_int
-from .shapes import is_mla, text_config
 from .static import StaticStore
 
 
 class StaticSlimCacheLayer(CacheLayerMixin):
-    """One layer of a :class:`StaticSlimCache`: a :class:`~kvslim.static.StaticStore` behind transformers'
+    """One layer of a :class:`StaticSlimCache`: a :class:`~kvslim.cache.static.StaticStore` behind transformers'
     layer contract. A one-token update (the decode step) is branch-free and returns the store's
-    :class:`~kvslim.static.StaticSegments` for the ``kvslim`` attention; a longer one (prefill) stores the
+    :class:`~kvslim.cache.static.StaticSegments` for the ``kvslim`` attention; a longer one (prefill) stores the
     tokens on the host's decisions and returns the stored tokens decoded, followed by the new ones at full
     precision (what :class:`SlimCacheLayer` hands attention for a prefill chunk)."""
 

@@ -1,6 +1,6 @@
 """One layer's K/V in fixed-capacity buffers, addressed by slot: the store a compiled decode step runs on.
 
-:class:`StaticStore` keeps the tokens a :class:`~kvslim.layer.SlimLayer` of the same options keeps —
+:class:`StaticStore` keeps the tokens a :class:`~kvslim.cache.layer.SlimLayer` of the same options keeps —
 the same sinks, the same groups encoded at the same steps, the same window — but in buffers that are
 allocated once (at the first write) and never change shape, never move and are never re-sliced, so a
 decode step is one fixed graph: ``torch.compile`` traces it once per shape (docs/compile.md).
@@ -17,7 +17,7 @@ Token ``t`` (counted over every token this layer has seen; ``i = t - S`` its ind
 - else fp slot ``S + i % F``. When token ``i`` completes a group that makes the fp ring full (``(i + 1) % G
   == 0`` and ``i + 1 >= F``), the oldest ``G`` fp tokens ``[i + 1 - F, i + 1 - F + G)`` are encoded together
   into body slots ``(i + 1 - F) % C`` onward and their fp slots freed: between ``R`` and ``R + G - 1``
-  stream tokens stay at full precision, exactly as in :mod:`kvslim.layer`. A lossless store (``none``) has
+  stream tokens stay at full precision, exactly as in :mod:`kvslim.cache.layer`. A lossless store (``none``) has
   no body: its ring holds the whole window (or the capacity).
 
 Attention reads every slot and masks those that are empty or evicted (``t < seen - window`` for a stream
@@ -34,7 +34,7 @@ a tensor and, compiled, decides whether a group is due with ``torch.cond`` (both
 run: the group encoded, or the slots' contents kept), so the same graph serves every step with no host sync
 and no recompile. Eagerly it asks the host (``bool(due)``): the same writes.
 
-This module knows nothing about transformers; :mod:`kvslim.static_cache` adapts it (``StaticSlimCache``).
+This module knows nothing about transformers; :mod:`kvslim.cache.static_adapter` adapts it (``StaticSlimCache``).
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..formats import Codec, Encoded
+from ..kernels.ops import codec_key
 from .buffers import CENTERED, BodyBasis, encode_in_basis
-from .formats import Codec, Encoded
-from .kernels.ops import codec_key
 from .rotary import Rotary
 
 
@@ -106,7 +106,7 @@ class StaticStore:
     """The K and V of one attention layer in fixed buffers (module docstring).
 
     sink, window (None: no eviction, ``capacity`` tokens at most), residual and group as in
-    :class:`~kvslim.layer.SlimLayer`; k_basis / v_basis: the stored basis of each encoded body (None: the
+    :class:`~kvslim.cache.layer.SlimLayer`; k_basis / v_basis: the stored basis of each encoded body (None: the
     tokens as given); fp_dtype: storage of the full-precision slots (None: the model's).
     """
 
@@ -220,7 +220,7 @@ class StaticStore:
     # -- writes -----------------------------------------------------------------------------
     def write(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``T`` new tokens (B, H, T, D), deciding on the host (eager; a prefill chunk). Returns what a
-        :class:`~kvslim.layer.SlimLayer` hands standard attention for the chunk: every token stored before it
+        :class:`~kvslim.cache.layer.SlimLayer` hands standard attention for the chunk: every token stored before it
         (none evicted yet) and the new ones, each as stored (encoded tokens decoded, fp ones in the fp dtype),
         in the model's dtype: (B, H, stored + T, D) K and V."""
         t0, q = int(self.seen), keys.shape[2]
@@ -314,7 +314,7 @@ class StaticStore:
             xk = self.k_fp.index_select(2, src).to(keys.dtype)
             xv = self.v_fp.index_select(2, src).to(values.dtype)
             if self.residual == 0:  # the group ends with the new token: encoded as given, never rounded to the
-                # fp dtype first (as in kvslim.buffers)
+                # fp dtype first (as in kvslim.cache.buffers)
                 xk = torch.cat([xk[:, :, :-1], keys], dim=2)
                 xv = torch.cat([xv[:, :, :-1], values], dim=2)
             # Encoded only when due (torch.cond: one branch runs; a compiled step keeps both in one graph), else

@@ -9,7 +9,7 @@ carried as ``pads`` to every later step. kvslim's loop (:mod:`kvslim.generate`) 
 the cache reads back here what a forward's ids imply when nobody handed them over (``model.generate()``:
 :func:`pads_from_positions`, :func:`base_from_positions`, :func:`max_position`). The batch engine's ragged steps
 take each row's id from :func:`position_ids` of the row's own cache and hand the base explicitly
-(:mod:`kvslim.ragged`). No other module builds or infers position ids.
+(:mod:`kvslim.cache.ragged`). No other module builds or infers position ids.
 
 This module holds no state and knows nothing about storage.
 """
@@ -79,7 +79,7 @@ def _loop_rebase_period(cache) -> int | None:
     """The cache's re-base period, when it can read a base back from the ids: a SlimCache that was
     handed its padding (a cache fed before kvslim's loop saw it reads ids by transformers'
     convention, where an offset would look like padding)."""
-    from .cache import SlimCache
+    from .adapter import SlimCache
 
     if isinstance(cache, SlimCache) and cache.padding_explicit:
         return cache.rebase_period
@@ -88,7 +88,7 @@ def _loop_rebase_period(cache) -> int | None:
 
 def hand_padding(cache, pads: torch.Tensor | None) -> None:
     """Tell a SlimCache the batch's left padding, once, before its first token."""
-    from .cache import SlimCache
+    from .adapter import SlimCache
 
     if isinstance(cache, SlimCache) and not cache.padding_explicit and cache.get_seq_length() == 0:
         cache.set_left_padding(pads)

@@ -5,7 +5,7 @@ caches have different lengths, different evicted ranges and different settings (
 :class:`~kvslim.SlimCache`, built for batch 1). Padding every row to the longest would cost what the
 longest row costs, for every row, and would need one storage layout for all of them. Instead
 :class:`RaggedCache` hands each attention layer a :class:`RaggedSegments`: one
-:class:`~kvslim.layer.Segments` view per row (None for a filler row, see below), and the ``kvslim``
+:class:`~kvslim.cache.layer.Segments` view per row (None for a filler row, see below), and the ``kvslim``
 attention (:mod:`kvslim.attention`) attends on each row's own codes: one C call a layer for every row the
 fused kernel reads (:func:`kvslim.kernels.cpu.attend_rows`, each row computed as it would be alone), row by
 row for the others. The linear layers, the norms and RoPE run once over the whole batch — that is what a
@@ -46,7 +46,7 @@ from .layer import Segments
 @dataclass(frozen=True)
 class RaggedSegments:
     """One layer's stored tokens for every row of a ragged step: ``rows[b]`` is row ``b``'s
-    :class:`~kvslim.layer.Segments` (batch 1, taken after this step's token was appended, before
+    :class:`~kvslim.cache.layer.Segments` (batch 1, taken after this step's token was appended, before
     eviction), or None for a filler row. Valid until the next step."""
 
     rows: tuple[Segments | None, ...]
@@ -149,7 +149,7 @@ class RaggedCache(Cache):
     """
 
     def __init__(self, caches, positions: list[int], bases: list[int], errors: dict | None = None):
-        from .cache import SlimCacheLayer
+        from .adapter import SlimCacheLayer
 
         real = [c for c in caches if c is not None]
         if not real:

@@ -14,7 +14,7 @@ applied (the key is returned untouched), so modes that do not move a key stay bi
 
 ``attention_scaling`` (YaRN's mscale) multiplies cos/sin in the model; a key already carries it once,
 so a move applies the pure rotation. This module knows nothing about transformers: the adapter
-(:mod:`kvslim.cache`) reads ``inv_freq`` from the model's own rotary module.
+(:mod:`kvslim.cache.adapter`) reads ``inv_freq`` from the model's own rotary module.
 """
 
 from __future__ import annotations

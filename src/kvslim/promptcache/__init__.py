@@ -15,7 +15,7 @@ whose metadata key ``kvslim`` holds a JSON header::
     levers                   what the cache resolved: rotate, pre_rope, positions, residual (tokens),
                              residual_dtype
     mean_center              None, or {path, file_sha256, bias_sha256} (bias_sha256: of the per-layer tensors)
-    model                    {fingerprint (kvslim.fingerprint.model_fingerprint, or None), model_type, n_layers,
+    model                    {fingerprint (kvslim.calibration.fingerprint.model_fingerprint, or None), model_type, n_layers,
                               n_kv_heads, k_head_dim, v_head_dim}
     padding                  {explicit}: the cache's left padding was handed over (tensor ``padding.pads``)
     layers                   per model layer: {kind: "kv" | "dummy", seen, base, runs, dtype, kv_shape, v_dim,
@@ -32,7 +32,7 @@ a JSON-able dict — and :func:`from_state` builds the cache back; :func:`save` 
 
 Loading rebuilds a fresh cache from the header's settings for the caller's model (``config``), checks
 that it resolves the same levers and that the model and bias are the ones recorded, and fills its layers
-through their own appends (:meth:`~kvslim.layer.SlimLayer.restore`): a failed load builds nothing the
+through their own appends (:meth:`~kvslim.cache.layer.SlimLayer.restore`): a failed load builds nothing the
 caller sees. Layers with a recurrent state (linear attention, SSM hybrids) are refused: their state is
 not stored in these files (yet).
 
@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .formats import Encoded
+from ..formats import Encoded
 
 #: What the ``format`` field of the header says.
 FORMAT = "kvslim-prompt-cache"
@@ -83,11 +83,11 @@ def to_state(
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """A SlimCache as ``(tensors, header)``: contiguous CPU copies of every stored tensor, and the JSON-able
     header of the module docstring. token_ids: (B, T) the ids the cache was filled with (stored as given);
-    model_fingerprint: :func:`kvslim.fingerprint.model_fingerprint` of the model, recorded for the check on load.
+    model_fingerprint: :func:`kvslim.calibration.fingerprint.model_fingerprint` of the model, recorded for the check on load.
 
     Raises ValueError (before copying anything) for a layer with a recurrent state or a batch mismatch."""
-    from .cache import SlimCache, SlimCacheLayer, SlimHybridLayer, _layer_kind
-    from .compat import DummyLayer
+    from ..cache.adapter import SlimCache, SlimCacheLayer, SlimHybridLayer, _layer_kind
+    from ..compat import DummyLayer
 
     if not isinstance(cache, SlimCache):
         raise ValueError(f"to_state saves a SlimCache, got {type(cache).__name__}")
@@ -203,9 +203,9 @@ def from_state(
     cache_config: the settings the caller expects (a CacheConfig or spec; None: any): a file saved with
         others is refused (the bias is compared by identity, not by path).
     Raises ValueError (one line, starting with ``where``) naming what differs and what was expected."""
-    from .cache import SlimCache, SlimCacheLayer
-    from .config import parse_spec
-    from .shapes import ModelShapes
+    from ..cache.adapter import SlimCache, SlimCacheLayer
+    from ..config import parse_spec
+    from ..shapes import ModelShapes
 
     def fail(msg: str) -> ValueError:
         return ValueError(f"{where}: {msg}")
@@ -355,7 +355,7 @@ def write_state(tensors: dict[str, torch.Tensor], header: dict, path: str | os.P
     server's background writer)."""
     from safetensors.torch import save_file
 
-    from .atomic import atomic_path
+    from ..atomic import atomic_path
 
     metadata = {META_KEY: json.dumps(header, sort_keys=True, separators=(",", ":"))}
 
@@ -500,7 +500,7 @@ class SavedCache:
     ) -> SavedCache:
         """From a prompt cache header (:func:`to_state`, :func:`read_header`). CannotContinue (kind
         ``damaged``, or ``settings`` for settings this kvslim does not know) for a header it does not read."""
-        from .config import parse_spec
+        from ..config import parse_spec
 
         try:
             check_header(header, where=where)
@@ -580,7 +580,7 @@ def check_continuation(
     1. model: the fingerprint it records is ``model_fingerprint`` (a cache without one is checked by shapes
        when it is loaded);
     2. dtype: its layers hold ``dtype`` K/V (the model's dtype: a cache saved from a float32 model is not
-       continued by a bfloat16 one — the fingerprint is the same for both, see :mod:`kvslim.fingerprint`);
+       continued by a bfloat16 one — the fingerprint is the same for both, see :mod:`kvslim.calibration.fingerprint`);
     3. settings: it was saved with ``cache_config`` (a CacheConfig or spec: the same format, policy and
        levers; a K bias if and only if one is asked for — :func:`check_cache_config`);
     4. tokens: ``prompt`` ((B, T) tensor, or one row of ints) starts with its token ids and goes on past them
@@ -674,7 +674,7 @@ def check_cache_config(header: dict, cache_config, *, where: str = "prompt cache
     """ValueError unless the header's cache settings are ``cache_config`` (a CacheConfig or spec): the same
     format, policy and levers as asked, and a K bias if and only if one is asked for (a bias is compared
     by identity when the cache is loaded, not by its path)."""
-    from .config import parse_spec
+    from ..config import parse_spec
 
     _check_settings(
         parse_spec(header["cache_config"]), header.get("mean_center") is not None, cache_config, where=where
@@ -684,7 +684,7 @@ def check_cache_config(header: dict, cache_config, *, where: str = "prompt cache
 def _check_settings(saved, centered: bool, cache_config, *, where: str) -> None:
     """ValueError unless ``saved`` (a CacheConfig; ``centered``: it holds mean-centered keys) are the
     settings ``cache_config`` (a CacheConfig or spec) asks for, the K bias path aside."""
-    from .config import parse_spec
+    from ..config import parse_spec
 
     saved = saved.replace(mean_center=None)
     want = parse_spec(cache_config) if isinstance(cache_config, str) else cache_config
@@ -752,7 +752,7 @@ def _open(path, *, where: str) -> tuple[set[str], dict]:
 def _check_parts(store, state: dict) -> None:
     """ValueError unless each stream's encoded parts are what the layer's codec writes: the same part names
     (plus ``centered`` where keys are centered per token), trailing shapes and dtypes (a probe encode)."""
-    from .buffers import CENTERED
+    from ..cache.buffers import CENTERED
 
     dims = {"k": state["kv_shape"][2], "v": state["v_dim"]}
     for role in ("k", "v"):

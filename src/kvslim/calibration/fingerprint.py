@@ -23,7 +23,7 @@ def model_fingerprint(model: torch.nn.Module, samples: int = 4096) -> str:
     at milliseconds for SmolLM2-135M, where hashing every value takes ~3.5 s.
 
     K mean-centering bias files record it (``kv_mean_center.model_sha256``, see
-    :mod:`kvslim.biasfile`) and loading compares it: any change to what is hashed makes every
+    :mod:`kvslim.calibration.biasfile`) and loading compares it: any change to what is hashed makes every
     existing bias file look calibrated for another model.
 
     A tensor-parallel model's sharded weights (DTensors) are gathered whole first (``full_tensor()``,

@@ -1,0 +1,37 @@
+"""The cache core: which tokens are kept, how each layer stores them, and the glue to transformers.
+
+- :mod:`.policy` — which positions a layer keeps (everything, or StreamingLLM's sinks + window);
+- :mod:`.buffers` — storage along the time axis (growing buffers, one encoded K or V stream);
+- :mod:`.layer` — one layer's store: a keep policy + a codec per stream + a full-precision residual;
+- :mod:`.positions`, :mod:`.rotary` — the one owner of position ids, and moving a rotated key;
+- :mod:`.hadamard`, :mod:`.levers` — the storage basis and the low-bit levers read from a model;
+- :mod:`.adapter` — :class:`SlimCache`, the transformers adapter (the only module here that
+  subclasses transformers' Cache API, with :mod:`.static_adapter` and :mod:`.ragged`);
+- :mod:`.static`, :mod:`.static_adapter` — fixed-capacity stores for a compiled decode step;
+- :mod:`.ragged` — many caches as one batch for the engine's decode step.
+
+The formats (:mod:`kvslim.formats`) and kernels (:mod:`kvslim.kernels`) are below this package; the
+decode loop (:mod:`kvslim.generate`), the engine and the server are above it. Importing this package
+is cheap: the names below load their modules on first use.
+"""
+
+from __future__ import annotations
+
+_LAZY = {
+    "SlimCache": ("kvslim.cache.adapter", "SlimCache"),
+    "StaticSlimCache": ("kvslim.cache.static_adapter", "StaticSlimCache"),
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    try:
+        module_name, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'kvslim.cache' has no attribute {name!r}") from None
+    import importlib
+
+    value = getattr(importlib.import_module(module_name), attr)
+    globals()[name] = value
+    return value
