@@ -2,9 +2,11 @@
 
 usage: python scripts/levers_print.py OUT_DIR [SPEC...]   (no SPEC: every result, in file order)
 
-Columns: the spec (bias paths shortened to their file name), ppl ratio, KLD mean / p99, top-1, and the
-KLD as a fraction of the plain row of its format (the same spec with every lever off: rotate=none,
-pre_rope=0, no mean_center, no sink), when that row was run.
+Columns: the spec (bias paths shortened to their file name), bits per element at the run's length (the cache's
+bytes per stored K/V element, scales and residual included), ppl ratio, KLD mean / p99, top-1, the KLD as a
+fraction of the plain row of its format (the same spec with every lever off: rotate=none, pre_rope=0, no
+mean_center, no sink), and a ``varnorm=on`` row's KLD as a fraction of its ``varnorm=off`` twin (the same spec
+otherwise), when those rows were run.
 """
 
 from __future__ import annotations
@@ -24,18 +26,22 @@ def main(argv: list[str]) -> int:
         fmt, off = _split(spec)
         if off:
             plain[fmt] = r["kld_mean"]
-    print("| config | ppl ratio | KLD mean | KLD p99 | top-1 | KLD vs plain |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| config | bits/elem | ppl ratio | KLD mean | KLD p99 | top-1 | KLD vs plain | KLD vs varnorm=off |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for spec in specs:
         r = rows.get(spec)
         if r is None:
-            print(f"| `{_short(spec)}` | (not run) | | | | |")
+            print(f"| `{_short(spec)}` | (not run) | | | | | | |")
             continue
         base = plain.get(_split(spec)[0])
         rel = r["kld_mean"] / base if base else float("nan")
+        twin = rows.get(spec.replace("varnorm=on", "varnorm=off")) if "varnorm=on" in spec else None
+        vs_off = f"{r['kld_mean'] / twin['kld_mean']:.2f}" if twin and twin["kld_mean"] else ""
         print(
-            f"| `{_short(spec)}` | {r['ppl_ratio']:.3f} | {r['kld_mean']:.4g} | {r['kld_p99']:.3g} | "
-            f"{r['top1']:.4f} | {rel:.2f} |"
+            f"| `{_short(spec)}` | {r.get('bits_per_element', float('nan')):.3f} | {r['ppl_ratio']:.3f} | "
+            f"{r['kld_mean']:.4g} | {r['kld_p99']:.3g} | {r['top1']:.4f} | {rel:.2f} | {vs_off} |"
         )
     return 0
 

@@ -9,7 +9,7 @@ from transformers import DynamicCache
 import kvslim
 from conftest import tiny_model
 from kvslim import SlimCache
-from kvslim.cache.layer import Segments
+from kvslim.cache.segments import Segments
 from kvslim.generate import forward
 
 

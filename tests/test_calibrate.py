@@ -11,13 +11,9 @@ import torch
 from gguf import GGUFWriter
 
 from conftest import tiny_model
-from kvslim.calibration.biasfile import (
-    from_llama_cpp_order,
-    read_bias_file,
-    to_llama_cpp_order,
-    write_bias_file,
-)
+from kvslim.calibration.biasfile import read_bias_file, write_bias_file
 from kvslim.calibration.calibrate import chunk_spans, collect_k_means, collect_k_means_from_ids
+from kvslim.calibration.channelorder import from_llama_cpp_order, to_llama_cpp_order
 from kvslim.calibration.meancenter import BiasSet, load_mean_center
 from kvslim.cli import main
 from kvslim.models import model_fingerprint
@@ -270,16 +266,16 @@ def test_wrong_file_type_and_schema(tmp_path):
     write_fork_file(tmp_path / "imatrix.gguf", t, general_type="imatrix")
     with pytest.raises(ValueError, match="general.type is 'imatrix', expected 'kv-mean-center'"):
         load(tmp_path / "imatrix.gguf")
-    path = tmp_path / "v2.gguf"
+    path = tmp_path / "v3.gguf"  # schema 2 is kvslim's file with fitted rotations (tests/test_fitted_rotation.py)
     w = GGUFWriter(str(path), arch="")
     w.add_string("general.type", "kv-mean-center")
-    w.add_uint32("kv_mean_center.schema_version", 2)
+    w.add_uint32("kv_mean_center.schema_version", 3)
     w.add_tensor("kv_bar.blk.0.k", np.zeros(H * D, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match="schema_version is 2, this kvslim reads 1"):
+    with pytest.raises(ValueError, match="schema_version is 3, this kvslim reads 1 and 2"):
         load(path)
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
     with pytest.raises(ValueError, match="not a readable GGUF file"):

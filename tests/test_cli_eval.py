@@ -150,8 +150,9 @@ def test_ppl_json_table_and_plot(capsys, model_dir, text_file, tmp_path):
     )
     assert rc == 0, err
     data = json.loads(out_json.read_text())
-    assert set(data) == {"model", "tokens", "prefill", "chunk", "text", "bucket", "results"}
+    assert set(data) == {"model", "dtype", "tokens", "prefill", "chunk", "text", "bucket", "results"}
     assert data["tokens"] == 80 and data["prefill"] == 16 and data["model"] == model_dir
+    assert data["dtype"] == "float32"
     assert [r["config"] for r in data["results"]] == ["none", "int4,residual=0", "none,sink=4,window=1000"]
     assert all(set(r) == PPL_RECORD_KEYS and set(r["bits"]) == BITS_KEYS for r in data["results"])
     ref, lossy, window = data["results"]

@@ -174,17 +174,17 @@ def test_context_policy(capsys):
     import argparse
 
     from kvslim import CacheConfig
-    from kvslim.cli import sample as cli_sample
+    from kvslim.cli import sample_checks
     from kvslim.cli.common import UserError
 
     args = argparse.Namespace(tokens=100, allow_beyond_context=False)
-    cli_sample._check_context(args, CacheConfig(), prompt_tokens=50, context=200)  # fits
+    sample_checks.check_context(args, CacheConfig(), prompt_tokens=50, context=200)  # fits
     with pytest.raises(UserError, match="needs 250 positions, beyond the model's context of 200"):
-        cli_sample._check_context(args, CacheConfig(), prompt_tokens=150, context=200)
+        sample_checks.check_context(args, CacheConfig(), prompt_tokens=150, context=200)
     # StreamingLLM: allowed, silently.
-    cli_sample._check_context(args, CacheConfig(sink=4, window=64), prompt_tokens=150, context=200)
+    sample_checks.check_context(args, CacheConfig(sink=4, window=64), prompt_tokens=150, context=200)
     args.allow_beyond_context = True
-    cli_sample._check_context(args, CacheConfig(), prompt_tokens=150, context=200)
+    sample_checks.check_context(args, CacheConfig(), prompt_tokens=150, context=200)
     assert "warning" in capsys.readouterr().err
 
 
@@ -192,8 +192,8 @@ def test_prompt_from_stdin_drops_echos_newline(monkeypatch):
     import argparse
     import io
 
-    from kvslim.cli import sample as cli_sample
+    from kvslim.cli.prompt import read_prompt
 
     monkeypatch.setattr("sys.stdin", io.StringIO("What is the capital of France?\n"))
-    assert cli_sample._read_prompt(argparse.Namespace(prompt=None)) == "What is the capital of France?"
-    assert cli_sample._read_prompt(argparse.Namespace(prompt="keep\n")) == "keep\n"
+    assert read_prompt(argparse.Namespace(prompt=None)) == "What is the capital of France?"
+    assert read_prompt(argparse.Namespace(prompt="keep\n")) == "keep\n"

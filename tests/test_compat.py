@@ -164,9 +164,9 @@ def test_model_generate_with_a_bounded_compressed_cache():
 
 @pytest.fixture
 def fresh_warning(monkeypatch):
-    import kvslim.cache.adapter
+    import kvslim.cache.layer_adapter
 
-    monkeypatch.setattr(kvslim.cache.adapter, "_materializing_warned", False)
+    monkeypatch.setattr(kvslim.cache.layer_adapter, "_materializing_warned", False)
 
 
 def _materializing_warnings(model, spec, steps=3):

@@ -111,6 +111,7 @@ CHANGED = dict(
     residual_dtype="bfloat16",
     rotate="k",
     pre_rope=True,
+    varnorm="off",
     keep_layers="0,-1",
     keep_format="k8v4",
 )

@@ -92,21 +92,23 @@ def test_non_finite_logits_end_that_row_alone(model, monkeypatch, temperature):
 
 
 def test_a_prefill_chunk_that_raises_ends_only_that_row(model, monkeypatch):
+    """Request 1's 2nd prompt chunk fails inside the step's one forward, which it shares with the decoding rows
+    (its store raises in layer 1, as out of memory would): that row alone ends."""
     reqs = _three()
     engine = Engine(model, max_batch=3, prefill_chunk=16)
     ids = [engine.submit(r) for r in reqs]
-    real = gen.prefill
-    marked = reqs[1].prompt[16]  # the 2nd chunk of request 1 starts with it
+    layer = type(SlimCache.from_config(kvslim.parse_spec("q8_0"), config=model.config).layers[1].store)
+    real = layer.append
 
-    def failing(model_, input_ids, cache, **kw):
+    def failing(store, keys, values, **kw):
         row = engine.scheduler.find(ids[1])
-        if row is not None and cache is row.cache and int(input_ids[0, 0]) == marked:
+        if row is not None and store is row.cache.layers[1].store and store.seen == 16:  # its 2nd chunk
             raise RuntimeError("simulated out of memory")
-        return real(model_, input_ids, cache, **kw)
+        return real(store, keys, values, **kw)
 
-    monkeypatch.setattr(gen, "prefill", failing)
+    monkeypatch.setattr(layer, "append", failing)
     list(engine.events())
-    monkeypatch.setattr(gen, "prefill", real)
+    monkeypatch.setattr(layer, "append", real)
     bad = engine.results[ids[1]]
     assert bad.finish_reason == "error" and bad.tokens == []
     assert bad.error == "prefill failed: RuntimeError: simulated out of memory"

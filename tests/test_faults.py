@@ -383,7 +383,7 @@ def test_fork_file_in_llama_cpp_order_is_converted(tmp_path):
 
 
 def test_kvslim_llama_cpp_order_file_round_trips(tmp_path):
-    from kvslim.calibration.biasfile import to_llama_cpp_order
+    from kvslim.calibration.channelorder import to_llama_cpp_order
 
     b = bias_set()
     write_bias_file(tmp_path / "ll.gguf", to_llama_cpp_order(b, "llama"))

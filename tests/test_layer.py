@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvslim.cache.buffers import Stream, TimeBuffer
 from kvslim.cache.layer import SlimLayer
 from kvslim.cache.policy import KeepPolicy
+from kvslim.cache.stream import Stream
+from kvslim.cache.timebuffer import TimeBuffer
 from kvslim.formats import make_codec
 
 

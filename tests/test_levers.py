@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache
 
 import kvslim
-import kvslim.cache.adapter as cache_mod
+import kvslim.cache.build as build_mod
 from conftest import tiny_config, tiny_model
 from kvslim import SlimCache
 from kvslim.cache.hadamard import MIN_BLOCK, Hadamard, block_size, sylvester
@@ -36,8 +36,8 @@ def exact_codecs(monkeypatch):
     """SlimCache builds its codecs with an exact lossy one (whatever the format name says), and keeps the
     full-precision tokens in the model's dtype (the default residual_dtype 'auto' would round an fp32
     model's to float16: not exact)."""
-    monkeypatch.setattr(cache_mod, "make_codec", lambda name, role, **kw: ExactFormat().codec(role))
-    monkeypatch.setitem(cache_mod._FP_DTYPES, "auto", None)
+    monkeypatch.setattr(build_mod, "cache_codec", lambda cfg, fmt, role: ExactFormat().codec(role))
+    monkeypatch.setitem(build_mod._FP_DTYPES, "auto", None)
 
 
 def _ids(batch=1, length=30, seed=0):
@@ -230,7 +230,8 @@ def test_centering_never_makes_a_key_worse(fmt, rotated):
     """Per token, the stored key is at least as close as without centering (each token is centered only
     where that lowers its own error): a short "sink" key far from the mean stays uncentered, typical keys
     near the mean are centered."""
-    from kvslim.cache.buffers import CENTERED, BodyBasis, Stream
+    from kvslim.cache.basis import CENTERED, BodyBasis
+    from kvslim.cache.stream import Stream
     from kvslim.formats import make_codec
 
     g = torch.Generator().manual_seed(12)
@@ -500,7 +501,7 @@ def test_fork_rotated_file_in_llama_cpp_order_centers_what_kvslim_stores(tmp_pat
     for il in range(2):
         torch.testing.assert_close(cache.stores()[il].k_bias, want[il], atol=1e-5, rtol=1e-5)
     # and kvslim's own writer round-trips through llama.cpp's order
-    from kvslim.calibration.biasfile import from_llama_cpp_order, to_llama_cpp_order
+    from kvslim.calibration.channelorder import from_llama_cpp_order, to_llama_cpp_order
 
     ours = BiasSet([t.clone() for t in want], k_rot=True)
     there = to_llama_cpp_order(ours, "llama")

@@ -222,7 +222,7 @@ def test_prompt_cache_files_continue_exactly(models, tmp_path, spec):
         gen.prefill(model, ids, cache, chunk_size=23)
     path = tmp_path / "p.safetensors"
     cache.save(path, token_ids=ids)
-    restored = pc.load(path, config=model.config).cache
+    restored = pc.load(path, new_cache=SlimCache.from_config, config=model.config).cache
     assert restored.cache_config == cache.cache_config and _codecs(restored) == _codecs(cache)
     assert restored.live_nbytes() == cache.live_nbytes()
     assert pc.to_state(restored)[1]["sha256"] == pc.to_state(cache)[1]["sha256"]

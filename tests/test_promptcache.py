@@ -14,7 +14,7 @@ from conftest import family_config, family_model, tiny_config, tiny_model
 from kvslim import SlimCache
 from kvslim import promptcache as pc
 from kvslim.atomic import TMP_TAG, WriteError
-from kvslim.cache.adapter import SlimCacheLayer
+from kvslim.cache.layer_adapter import SlimCacheLayer
 from kvslim.calibration.meancenter import BiasSet
 from kvslim.config import parse_spec
 from kvslim.formats import format_names
@@ -74,7 +74,7 @@ def _round_trip(model, spec_or_cache, tmp_path, *, length=90, chunk=23, steps=8,
         prefill(model, ids, cache, attention_mask=mask, chunk_size=chunk)
     path = tmp_path / "prompt.safetensors"
     cache.save(path, token_ids=ids, model_fingerprint=FP_A)
-    restored = pc.load(path, config=model.config, model_fingerprint=FP_A, **load)
+    restored = pc.load(path, new_cache=SlimCache.from_config, config=model.config, model_fingerprint=FP_A, **load)
     assert torch.equal(restored.token_ids, ids)
     assert restored.cache.get_seq_length() == cache.get_seq_length() == length
     assert restored.cache.live_nbytes() == cache.live_nbytes()
@@ -152,9 +152,9 @@ def test_centered_rotated_pre_rope_cache(models, tmp_path):
     _round_trip(model, cache, tmp_path, steps=30, mean_center=bias)
     path = tmp_path / "prompt.safetensors"
     with pytest.raises(ValueError, match="another K mean-centering bias"):
-        pc.load(path, config=model.config, mean_center=_bias(k_rot=True, pre_rope=True, seed=5))
+        pc.load(path, new_cache=SlimCache.from_config, config=model.config, mean_center=_bias(k_rot=True, pre_rope=True, seed=5))
     with pytest.raises(ValueError, match="mean-centering from tensors given directly; pass the same bias"):
-        pc.load(path, config=model.config)
+        pc.load(path, new_cache=SlimCache.from_config, config=model.config)
 
 
 def test_bias_file_is_found_by_its_recorded_path(models, tmp_path):
@@ -172,7 +172,7 @@ def test_bias_file_is_found_by_its_recorded_path(models, tmp_path):
     assert header["mean_center"]["file_sha256"].startswith("sha256:")
     write_bias_file(bias_path, _bias(seed=9))  # the file changed since
     with pytest.raises(ValueError, match="another K mean-centering bias"):
-        pc.load(tmp_path / "prompt.safetensors", config=model.config)
+        pc.load(tmp_path / "prompt.safetensors", new_cache=SlimCache.from_config, config=model.config)
 
 
 @pytest.mark.parametrize("attn", ["kvslim", "sdpa"])
@@ -201,7 +201,7 @@ def test_in_memory_state_is_json_and_tensors(models):
     snapshot = {n: t.clone() for n, t in tensors.items()}
     a = _continue(model, cache, 30)  # the original moves on (evicts, re-encodes its residual)
     assert all(torch.equal(tensors[n], snapshot[n]) for n in tensors)
-    restored = pc.from_state(tensors, header, config=model.config, model_fingerprint=FP_A)
+    restored = pc.from_state(tensors, header, new_cache=SlimCache.from_config, config=model.config, model_fingerprint=FP_A)
     assert restored.token_ids is None
     b = _continue(model, restored.cache, 30)
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
@@ -241,33 +241,33 @@ def test_another_model_is_refused(saved):
     with pytest.raises(
         ValueError, match=r"saved for another model: the file records model fingerprint sha256:aaa"
     ):
-        pc.load(path, config=model.config, model_fingerprint=FP_B)
+        pc.load(path, new_cache=SlimCache.from_config, config=model.config, model_fingerprint=FP_B)
     with pytest.raises(
         ValueError, match="saved for another model: n_kv_heads 2 in the file, 4 for this model"
     ):
-        pc.load(path, config=tiny_config("llama", num_key_value_heads=4))
+        pc.load(path, new_cache=SlimCache.from_config, config=tiny_config("llama", num_key_value_heads=4))
     with pytest.raises(ValueError, match="saved for another model: model_type 'llama' in the file, 'qwen2'"):
-        pc.load(path, config=tiny_config("qwen2"))
+        pc.load(path, new_cache=SlimCache.from_config, config=tiny_config("qwen2"))
 
 
 def test_another_format_is_refused(saved):
     model, path = saved
     with pytest.raises(ValueError, match=r"saved with cache 'int4,residual=32', expected 'q4_0'"):
-        pc.load(path, config=model.config, cache_config="q4_0")
+        pc.load(path, new_cache=SlimCache.from_config, config=model.config, cache_config="q4_0")
     # a header that claims another format than its codes hold
     _rewrite(path, lambda h: h.update(cache_config="int8,residual=32"))
     with pytest.raises(
         ValueError,
         match=r"layer 0: k token part 'codes' is uint8 \(16,\) per entry, but int8 writes uint8 \(32,\)",
     ):
-        pc.load(path, config=model.config)
+        pc.load(path, new_cache=SlimCache.from_config, config=model.config)
 
 
 def test_other_levers_are_refused(saved):
     model, path = saved
     _rewrite(path, lambda h: h["levers"].update(rotate="none"))
     with pytest.raises(ValueError, match="saved with rotate='none', but its settings resolve to rotate='kv'"):
-        pc.load(path, config=model.config)
+        pc.load(path, new_cache=SlimCache.from_config, config=model.config)
 
 
 def test_damaged_truncated_and_newer_files_are_refused(saved, tmp_path):
@@ -276,28 +276,28 @@ def test_damaged_truncated_and_newer_files_are_refused(saved, tmp_path):
     broken = tmp_path / "broken.safetensors"
     broken.write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match="damaged or truncated"):
-        pc.load(broken, config=model.config)
+        pc.load(broken, new_cache=SlimCache.from_config, config=model.config)
     flipped = bytearray(data)
     flipped[-100] ^= 0x40  # one bit of the tensor data
     broken.write_bytes(bytes(flipped))
     with pytest.raises(ValueError, match=r"content does not match its checksum \(a damaged or edited file\)"):
-        pc.load(broken, config=model.config)
+        pc.load(broken, new_cache=SlimCache.from_config, config=model.config)
     broken.write_bytes(b"not a safetensors file at all")
     with pytest.raises(ValueError, match="not a readable safetensors file"):
-        pc.load(broken, config=model.config)
+        pc.load(broken, new_cache=SlimCache.from_config, config=model.config)
     with pytest.raises(ValueError, match="no such file"):
-        pc.load(tmp_path / "missing.safetensors", config=model.config)
+        pc.load(tmp_path / "missing.safetensors", new_cache=SlimCache.from_config, config=model.config)
     _rewrite(path, lambda h: h["layers"][0].update(seen=71), checksum=False)  # an edit the shapes allow
     with pytest.raises(ValueError, match=r"content does not match its checksum \(a damaged or edited file\)"):
-        pc.load(path, config=model.config)
+        pc.load(path, new_cache=SlimCache.from_config, config=model.config)
     _rewrite(path, lambda h: h.update(version=pc.FORMAT_VERSION + 1))
     with pytest.raises(
         ValueError, match=r"written by a newer kvslim \(layout version 2; this kvslim reads 1\)"
     ):
-        pc.load(path, config=model.config)
+        pc.load(path, new_cache=SlimCache.from_config, config=model.config)
     _rewrite(path, lambda h: h.update(version=pc.FORMAT_VERSION) or h["layers"][1].pop("runs"))
     with pytest.raises(ValueError, match=r"the header lacks or mistypes layers\[1\].runs \(a damaged file\)"):
-        pc.load(path, config=model.config)
+        pc.load(path, new_cache=SlimCache.from_config, config=model.config)
 
 
 def test_recurrent_layers_are_refused(tmp_path):
@@ -343,7 +343,7 @@ def test_a_failing_write_leaves_the_old_file(saved, monkeypatch):
     assert not [p for p in os.listdir(path.parent) if TMP_TAG in p]
     monkeypatch.undo()
     cache.save(path)  # and a good write replaces it
-    assert pc.load(path, config=model.config).cache.get_seq_length() == 40
+    assert pc.load(path, new_cache=SlimCache.from_config, config=model.config).cache.get_seq_length() == 40
 
 
 def test_the_same_cache_gives_the_same_bytes(models, tmp_path):
@@ -515,7 +515,7 @@ def test_sample_and_sessions_refuse_another_dtype_alike(tmp_path, caplog):
     starts over — with the same reason, from the same rule."""
     from kvslim.calibration.fingerprint import model_fingerprint
     from kvslim.cli import UserError
-    from kvslim.cli import sample as cli_sample
+    from kvslim.cli import prompt_cache as cli_prompt_cache
     from kvslim.engine.sessions import SessionStore
 
     f32 = tiny_model("llama")
@@ -532,15 +532,15 @@ def test_sample_and_sessions_refuse_another_dtype_alike(tmp_path, caplog):
     prompt = torch.cat([ids, ids[:, :2]], dim=1)
 
     args = _sample_args(path)
-    saved = cli_sample._check_prompt_cache(args, cfg)  # before the model: the settings match
+    saved = cli_prompt_cache.check_prompt_cache(args, cfg)  # before the model: the settings match
     with pytest.raises(UserError) as e:
-        cli_sample._prompt_cache(args, bf16, prompt, cfg, saved)
+        cli_prompt_cache.prompt_cache(args, bf16, prompt, cfg, saved)
     sample_msg = str(e.value)
     assert sample_msg == (
         f"--prompt-cache {path}: saved from a float32 model, this one runs in bfloat16: pass the --dtype it was "
         f"saved with, or another --prompt-cache file"
     )
-    reused = cli_sample._prompt_cache(args, f32, prompt, cfg, saved)[2]  # the float32 model continues it
+    reused = cli_prompt_cache.prompt_cache(args, f32, prompt, cfg, saved)[2]  # the float32 model continues it
     assert reused["reused_tokens"] == 16
 
     from kvslim.engine.sessions import session_key
@@ -558,7 +558,7 @@ def test_sample_and_sessions_share_one_rule(saved, monkeypatch, caplog):
     """Both ask kvslim.promptcache.check_continuation: a veto there reaches `kvslim sample --prompt-cache`
     and a session alike (no second copy of the rule anywhere)."""
     from kvslim.cli import UserError
-    from kvslim.cli import sample as cli_sample
+    from kvslim.cli import prompt_cache as cli_prompt_cache
     from kvslim.engine.sessions import SessionStore
 
     model, path = saved
@@ -568,7 +568,7 @@ def test_sample_and_sessions_share_one_rule(saved, monkeypatch, caplog):
 
     monkeypatch.setattr(pc, "check_continuation", veto)
     with pytest.raises(UserError, match="vetoed by the rule: pass the cache flags it was saved with"):
-        cli_sample._check_prompt_cache(_sample_args(path), parse_spec("int4,residual=32"))
+        cli_prompt_cache.check_prompt_cache(_sample_args(path), parse_spec("int4,residual=32"))
     cfg = parse_spec("int8")
     store = SessionStore(None, config=model.config)
     cache = SlimCache.from_config(cfg, config=model.config)

@@ -316,6 +316,118 @@ def test_metrics_are_prometheus_text(server):
     assert all(len(line.split(" ")) == 2 for line in text.splitlines() if line and not line.startswith("#"))
 
 
+def _samples(text: str) -> dict[str, float]:
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+def test_every_metric_renders_its_own_figure(server):
+    """Each /metrics sample is the runner figure it names: every figure of the runner's real schema gets a
+    distinct value, so two samples swapped, or one reading the wrong figure, fail (issue 33's mutant)."""
+    from kvslim.serve.metrics import prometheus
+
+    m = server.runner.metrics()
+    m["refusals"] = {"access": 0, "request": 0, "budget": 0}
+    paths = [(k,) for k, v in m.items() if not isinstance(v, (dict, bool))]
+    paths += [(k, sub) for k, v in m.items() if isinstance(v, dict) for sub in v]
+    value = {path: 1000 + i for i, path in enumerate(paths)}  # distinct, none 0 or 1
+    for path, v in value.items():
+        if len(path) == 1:
+            m[path[0]] = v
+        else:
+            m[path[0]][path[1]] = v
+    m["alive"] = True
+    mem = ("memory",)
+    expected = {
+        **{f'kvslim_requests_total{{outcome="{o}"}}': ("outcomes", o) for o in m["outcomes"]},
+        "kvslim_prompt_tokens_total": ("prompt_tokens",),
+        "kvslim_cached_prompt_tokens_total": ("cached_tokens",),
+        "kvslim_prefilled_tokens_total": mem + ("prefilled_tokens",),
+        "kvslim_generated_tokens_total": ("generated_tokens",),
+        "kvslim_active_streams": ("active_streams",),
+        "kvslim_queue_length": mem + ("waiting",),
+        "kvslim_running_requests": mem + ("active",),
+        'kvslim_cache_bytes{where="running"}': mem + ("cache_bytes",),
+        'kvslim_cache_bytes{where="sessions"}': mem + ("session_bytes",),
+        "kvslim_cache_fp16_bytes": mem + ("fp16_bytes",),
+        "kvslim_reserved_bytes": mem + ("reserved_bytes",),
+        "kvslim_memory_budget_bytes": mem + ("memory_budget",),
+        'kvslim_sessions{where="memory"}': mem + ("sessions_kept",),
+        'kvslim_sessions{where="disk"}': mem + ("sessions_on_disk",),
+        **{f"kvslim_{k}_total": mem + (k,) for k in m["memory"]
+           if k.startswith("sessions_") and k not in ("sessions_kept", "sessions_on_disk")},
+        **{f'kvslim_refusals_total{{kind="{k}"}}': ("refusals", k) for k in m["refusals"]},
+        "kvslim_engine_errors_total": ("engine_errors",),
+        "kvslim_row_errors_total": mem + ("row_errors",),
+    }
+    got = _samples(prometheus(m))
+    assert got.pop("kvslim_up") == 1
+    assert got == {name: value[path] for name, path in expected.items()}
+    m["alive"] = False
+    assert _samples(prometheus(m))["kvslim_up"] == 0
+
+
+def test_metrics_count_what_the_requests_did(model):
+    """/metrics of a fresh server after known requests: each figure against what the requests themselves say
+    (their usage, their status) and the model's shapes, not against the runner's own counters."""
+    budget = _budget(model)
+    app = build_app(model, char_tokenizer(), model_name=NAME, cache="int4", memory_budget=budget, prefill_chunk=64)
+    srv = Server(app)
+    try:
+        c = srv.client()
+        one = c.completions.create(model=NAME, prompt="hello there", max_tokens=5, temperature=0)
+        two = c.completions.create(model=NAME, prompt="abc", max_tokens=7, temperature=0, extra_body={"session": "s1"})
+        assert httpx.post(srv.url + "/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=10).status_code == 404
+        got = _samples(httpx.get(srv.url + "/metrics", timeout=10).text)
+        kept = app.state.runner.engine.sessions.kept["s1"].cache
+    finally:
+        srv.stop()
+    assert (one.choices[0].finish_reason, two.choices[0].finish_reason) == ("length", "length")
+    prompt = one.usage.prompt_tokens + two.usage.prompt_tokens  # 11 + 3 characters
+    generated = one.usage.completion_tokens + two.usage.completion_tokens  # 5 + 7
+    assert (prompt, generated) == (14, 12)
+    cfg = model.config
+    fp16_per_token = 2 * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim  # K + V, 2 bytes each
+    # the kept session holds its prompt and every generated token but the last (never fed back)
+    held = two.usage.prompt_tokens + two.usage.completion_tokens - 1
+    zero = ("cancelled", "error", "stop")
+    assert {k: got[f'kvslim_requests_total{{outcome="{k}"}}'] for k in ("length", "refused", *zero)} == {
+        "length": 2, "refused": 1, **dict.fromkeys(zero, 0)}
+    assert got['kvslim_refusals_total{kind="request"}'] == 1
+    assert got["kvslim_prompt_tokens_total"] == prompt and got["kvslim_prefilled_tokens_total"] == prompt
+    assert got["kvslim_generated_tokens_total"] == generated and got["kvslim_cached_prompt_tokens_total"] == 0
+    assert got['kvslim_cache_bytes{where="sessions"}'] == kept.nbytes() > 0
+    assert got["kvslim_cache_fp16_bytes"] == held * fp16_per_token
+    assert got["kvslim_memory_budget_bytes"] == budget
+    assert got['kvslim_sessions{where="memory"}'] == 1 and got['kvslim_sessions{where="disk"}'] == 0
+    for idle in ("kvslim_active_streams", "kvslim_queue_length", "kvslim_running_requests", "kvslim_reserved_bytes",
+                 'kvslim_cache_bytes{where="running"}', "kvslim_engine_errors_total", "kvslim_row_errors_total"):
+        assert got[idle] == 0, idle
+    assert got["kvslim_up"] == 1
+
+
+#: the default body limit, from the documentation (docs/serve.md: "JSON bodies of 8 MiB at most"), not from
+#: kvslim.serve.defaults.MAX_BODY, which the test below checks
+DOCUMENTED_BODY = 8 << 20
+
+
+def test_the_default_body_limit_is_the_documented_8_mib(server):
+    """The ``server`` fixture passes no max_body: a body of exactly 8 MiB is read and served, one byte more is
+    refused (413), declared or chunked."""
+    head = b'{"model": "tiny", "max_tokens": 1, "prompt": "ab"'
+    body = head + b" " * (DOCUMENTED_BODY - len(head) - 1) + b"}"  # JSON whitespace: a tiny request, a big body
+    assert len(body) == DOCUMENTED_BODY
+    plain = {"Content-Type": "application/json"}
+    resp = httpx.post(server.url + "/v1/completions", content=body, headers=plain, timeout=60)
+    assert resp.status_code == 200, resp.text
+    over = body[:-1] + b" }"
+    resp = httpx.post(server.url + "/v1/completions", content=over, headers=plain, timeout=60)
+    assert _error(resp, 413)["code"] == "request_too_large"
+    chunked = (over[i : i + (1 << 20)] for i in range(0, len(over), 1 << 20))  # no Content-Length
+    resp = httpx.post(server.url + "/v1/completions", content=chunked, headers=plain, timeout=60)
+    assert _error(resp, 413)["code"] == "request_too_large"
+
+
 def test_import_and_help_stay_light():
     import subprocess
     import sys
@@ -804,10 +916,10 @@ def test_embedded_model_two_turn_session(real_model, tmp_path):
     """The embedded model end to end: a 2-turn chat in one session; the second turn prefills only its new
     tokens and answers exactly as one request carrying the whole history."""
     model, tok = real_model
-    from kvslim.cli.sample import _eos_ids
+    from kvslim.cli.prompt import eos_ids
 
     app = build_app(kvslim.enable(model), tok, model_name="smol", cache="int4,sink=4,window=1020",
-                    session_dir=tmp_path, stop_ids=_eos_ids(model, tok))
+                    session_dir=tmp_path, stop_ids=eos_ids(model, tok))
     srv = Server(app)
     try:
         client = srv.client()

@@ -556,7 +556,7 @@ def test_write_through_off_parks_as_before(model, tmp_path):
     cache, ids = _filled(model)
     store.keep("w", cache, ids, cfg)
     assert store.on_disk() == 0 and _files(tmp_path) == []
-    assert store.make_room(0) and store.on_disk() == 1 and store._writer is None
+    assert store.make_room(0) and store.on_disk() == 1 and store.writer.thread is None
     assert store.take("w", ids + (3,), cfg)[1] == len(ids)
 
 

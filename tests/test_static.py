@@ -313,25 +313,52 @@ def test_a_fresh_cache_is_allocated_eagerly_even_for_a_one_token_prompt(model):
     assert torch.equal(out.argmax(-1), eager.argmax(-1))
 
 
-def test_cli_eval_greedy_compile_scores_what_eager_scores(model_dir, tmp_path, capsys):
+def test_cli_eval_greedy_compile_scores_what_eager_scores(model_dir, tmp_path, capsys, monkeypatch):
+    """``eval greedy --compile`` against ``eval greedy``: every decode step's logits, not only the summaries
+    (a compiled step that kept each argmax but moved the logits would score the same prefix match). The prompts
+    are the word model's own tokens: the built-in English prompts are all ``t0`` to it, the padding token, whose
+    zero embedding makes every logit exactly 0 in any cache, compiled or not (a comparison that cannot fail)."""
     import json
 
+    import kvslim.generate
     from kvslim.cli import main
 
+    steps: list[tuple[str, torch.Tensor]] = []  # (cache class, logits (1, V)) of every decode step, in order
+    eager_step = kvslim.generate.decode_one_token
+
+    def recorded(model, token, cache):
+        logits = eager_step(model, token, cache)
+        steps.append((type(cache).__name__, logits.detach().clone()))
+        return logits
+
+    monkeypatch.setattr(kvslim.generate, "decode_one_token", recorded)  # what greedy() calls
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("t5 t9 t17 t33 t65\nt40 t41 t7 t3 t99 t12 t64 t8\nt100 t22\n", encoding="utf-8")
+
     def run(*flags):
+        steps.clear()
         out_json = tmp_path / "g.json"
         argv = ["eval", "greedy", "--model", str(model_dir), "--tokens", "12", "--no-progress", "--json", str(out_json)]
+        argv += ["--prompts", str(prompts)]
         argv += ["--config", "int4,group=4,residual=0", "--config", "q4_0,sink=2,window=8,group=4,residual=0", *flags]
         code = main(argv)
         _, err = capsys.readouterr()
         assert code == 0, err
-        return json.loads(out_json.read_text()), err
+        return json.loads(out_json.read_text()), err, list(steps)
 
-    eager, _ = run()
-    compiled, err = run("--compile")
+    eager, _, eager_steps = run()
+    compiled, err, compiled_steps = run("--compile")
     assert compiled["results"] == eager["results"]
-    assert compiled["compile"]["graphs"] == 3 and compiled["compile"]["steps"] > 0  # none, int4, q4_0
-    assert "compiled decode step: 3 graph(s)" in err
+    assert compiled["compile"]["graphs"] == 3 and "compiled decode step: 3 graph(s)" in err  # none, int4, q4_0
+    # every decode step ran the compiled graph on a static cache, and scored what the eager step scored
+    assert len(compiled_steps) == len(eager_steps) == compiled["compile"]["steps"] > 30
+    assert {name for name, _ in eager_steps} == {"SlimCache"}
+    assert {name for name, _ in compiled_steps} == {"StaticSlimCache"}
+    eager_logits = torch.cat([logits for _, logits in eager_steps])  # (steps, V)
+    assert eager_logits.std(dim=-1).min() > 0.5 and len(set(eager_logits.argmax(-1).tolist())) > 5  # not degenerate
+    for i, ((_, a), (_, b)) in enumerate(zip(eager_steps, compiled_steps, strict=True)):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4, msg=lambda m, i=i: f"decode step {i}: {m}")
 
 
 def test_a_compiled_step_past_max_cache_len_is_refused(model):

@@ -223,6 +223,8 @@ def test_programs_compile_for_the_gpu(monkeypatch, tmp_path):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from kvslim.formats.varnorm import varnorm_codec
+
     if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 4):
         pytest.skip(f"the ASTSource signature this test builds is Triton >= 3.4's, got {triton.__version__}")
     monkeypatch.delenv("TRITON_INTERPRET")
@@ -232,21 +234,25 @@ def test_programs_compile_for_the_gpu(monkeypatch, tmp_path):
     gen = torch.Generator().manual_seed(10)
     cases = [("int2", "k"), ("int4", "v"), ("q8_0", "k"), ("q4_0", "v"), ("q4_1", "k")]
     cases += [("q5_0", "v"), ("q5_1", "k"), ("fp8", "v"), ("bf16", "k"), ("int3", "k"), ("int3", "v")]
-    for i, (name, role) in enumerate(cases):
+    cases = [(name, role, False) for name, role in cases] + [("int2", "v", True), ("int3", "k", True)]
+    for i, (name, role, vn) in enumerate(cases):
         codec = make_codec(name, role, group_size=8, v_group_size=16)
+        if vn:  # variance-normalized (kvslim.formats.varnorm): the factor reader too
+            codec = varnorm_codec(codec, 8)
         lay, _ = gpu._layout(codec, encoded_view(codec, 1, 2, 8, 0, gen, 64), 1, 2, 8, None, 0)
         kernel, arch = ((programs.k_scores_kernel, 80), (programs.v_partial_kernel, 90))[i % 2]
         names = list(kernel.arg_names)
-        const = dict(FMT=lay.fmt, BITS=lay.bits, NB=lay.nb, BLOCK_M=16, BLOCK_T=32, BLOCK_D=64)
+        const = dict(FMT=lay.fmt, BITS=lay.bits, NB=lay.nb, VN=lay.vn, BLOCK_M=16, BLOCK_T=32, BLOCK_D=64)
         signature = {n: "i32" for n in names}  # sizes, offset, group, strides
         signature.update({n: "*fp32" for n in names if n.endswith("_ptr")})  # q or p, out
         signature.update(x_ptr=_PTR[lay.x.dtype], s_ptr=_PTR[lay.s.dtype], z_ptr=_PTR[lay.z.dtype])
+        signature.update(n_ptr=_PTR[lay.factors.dtype])
         signature.update({n: "constexpr" for n in const})
         src = ASTSource(
             fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in const.items()}
         )
         compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=gpu.COMPILE_OPTIONS)
-        assert compiled.asm["cubin"], (name, role, kernel.__name__, arch)
+        assert compiled.asm["cubin"], (name, role, vn, kernel.__name__, arch)
 
 
 # --------------------------------------------------------------------------- dispatch

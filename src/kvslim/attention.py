@@ -9,7 +9,7 @@ chunks (prefill), it behaves exactly like ``sdpa`` — it *is* sdpa then.
 
 How the two meet: whether a SlimCache hands attention its segments is decided once, when the cache
 is built (from ``config=model.config``) or by ``cache.use_compressed_attention(...)``; then a forward
-carrying at most :data:`FAST_MAX_QUERY` new tokens gets a frozen :class:`~kvslim.cache.layer.Segments`
+carrying at most :data:`FAST_MAX_QUERY` new tokens gets a frozen :class:`~kvslim.cache.segments.Segments`
 view (taken before eviction) from ``update`` instead of materialized tensors, and
 :func:`kvslim_attention` consumes it. This module never reads a layer's private fields.
 
@@ -37,22 +37,22 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import kernels
-from .cache.buffers import CENTERED
-from .cache.layer import Segments
+from .cache.basis import CENTERED
+from .cache.segments import FAST_MAX_QUERY as FAST_MAX_QUERY  # re-exported: the contract with the cache
+from .cache.segments import Segments
 from .cache.static import StaticSegments
 from .kernels import ops
 
 NAME = "kvslim"
-#: Forwards with more new tokens than this (prefill chunks) materialize and run sdpa: their cost is
-#: the matmuls, not reading the cache.
-FAST_MAX_QUERY = 16
+#: FAST_MAX_QUERY (imported above, :mod:`kvslim.cache.segments`): forwards with more new tokens than this
+#: (prefill chunks) are handed materialized K/V and run sdpa: their cost is the matmuls, not reading the cache.
 #: A decode step (one new token a row, no mask) runs its attention as one C call where it can
 #: (:func:`_fused_decode`); False computes it op by op (the reference the fused call is tested against).
 FUSED_DECODE = True
 
 
 def compressed_attention(query: torch.Tensor, kv: Segments, attention_mask, scaling: float) -> torch.Tensor:
-    """Attention of ``query`` (B, Hq, q, D) over a layer's :class:`~kvslim.cache.layer.Segments`; returns
+    """Attention of ``query`` (B, Hq, q, D) over a layer's :class:`~kvslim.cache.segments.Segments`; returns
     (B, Hq, q, D) in query's dtype.
 
     attention_mask: None (causal, aligned bottom-right) or bool (B or 1, 1, q, T): True = attend.
@@ -123,6 +123,7 @@ def _fused_decode(qf: torch.Tensor, kv: Segments) -> torch.Tensor | None:
         kv.v_body,
         k_hblock=k_hblock,
         v_hblock=v_hblock,
+        v_offset=kv.v_offset,
     )
 
 
@@ -138,6 +139,8 @@ def _fusable(qf: torch.Tensor, kv: Segments, served: bool | None = None) -> bool
     kb, vb = kv.k_basis, kv.v_basis
     if (kb is not None and kb.bias is not None) or (vb is not None and vb.bias is not None):
         return False
+    if any(b is not None and b.hadamard is not None and not b.hadamard.block for b in (kb, vb)):
+        return False  # a fitted rotation (a matrix, block 0): the fused C call applies Hadamard blocks only
     # V as wide as K (not MLA): read off the residual, which every lossy stream has (possibly empty)
     if kv.v_res is None or kv.v_res.shape[-1] != qf.shape[-1]:
         return False
@@ -306,7 +309,12 @@ def _ragged_attention(module, query, key, dropout, scaling, kwargs):
     The rows the fused C call reads (:func:`_fusable`, the test a row alone meets) go in one call for the whole
     layer (:func:`_ragged_fused`); the others, and any the call leaves (arguments that do not fit, a failed call),
     run one by one as a row alone does. A row that raises there is dropped (``key.drop``) when the step asks for
-    that, and its output is 0."""
+    that, and its output is 0.
+
+    A packed step (``key.spans`` set: decode tokens and prompt chunks in one sequence) goes to
+    :func:`_packed_attention`."""
+    if key.spans is not None:
+        return _packed_attention(module, query, key, dropout, scaling, kwargs)
     real = [b for b, seg in enumerate(key.rows) if seg is not None]
     out, rest = None, real
     fusing = FUSED_DECODE and query.shape[2] == 1 and not (dropout and module.training)
@@ -325,6 +333,76 @@ def _ragged_attention(module, query, key, dropout, scaling, kwargs):
             continue
         out[b] = o[0]
     return out, None
+
+
+def _packed_attention(module, query, key, dropout, scaling, kwargs):
+    """A packed step's attention (:mod:`kvslim.cache.ragged`, "Packed, not padded"): query (1, Hq, N, D), row
+    ``b``'s queries at ``key.spans[b]``. Returns (1, N, Hq, Dv); a filler's or a dropped row's output is 0.
+
+    The one-token rows (decode tokens) are gathered into a (R, Hq, 1, D) batch and go through
+    :func:`_ragged_attention` as a decode step does (the rows kernel: each row bit for bit what it gets alone).
+    A row of several tokens (a prompt chunk) attends on its own: its queries against what its cache handed
+    (Segments, or its stored K/V materialized), causal within the chunk (:func:`_chunk_mask`) — the arithmetic
+    of that chunk whatever else shares the step, so a prompt read in a mixed step gives the bits it gives in a
+    step of its own. A row that raises is dropped (``key.drop``) when the step asks for that."""
+    n_all = query.shape[2]
+    out = None
+    single = [b for b, (_, n) in enumerate(key.spans) if n == 1 and key.rows[b] is not None]
+    if single:
+        idx = torch.tensor([key.spans[b][0] for b in single], device=query.device)
+        q1 = query[0].index_select(1, idx).transpose(0, 1).unsqueeze(2)  # (R, Hq, 1, D)
+        drop = None if key.drop is None else (lambda i, e: key.drop(single[i], e))
+        sub = type(key)(tuple(key.rows[b] for b in single), drop)
+        o, _ = _ragged_attention(module, q1, sub, dropout, scaling, kwargs)  # (R, 1, Hq, Dv)
+        out = o.new_zeros(1, n_all, o.shape[2], o.shape[3])
+        out[0, idx] = o[:, 0]
+    for b, (start, n) in enumerate(key.spans):
+        view = key.rows[b]
+        if n == 1 or view is None:
+            continue
+        try:
+            o = _chunk_attention(module, query[:, :, start : start + n], view, dropout, scaling, kwargs)
+        except Exception as e:  # noqa: BLE001 - with the step's errors dict, this row alone leaves the step
+            if key.drop is None:
+                raise
+            key.drop(b, e)
+            continue
+        if out is None:
+            out = o.new_zeros(1, n_all, o.shape[2], o.shape[3])
+        out[:, start : start + n] = o
+    if out is None:  # every row was dropped (the owner raises before this) or none was real
+        out = query.new_zeros(1, n_all, query.shape[1], query.shape[3])
+    return out, None
+
+
+def _chunk_attention(module, query, view, dropout, scaling, kwargs) -> torch.Tensor:
+    """A prompt chunk's attention: query (1, Hq, n, D) over ``view`` — its cache's :class:`Segments` or its
+    stored ``(keys, values)`` (1, H_kv, T, D), the chunk's own n tokens last — with the mask transformers builds
+    for that chunk fed alone (:func:`_chunk_mask`). Returns (1, n, Hq, Dv)."""
+    query = query.contiguous()  # laid out as a batch-1 forward of the chunk lays it out
+    n = query.shape[2]
+    window = kwargs.get("sliding_window")
+    if isinstance(view, Segments):
+        mask = _chunk_mask(n, view.length, window, query.device)
+        return _segments_attention(module, query, view, mask, dropout, scaling, kwargs)[0]
+    keys, values = view
+    mask = _chunk_mask(n, keys.shape[2], window, query.device)
+    return sdpa_attention_forward(module, query, keys, values, mask, dropout=dropout, scaling=scaling, **kwargs)[0]
+
+
+def _chunk_mask(n: int, t: int, window: int | None, device) -> torch.Tensor | None:
+    """The mask of ``n`` new tokens over ``t`` stored ones (the new ones last), as transformers' ``sdpa_mask``
+    builds it for a batch-1 forward of those tokens: None where it skips the mask (as many keys as queries, and
+    no sliding window reached: sdpa's own causal flag), else bool (1, 1, n, t), True = attend: key ``j`` is
+    visible to query ``i`` when ``j <= t - n + i`` and, with a sliding window, ``j > t - n + i - window``."""
+    if n == t and not (window is not None and t >= window):
+        return None
+    i = torch.arange(n, device=device)[:, None]  # (n, 1)
+    j = torch.arange(t, device=device)[None]  # (1, t)
+    mask = j <= t - n + i
+    if window is not None:
+        mask &= j > t - n + i - window
+    return mask[None, None]  # (1, 1, n, t)
 
 
 def _unfused_kwargs(kwargs) -> bool:

@@ -3,7 +3,7 @@
 The spec syntax is the same everywhere in the CLI (``eval --config``, ``bench --config``):
 ``FORMAT[,key=value...]`` with keys ``k``, ``v`` (per-tensor formats), ``sink``, ``window``,
 ``group``, ``residual``, ``v_group``, ``mean_center`` (a bias file), ``positions``, ``residual_dtype``,
-``rotate``, ``pre_rope``, ``keep_layers`` and ``keep_format`` (per-layer precision). Examples::
+``rotate``, ``pre_rope``, ``varnorm``, ``keep_layers`` and ``keep_format`` (per-layer precision). Examples::
 
     int4
     q4_0,mean_center=bias.gguf
@@ -19,20 +19,23 @@ The head is a format name or a named K/V preset (:mod:`kvslim.formats.presets`: 
 A list value (``keep_layers``) is comma-separated like the spec itself: the parts after ``keep_layers=`` that
 are not ``key=value`` belong to it.
 
-Every option is declared once, on its :class:`CacheConfig` field (:func:`option`): its type of value,
-default, legal values, spec key and CLI flag. :data:`OPTIONS` lists the declarations; validation, the
-spec syntax (:func:`parse_spec`, :meth:`CacheConfig.to_spec`) and the CLI's cache flags
-(:mod:`kvslim.cli.common`) read them, and a test checks the README's lists against them.
+Every option is declared once, here, on its :class:`CacheConfig` field (:func:`~kvslim.options.option`): its
+type of value, default, legal values, spec key and CLI flag. :data:`OPTIONS` lists the declarations; validation
+(:class:`~kvslim.options.Option`), the spec syntax (:mod:`kvslim.spec`, joined here by :func:`parse_spec` and
+:meth:`CacheConfig.to_spec`) and the CLI's cache flags (:mod:`kvslim.cli.common`) read them, and a test checks
+the README's lists against them. This module holds the declarations, the defaults and the rules between options
+(``residual`` a multiple of ``group_size``, ``mean_center`` only for the formats it applies to, ...).
 
 This module knows nothing about transformers or tensors beyond validation.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 
-from .checks import check_int
-from .formats import FORMATS, PRESETS, get_format, pair_names, resolve_pair
+from .formats import FORMATS, PRESETS, get_format, resolve_pair
+from .options import Option, option, parse_layers, resolve_layers
+from .spec import read_spec, write_spec
 
 #: K formats mean-centering is enabled for (``Format.mean_center`` in the registry; measured, see
 #: docs/mean-center.md), narrowest first: q4_0, q5_0, q8_0.
@@ -54,8 +57,9 @@ RESIDUAL_DTYPES = ("auto", "model", "float16", "bfloat16")
 #: quality against an fp32 model and halves the full-precision part; a 16-bit model keeps its own dtype).
 DEFAULT_RESIDUAL_DTYPE = "auto"
 #: Which encoded tensors are stored Hadamard-rotated (kvslim.cache.hadamard): none, K, V or both; "auto" is
-#: decided by the cache (SlimCache.rotate says what it chose).
-ROTATE = ("auto", "none", "k", "v", "kv")
+#: decided by the cache (SlimCache.rotate says what it chose); "fitted": K and V rotated by the per-layer, per-head
+#: rotations a calibration file holds (kvslim.calibration.rotation; mean_center=FILE).
+ROTATE = ("auto", "none", "k", "v", "kv", "fitted")
 #: pre_rope: True, False, or "auto" (decided by the cache; SlimCache.pre_rope says what it chose).
 PRE_ROPE = (True, False, "auto")
 #: The defaults, chosen by measurement (docs/quality.md, "Low-bit levers"): the cache decides, per format
@@ -64,176 +68,21 @@ DEFAULT_ROTATE = "auto"
 DEFAULT_PRE_ROPE = "auto"
 
 
+#: Variance normalization of the affine formats' encoded groups (kvslim.formats.varnorm): "auto" is decided per
+#: format by the cache (kvslim.formats.varnorm.AUTO, from docs/quality.md's "Variance normalization").
+VARNORM = ("auto", "off", "on")
+DEFAULT_VARNORM = "auto"
+
+
 #: the full-precision residual of an unbounded cache (and the most ``residual="auto"`` keeps with a window)
 DEFAULT_RESIDUAL = 128
 #: KIVI's token group (the unit tokens leave the residual in)
 DEFAULT_GROUP_SIZE = 32
 
 
-#: How each kind of option is read from a spec and checked (:class:`Option`):
-#: ``format``: a format name (the registry's); ``pair``: a format name or a K/V preset name (``k4v2``);
-#: ``int``: an integer >= ``minimum``; ``choice``: one of ``choices``; ``bool``: True or False; ``path``: a
-#: file path, not checked here; ``layers``: a tuple of model layer indices (:func:`parse_layers`). ``None`` is
-#: legal where the default is None, ``"auto"`` where the default is ``"auto"``.
-KINDS = ("format", "pair", "int", "choice", "bool", "path", "layers")
-
-#: How a layer list may name layers besides their indices (negative ones count from the end).
-LAYER_NAMES = {"first": 0, "last": -1}
 #: The default format of the layers ``keep_layers`` names: lossless, the model's own dtype (vLLM's
 #: ``--kv-cache-dtype-skip-layers`` keeps them unquantized too).
 DEFAULT_KEEP_FORMAT = "none"
-
-
-def parse_layers(value) -> tuple[int, ...]:
-    """A layer list as a tuple of indices: a string of comma-separated items, or a sequence of them; an item is
-    an integer (negative: from the end, -1 the last layer) or ``first`` / ``last``. None, ``""`` or ``"none"``:
-    ``()``.
-    ValueError naming the bad item and what is legal; an index given twice is refused."""
-    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
-        return ()
-    items = value.split(",") if isinstance(value, str) else value
-    if isinstance(items, (bytes, dict)) or not hasattr(items, "__iter__"):
-        raise ValueError(f"keep_layers must be layer indices or first/last, got {value!r}")
-    out: list[int] = []
-    for item in items:
-        text = item.strip().lower() if isinstance(item, str) else item
-        if isinstance(text, str) and text in LAYER_NAMES:
-            index = LAYER_NAMES[text]
-        elif isinstance(text, int) and not isinstance(text, bool):
-            index = text
-        else:
-            try:
-                index = int(text) if isinstance(text, str) and text else None
-            except ValueError:
-                index = None
-            if index is None:
-                raise ValueError(
-                    f"keep_layers must be layer indices (0 the first, -1 the last) or first/last, comma-separated; "
-                    f"got {item!r} in {value!r}"
-                )
-        if index in out:
-            raise ValueError(f"keep_layers names layer {index} twice in {value!r}")
-        out.append(index)
-    return tuple(out)
-
-
-def resolve_layers(layers: tuple[int, ...], n_layers: int) -> frozenset[int]:
-    """The model layer indices (0 .. n_layers - 1) a layer list names; ValueError in one line for an index out
-    of range."""
-    for i in layers:
-        if not -n_layers <= i < n_layers:
-            raise ValueError(
-                f"keep_layers names layer {i}, out of range: this model has {n_layers} layers "
-                f"(0..{n_layers - 1}, or -{n_layers}..-1 from the end)"
-            )
-    return frozenset(i % n_layers for i in layers)
-
-
-@dataclass(frozen=True)
-class Option:
-    """One cache option, declared once (on its :class:`CacheConfig` field, with :func:`option`).
-
-    name / default: the CacheConfig field and :class:`~kvslim.SlimCache` keyword, and its default.
-    kind: one of :data:`KINDS`; with ``choices``, ``minimum`` and ``hint`` it decides validation and how
-        the spec value is parsed. ``what``: what the option decides, in the validation message.
-    spec: the key in the one-line spec (None: the spec's head, the format name).
-    flag: the CLI flag (kebab-case; None: spec and Python only), with its ``metavar`` and ``flag_help``;
-        ``flag_auto``: the flag also takes ``auto``, resolved by the CLI (the default is then ``auto``).
-    """
-
-    kind: str
-    spec: str | None
-    what: str = ""
-    choices: tuple = ()
-    minimum: int | None = None
-    hint: str = ""
-    flag: str | None = None
-    metavar: str | None = None
-    flag_help: str = ""
-    flag_auto: bool = False
-    name: str = ""
-    default: object = None
-
-    @property
-    def optional(self) -> bool:
-        """Whether None is legal (the default is None)."""
-        return self.default is None
-
-    @property
-    def auto(self) -> bool:
-        """Whether ``"auto"`` is legal (the default is ``"auto"``)."""
-        return isinstance(self.default, str) and self.default == "auto"
-
-    @property
-    def flag_default(self):
-        """The CLI flag's default: ``auto`` where the flag resolves it, else the field's."""
-        return "auto" if self.flag_auto else self.default
-
-    def check(self, value) -> None:
-        """ValueError naming the option, the value and what is legal, unless ``value`` is."""
-        if value is None and self.optional:
-            return
-        if self.kind == "format":
-            if not isinstance(value, str):
-                raise ValueError(f"{self.name} must be a format name, got {value!r}")
-            get_format(value)  # raises with the legal names
-        elif self.kind == "pair":
-            if not isinstance(value, str):
-                raise ValueError(f"{self.name} must be a format or K/V preset name, got {value!r}")
-            resolve_pair(value)  # raises with the legal names
-        elif self.kind == "layers":
-            if not isinstance(value, tuple) or parse_layers(value) != value:
-                raise ValueError(f"{self.name} must be a tuple of layer indices, got {value!r}")
-        elif self.kind == "choice":
-            if value not in self.choices:
-                raise ValueError(
-                    f"{self.name} must be one of {', '.join(self.choices)} ({self.what}), got {value!r}"
-                )
-        elif self.kind == "bool":
-            if not (isinstance(value, bool) or (self.auto and value == "auto")):
-                raise ValueError(f"{self.name} must be True, False or 'auto' ({self.what}), got {value!r}")
-        elif self.kind == "int" and not (self.auto and value == "auto"):
-            check_int(self.name, value, minimum=self.minimum, hint=self.hint)
-
-    def spec_value(self, value):
-        """``value`` as the spec writes it (``to_spec``)."""
-        if self.kind == "layers":
-            return ",".join(str(i) for i in value)
-        return int(value) if isinstance(value, bool) else value
-
-    def parse(self, text: str, spec: str):
-        """The field value a spec's ``key=text`` gives; ValueError naming the spec and the key."""
-        low = text.lower()
-        if self.kind == "bool":
-            if low == "auto" and self.auto:
-                return "auto"
-            if low not in _BOOLS:
-                raise ValueError(
-                    f"cache spec {spec!r}: {self.spec} must be 1, 0 or auto (true/false), got {text!r}"
-                )
-            return _BOOLS[low]
-        if self.kind == "layers":
-            try:
-                return parse_layers(text)
-            except ValueError as e:
-                raise ValueError(f"cache spec {spec!r}: {e}") from None
-        if self.kind != "int":
-            return text
-        if low in ("none", "") and self.optional:
-            return None
-        if low == "auto" and self.auto:
-            return "auto"
-        try:
-            return int(text)
-        except ValueError:
-            raise ValueError(f"cache spec {spec!r}: {self.spec} must be an integer, got {text!r}") from None
-
-
-def option(default, kind: str, spec: str | None, **declared):
-    """A CacheConfig field declared as an option: its default and the :class:`Option` facts."""
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
-    return field(default=default, metadata={"option": Option(kind, spec, **declared)})
 
 
 @dataclass(frozen=True)
@@ -267,11 +116,17 @@ class CacheConfig:
     rotate: which encoded tensors are stored rotated by an orthonormal Hadamard matrix (QuaRot /
         llama.cpp's attention rotation): ``none``, ``k``, ``v`` or ``kv``; ``auto`` (default) lets the
         cache decide (:class:`~kvslim.SlimCache`: every quantized tensor it can rotate, not fp16/bf16; K as a bias file
-        records). Attention is unchanged.
+        records). Attention is unchanged. ``fitted``: every encoded K and V rotated by the orthogonal matrices
+        fitted per layer and KV head by ``kvslim calibrate --fit-rotation`` (:mod:`kvslim.calibration.rotation`),
+        read from the ``mean_center`` file (which then serves any K format; its bias applies only where the
+        K format centers).
     pre_rope: store K before RoPE (KVQuant) and rotate it on read; needs the model's RoPE. ``auto``
         (default) lets the cache decide (2-bit K where the model's RoPE allows it; as a bias file records).
     A ``mean_center`` bias must have been calibrated in the basis K is stored in (``rotate`` with K,
     ``pre_rope``); the bias file records it.
+    varnorm: variance normalization of the affine formats' encoded groups (:mod:`kvslim.formats.varnorm`, KVarN's
+        two-axis balance): ``on`` for every affine K/V stream, ``off``, or ``auto`` (default: per format, as
+        measured in docs/quality.md).
     keep_layers: model layers kept at ``keep_format`` instead of the cache's formats (per-layer precision:
         the first and last layers are the sensitive ones in practitioners' measurements, KVTuner): a tuple of
         indices, negative ones from the end (``(0, -1)``; a string ``"first,last"`` is parsed); default none.
@@ -367,7 +222,8 @@ class CacheConfig:
         what="which encoded tensors are stored Hadamard-rotated",
         flag="--kv-rotate",
         flag_help="store K, V or both Hadamard-rotated (attention unchanged); auto: every quantized tensor, K as "
-        f"the bias file records (default: {DEFAULT_ROTATE})",
+        f"the bias file records; fitted: K and V by the rotations of the --kv-mean-center file (kvslim calibrate "
+        f"--fit-rotation) (default: {DEFAULT_ROTATE})",
     )
     pre_rope: bool | str = option(
         DEFAULT_PRE_ROPE,
@@ -377,6 +233,16 @@ class CacheConfig:
         flag="--kv-pre-rope",
         flag_help="store K before RoPE and rotate it on read (KVQuant); auto: 2-bit K (int2) and as the bias file "
         f"records (default: {DEFAULT_PRE_ROPE}; the flag alone: on)",
+    )
+    varnorm: str = option(
+        DEFAULT_VARNORM,
+        "choice",
+        "varnorm",
+        choices=VARNORM,
+        what="variance normalization of the affine formats",
+        flag="--kv-varnorm",
+        flag_help="balance each encoded group's variance along tokens and channels before rounding (KVarN's idea; "
+        f"affine formats only); auto: where docs/quality.md measured it helps (default: {DEFAULT_VARNORM})",
     )
     keep_layers: tuple[int, ...] = option(
         (),
@@ -406,13 +272,25 @@ class CacheConfig:
                 f"keep_format={self.keep_format} applies to the layers keep_layers names, and it names none: "
                 f"give keep_layers (e.g. keep_layers=first,last) or leave keep_format at {DEFAULT_KEEP_FORMAT}"
             )
+        if self.varnorm == "on" and not any(
+            getattr(get_format(f), "pack", None) is not None for f in (self.k_format, self.v_format)
+        ):
+            raise ValueError(
+                f"varnorm=on applies to the affine formats (int8, int4, int3, int2), and this cache stores K as "
+                f"{self.k_format} and V as {self.v_format}: pick an affine format or leave varnorm at auto/off"
+            )
         if self.residual != "auto" and self.residual % self.group_size:
             raise ValueError(
                 f"residual={self.residual} is not a multiple of group_size={self.group_size}: tokens leave "
                 f"the full-precision residual one group at a time, so residual must be 0 or a multiple "
                 f"of group_size (e.g. {self.group_size * max(1, round(self.residual / self.group_size))})"
             )
-        if self.mean_center is not None and self.k_format not in MEAN_CENTER_FORMATS:
+        if self.rotate == "fitted" and self.mean_center is None:
+            raise ValueError(
+                "rotate='fitted' needs the calibration file holding the fitted rotation: mean_center=FILE "
+                "(written by kvslim calibrate --fit-rotation)"
+            )
+        if self.mean_center is not None and self.k_format not in MEAN_CENTER_FORMATS and self.rotate != "fitted":
             why = (
                 "its zero point already absorbs a per-channel mean"
                 if not get_format(self.k_format).symmetric
@@ -466,12 +344,7 @@ class CacheConfig:
     def to_spec(self) -> str:
         """The canonical one-line spec (the options that differ from their defaults, in declaration order);
         ``parse_spec(c.to_spec()) == c``."""
-        parts = [self.kv_quantize]
-        for opt in OPTIONS[1:]:
-            value = getattr(self, opt.name)
-            if value != opt.default:
-                parts.append(f"{opt.spec}={opt.spec_value(value)}")
-        return ",".join(parts)
+        return write_spec({o.name: getattr(self, o.name) for o in OPTIONS}, OPTIONS)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -488,47 +361,9 @@ OPTIONS: tuple[Option, ...] = tuple(
 SPEC_KEYS: dict[str, Option] = {o.spec: o for o in OPTIONS if o.spec is not None}
 
 
-#: How a spec spells a boolean.
-_BOOLS = {
-    "1": True,
-    "true": True,
-    "yes": True,
-    "on": True,
-    "0": False,
-    "false": False,
-    "no": False,
-    "off": False,
-}
-
-
 def parse_spec(spec: str) -> CacheConfig:
-    """Parse ``FORMAT[,key=value...]`` into a validated :class:`CacheConfig`.
+    """Parse ``FORMAT[,key=value...]`` (:mod:`kvslim.spec`) into a validated :class:`CacheConfig`.
 
     Raises ValueError naming the bad part and what is legal.
     """
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError("empty cache spec; expected FORMAT[,key=value...], e.g. 'int4,sink=4,window=1020'")
-    head, *rest = [p.strip() for p in spec.split(",")]
-    if "=" in head:
-        raise ValueError(
-            f"cache spec {spec!r} must start with a format or K/V preset name (one of {', '.join(pair_names())}), "
-            f"got {head!r}"
-        )
-    kwargs: dict = {OPTIONS[0].name: head}
-    pairs: list[list[str]] = []  # [key, value]; a list value gathers the parts up to the next key=value
-    for part in rest:
-        if "=" not in part:
-            if pairs and SPEC_KEYS.get(pairs[-1][0]) is not None and SPEC_KEYS[pairs[-1][0]].kind == "layers":
-                pairs[-1][1] += "," + part
-                continue
-            raise ValueError(f"cache spec {spec!r}: {part!r} is not key=value; keys: {', '.join(SPEC_KEYS)}")
-        key, value = (s.strip() for s in part.split("=", 1))
-        if key not in SPEC_KEYS:
-            raise ValueError(f"cache spec {spec!r}: unknown key {key!r}; keys: {', '.join(SPEC_KEYS)}")
-        pairs.append([key, value])
-    for key, value in pairs:
-        opt = SPEC_KEYS[key]
-        if opt.name in kwargs:
-            raise ValueError(f"cache spec {spec!r}: key {key!r} given twice")
-        kwargs[opt.name] = opt.parse(value, spec)
-    return CacheConfig(**kwargs)
+    return CacheConfig(**read_spec(spec, OPTIONS))

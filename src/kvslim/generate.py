@@ -6,6 +6,8 @@ gpt-fast-style free functions that ``sample``, ``eval``, ``bench``, ``calibrate`
   from :func:`position_ids`;
 - :func:`prefill` feeds a prompt (in chunks if asked) and returns the last position's logits;
 - :func:`decode_one_token` feeds one token per row and returns its logits;
+- :func:`forward_step` feeds many batch-1 caches in one forward, each its own new tokens (the batch engine's
+  step: decode tokens and prompt chunks packed together); :func:`forward_rows` is its one-token-a-row case;
 - :func:`teacher_forced` feeds a known text chunk by chunk and yields the logits of every position
   (perplexity, KLD);
 - :func:`greedy` continues a prompt greedily, one decode step per token;
@@ -76,10 +78,8 @@ def _allocated(cache) -> bool:
     return all(getattr(layer, "is_initialized", True) for layer in cache.layers)
 
 
-#: Ragged decode steps are padded to a multiple of this many rows (:mod:`kvslim.cache.ragged`, "Filler rows"): the
-#: CPU BLAS (MKL here) rounds a row of a matrix product the same way for 4, 8 and 12 or more rows, and
-#: differently for 1-3, 5-7 and 9-11 (measured); padded, a row's logits do not depend on how many rows share
-#: its step.
+#: Ragged steps are padded to a multiple of this many tokens (:mod:`kvslim.cache.ragged`, "Filler rows"): then a
+#: token's logits do not depend on how many tokens share its step (scripts/blas_row_invariance.py).
 ROW_MULTIPLE = 4
 
 
@@ -91,49 +91,74 @@ def forward_rows(
     row_multiple: int = ROW_MULTIPLE,
     errors: dict | None = None,
 ) -> torch.Tensor:
-    """One ragged decode step: token ``tokens[b]`` fed through ``caches[b]`` for every row ``b`` at once.
-
-    caches: batch-1 :class:`~kvslim.SlimCache` objects of the same model (built with ``config=``, already fed
-    their prompts through :func:`prefill`), each row at its own length; the model must use the ``kvslim``
-    attention (:func:`kvslim.enable`). Each row's position id is :func:`position_ids` of its own cache; the
-    step is padded with filler rows to a multiple of ``row_multiple`` (:data:`ROW_MULTIPLE`). Returns (len(caches), V) float32:
-    row ``b``'s logits, bit-identical to the same row stepped among any other rows.
-
-    errors: None (a row whose K/V its cache refuses raises, as a batch-1 step would) or a dict: such a row is
-    dropped from the step instead (:mod:`kvslim.cache.ragged`), ``errors[b]`` holds why, and the other rows'
-    logits are exactly what they would be without it; row ``b``'s cache has taken the token in some layers
-    and must not be fed again. When every row fails, the first failure raises.
-    """
-    from .cache.ragged import RaggedCache
-    from .compat import cache_kwargs
-
-    check_int("row_multiple", row_multiple, minimum=1)
+    """One ragged decode step, token ``tokens[b]`` through ``caches[b]``: :func:`forward_step` with one token
+    a row. Returns (len(caches), V) float32, row ``b``'s logits whatever other rows share the step."""
     if len(tokens) != len(caches) or not caches:
         raise ValueError(
             f"forward_rows needs one token per cache, got {len(tokens)} tokens for {len(caches)} caches"
         )
-    n = len(caches)
-    rows = list(caches) + [None] * (-n % row_multiple)
+    return forward_step(
+        model, [([t], c) for t, c in zip(tokens, caches, strict=True)], row_multiple=row_multiple, errors=errors
+    )
+
+
+def forward_step(
+    model,
+    feeds: Sequence[tuple[Sequence[int], object]],
+    *,
+    row_multiple: int = ROW_MULTIPLE,
+    errors: dict | None = None,
+) -> torch.Tensor:
+    """ONE forward for many caches: ``feeds[b] = (token ids, cache)`` — a decoding row's token or a prompt
+    chunk — packed into one sequence (:mod:`kvslim.cache.ragged`, "Packed, not padded"; filler tokens round it
+    up to a multiple of ``row_multiple``). caches: batch-1 :class:`~kvslim.SlimCache` objects of one model
+    (built with ``config=``), each at most once; the model uses the ``kvslim`` attention. Row ``b``'s position
+    ids are :func:`position_ids` of its own cache. Returns (len(feeds), V) float32: each row's LAST token's
+    logits, bit-identical to the row fed the same tokens in a step of its own or among any others.
+
+    errors: None (a row whose K/V its cache refuses, or whose attention raises, raises) or a dict: such a row
+    is dropped instead, ``errors[b]`` holds why, the other rows' logits are exact; row ``b``'s cache took its
+    tokens in some layers and must not be fed again. When every row fails, the first failure raises."""
+    from .cache.ragged import RaggedCache
+    from .compat import cache_kwargs
+
+    check_int("row_multiple", row_multiple, minimum=1)
+    if not feeds:
+        raise ValueError("forward_step needs at least one (tokens, cache) row")
+    if len({id(c) for _, c in feeds}) != len(feeds):
+        raise ValueError("forward_step feeds each cache at most once a step")
     device = model.device
-    positions, bases = [], []
-    for cache in rows:
-        if cache is None:
-            positions.append(0)
-            bases.append(0)
-            continue
-        pos = int(position_ids(cache, 1)[0, 0])
-        positions.append(pos)
-        bases.append(int(cache.get_seq_length()) - pos)
-    ids = torch.tensor([list(tokens) + [0] * (len(rows) - n)], dtype=torch.long, device=device).T  # (B, 1)
-    pos = torch.tensor(positions, dtype=torch.long, device=device)[:, None]  # (B, 1)
+    ids: list[int] = []
+    rows, pos_ids = [], []  # rows: (cache, first position id, base, new tokens)
+    for b, (tokens, cache) in enumerate(feeds):
+        tokens = list(tokens)
+        if not tokens:
+            raise ValueError(f"forward_step row {b} has no tokens to feed")
+        hand_padding(cache, None)  # a fresh cache learns it has no padding (what prefill() tells it)
+        pos = position_ids(cache, len(tokens), device=device)  # (1, n)
+        first = int(pos[0, 0])
+        rows.append((cache, first, int(cache.get_seq_length()) - first, len(tokens)))
+        pos_ids.append(pos[0])
+        ids += tokens
+    caches, positions, bases, lengths = (list(column) for column in zip(*rows, strict=True))
+    n_rows = len(feeds)
+    fill = -len(ids) % row_multiple  # filler rows, one token each (cache None, token 0, position 0)
+    caches, positions, bases = caches + [None] * fill, positions + [0] * fill, bases + [0] * fill
+    lengths, ids = lengths + [1] * fill, ids + [0] * fill
+    pos_ids.append(torch.zeros(fill, dtype=torch.long, device=device))
+    input_ids = torch.tensor([ids], dtype=torch.long, device=device)  # (1, N)
+    pos = torch.cat(pos_ids)[None]  # (1, N)
+    # each row's last token: the lm_head rows kept, padded to a multiple as well (the last token repeated)
+    last = torch.tensor(lengths[:n_rows], device=device).cumsum(0) - 1  # (n_rows,)
+    keep = torch.cat([last, last.new_full((-n_rows % row_multiple,), len(ids) - 1)])
     dropped: dict | None = None if errors is None else {}
-    ragged = RaggedCache(rows, positions, bases, errors=dropped)
+    ragged = RaggedCache(caches, positions, bases, errors=dropped, lengths=lengths)
     try:
-        out = model(input_ids=ids, use_cache=True, position_ids=pos, logits_to_keep=1, **cache_kwargs(ragged))
+        out = model(input_ids=input_ids, use_cache=True, position_ids=pos, logits_to_keep=keep, **cache_kwargs(ragged))
     finally:
         if errors is not None:
-            errors.update({b: e for b, e in dropped.items() if b < n})
-    return out.logits[:n, -1].float()
+            errors.update({b: e for b, e in dropped.items() if b < n_rows})
+    return out.logits[0, :n_rows].float()
 
 
 def prefill(

@@ -53,6 +53,14 @@ class ConcurrencyRow:
     bytes_per_stream: int | None
     cache_bytes: int | None
     note: str = ""
+    # per-token latency a stream sees (engine rows: the step; serve rows: the gaps between streamed chunks) and,
+    # for serve rows, the time to first token of C prompts arriving at once (None where not measured)
+    itl_p50_ms: float | None = None
+    itl_p90_ms: float | None = None
+    itl_p99_ms: float | None = None
+    ttft_p50_ms: float | None = None
+    ttft_p90_ms: float | None = None
+    ttft_p99_ms: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -132,6 +140,9 @@ def measure_concurrency(
                 ratio_to_dynamic=None,
                 bytes_per_stream=held // concurrency,
                 cache_bytes=held,
+                itl_p50_ms=_pct(times[mode.name], 50),
+                itl_p90_ms=_pct(times[mode.name], 90),
+                itl_p99_ms=_pct(times[mode.name], 99),
             )
         )
     rows_of.clear()
@@ -140,6 +151,31 @@ def measure_concurrency(
     for row in out:
         row.ratio_to_dynamic = None if base is None or not row.aggregate_tok_s else row.aggregate_tok_s / base
     return out
+
+
+def _pct(xs: Sequence[float], q: float) -> float:
+    """The q-th percentile of ``xs`` seconds, in ms (linear between order statistics)."""
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return (s[lo] + (s[hi] - s[lo]) * (k - lo)) * 1e3
+
+
+def link_ratios(rows: Sequence[ConcurrencyRow]) -> None:
+    """Fill ``ratio_to_dynamic`` of rows measured elsewhere (serve, peers) from the ``dynamic`` row at the same
+    length and concurrency, where there is one."""
+    base = {(r.length, r.concurrency): r.aggregate_tok_s for r in rows if r.mode == DYNAMIC and r.aggregate_tok_s}
+    for r in rows:
+        b = base.get((r.length, r.concurrency))
+        if r.ratio_to_dynamic is None and b and r.aggregate_tok_s:
+            r.ratio_to_dynamic = r.aggregate_tok_s / b
+
+
+def tokens(model, length: int, seed: int) -> torch.Tensor:
+    """The seeded random prompt (1, length) every mode is prefilled with (the serve rows and the peers send
+    the same ids)."""
+    return _tokens(model, length, seed)
 
 
 def _tokens(model, length: int, seed: int) -> torch.Tensor:
@@ -240,12 +276,24 @@ def run_concurrency(
 
 def render_concurrency(rows: Sequence[ConcurrencyRow]) -> str:
     """A text table: one line per mode, length and concurrency."""
-    head = f"{'mode':<34} {'L':>6} {'C':>3} {'ms/step':>9} {'agg tok/s':>10} {'x dynamic':>9} {'MiB/stream':>11}  note"
-    lines = ["decode with many streams (aggregate tokens/s over all rows; rows are copies of one prefill)", head]
+    head = (f"{'mode':<34} {'L':>6} {'C':>3} {'ms/step':>9} {'agg tok/s':>10} {'x dynamic':>9} {'MiB/stream':>11} "
+            f"{'ITL p50/p90/p99 ms':>20} {'TTFT p50/p90/p99 ms':>22}  note")
+    lines = [
+        "decode with many streams (aggregate tokens/s over all rows; engine rows are copies of one prefill; "
+        "ITL: a stream's per-token latency; TTFT: C prompts arriving at once, serve rows only)",
+        head,
+    ]
     for r in rows:
         ratio = "" if r.ratio_to_dynamic is None else f"{r.ratio_to_dynamic:.2f}"
         mib = "" if r.bytes_per_stream is None else f"{r.bytes_per_stream / 2**20:.2f}"
         ms = "" if r.ms_median != r.ms_median else f"{r.ms_median:.1f}"
         agg = f"{r.aggregate_tok_s:.1f}" if r.aggregate_tok_s else ""
-        lines.append(f"{r.mode:<34} {r.length:>6} {r.concurrency:>3} {ms:>9} {agg:>10} {ratio:>9} {mib:>11}  {r.note}")
+        itl = _three(r.itl_p50_ms, r.itl_p90_ms, r.itl_p99_ms)
+        ttft = _three(r.ttft_p50_ms, r.ttft_p90_ms, r.ttft_p99_ms)
+        lines.append(f"{r.mode:<34} {r.length:>6} {r.concurrency:>3} {ms:>9} {agg:>10} {ratio:>9} {mib:>11} "
+                     f"{itl:>20} {ttft:>22}  {r.note}")
     return "\n".join(lines)
+
+
+def _three(*xs) -> str:
+    return "" if all(x is None for x in xs) else "/".join("-" if x is None else f"{x:.0f}" for x in xs)

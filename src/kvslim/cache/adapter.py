@@ -1,4 +1,4 @@
-"""SlimCache: the transformers adapter. The ONLY module that imports transformers' Cache API.
+"""SlimCache: the transformers adapter (``Cache``), the cache-wide half of the glue to transformers.
 
 Usage::
 
@@ -7,9 +7,16 @@ Usage::
     out = model.generate(**inputs, past_key_values=cache)      # or model(..., cache=cache)
 
 Everything about storage lives in :mod:`kvslim.cache.layer`, everything about which tokens are kept in
-:mod:`kvslim.cache.policy`, every format in :mod:`kvslim.formats`. This module maps transformers' per-layer
-contract (``update``, ``get_seq_length``, ``get_mask_sizes``, ``reorder_cache``, ``crop``, ...)
-onto them.
+:mod:`kvslim.cache.policy`, every format in :mod:`kvslim.formats`. Transformers' per-layer contract
+(``update``, ``get_seq_length``, ``get_mask_sizes``, ``reorder_cache``, ``crop``, ...) is mapped onto them
+by :mod:`kvslim.cache.layer_adapter`; the options are resolved by :mod:`kvslim.cache.build`, the bytes
+counted by :mod:`kvslim.cache.accounting`. This module holds what is decided once per cache or per forward
+(padding, the position base, the attention path) and the cache-wide ``Cache`` surface. The modules that
+import transformers' Cache API are this one, :mod:`~kvslim.cache.layer_adapter`,
+:mod:`~kvslim.cache.static_adapter` and :mod:`~kvslim.cache.ragged` (and :mod:`kvslim.compat`, which
+names its classes per release); no other module of kvslim does (tests/test_layout.py checks it). This module
+knows nothing about how tokens are stored, kept or positioned, nor any format; it reaches the prompt-cache
+files (:mod:`kvslim.promptcache`) only in :meth:`SlimCache.save` / :meth:`SlimCache.load`.
 
 Masking after eviction: a layer holding ``stored`` of ``seen`` tokens reports
 ``get_mask_sizes(q) = (stored + q, seen - stored)``, i.e. its stored tokens are presented as if
@@ -31,18 +38,12 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 import weakref
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
-from .. import attention, compat
-from ..compat import (  # by release: see compat
-    DummyLayer,
-    LinearAttentionCacheLayerMixin,
-    LinearAttentionLayer,
-)
+from .. import attention
 from ..config import (
     DEFAULT_GROUP_SIZE,
     DEFAULT_KEEP_FORMAT,
@@ -50,236 +51,19 @@ from ..config import (
     DEFAULT_PRE_ROPE,
     DEFAULT_RESIDUAL_DTYPE,
     DEFAULT_ROTATE,
+    DEFAULT_VARNORM,
     CacheConfig,
 )
-from ..formats import make_codec
-from ..shapes import ModelShapes, is_mla, text_config
+from ..shapes import is_mla, text_config
+from .accounting import CacheAccounting
+from .build import layer_plan, layer_storage, new_layer, new_store, resolve_storage
 from .layer import SlimLayer
-from .levers import model_rotary, resolve_levers
+from .layer_adapter import _NO_OFFLOADING, SlimCacheLayer
 from .policy import KeepPolicy
-from .positions import base_from_positions, max_position, pads_from_positions, rebase_period
+from .positions import base_from_positions
 
 
-class SlimCacheLayer(CacheLayerMixin):
-    """transformers' per-layer contract over a :class:`~kvslim.cache.layer.SlimLayer`."""
-
-    is_compileable = False
-    is_sliding = False
-
-    def __init__(self, store_factory, owner: SlimCache, layer_idx: int, layer_type: str = "full_attention"):
-        super().__init__()
-        self._factory = store_factory
-        self._owner = owner  # the cache: padding, attention path and observer are decided there
-        self.layer_idx = layer_idx
-        self.layer_type = layer_type
-        self.is_sliding = layer_type in SLIDING_TYPES  # transformers reads it for masks and offloading
-        self.store: SlimLayer = store_factory()
-
-    @property
-    def is_croppable(self) -> bool:
-        """Whether :meth:`crop` can undo what transformers rolls back (assisted decoding asks once, after
-        the prefill): nothing is ever evicted (no window) and the newest tokens stay at full precision (a
-        residual, or formats that store tokens as given). A crop past the residual is refused."""
-        store = self.store
-        if store.policy.bounded or store.stored < store.seen:
-            return False
-        lossy = store.k.codec.lossy or store.v.codec.lossy
-        return not lossy or self._owner.cache_config.residual_tokens > 0
-
-    # transformers' layers hold `keys` / `values` tensors that its code and users read (DynamicCache's
-    # __iter__, output-shape checks). Here they are computed from the store on each read.
-    @property
-    def keys(self) -> torch.Tensor | None:
-        """Every stored key, oldest first, decoded to the model's dtype: ``(B, H_kv, stored, D)``; None before
-        the first update. Computed on each read (a lossy format: the values attention sees; ``none``: the
-        stored values). Read-only."""
-        return self._decoded(0)
-
-    @keys.setter
-    def keys(self, value) -> None:
-        _refuse_assignment("keys", value)
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        """Every stored value, as :attr:`keys`: ``(B, H_kv, stored, D_v)`` or None. Read-only."""
-        return self._decoded(1)
-
-    @values.setter
-    def values(self, value) -> None:
-        _refuse_assignment("values", value)
-
-    def _decoded(self, which: int) -> torch.Tensor | None:
-        store = getattr(self, "store", None)  # CacheLayerMixin.__init__ assigns None before the store exists
-        if store is None or not self.is_initialized or not store.stored:
-            return None
-        return store.read(self.dtype)[which]
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device = key_states.device
-        self.dtype = key_states.dtype
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        owner = self._owner
-        if owner._may_warn_materializing and not owner.compressed_attention and not _materializing_warned:
-            _warn_materializing(owner)
-        if owner.observe is not None and not owner.observe_stored:
-            owner.observe(self.layer_idx, key_states, value_states)
-        # transformers passes the attention layer's kwargs as `kwargs=...`.
-        position_ids = compat.update_position_ids(kwargs)
-        store = self.store
-        if owner.padding_explicit:
-            pads = owner.pads
-            base = owner._forward_base(position_ids, pads, store.seen, key_states.shape[2], key_states.shape[0])
-        else:
-            pads = None
-            if position_ids is not None and owner.policy.bounded and owner.policy.sink:
-                pads = pads_from_positions(position_ids, store.seen, key_states)
-            elif owner.policy.bounded and owner.policy.sink:
-                compat.warn_padding_unseen(key_states.shape[0])  # before 5.24 the ids never get here
-            base = 0  # the convention's pads make every row's offset 0
-        if base != store.base and store.stored and store.rotary is None:
-            raise ValueError(
-                f"position ids moved by {base - store.base} against the tokens seen, and this model's keys "
-                f"cannot be re-rotated: feed consecutive position ids"
-            )
-        if pads is not None and store.stored < store.seen and store.pads is not None:
-            old = store.pads.to(pads.device)
-            if old.shape == pads.shape and not torch.equal(old, pads):
-                raise ValueError(
-                    f"the position ids imply left padding {pads.tolist()} but this cache was filled with "
-                    f"{old.tolist()} and has evicted tokens since: feed ids that count real tokens from 0 (as "
-                    f"model.generate() does) or hand the padding with cache.set_left_padding() before the first token"
-                )
-        if pads is not None or owner.padding_explicit:
-            store.set_pads(pads)
-        rope = None
-        if store.pre_rope:  # the forward's own RoPE (dynamic NTK's follows the longest position fed)
-            rope = owner._rope_source.at(max_position(position_ids, store, key_states.shape[2], base))
-        if owner.observe is not None and owner.observe_stored:
-            owner.observe(self.layer_idx, store.basis_keys(key_states, base=base, rope=rope), value_states)
-        compressed = owner.compressed_attention and key_states.shape[2] <= attention.FAST_MAX_QUERY
-        out = store.append(key_states, value_states, segments=compressed, base=base, rope=rope)
-        return (out, out) if compressed else out  # kvslim_attention reads both from the one view
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        query_length = compat.mask_query_length(query_length)  # before 5.4: cache_position
-        stored = self.store.stored
-        return stored + query_length, self.store.seen - stored
-
-    def get_seq_length(self) -> int:
-        return self.store.seen
-
-    def get_max_length(self) -> int:
-        # transformers' convention: a sliding layer's maximum is its window, an unbounded one's -1
-        return self.store.policy.window + 1 if self.is_sliding else -1
-
-    get_max_cache_shape = get_max_length  # its name before transformers 5.13
-
-    def reset(self) -> None:
-        self.store = self._factory()
-        self.is_initialized = False
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.store.seen:
-            self.store.map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def crop(self, tokens_to_remove: int) -> None:
-        # transformers' convention (DynamicLayer): a negative value removes that many tokens.
-        if tokens_to_remove > 0:
-            raise ValueError(
-                f"crop({tokens_to_remove}): pass a negative number of tokens to remove, as with DynamicCache"
-            )
-        self.store.crop(-tokens_to_remove)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.store.seen:
-            self.store.map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.store.seen:
-            self.store.map_batch(lambda t: t[indices])
-
-    def offload(self):
-        raise ValueError(_NO_OFFLOADING)
-
-    def prefetch(self):
-        raise ValueError(_NO_OFFLOADING)
-
-
-_NO_OFFLOADING = (
-    "SlimCache does not offload layers to the CPU (its compressed store stays on the model's device); "
-    "use a smaller format or a StreamingLLM window to save device memory"
-)
-
-
-def _refuse_assignment(name: str, value) -> None:
-    if value is not None:  # CacheLayerMixin.__init__ assigns None
-        raise AttributeError(
-            f"SlimCacheLayer.{name} is computed from the compressed store and cannot be assigned"
-        )
-
-
-class SlimHybridLayer(LinearAttentionLayer, SlimCacheLayer):
-    """A layer with both a linear-attention (SSM / conv) state and attention K/V (Falcon-H1's
-    ``hybrid`` layers): the recurrent state is kept exactly as transformers' own layer keeps it, the
-    K/V in a :class:`~kvslim.cache.layer.SlimLayer`."""
-
-    def __init__(
-        self, store_factory, owner: SlimCache, layer_idx: int, layer_type: str, number_of_states: int = 1
-    ):
-        SlimCacheLayer.__init__(self, store_factory, owner, layer_idx, layer_type)
-        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
-
-    def lazy_initialization(self, *args, **kwargs) -> None:
-        if len(args) == 2 and not kwargs:  # from update(keys, values)
-            SlimCacheLayer.lazy_initialization(self, *args)
-        else:  # from update_conv_state / update_recurrent_state
-            LinearAttentionLayer.lazy_initialization(self, **kwargs)
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        return SlimCacheLayer.update(self, key_states, value_states, *args, **kwargs)
-
-    def reset(self) -> None:
-        LinearAttentionLayer.reset(self)
-        SlimCacheLayer.reset(self)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        LinearAttentionLayer.reorder_cache(self, beam_idx)
-        SlimCacheLayer.reorder_cache(self, beam_idx)
-
-    def crop(self, tokens_to_remove: int) -> None:
-        LinearAttentionLayer.crop(self, tokens_to_remove)
-        SlimCacheLayer.crop(self, tokens_to_remove)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        LinearAttentionLayer.batch_repeat_interleave(self, repeats)
-        SlimCacheLayer.batch_repeat_interleave(self, repeats)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        LinearAttentionLayer.batch_select_indices(self, indices)
-        SlimCacheLayer.batch_select_indices(self, indices)
-
-    def offload(self):
-        LinearAttentionLayer.offload(self)
-
-    def prefetch(self):
-        LinearAttentionLayer.prefetch(self)
-
-    # The attention half answers for lengths and masks (LinearAttentionLayer comes first in the MRO).
-    get_seq_length = SlimCacheLayer.get_seq_length
-    get_mask_sizes = SlimCacheLayer.get_mask_sizes
-    get_max_length = SlimCacheLayer.get_max_length
-    is_compileable = False
-
-    @property
-    def is_croppable(self) -> bool:
-        return LinearAttentionLayer.is_croppable.fget(self) and SlimCacheLayer.is_croppable.fget(self)
-
-
-class SlimCache(Cache):
+class SlimCache(CacheAccounting, Cache):
     """A bounded, compressed KV cache: StreamingLLM eviction x any storage format, per layer.
 
     Args:
@@ -317,6 +101,9 @@ class SlimCache(Cache):
             or ``original`` (every key at its original position); ``auto`` (default) is ``cache`` where
             the model's RoPE can be moved, else ``original`` — ``cache.positions`` and ``report()`` say
             which. Only the fp sinks are re-rotated. See docs/streaming.md.
+        varnorm: variance normalization of the affine formats' encoded groups (:mod:`kvslim.formats.varnorm`):
+            ``on``, ``off`` or ``auto`` (default: per format, as measured in docs/quality.md). ``report()["varnorm"]``
+            says which streams it normalizes.
         keep_layers, keep_format: per-layer precision. The model layers ``keep_layers`` names (indices, negative
             from the end: ``(0, -1)`` or ``"first,last"``; default none) store K and V in ``keep_format`` (a format
             or preset; default ``none``, lossless) instead. Needs ``config``; an index out of range is a
@@ -363,6 +150,7 @@ class SlimCache(Cache):
         residual_dtype: str = DEFAULT_RESIDUAL_DTYPE,
         rotate: str = DEFAULT_ROTATE,
         pre_rope: bool | str = DEFAULT_PRE_ROPE,
+        varnorm: str = DEFAULT_VARNORM,
         keep_layers: tuple[int, ...] = (),
         keep_format: str = DEFAULT_KEEP_FORMAT,
         config=None,
@@ -390,6 +178,7 @@ class SlimCache(Cache):
             residual_dtype=residual_dtype,
             rotate=rotate,
             pre_rope=pre_rope,
+            varnorm=varnorm,
             keep_layers=keep_layers,
             keep_format=keep_format,
         )
@@ -418,7 +207,7 @@ class SlimCache(Cache):
             if compressed_attention is None
             else compressed_attention
         )
-        # A lossy cache read through a materializing attention warns once (see _warn_materializing), unless the
+        # A lossy cache read through a materializing attention warns once (kvslim.cache.layer_adapter._warn_materializing), unless the
         # path was chosen explicitly or the model already uses "kvslim" (MLA: no compressed path to switch to).
         self._may_warn_materializing = compressed_attention is None and not attention.uses_kvslim_attention(
             config
@@ -430,89 +219,33 @@ class SlimCache(Cache):
         self._base_memo = None  # (key, base, weakref to the position ids) of the forward served (_forward_base)
         self.pads: torch.Tensor | None = None  # (B,) left padding, when handed explicitly
         self.padding_explicit = False
-        self.policy = KeepPolicy(sink=cfg.sink, window=cfg.window)
-        self._codecs = {
-            "k": make_codec(cfg.k_format, "k", group_size=cfg.group_size, v_group_size=cfg.v_group_size),
-            "v": make_codec(cfg.v_format, "v", group_size=cfg.group_size, v_group_size=cfg.v_group_size),
-        }
-        self._biases: list[torch.Tensor] | None = None
-        self._shapes = None
-        #: the codecs of the layers keep_layers names (None: no layer is kept apart)
-        self._keep_codecs: dict | None = None
+        #: every storage decision, "auto" resolved (kvslim.cache.build); the fields below are read from it
+        s = self._storage = resolve_storage(
+            cfg,
+            config=config,
+            mean_center=mean_center,
+            observe_stored=observe_stored,
+            model_fingerprint=model_fingerprint,
+            allow_other_model=allow_other_model,
+        )
+        self.policy = s.policy
         #: the model layers stored at keep_format (indices 0 .. n_layers - 1)
-        self.kept_layers: frozenset[int] = frozenset()
-        if cfg.keep_layers:
-            if config is None:
-                raise ValueError(
-                    f"keep_layers={cfg.keep_layers} needs config=model.config (the model's number of layers)"
-                )
-            self._keep_codecs = {
-                role: make_codec(fmt, role, group_size=cfg.group_size, v_group_size=cfg.v_group_size)
-                for role, fmt in zip("kv", cfg.keep_formats, strict=True)
-            }
-        if config is not None:
-            self._shapes = _model_shapes(config)
-            self.kept_layers = cfg.kept_layers(self._shapes.n_layers)  # one line for an index out of range
-            checks = [(f"{role}_quantize", role, codec) for role, codec in self._codecs.items()]
-            checks += [("keep_format", role, codec) for role, codec in (self._keep_codecs or {}).items()]
-            for what, role, codec in checks:
-                try:
-                    codec.check_head_dim(self._shapes.k_head_dim if role == "k" else self._shapes.v_head_dim)
-                except ValueError as e:
-                    raise ValueError(f"{what}={codec.name!r} cannot store this model's KV: {e}") from None
-        # The low-bit levers in effect, "auto" resolved (docs/quality.md, "Low-bit levers"):
-        self._hadamard, self._rope_source = resolve_levers(
-            cfg, config, self._shapes, self._codecs, mean_center
-        )
-        plain_roles = [r for r in "kv" if self._hadamard[r] is not None and not self._codecs[r].lossy]
-        if plain_roles and not observe_stored:  # (observe_stored: calibration observes keys in that basis)
-            rest = "".join(r for r in cfg.rotate if r in "kv" and r not in plain_roles) or "none"
-            names = " and ".join(f"{r}_quantize='none'" for r in plain_roles)
-            raise ValueError(
-                f"rotate={cfg.rotate!r} with {names}: only encoded (quantized) tensors are stored rotated, so "
-                f"nothing would be; use rotate={rest!r} or quantize {' and '.join(r.upper() for r in plain_roles)}"
-            )
+        self.kept_layers: frozenset[int] = s.kept_layers
         #: which encoded tensors are stored Hadamard-rotated: "none", "k", "v" or "kv"
-        self.rotate = {(False, False): "none", (True, False): "k", (False, True): "v", (True, True): "kv"}[
-            (self._hadamard["k"] is not None, self._hadamard["v"] is not None)
-        ]
+        self.rotate = s.rotate
         #: whether the K stream holds keys before RoPE
-        self.pre_rope = self._rope_source is not None
-        if mean_center is not None:
-            if self._shapes is None:
-                raise ValueError(
-                    "mean_center needs config=model.config to check the bias against the model's shapes"
-                )
-            from ..calibration.meancenter import load_mean_center
-
-            self._biases = load_mean_center(
-                mean_center,
-                n_layers=self._shapes.n_layers,
-                n_kv_heads=self._shapes.n_kv_heads,
-                head_dim=self._shapes.head_dim,
-                model_fingerprint=model_fingerprint,
-                allow_other_model=allow_other_model,
-                model_type=self._shapes.model_type,
-                k_format=cfg.k_format,
-                k_rot=self._hadamard["k"] is not None,
-                pre_rope=self.pre_rope,
-            )
-        self.rotary, why = (None, "no config=model.config") if config is None else model_rotary(config)
+        self.pre_rope = s.pre_rope
+        #: the model's RoPE where keys can be moved (None otherwise)
+        self.rotary = s.rotary
         #: the position semantics in effect ("auto" resolved: "cache" wherever keys can be moved)
-        self.positions = (
-            cfg.positions if cfg.positions != "auto" else ("cache" if self.rotary else "original")
-        )
-        if cfg.positions == "cache" and cfg.window is not None and self.rotary is None:
-            raise ValueError(
-                f"positions='cache' re-rotates the sink keys, which needs the model's RoPE: {why}; "
-                f"use positions='original'"
-            )
+        self.positions = s.positions
         #: kvslim's loop re-bases position ids every this many tokens (None: never), see generate.py.
-        # (None before transformers 5.24: the cache could not read the base back from the ids, see compat)
-        self.rebase_period = rebase_period(self.policy, self.rotary) if compat.POSITIONS_REACH_CACHE else None
+        self.rebase_period = s.rebase_period
+        self._codecs, self._keep_codecs, self._hadamard = s.codecs, s.keep_codecs, s.hadamard
+        self._rope_source, self._shapes, self._biases = s.rope_source, s.shapes, s.biases
         if self._shapes is not None:
             super().__init__(
-                layers=[self._new_layer(i, t, kw) for i, (t, kw) in enumerate(_layer_plan(config))]
+                layers=[new_layer(self, i, t, kw) for i, (t, kw) in enumerate(layer_plan(config))]
             )
         else:
             super().__init__(layer_class_to_replicate=self._replicate)
@@ -525,58 +258,12 @@ class SlimCache(Cache):
         return cls(config=config, **kwargs)
 
     # -- construction helpers ------------------------------------------------------------------
-    def _new_layer(self, i: int, layer_type: str, kwargs: dict):
-        """The cache layer for model layer ``i`` of transformers' ``layer_type`` (module docstring)."""
-        if layer_type in LINEAR_TYPES:
-            return LinearAttentionLayer(
-                **kwargs
-            )  # recurrent / conv state, kept exactly as transformers keeps it
-        if layer_type == "dummy":
-            return DummyLayer()  # reads another layer's K/V (KV sharing) or has no attention: holds nothing
-        # The model's own window bounds sliding and chunked layers (transformers keeps the last window - 1
-        # tokens); StreamingLLM's sinks + window apply to full-attention layers only.
-        window = kwargs.get("sliding_window")
-        policy = self.policy if window is None else KeepPolicy(sink=0, window=max(1, int(window) - 1))
-        factory = functools.partial(self._new_store, i, policy)
-        if layer_type in HYBRID_TYPES:
-            return SlimHybridLayer(factory, self, i, layer_type, kwargs.get("number_of_states", 1))
-        return SlimCacheLayer(factory, self, i, layer_type)
-
     def _layer_storage(self, layer_idx: int) -> tuple:
-        """``(k codec, v codec, k Hadamard, v Hadamard, k bias, pre_rope)`` of model layer ``layer_idx``: the
-        cache's, or for a layer ``keep_layers`` names its ``keep_format`` codecs, with the cache's Hadamard rotation
-        and pre-RoPE K where they are quantized (not ``none`` or fp16/bf16: there a rotation only adds rounding,
-        and a kept ``none`` layer stays exactly the plain cache's), and the K bias where its K format takes one
-        in the same basis (None otherwise: nothing held that is not used)."""
-        bias = None if self._biases is None else self._biases[layer_idx]
-        if layer_idx not in self.kept_layers:
-            codecs, had = self._codecs, self._hadamard
-            return codecs["k"], codecs["v"], had["k"], had["v"], bias, self.pre_rope
-        codecs = self._keep_codecs
-        quantized = {role: codecs[role].lossy and codecs[role].family != "cast" for role in ("k", "v")}
-        had = {role: self._hadamard[role] if quantized[role] else None for role in ("k", "v")}
-        k = codecs["k"]
-        if not (k.lossy and k.format.mean_center and had["k"] is self._hadamard["k"]):
-            bias = None
-        return k, codecs["v"], had["k"], had["v"], bias, self.pre_rope and quantized["k"]
+        """:func:`kvslim.cache.build.layer_storage` of model layer ``layer_idx``."""
+        return layer_storage(self._storage, layer_idx)
 
     def _new_store(self, layer_idx: int, policy: KeepPolicy | None = None) -> SlimLayer:
-        k_codec, v_codec, k_hadamard, v_hadamard, bias, pre_rope = self._layer_storage(layer_idx)
-        cfg = self.cache_config
-        return SlimLayer(
-            self.policy if policy is None else policy,
-            k_codec,
-            v_codec,
-            cfg.residual_tokens,
-            cfg.group_size,
-            k_bias=bias,
-            positions=self.positions,
-            rotary=self.rotary,
-            fp_dtype=_FP_DTYPES[cfg.residual_dtype],
-            k_hadamard=k_hadamard,
-            v_hadamard=v_hadamard,
-            pre_rope=pre_rope,
-        )
+        return new_store(self._storage, self.cache_config, layer_idx, self.policy if policy is None else policy)
 
     def _replicate(self) -> SlimCacheLayer:
         idx = len(self.layers)
@@ -629,112 +316,7 @@ class SlimCache(Cache):
         layers hold none)."""
         return [layer.store for layer in self.layers if isinstance(layer, SlimCacheLayer)]
 
-    # -- accounting ------------------------------------------------------------------------------
-    def nbytes(self) -> int:
-        """Every byte the cache holds: codes, scales, zeros, residual, sinks, biases, bookkeeping (buffer
-        slack included)."""
-        return sum(self.components().values())
-
-    def projected_nbytes(self, tokens: int, *, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
-        """The most bytes this cache will hold while fed ``tokens`` tokens per row (a prompt, then one per
-        step) for ``batch`` rows of a model computing in ``dtype``: an upper bound to reserve up front (the
-        batch engine's memory budget). A bounded cache reaches it once full and never exceeds it. Needs
-        ``config`` (the KV shapes); linear-attention states are not projected (ValueError)."""
-        if self._shapes is None:
-            raise ValueError("projected_nbytes needs a cache built with config=model.config (the KV shapes)")
-        if any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in self.layers):
-            raise ValueError("projected_nbytes cannot project linear-attention states (this model has some)")
-        shapes = self._shapes
-        kv = (batch, shapes.n_kv_heads, shapes.k_head_dim)
-        held = sum(s.projected_nbytes(tokens, kv, shapes.v_head_dim, dtype) for s in self.stores())
-        rotary = self._rotary_nbytes()
-        if self._rope_source is not None:  # pre-RoPE's angle table over the positions read (Rotary.table)
-            span = (
-                tokens
-                if self.rebase_period is None
-                else min(tokens, self.rebase_period + self.policy.capacity)
-            )
-            half = self._rope_source.rotary.inv_freq.numel()
-            rotary += (span + max(64, span // 4) + 1) * half * 4 * 2  # cos and sin, float32
-        return held + rotary
-
-    def live_nbytes(self) -> int:
-        """Bytes of the stored tokens alone, without preallocated buffer slack."""
-        return sum(s.live_nbytes() for s in self.stores())
-
-    def stored_tokens(self) -> int:
-        """Tokens held now by a full-attention layer (every one holds the same number: they see the same
-        tokens and share the policy; sliding layers hold at most the model's window)."""
-        kv = [layer for layer in self.layers if isinstance(layer, SlimCacheLayer)]
-        full = [layer for layer in kv if not layer.is_sliding] or kv
-        return full[0].store.stored if full else 0
-
-    def components(self) -> dict[str, int]:
-        """Bytes per kind of tensor, summed over layers (``rotary``: the RoPE frequencies, held once)."""
-        out: dict[str, int] = {}
-        for s in self.stores():
-            for name, n in s.components().items():
-                out[name] = out.get(name, 0) + n
-        out["linear_state"] = sum(_linear_state_bytes(layer) for layer in self.layers)
-        out["rotary"] = self._rotary_nbytes()
-        return out
-
-    def _rotary_nbytes(self) -> int:
-        """The RoPE frequencies (+ pre-RoPE's angle table), each held once; the Hadamard block matrices are
-        module-level, shared by every cache (kvslim.cache.hadamard: 4 * block^2 bytes per block size, 16 KiB for 64),
-        not held here."""
-        rotaries = {
-            id(r): r for r in (self.rotary, getattr(self._rope_source, "rotary", None)) if r is not None
-        }
-        return sum(r.nbytes() for r in rotaries.values())
-
-    def layer_type_bytes(self) -> dict[str, dict[str, int]]:
-        """Per transformers layer type: how many layers, how many hold K/V, and their bytes (the depth axis:
-        KV-sharing layers hold nothing, linear-attention layers only their recurrent state)."""
-        out: dict[str, dict[str, int]] = {}
-        for layer in self.layers:
-            kind = getattr(layer, "layer_type", None) or _layer_kind(layer)
-            row = out.setdefault(kind, {"layers": 0, "kv_layers": 0, "bytes": 0})
-            row["layers"] += 1
-            if isinstance(layer, SlimCacheLayer):
-                row["kv_layers"] += 1
-                row["bytes"] += layer.store.nbytes()
-            row["bytes"] += _linear_state_bytes(layer)
-        return out
-
-    def fp16_full_cache_bytes(self, tokens: int | None = None) -> int:
-        """Bytes an fp16 cache without eviction would need for ``tokens`` (default: tokens seen)."""
-        tokens = self.get_seq_length() if tokens is None else tokens
-        total = 0
-        for s in self.stores():
-            if s.kv_shape is not None:
-                batch, heads, k_dim = s.kv_shape
-                total += batch * heads * tokens * (k_dim + s.v_dim) * 2  # K and V, 2 bytes each
-        return total
-
-    def report(self) -> dict:
-        """Tokens seen and stored, bytes held (total and per component), and the fp16 full-cache bytes."""
-        seen = self.get_seq_length()
-        fp16 = self.fp16_full_cache_bytes(seen)
-        nbytes = self.nbytes()
-        return {
-            "tokens_seen": seen,
-            "tokens_stored": self.stored_tokens(),
-            "capacity": self.policy.capacity,
-            "cache_bytes": nbytes,
-            "live_bytes": self.live_nbytes(),
-            "fp16_full_cache_bytes": fp16,
-            "ratio_to_fp16_full": (nbytes / fp16) if fp16 else None,
-            "components": self.components(),
-            "layer_types": self.layer_type_bytes(),
-            "kv_layers": len(self.stores()),
-            "layers": len(self.layers),
-            "config": self.cache_config.to_dict(),
-            "positions": self.positions,
-            "rotate": self.rotate,
-            "pre_rope": self.pre_rope,
-            "residual": self.cache_config.residual_tokens,
-        }
+    # accounting (nbytes, projected_nbytes, components, layer_type_bytes, report, ...): CacheAccounting
 
     # -- prompt cache files (kvslim.promptcache) ----------------------------------------------------
     def save(
@@ -756,7 +338,12 @@ class SlimCache(Cache):
         from ..promptcache import load
 
         return load(
-            path, config=config, model_fingerprint=model_fingerprint, mean_center=mean_center, device=device
+            path,
+            config=config,
+            new_cache=SlimCache.from_config,  # the builder, so that kvslim.promptcache need not import this module
+            model_fingerprint=model_fingerprint,
+            mean_center=mean_center,
+            device=device,
         ).cache
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -788,81 +375,3 @@ class SlimCache(Cache):
 
     def __repr__(self) -> str:
         return f"SlimCache({self.cache_config.to_spec()!r}, layers={len(self.layers)})"
-
-
-_materializing_warned = False  # once per process
-
-
-def _warn_materializing(cache: SlimCache) -> None:
-    """Warn, once per process, that a lossy cache is being read through an attention that decodes every stored
-    token at every step (sdpa, eager, ...): correct, but several times slower than the ``kvslim`` attention."""
-    global _materializing_warned
-    if not any(codec.lossy for codec in cache._codecs.values()):
-        cache._may_warn_materializing = False  # lossless: nothing to decode, never ask again
-        return
-    _materializing_warned = True
-    warnings.warn(
-        f"SlimCache({cache.cache_config.to_spec()!r}) is read through an attention implementation that decodes "
-        f"every stored token at every decode step (slow on long contexts). Call kvslim.enable(model) before "
-        f"building the cache (or cache.use_compressed_attention(True) on a model already using "
-        f"attn_implementation='kvslim') to attend on the compressed codes directly.",
-        stacklevel=4,
-    )
-
-
-def _model_shapes(config) -> ModelShapes:
-    """The model's attention geometry (raises ValueError for a config that is not a decoder LM's)."""
-    return ModelShapes.from_config(config)
-
-
-#: transformers' layer types and what SlimCache keeps for each (DYNAMIC_LAYER_TYPE_MAPPING is the reference)
-SLIDING_TYPES = ("sliding_attention", "chunked_attention", "hybrid_sliding")
-LINEAR_TYPES = ("linear_attention", "conv")
-HYBRID_TYPES = ("hybrid", "hybrid_sliding")
-SUPPORTED_TYPES = (
-    "full_attention",
-    "sliding_attention",
-    "chunked_attention",
-    "dummy",
-    *LINEAR_TYPES,
-    *HYBRID_TYPES,
-)
-
-
-def _layer_plan(config) -> list[tuple[str, dict]]:
-    """(layer type, layer kwargs) per model layer, as transformers' own cache would build them; a clear
-    error naming any layer type SlimCache cannot serve."""
-    try:
-        layer_types, kwargs = compat.layer_types_and_kwargs(text_config(config))
-    except ValueError as e:
-        raise ValueError(
-            f"cannot read the layer types of {ModelShapes.from_config(config).model_type}: {e}"
-        ) from None
-    unsupported = sorted({t for t in layer_types if t not in SUPPORTED_TYPES})
-    if unsupported:
-        raise ValueError(
-            f"{ModelShapes.from_config(config).model_type} has {', '.join(unsupported)} layers, which SlimCache does not "
-            f"serve; it serves {', '.join(SUPPORTED_TYPES)} (use transformers' DynamicCache for this model)"
-        )
-    return list(zip(layer_types, kwargs, strict=True))
-
-
-def _linear_state_bytes(layer) -> int:
-    """Bytes of a linear-attention layer's conv and recurrent states (0 for other layers)."""
-    if not isinstance(layer, LinearAttentionCacheLayerMixin):
-        return 0
-    tensors = [*layer.conv_states.values(), *layer.recurrent_states.values()]
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
-def _layer_kind(layer) -> str:
-    if isinstance(layer, DummyLayer):
-        return "dummy"
-    if isinstance(layer, LinearAttentionCacheLayerMixin):
-        return "linear_attention"
-    return type(layer).__name__
-
-
-#: residual_dtype -> what a Stream is told (None: the model's dtype; "auto": decided per tensor dtype)
-_FP_DTYPES = {"auto": "auto", "model": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
-

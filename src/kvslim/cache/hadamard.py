@@ -110,6 +110,15 @@ class Hadamard:
         # matmul of the (..., blocks, block) view, which matters in an eager decode step (twice a layer).
         return torch.mm(xf.reshape(-1, self.block), h).view(xf.shape)
 
+    def inverse(self, y: torch.Tensor) -> torch.Tensor:
+        """Back from the rotated basis: ``H y`` again (H is its own inverse). A fitted rotation
+        (:class:`kvslim.calibration.rotation.FittedRotation`) has the same interface with ``R^T``."""
+        return self.apply(y)
+
+    def for_layer(self, layer: int) -> Hadamard:
+        """The rotation of model layer ``layer``: one Hadamard serves every layer (a fitted rotation is per layer)."""
+        return self
+
 
 _BLOCKS: dict = {}  # (block, torch.device) -> _block_f32's matrix, for the eager path's lookup
 

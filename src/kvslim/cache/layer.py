@@ -22,116 +22,33 @@ Layout of one layer (per K and per V, same token order)::
 - The stored basis (docs/quality.md, "Low-bit levers"). The encoded body may be stored in another
   basis than the model's keys/values: Hadamard-rotated (``k_hadamard``/``v_hadamard``), K mean-centered
   (``k_bias``, in the rotated basis when K is rotated) — both applied when tokens are encoded and undone
-  exactly on read (:class:`~kvslim.cache.buffers.BodyBasis`) — and, with ``pre_rope``, the whole K stream
+  exactly on read (:class:`~kvslim.cache.basis.BodyBasis`) — and, with ``pre_rope``, the whole K stream
   (residual and body) holds keys *before* RoPE: un-rotated on append with the forward's own rotary
   (KVQuant's pre-RoPE keys), rotated again on read at the position the current forward sees them. Sinks
   always hold the keys as the model gave them.
 
-This module knows nothing about transformers; :mod:`kvslim.cache.adapter` adapts it.
+Where each part lives: the streams (encoded body + residual) in :mod:`kvslim.cache.stream`, the RoPE-frame
+bookkeeping (which rotation each key carries, where it is read) in :mod:`kvslim.cache.frames`, the view
+attention reads in :mod:`kvslim.cache.segments`, the state a prompt-cache file holds in
+:mod:`kvslim.cache.layerstate`. This module decides what goes where on an append, evicts, and crops.
+
+This module knows nothing about transformers (:mod:`kvslim.cache.layer_adapter` adapts it), nor about files.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from ..formats import Codec, Encoded
+from ..formats import Codec
 from ..kernels import cpu as cpu_kernels
-from .buffers import CENTERED, BodyBasis, Stream
+from . import layerstate
+from .basis import BodyBasis
+from .frames import Frames, fed_positions
 from .hadamard import Hadamard
 from .policy import KeepPolicy
 from .rotary import Rotary
-
-
-@dataclass(frozen=True)
-class Segments:
-    """One layer's stored K and V as segments, oldest first: what attention on the codes reads.
-
-    ``[ sinks (fp) | body (encoded) | residual (fp) ]`` per stream. K and V may split at different
-    points (per-channel K leaves the residual a group at a time). Tensors are views into the layer's
-    buffers, valid until that layer's next update; nothing here may be written.
-
-    k_sink, v_sink: (B, H, S, D) or None (keys already at the rotation this forward must see);
-    k_body, v_body: :class:`~kvslim.formats.Encoded` or None, decoded with ``k_codec``/``v_codec``
-    and ``k_offset``/``v_offset`` (tokens already evicted from the first per-channel group);
-    k_res, v_res: (B, H, R, D) or None; length: stored tokens; kv_shape: (B, H_kv, D);
-    dtype: the dtype the standard path returns.
-    k_runs: ``((tokens, delta), ...)`` over the K stream (body then residual, oldest first): each
-    run's keys sit ``delta`` positions off the current frame and must be moved by ``delta`` with
-    ``rotary``. Empty: nothing to move (always, with ``k_pos``).
-    k_basis, v_basis: the basis of each encoded body (:class:`~kvslim.cache.buffers.BodyBasis`; None: the
-    stream's own). k_pos: (B, L) int64, the position each K stream key (body, then residual) must be
-    rotated to with ``rope`` — set when the K stream holds keys before RoPE (``pre_rope``), None otherwise.
-    """
-
-    k_sink: torch.Tensor | None
-    v_sink: torch.Tensor | None
-    k_codec: Codec
-    v_codec: Codec
-    k_body: Encoded | None
-    v_body: Encoded | None
-    k_offset: int
-    v_offset: int
-    k_res: torch.Tensor | None
-    v_res: torch.Tensor | None
-    length: int
-    kv_shape: tuple[int, int, int]
-    dtype: torch.dtype
-    k_runs: tuple[tuple[int, int], ...] = ()
-    rotary: Rotary | None = None
-    k_basis: BodyBasis | None = None
-    v_basis: BodyBasis | None = None
-    k_pos: torch.Tensor | None = None
-    rope: Rotary | None = None
-
-    @property
-    def shape(self) -> torch.Size:
-        """(B, H_kv, length, D), like the materialized keys."""
-        b, h, d = self.kv_shape
-        return torch.Size((b, h, self.length, d))
-
-    @property
-    def head_dim(self) -> int:
-        return self.kv_shape[2]
-
-    def n_body(self, role: str) -> int:
-        body = self.k_body if role == "k" else self.v_body
-        return 0 if body is None else next(iter(body.token.values())).shape[2]
-
-    def materialize(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The full (B, H, T, D) tensors in ``dtype`` (default: the layer's), keys moved as due: bodies
-        decoded back from their stored basis, pre-RoPE keys rotated to ``k_pos``."""
-        dtype = self.dtype if dtype is None else dtype
-        out = []
-        for role, sink, codec, body, offset, res, basis in (
-            ("k", self.k_sink, self.k_codec, self.k_body, self.k_offset, self.k_res, self.k_basis),
-            ("v", self.v_sink, self.v_codec, self.v_body, self.v_offset, self.v_res, self.v_basis),
-        ):
-            decoded = None
-            if body is not None:
-                decoded = codec.decode(body, dtype if basis is None else torch.float32, offset)
-                if basis is not None:
-                    decoded = basis.decode(decoded, body.token.get(CENTERED))
-            stream = [t for t in (decoded, res) if t is not None and t.shape[2]]
-            if stream and role == "k" and self.k_pos is not None:
-                joined = torch.cat([t.float() for t in stream], dim=2)
-                stream = [self.rope.rotate(joined, self.k_pos)]
-            stream = [t.to(dtype) for t in stream]
-            if stream and role == "k" and self.k_runs:
-                stream = [self._move_runs(torch.cat(stream, dim=2))]
-            parts = ([] if sink is None or not sink.shape[2] else [sink.to(dtype)]) + stream
-            out.append(torch.cat(parts, dim=2))
-        return out[0], out[1]
-
-    def _move_runs(self, keys: torch.Tensor) -> torch.Tensor:
-        """Stream keys (B, H, L, D) with each run moved by its delta."""
-        pieces, start = [], 0
-        for n, delta in self.k_runs:
-            piece = keys[:, :, start : start + n]
-            pieces.append(piece if delta == 0 else self.rotary.move(piece, delta))
-            start += n
-        return torch.cat(pieces, dim=2)
+from .segments import Segments
+from .stream import Stream
 
 
 class SlimLayer:
@@ -141,13 +58,13 @@ class SlimLayer:
     :class:`Segments` view (for attention on the codes), then evicts. ``seen`` counts tokens ever
     appended — the one position counter (:mod:`kvslim.generate` reads it through the cache).
 
-    Positions (docs/streaming.md). Each key carries the RoPE rotation of the position id it was fed
-    with. kvslim tracks, per stored key, that rotation relative to the token's *true* position
-    (its index among the row's real tokens): ``rotation = true - base``, where ``base`` is what the
-    caller subtracted to keep position ids bounded (0 under ``model.generate()``). Stream tokens
-    share bases in a few runs (``runs``); sinks keep their rotation per row (``sink_rot``). At read
-    time, in the frame of the current forward's base, every key is presented at the rotation its
-    ``positions`` mode asks for:
+    Positions (docs/streaming.md; the bookkeeping is :class:`~kvslim.cache.frames.Frames`, ``self.frames``).
+    Each key carries the RoPE rotation of the position id it was fed with. kvslim tracks, per stored key,
+    that rotation relative to the token's *true* position (its index among the row's real tokens):
+    ``rotation = true - base``, where ``base`` is what the caller subtracted to keep position ids bounded
+    (0 under ``model.generate()``). Stream tokens share bases in a few runs (``runs``); sinks keep their
+    rotation per row (``sink_rot``). At read time, in the frame of the current forward's base, every key
+    is presented at the rotation its ``positions`` mode asks for:
 
     - ``original``: every key at its true position (distances grow with the stream for the sinks);
     - ``cache`` (StreamingLLM's in-cache positions): window keys at their true positions — the same
@@ -201,16 +118,14 @@ class SlimLayer:
         self._k_bias = k_bias  # (H_kv, D) float32, subtracted from every encoded key (in the body's basis)
         self.sink_k: torch.Tensor | None = None  # (B, H, <=sink, D), as the model gave them
         self.sink_v: torch.Tensor | None = None
-        self.sink_rot: torch.Tensor | None = None  # (B, <=sink) int64: rotation position of each sink key
-        self.runs: list[list[int]] = []  # [tokens, base] of the stream's keys, oldest first
+        #: the rotation of every stored key, the base and rotary of the forward being served
+        self.frames = Frames(positions, rotary, pre_rope)
         self.seen = 0
         self.pads: torch.Tensor | None = None  # (B,) left-padding count per row
         self._no_pads: torch.Tensor | None = None  # the zeros append hands out when nothing is padded
         self.sink_start: torch.Tensor | None = None  # (B,) first slot of each row's sinks
         self.dtype: torch.dtype | None = None
         self.kv_shape: tuple[int, int, int] | None = None  # (B, H_kv, D) of the stored tokens
-        self._base = 0  # the base of the forward being served (set by append)
-        self._rope: Rotary | None = rotary  # the rotary of the forward being served (pre_rope)
         self._v_dim = 0  # V's head_dim (fixed by the first append)
 
     @property
@@ -240,7 +155,21 @@ class SlimLayer:
     def base(self) -> int:
         """The position base of the forward being served (what the caller subtracted from the ids; set by
         :meth:`append`, 0 under ``model.generate()``). Read-only."""
-        return self._base
+        return self.frames.base
+
+    @property
+    def runs(self) -> list[list[int]]:
+        """``[[tokens, base], ...]`` over the stream's keys, oldest first (:class:`~kvslim.cache.frames.Frames`)."""
+        return self.frames.runs
+
+    @property
+    def sink_rot(self) -> torch.Tensor | None:
+        """(B, <=sink) int64: the rotation position of each sink key (None: no sinks)."""
+        return self.frames.sink_rot
+
+    @sink_rot.setter
+    def sink_rot(self, rot: torch.Tensor | None) -> None:
+        self.frames.sink_rot = rot
 
     @property
     def v_dim(self) -> int:
@@ -256,8 +185,7 @@ class SlimLayer:
         if self.pre_rope:
             rope = self.rotary if rope is None else rope
             pads = self.pads if self.pads is not None and self.pads.shape[0] == keys.shape[0] else None
-            slots = torch.arange(self.seen, self.seen + keys.shape[2], device=keys.device)
-            rot = slots[None, :] - (0 if pads is None else pads[:, None]) - base  # (B, C)
+            rot = fed_positions(self.seen, keys.shape[2], pads, base, keys.device)  # (B or 1, C)
             x = rope.move(x, -rot.expand(keys.shape[0], -1))
         return x if self.k_hadamard is None else self.k_hadamard.apply(x)
 
@@ -368,8 +296,7 @@ class SlimLayer:
         if n_sink:
             ks, vs = keys[:, :, :n_sink], values[:, :, :n_sink]
             ks, vs = self.k.cast(ks), self.v.cast(vs)
-            slots = torch.arange(self.seen, self.seen + n_sink, device=device)  # (n,)
-            rot = slots[None, :] - pads[:, None] - base  # (B, n): the position ids these keys were fed
+            rot = fed_positions(self.seen, n_sink, pads, base, device)  # (B, n): the ids these keys were fed
             sink_k = ks.clone() if sink_k is None else torch.cat([sink_k, ks], dim=2)
             sink_v = vs.clone() if sink_v is None else torch.cat([sink_v, vs], dim=2)
             sink_rot = rot if sink_rot is None else torch.cat([sink_rot, rot], dim=1)
@@ -377,8 +304,7 @@ class SlimLayer:
         plans = None
         if rest_k.shape[2]:
             if self.pre_rope:  # un-rotate: R(-p) k, p the position id each key was fed with
-                slots = torch.arange(self.seen + n_sink, self.seen + n_new, device=device)
-                rot = slots[None, :] - pads[:, None] - base  # (B, n)
+                rot = fed_positions(self.seen + n_sink, n_new - n_sink, pads, base, device)  # (B, n)
                 rest_k = rope.move(rest_k, -rot)
             if halves is not None:
                 plans = (self.k.plan(rest_k, halves[0]), self.v.plan(rest_v, halves[1]))
@@ -395,57 +321,21 @@ class SlimLayer:
         if plans is not None:
             self.k.commit(plans[0])
             self.v.commit(plans[1])
-            if self.runs and self.runs[-1][1] == base:
-                self.runs[-1][0] += rest_k.shape[2]
-            else:
-                self.runs.append([rest_k.shape[2], base])
+            self.frames.add_run(rest_k.shape[2], base)
         self.seen += n_new
-        self._base = base
-        self._rope = rope
+        self.frames.serve(base, rope)
 
         out = self.segments() if segments else self.read(self.dtype)
         self._evict()
         return out
 
     # -- reads -----------------------------------------------------------------------------
-    def _sink_keys(self) -> torch.Tensor | None:
-        """The sink keys as the current forward must see them (B, H, S, D): moved to the rotation their
-        ``positions`` mode asks for, in the frame of the current base. Untouched where no move is due."""
-        if self.sink_k is None or self.rotary is None:
-            return self.sink_k
-        s = self.sink_len
-        j = torch.arange(s, device=self.sink_rot.device)
-        if self.positions == "cache":
-            first = self.seen - len(self.k)  # slot of the stream's oldest key
-            want = (first - s + j)[None, :] - self.pads[:, None]  # (B, S) true positions, contiguous
-        else:
-            want = (self.sink_start[:, None] + j[None, :]) - self.pads[:, None]  # their own true positions
-        delta = want - self._base - self.sink_rot  # (B, S)
-        if not bool((delta != 0).any()):
-            return self.sink_k
-        return self.rotary.move(self.sink_k, delta)
-
-    def _run_deltas(self) -> tuple[tuple[int, int], ...]:
-        """(tokens, delta) per run of stream keys, oldest first: each run's keys must be moved by
-        ``delta = run base - current base`` positions. Empty when every delta is 0 (or the stream is
-        pre-RoPE: its keys are rotated to their read positions, :meth:`_read_positions`)."""
-        if self.pre_rope or all(b == self._base for _, b in self.runs):
-            return ()
-        return tuple((n, b - self._base) for n, b in self.runs)
-
-    def _read_positions(self) -> torch.Tensor | None:
-        """(B, L) int64: where each K stream key sits in the current frame (its true position minus the
-        current base) — what a pre-RoPE stream is rotated to on read. None unless ``pre_rope``."""
-        if not self.pre_rope or not len(self.k):
-            return None
-        first = self.seen - len(self.k)
-        slots = torch.arange(first, self.seen, device=self.pads.device)
-        return slots[None, :] - self.pads[:, None] - self._base
-
     def segments(self) -> Segments:
         """A frozen view of what is stored now (valid until the next update)."""
         return Segments(
-            k_sink=self._sink_keys(),
+            k_sink=self.frames.sink_keys(
+                self.sink_k, first_stream_slot=self.seen - len(self.k), pads=self.pads, sink_start=self.sink_start
+            ),
             v_sink=self.sink_v,
             k_codec=self.k.codec,
             v_codec=self.v.codec,
@@ -458,24 +348,17 @@ class SlimLayer:
             length=self.stored,
             kv_shape=self.kv_shape,
             dtype=self.dtype,
-            k_runs=self._run_deltas(),
+            k_runs=self.frames.run_deltas(),
             rotary=self.rotary,
             k_basis=self.k.basis,
             v_basis=self.v.basis,
-            k_pos=self._read_positions(),
-            rope=self._rope if self.pre_rope else None,
+            k_pos=self.frames.read_positions(self.seen - len(self.k), len(self.k), self.pads),
+            rope=self.frames.rope if self.pre_rope else None,
         )
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Every stored token, oldest first, materialized: (B, H, stored, D)."""
         return self.segments().materialize(dtype)
-
-    def _stream_rot(self, k: int) -> torch.Tensor:
-        """(B, k) rotation positions of the stream's ``k`` oldest keys."""
-        first = self.seen - len(self.k)
-        slots = torch.arange(first, first + k, device=self.pads.device)
-        bases = torch.tensor([b for n, b in self.runs for _ in range(n)][:k], device=self.pads.device)
-        return slots[None, :] - self.pads[:, None] - bases[None, :]
 
     def _evict(self) -> None:
         k = self.policy.n_to_evict(self.stored)
@@ -485,22 +368,23 @@ class SlimLayer:
         shift = new_start - self.sink_start  # (B,) >= 0: rows whose sinks still slide over pads
         if self.policy.sink and bool((shift > 0).any()):
             n = self.policy.sink
+            first = self.seen - len(self.k)  # slot of the stream's oldest key
             idx = (shift[:, None] + torch.arange(n, device=shift.device))[:, None, :, None]  # (B, 1, n, 1)
             for name in ("k", "v"):
                 stream = getattr(self, name)
                 sinks = getattr(self, f"sink_{name}")
                 front = stream.front(k, sinks.dtype)  # (B, H, k, D) in the stream's basis
                 if name == "k" and self.pre_rope:  # back to the rotation they were fed with, as sinks hold
-                    front = self._rope.move(front, self._stream_rot(k))
+                    front = self.frames.rope.move(front, self.frames.stream_rot(k, first, self.pads))
                 pool = torch.cat([sinks, front], dim=2)  # (B, H, n + k, D)
                 idx_full = idx.expand(-1, pool.shape[1], -1, pool.shape[3])
                 setattr(self, f"sink_{name}", torch.gather(pool, 2, idx_full))
-            pool_rot = torch.cat([self.sink_rot, self._stream_rot(k)], dim=1)  # (B, n + k)
+            pool_rot = torch.cat([self.sink_rot, self.frames.stream_rot(k, first, self.pads)], dim=1)  # (B, n + k)
             self.sink_rot = torch.gather(pool_rot, 1, idx[:, 0, :, 0])
         self.sink_start = new_start
         self.k.drop_front(k)
         self.v.drop_front(k)
-        _drop_runs(self.runs, k)
+        self.frames.drop_runs(k)
 
     # -- edits ---------------------------------------------------------------------------
     def crop(self, n: int) -> None:
@@ -520,7 +404,7 @@ class SlimLayer:
                 stream.crop_back(from_stream)  # raises the stream's error; nothing was cropped
         self.k.crop_back(from_stream)
         self.v.crop_back(from_stream)
-        _drop_runs(self.runs, from_stream, from_back=True)
+        self.frames.drop_runs(from_stream, from_back=True)
         rest = n - from_stream
         if rest:
             keep = self.sink_len - rest
@@ -542,76 +426,26 @@ class SlimLayer:
     # -- save / restore --------------------------------------------------------------------
     def state(self) -> dict:
         """Everything this layer holds, as tensors (views, valid until the next update) and plain values
-        (what :mod:`kvslim.promptcache` saves; nothing is decoded or re-encoded):
-
-        ``k``/``v``: ``(body, offset, residual)`` per stream (:meth:`Stream.restore`); ``sink_k``/``sink_v``
-        (B, H, S, D) and ``sink_rot`` (B, S); ``pads``/``sink_start`` (B,); ``runs`` ``[[tokens, base], ...]``;
-        ``seen``, ``base``, ``dtype``, ``kv_shape`` (B, H_kv, D), ``v_dim``. Tensors may be None."""
-        return {
-            "k": (self.k.body(), self.k.offset, self.k.fp.view()),
-            "v": (self.v.body(), self.v.offset, self.v.fp.view()),
-            "sink_k": self.sink_k,
-            "sink_v": self.sink_v,
-            "sink_rot": self.sink_rot,
-            "pads": self.pads,
-            "sink_start": self.sink_start,
-            "runs": [list(r) for r in self.runs],
-            "seen": self.seen,
-            "base": self._base,
-            "dtype": self.dtype,
-            "kv_shape": self.kv_shape,
-            "v_dim": self._v_dim,
-        }
+        (what :mod:`kvslim.promptcache` saves; nothing is decoded or re-encoded): the schema is
+        :func:`kvslim.cache.layerstate.layer_state`'s."""
+        return layerstate.layer_state(self)
 
     def restore(self, state: dict) -> None:
         """Fill this fresh layer (built with the same settings as the one saved) from a :meth:`state`.
-        The shapes are checked against each other first (ValueError naming the part; nothing changed)."""
+        The shapes are checked against each other first (:func:`kvslim.cache.layerstate.check_state`:
+        ValueError naming the part; nothing changed)."""
         if self.seen or self.stored:
             raise ValueError(f"restore() fills a fresh layer; this one has seen {self.seen} tokens")
         if not state["seen"]:
             return
-        b, h, d = state["kv_shape"]
-        v_dim = state["v_dim"]
-        n_sink = 0 if state["sink_k"] is None else state["sink_k"].shape[2]
-        want = {
-            "sink_k": (b, h, n_sink, d) if n_sink else None,
-            "sink_v": (b, h, n_sink, v_dim) if n_sink else None,
-            "sink_rot": (b, n_sink) if n_sink else None,
-            "pads": (b,),
-            "sink_start": (b,),
-        }
-        for name, shape in want.items():
-            t = state[name]
-            if (None if t is None else tuple(t.shape)) != shape:
-                got = None if t is None else tuple(t.shape)
-                raise ValueError(f"layer state: {name} has shape {got}, expected {shape}")
-        lengths = []
-        for role, dim in (("k", d), ("v", v_dim)):
-            body, _, fp = state[role]
-            n_body = {t.shape[2] for t in body.token.values()}
-            parts = [*body.token.values(), *body.group.values()] + ([] if fp is None else [fp])
-            if len(n_body) > 1 or any(tuple(t.shape[:2]) != (b, h) for t in parts):
-                raise ValueError(f"layer state: {role} stream parts disagree on batch, heads or length")
-            if fp is not None and fp.shape[3] != dim:
-                raise ValueError(f"layer state: {role} residual has head_dim {fp.shape[3]}, expected {dim}")
-            lengths.append(next(iter(n_body), 0) + (0 if fp is None else fp.shape[2]))
-        runs = [[int(n), int(base)] for n, base in state["runs"]]
-        if lengths[0] != lengths[1] or sum(n for n, _ in runs) != lengths[0]:
-            raise ValueError(
-                f"layer state: K stream holds {lengths[0]} tokens, V {lengths[1]}, runs {sum(n for n, _ in runs)}"
-            )
-        if n_sink > self.policy.sink or n_sink + lengths[0] > state["seen"]:
-            raise ValueError(
-                f"layer state: {n_sink} sinks (this layer keeps {self.policy.sink}) + {lengths[0]} stream tokens "
-                f"for {state['seen']} seen"
-            )
+        kv_shape, v_dim, runs = layerstate.check_state(state, max_sinks=self.policy.sink)
         # commit (the appends below only write into fresh buffers)
         self.k.restore(*state["k"])
         self.v.restore(*state["v"])
         self.sink_k, self.sink_v, self.sink_rot = state["sink_k"], state["sink_v"], state["sink_rot"]
         self.pads, self.sink_start = state["pads"], state["sink_start"]
-        self.runs, self.seen, self._base = runs, int(state["seen"]), int(state["base"])
-        self.dtype, self.kv_shape, self._v_dim = state["dtype"], (b, h, d), int(v_dim)
+        self.frames.runs, self.seen, self.frames.base = runs, int(state["seen"]), int(state["base"])
+        self.dtype, self.kv_shape, self._v_dim = state["dtype"], kv_shape, v_dim
 
     # -- accounting ------------------------------------------------------------------------
     def components(self) -> dict[str, int]:
@@ -651,17 +485,6 @@ class SlimLayer:
 
 
 POSITIONS = ("original", "cache")
-
-
-def _drop_runs(runs: list[list[int]], k: int, *, from_back: bool = False) -> None:
-    """Remove ``k`` tokens from the front (or back) of a run list in place."""
-    while k and runs:
-        run = runs[-1] if from_back else runs[0]
-        take = min(k, run[0])
-        run[0] -= take
-        k -= take
-        if run[0] == 0:
-            runs.pop(-1 if from_back else 0)
 
 
 def _bytes(t: torch.Tensor | None) -> int:

@@ -3,7 +3,7 @@ Hadamard rotation per tensor and pre-RoPE storage, ``auto`` resolved (docs/quali
 
 What this module knows: how to find a transformers model's rotary embedding and whether kvslim can move its
 keys exactly; which levers a :class:`~kvslim.config.CacheConfig` and a bias file ask for. It knows nothing
-about storage or transformers' Cache API (:mod:`kvslim.cache.adapter` calls it once per cache).
+about storage or transformers' Cache API (:mod:`kvslim.cache.build` calls it once per cache).
 """
 
 from __future__ import annotations
@@ -69,11 +69,17 @@ def resolve_levers(cfg: CacheConfig, config, shapes: ModelShapes | None, codecs:
     file records it (``k_pre_rope``); without one, for 2-bit K (int2) when the model's RoPE allows it —
     measured (docs/quality.md, "Low-bit levers"): -44% KLD for int2 on top of rotation, -12% for int4,
     +14% (worse) for q4_0 without a bias; it costs a rotation of every stored key per step in the score
-    kernel. Nothing is automatic without ``config`` or for MLA latents."""
+    kernel. Nothing is automatic without ``config`` or for MLA latents.
+
+    ``rotate='fitted'``: every encoded (lossy) K and V by the fitted rotations of the ``mean_center`` file
+    (:class:`kvslim.calibration.rotation.LayerRotations`, one matrix per layer and KV head); ValueError with one
+    line when the file holds none."""
     basis = bias_basis(mean_center) if mean_center is not None else None
     plain = shapes is None or is_mla(text_config(config))
     hadamard: dict[str, Hadamard | None] = {"k": None, "v": None}
-    for role in ("k", "v"):
+    if cfg.rotate == "fitted":
+        hadamard = fitted_rotations(codecs, shapes, mean_center, config)
+    for role in ("k", "v") if cfg.rotate != "fitted" else ():
         if cfg.rotate == "auto":
             if plain or not codecs[role].lossy or codecs[role].family == "cast":
                 continue  # fp16/bf16 storage: a rotation only adds rounding (and can overflow fp16)
@@ -111,6 +117,23 @@ def resolve_levers(cfg: CacheConfig, config, shapes: ModelShapes | None, codecs:
     if config is None:
         raise ValueError("pre_rope=True needs config=model.config (it un-rotates keys with the model's RoPE)")
     return hadamard, rope_source(config)
+
+
+def fitted_rotations(codecs: dict, shapes: ModelShapes | None, mean_center, config) -> dict:
+    """``{"k", "v"}`` -> the fitted rotations (:class:`kvslim.calibration.rotation.LayerRotations`) of the encoded
+    (lossy) roles, None for the others; ValueError (one line) without a model or a file holding them."""
+    if shapes is None or is_mla(text_config(config)):
+        raise ValueError("rotate='fitted' needs config=model.config of a model whose K/V are per-head tensors (not MLA)")
+    from ..calibration.rotation import load_rotations
+
+    rotations, _ = load_rotations(
+        mean_center,
+        n_layers=shapes.n_layers,
+        n_kv_heads=shapes.n_kv_heads,
+        head_dim=shapes.k_head_dim,
+        v_head_dim=shapes.v_head_dim,
+    )
+    return {role: rotations[role] if codecs[role].lossy else None for role in ("k", "v")}
 
 
 def bias_basis(mean_center) -> tuple[bool, bool] | None:

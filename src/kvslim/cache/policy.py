@@ -7,13 +7,13 @@ precision: RotateKV's attention-sink-aware quantization (Su et al., 2025) — th
 far from every other key, and a quantizer (or a mean-centering bias) fitted to the others serves them
 badly (docs/quality.md).
 
-This module decides *how many* tokens go where and *how many* leave; it never touches storage
-(see :mod:`kvslim.cache.layer`). Deviations from the paper, all deliberate:
+This module decides *how many* tokens go where and *how many* leave; it knows nothing about storage,
+codecs or RoPE (see :mod:`kvslim.cache.layer`). Deviations from the paper, all deliberate:
 
 - Positions are not decided here. kvslim offers both the paper's in-cache positions (the kept
   tokens presented as one contiguous sequence) and the "vanilla" variant (every key keeps the
   rotation of its original position; queries use their true position): ``positions=`` on the
-  cache, implemented in :mod:`kvslim.cache.layer` by re-rotating the full-precision sinks only.
+  cache, implemented in :mod:`kvslim.cache.frames` by re-rotating the full-precision sinks only.
 - Eviction happens after the append, so a decode step attends to ``sink + window + 1`` keys and a
   multi-token chunk attends to everything stored before it plus itself (causally) — the paper's
   reference code (``evict_for_space``) likewise never evicts inside a forward pass.

@@ -16,7 +16,7 @@ This module holds no state and knows nothing about storage.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
@@ -75,22 +75,35 @@ def position_ids(cache, n_new: int, *, pads: torch.Tensor | None = None, device=
     return pos
 
 
+@runtime_checkable
+class PaddedCache(Protocol):
+    """What this module reads of a cache that takes its left padding explicitly and can read a position base
+    back from the ids it is fed (a :class:`~kvslim.SlimCache` is one; transformers' caches are not). The cache
+    passes these; this module never imports it.
+
+    padding_explicit: the padding was handed over (:meth:`set_left_padding`); rebase_period: how often
+    kvslim's loop re-bases the ids (None: never)."""
+
+    padding_explicit: bool
+    rebase_period: int | None
+
+    def get_seq_length(self) -> int: ...
+
+    def set_left_padding(self, pads: torch.Tensor | None) -> None: ...
+
+
 def _loop_rebase_period(cache) -> int | None:
-    """The cache's re-base period, when it can read a base back from the ids: a SlimCache that was
+    """The cache's re-base period, when it can read a base back from the ids: a :class:`PaddedCache` that was
     handed its padding (a cache fed before kvslim's loop saw it reads ids by transformers'
     convention, where an offset would look like padding)."""
-    from .adapter import SlimCache
-
-    if isinstance(cache, SlimCache) and cache.padding_explicit:
+    if isinstance(cache, PaddedCache) and cache.padding_explicit:
         return cache.rebase_period
     return None
 
 
 def hand_padding(cache, pads: torch.Tensor | None) -> None:
-    """Tell a SlimCache the batch's left padding, once, before its first token."""
-    from .adapter import SlimCache
-
-    if isinstance(cache, SlimCache) and not cache.padding_explicit and cache.get_seq_length() == 0:
+    """Tell a :class:`PaddedCache` (a SlimCache) the batch's left padding, once, before its first token."""
+    if isinstance(cache, PaddedCache) and not cache.padding_explicit and cache.get_seq_length() == 0:
         cache.set_left_padding(pads)
 
 

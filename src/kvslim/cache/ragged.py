@@ -1,8 +1,9 @@
-"""Many SlimCaches as one batch: the transformers adapter for a ragged decode step.
+"""Many SlimCaches as one batch: the transformers adapter for a ragged step (decode rows and prompt chunks).
 
-A decode step of the batch engine (:mod:`kvslim.engine`) feeds one token to each of several rows whose
-caches have different lengths, different evicted ranges and different settings (each row is its own
-:class:`~kvslim.SlimCache`, built for batch 1). Padding every row to the longest would cost what the
+A step of the batch engine (:mod:`kvslim.engine`) feeds new tokens to each of several rows whose caches
+have different lengths, different evicted ranges and different settings (each row is its own
+:class:`~kvslim.SlimCache`, built for batch 1): one token to every decoding row, and a chunk of its prompt
+to each joining row (chunked prefill mixed into the decode step, as Sarathi-Serve and vLLM schedule it). Padding every row to the longest would cost what the
 longest row costs, for every row, and would need one storage layout for all of them. Instead
 :class:`RaggedCache` hands each attention layer a :class:`RaggedSegments`: one
 :class:`~kvslim.cache.layer.Segments` view per row (None for a filler row, see below), and the ``kvslim``
@@ -18,17 +19,27 @@ is its own: the linear layers are row-wise, attention computes each row on its o
 the layers before the failure and is not to be fed again: the caller ends that row. Without ``errors`` the
 first failure raises, as a batch-1 cache would.
 
-Positions are not decided here: the decode loop (:func:`kvslim.generate.forward_rows`) computes each
-row's position id and hands the base it subtracted (``bases``); this module passes them to each row's
-layers as they are. Only decode steps (one new token per row) are ragged: a joining request is
-prefilled alone, in chunks, through its own cache.
+Packed, not padded. Every new token of the step sits in ONE sequence (batch 1, ``N`` tokens): row ``b``'s
+tokens are the span ``spans[b] = (start, n)`` of it, with their own position ids, so the linear layers see
+no padding at all (a 4,096-token chunk beside 15 decode tokens is a 4,111-row matrix product, not 16 rows
+padded to 4,096). Attention is per row: a one-token row (a decode token) reads its cache through the rows
+kernel with every other one-token row; a row of several tokens (a prompt chunk) gets what its own cache
+hands a batch-1 forward of that chunk (a :class:`~kvslim.cache.segments.Segments` view up to
+``FAST_MAX_QUERY`` tokens, else its stored tokens materialized) and attends causally within its span:
+exactly the computation the chunk gets when its step carries nothing else (:mod:`kvslim.attention`,
+``_packed_attention``).
+
+Positions are not decided here: the loop (:func:`kvslim.generate.forward_step`) computes each row's first
+position id and hands the base it subtracted (``bases``); this module passes them to each row's layers as
+they are.
 
 Filler rows. The CPU BLAS rounds a row of a matrix product differently depending on how many rows the
-product has (MKL: the same for 4, 8 and 12 or more rows, differently for 1-3, 5-7, 9-11), so one row's
-logits would depend on how many rows share its step. The loop pads a step to a multiple of 4 rows with
-filler rows (``None`` caches: token 0, position 0,
-attention output 0, nothing stored), which makes every row's logits bit-identical whatever else is in
-the batch (tests/test_engine.py checks it).
+product has (MKL: the same for 4, 8 and 12 or more rows, differently for 1-3, 5-7, 9-11 on AVX-512; on
+AVX2 the same for every count from 4 up, measured to 4,400 rows at 1 and 2 threads), so one token's
+results would depend on how many tokens share its step. The loop pads a step to a multiple of 4 tokens
+with filler rows (``None`` caches, one token each: token 0, position 0, attention output 0, nothing
+stored), which makes every row's logits bit-identical whatever else is in the step
+(tests/test_engine.py, tests/test_mixed_step.py check it).
 
 This module knows nothing about scheduling, sampling or requests.
 """
@@ -40,7 +51,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .layer import Segments
+from .segments import Segments
 
 
 @dataclass(frozen=True)
@@ -51,6 +62,10 @@ class RaggedSegments:
 
     rows: tuple[Segments | None, ...]
     drop: object = None  # drop(b, exc): the owner's hook that ends row b's part in this step (or None: raise)
+    #: None: row b's one query is batch row b (query (B, Hq, 1, D)). Else the packed layout (module docstring):
+    #: query (1, Hq, N, D), row b's queries at spans[b] = (start, n); a row of n > 1 tokens holds its cache's
+    #: batch-1 answer for those n tokens: a Segments view, or the (keys, values) tensors materialized.
+    spans: tuple[tuple[int, int], ...] | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -58,12 +73,14 @@ class RaggedSegments:
         real = [s for s in self.rows if s is not None]
         if not real:
             return torch.Size((len(self.rows), 0, 0, 0))
-        _, h, d = real[0].kv_shape
-        return torch.Size((len(self.rows), h, max(s.length for s in real), d))
+        lengths = [s.length if isinstance(s, Segments) else s[0].shape[2] for s in real]
+        first = real[0]
+        h, d = (first.kv_shape[1], first.kv_shape[2]) if isinstance(first, Segments) else first[0].shape[1::2]
+        return torch.Size((len(self.rows), h, max(lengths), d))
 
 
 class RaggedLayer(CacheLayerMixin):
-    """Layer ``layer_idx`` of every row: transformers' per-layer contract for one ragged decode step."""
+    """Layer ``layer_idx`` of every row: transformers' per-layer contract for one ragged step."""
 
     is_compileable = False
     is_sliding = False
@@ -79,14 +96,17 @@ class RaggedLayer(CacheLayerMixin):
         self.device, self.dtype, self.is_initialized = key_states.device, key_states.dtype, True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple:
-        """key_states, value_states: (B, H_kv, 1, D), one new token per row. Appends row ``b``'s token to
-        row ``b``'s cache (filler rows: nothing) and returns ``(view, view)``, a :class:`RaggedSegments`."""
+        """key_states, value_states: (1, H_kv, N, D), the step's tokens packed (module docstring). Appends row
+        ``b``'s span to row ``b``'s cache (filler rows: nothing) and returns ``(view, view)``, a
+        :class:`RaggedSegments` in the packed layout."""
+        from .segments import FAST_MAX_QUERY
+
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         owner = self._owner
-        if key_states.shape[0] != len(owner.caches) or key_states.shape[2] != 1:
+        if key_states.shape[0] != 1 or key_states.shape[2] != owner.n_tokens:
             raise ValueError(
-                f"a ragged step feeds one token to each of {len(owner.caches)} rows; got keys {tuple(key_states.shape)}"
+                f"a ragged step feeds {owner.n_tokens} tokens packed in one sequence; got keys {tuple(key_states.shape)}"
             )
         # One finiteness check for the whole step (a sync per layer, not per row); where it fails, each row
         # checks its own tokens: a bad row raises as a batch-1 cache would, or is dropped (module docstring).
@@ -96,14 +116,19 @@ class RaggedLayer(CacheLayerMixin):
             if cache is None:
                 rows.append(None)
                 continue
+            start, n = owner.spans[b]
             store = cache.layers[self.layer_idx].store
             try:
-                rope = cache._rope_source.at(owner.positions[b]) if store.pre_rope else None
+                # the rotary of the span's last position, as a batch-1 forward of these tokens has it
+                rope = cache._rope_source.at(owner.positions[b] + n - 1) if store.pre_rope else None
+                # a one-token row reads its Segments (the rows kernel); a chunk gets what a batch-1 forward of it
+                # gets: Segments up to FAST_MAX_QUERY tokens (if its cache attends on codes), else (K, V)
+                view = n == 1 or (cache.compressed_attention and n <= FAST_MAX_QUERY)
                 rows.append(
                     store.append(  # a transaction: a row it refuses stores nothing in this layer
-                        key_states[b : b + 1],
-                        value_states[b : b + 1],
-                        segments=True,
+                        key_states[:, :, start : start + n].contiguous(),  # (1, H_kv, n, D), laid out as alone
+                        value_states[:, :, start : start + n].contiguous(),
+                        segments=view,
                         base=owner.bases[b],
                         rope=rope,
                         finite_checked=finite,
@@ -112,13 +137,15 @@ class RaggedLayer(CacheLayerMixin):
             except Exception as e:  # noqa: BLE001 - one row's failure, kept to that row when the caller asks
                 owner.drop(b, e)
                 rows.append(None)
-        view = RaggedSegments(tuple(rows), owner.drop if owner.errors is not None else None)
+        view = RaggedSegments(tuple(rows), owner.drop if owner.errors is not None else None, tuple(owner.spans))
         return view, view
 
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
-        # The kvslim attention ignores the mask of a ragged step (each row attends to all it stores); the
-        # sizes only have to be consistent for transformers' mask builder.
-        return self._owner.longest + 1, 0
+        # The kvslim attention ignores the mask of a ragged step (each row builds its own, kvslim.attention);
+        # as many keys as queries lets transformers' builder skip it (no (N, N + longest) mask is ever built).
+        from ..compat import mask_query_length
+
+        return mask_query_length(query_length), 0
 
     def get_seq_length(self) -> int:
         return self._owner.longest
@@ -139,24 +166,31 @@ class RaggedLayer(CacheLayerMixin):
 
 
 class RaggedCache(Cache):
-    """The caches of the rows of one decode step, as one transformers ``Cache``.
+    """The caches of the rows of one step, as one transformers ``Cache``.
 
-    caches: one :class:`~kvslim.SlimCache` (built for batch 1, with ``config=``, fed its prompt) or None
-    (a filler row) per batch row. positions: each row's position id for this step; bases: what was
-    subtracted from each row's true position to get it (:func:`kvslim.generate.position_ids`). errors: None
-    (a row's failure raises) or a dict that receives ``{row: exception}`` for each row dropped from the step
-    (module docstring).
+    caches: one :class:`~kvslim.SlimCache` (built for batch 1, with ``config=``) or None (a filler row) per row.
+    positions: each row's first position id in this step; bases: what was subtracted from each row's true
+    positions to get them (:func:`kvslim.generate.position_ids`). lengths: each row's new tokens (None: one
+    each; a filler row has one), packed in row order into one sequence (module docstring). errors: None (a
+    row's failure raises) or a dict that receives ``{row: exception}`` for each row dropped from the step.
     """
 
-    def __init__(self, caches, positions: list[int], bases: list[int], errors: dict | None = None):
-        from .adapter import SlimCacheLayer
+    def __init__(
+        self,
+        caches,
+        positions: list[int],
+        bases: list[int],
+        errors: dict | None = None,
+        lengths: list[int] | None = None,
+    ):
+        from .layer_adapter import SlimCacheLayer
 
         real = [c for c in caches if c is not None]
         if not real:
             raise ValueError("a ragged step needs at least one row with a cache")
-        n = len(real[0].layers)
+        n_layers = len(real[0].layers)
         for c in real:
-            if len(c.layers) != n or not all(isinstance(layer, SlimCacheLayer) for layer in c.layers):
+            if len(c.layers) != n_layers or not all(isinstance(layer, SlimCacheLayer) for layer in c.layers):
                 raise ValueError(
                     "every row of a ragged step must be a SlimCache of the same model whose layers all store K/V"
                 )
@@ -165,9 +199,17 @@ class RaggedCache(Cache):
         self.caches = list(caches)
         self.positions = list(positions)
         self.bases = list(bases)
+        lengths = [1] * len(self.caches) if lengths is None else list(lengths)
+        if len(lengths) != len(self.caches) or any(not isinstance(n, int) or n < 1 for n in lengths):
+            raise ValueError(f"lengths must give every row at least one new token, got {lengths}")
+        starts = [0]
+        for length in lengths[:-1]:
+            starts.append(starts[-1] + length)
+        self.spans = list(zip(starts, lengths, strict=True))  # row b's tokens: [start, start + n) of the step
+        self.n_tokens = sum(lengths)
         self.errors = errors
         self.longest = max(c.get_seq_length() for c in real)
-        super().__init__(layers=[RaggedLayer(self, i) for i in range(n)])
+        super().__init__(layers=[RaggedLayer(self, i) for i in range(n_layers)])
 
     def drop(self, row: int, exc: BaseException) -> None:
         """Row ``row`` failed in this step: raise ``exc`` (no ``errors`` dict), or record it and feed the row

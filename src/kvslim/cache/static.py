@@ -45,7 +45,7 @@ import torch
 
 from ..formats import Codec, Encoded
 from ..kernels.ops import codec_key
-from .buffers import CENTERED, BodyBasis, encode_in_basis
+from .basis import CENTERED, BodyBasis, encode_in_basis
 from .rotary import Rotary
 
 
@@ -314,34 +314,37 @@ class StaticStore:
             xk = self.k_fp.index_select(2, src).to(keys.dtype)
             xv = self.v_fp.index_select(2, src).to(values.dtype)
             if self.residual == 0:  # the group ends with the new token: encoded as given, never rounded to the
-                # fp dtype first (as in kvslim.cache.buffers)
+                # fp dtype first (as in kvslim.cache.stream)
                 xk = torch.cat([xk[:, :, :-1], keys], dim=2)
                 xv = torch.cat([xv[:, :, :-1], values], dim=2)
             # Encoded only when due (torch.cond: one branch runs; a compiled step keeps both in one graph), else
             # the slots' current contents, so the write below is unconditional.
-            gdst = dst[:: self.k_codec.token_group] // self.k_codec.token_group
+            # each body's group slots, by its own codec's token group (a variance-normalized V has groups next to
+            # a per-token K)
+            kg, vg = (dst[:: c.token_group] // c.token_group for c in (self.k_codec, self.v_codec))
             if torch.compiler.is_compiling():
-                parts = torch.cond(due, self._encode_group, self._body_at, (xk, xv, dst, gdst))
-                _write_parts(self.k_body, self.v_body, parts, dst, gdst)
+                parts = torch.cond(due, self._encode_group, self._body_at, (xk, xv, dst, kg, vg))
+                _write_parts(self.k_body, self.v_body, parts, dst, kg, vg)
             elif bool(due):  # eager: the host decides (torch.cond would trace its branches each call)
-                _write_parts(self.k_body, self.v_body, self._encode_group(xk, xv, dst, gdst), dst, gdst)
+                _write_parts(self.k_body, self.v_body, self._encode_group(xk, xv, dst, kg, vg), dst, kg, vg)
             self.body_pos.index_copy_(0, dst, torch.where(due, self.fp_pos[src], self.body_pos[dst]))
             self.fp_pos.index_copy_(0, src, torch.where(due, -1, self.fp_pos[src]))
         view = self.segments(t)
         self.seen.add_(1)
         return view
 
-    def _encode_group(self, xk, xv, dst, gdst) -> tuple[torch.Tensor, ...]:
+    def _encode_group(self, xk, xv, dst, kg, vg) -> tuple[torch.Tensor, ...]:
         """torch.cond's branch when a group is due: xk / xv (B, H, G, D) encoded, as the flat parts of
         :func:`_flat` (K token, K group, V token, V group parts, in the buffers' order and dtypes)."""
         ek = encode_in_basis(self.k_codec, self.k_basis, xk)
         ev = encode_in_basis(self.v_codec, self.v_basis, xv)
         return _flat(ek, ev, self.k_body, self.v_body)
 
-    def _body_at(self, xk, xv, dst, gdst) -> tuple[torch.Tensor, ...]:
-        """torch.cond's other branch: the body's current contents at token slots ``dst`` (group slots ``gdst``)."""
+    def _body_at(self, xk, xv, dst, kg, vg) -> tuple[torch.Tensor, ...]:
+        """torch.cond's other branch: the body's current contents at token slots ``dst`` (group slots ``kg`` /
+        ``vg``)."""
         out = []
-        for body in (self.k_body, self.v_body):
+        for body, gdst in ((self.k_body, kg), (self.v_body, vg)):
             out += [_bytes(t).index_select(2, dst).contiguous() for t in body.token.values()]
             out += [_bytes(t).index_select(2, gdst).contiguous() for t in body.group.values()]
         return tuple(out)
@@ -470,10 +473,12 @@ def _flat(ek: Encoded, ev: Encoded, k_body: Encoded, v_body: Encoded) -> tuple[t
     return tuple(out)
 
 
-def _write_parts(k_body: Encoded, v_body: Encoded, parts, dst: torch.Tensor, gdst: torch.Tensor) -> None:
-    """Write the flat parts of :func:`_flat` at token slots ``dst`` / group slots ``gdst``."""
+def _write_parts(
+    k_body: Encoded, v_body: Encoded, parts, dst: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor
+) -> None:
+    """Write the flat parts of :func:`_flat` at token slots ``dst`` / group slots ``kg`` (K) and ``vg`` (V)."""
     it = iter(parts)
-    for body in (k_body, v_body):
+    for body, gdst in ((k_body, kg), (v_body, vg)):
         for t in body.token.values():
             _bytes(t).index_copy_(2, dst, next(it))
         for t in body.group.values():

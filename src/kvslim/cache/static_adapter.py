@@ -1,9 +1,11 @@
 """The static (compile-friendly) SlimCache: :mod:`kvslim.cache.static`'s fixed buffers behind transformers' layer
 contract, so ``torch.compile`` can trace a decode step (:mod:`kvslim.compiled`, docs/compile.md).
 
-With :mod:`kvslim.cache.adapter`, the only module that touches transformers' Cache API; it subclasses
-:class:`~kvslim.cache.adapter.SlimCache` for everything decided at construction (formats, levers, bias, validation)
-and swaps every layer's store for a :class:`~kvslim.cache.static.StaticStore`.
+One of the cache adapters that import transformers' Cache API (the others: :mod:`kvslim.cache.adapter`,
+:mod:`kvslim.cache.layer_adapter`, :mod:`kvslim.cache.ragged`); it subclasses :class:`~kvslim.cache.adapter.SlimCache`
+for everything decided at construction (formats, levers, bias, validation) and swaps every layer's store for a
+:class:`~kvslim.cache.static.StaticStore`. It knows nothing about how a static store lays out its slots, nor
+about torch.compile itself (:mod:`kvslim.compiled`).
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from transformers.cache_utils import CacheLayerMixin
 from .. import attention, compat
 from ..checks import check_int
 from ..shapes import is_mla, text_config
-from .adapter import _FP_DTYPES, SlimCache, _layer_plan, _refuse_assignment
-from .buffers import BodyBasis
+from .adapter import SlimCache
+from .basis import BodyBasis
+from .build import _FP_DTYPES, layer_plan
+from .layer_adapter import _refuse_assignment
 from .static import StaticStore
 
 
@@ -132,7 +136,7 @@ class StaticSlimCache(SlimCache):
             problems.append("the model must use attn_implementation='kvslim' (kvslim.enable(model))")
         if is_mla(text_config(config)):
             problems.append("MLA models expand the cached latent before attention")
-        types = sorted({t for t, _ in _layer_plan(config) if t != "full_attention"})
+        types = sorted({t for t, _ in layer_plan(config) if t != "full_attention"})
         if types:
             problems.append(f"every layer must be full attention, this model has {', '.join(types)} layers")
         if self.pre_rope:

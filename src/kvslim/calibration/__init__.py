@@ -3,6 +3,7 @@
 - :mod:`.calibrate` — the mean of the cached K per (layer, KV head, channel) over a text;
 - :mod:`.biasset` — the bias as data (:class:`~.biasset.BiasSet`) and the checks of one;
 - :mod:`.biasfile` — the GGUF bias file in the layout of the llama.cpp fork, deterministic bytes;
+- :mod:`.channelorder` — llama.cpp's K channel order and the conversions to and from transformers';
 - :mod:`.meancenter` — loading a bias file and handing it to a cache, validated against the model;
 - :mod:`.fingerprint` — a model's weights fingerprinted, so files recognise the model they were made for.
 

@@ -10,12 +10,11 @@ Deterministic files (as gguf-py's imatrix): tensors in layer order, keys in a fi
 timestamps, so the same :class:`~kvslim.calibration.biasset.BiasSet` always gives the same bytes.
 
 Deviation from the fork: for llama-arch models llama.cpp's converter permutes the K channels
-(interleaved vs rotate-half RoPE), so a bias is only portable after :func:`to_llama_cpp_order` /
-:func:`from_llama_cpp_order`. kvslim's files record their order (``kv_mean_center.channel_order``);
-a file without that key is the fork's, whose tool averages K as llama.cpp computes it, so it is in
-llama.cpp's order (:func:`file_channel_order`), converted on load for the architectures whose order
-differs (:func:`llama_cpp_permutes`: the file's ``general.architecture`` when it has one, else the
-model's ``model_type``).
+(interleaved vs rotate-half RoPE), so a bias is only portable after a conversion, which is its own fact
+and module (:mod:`.channelorder`). kvslim's files record their order (``kv_mean_center.channel_order``);
+a file without that key is the fork's, in llama.cpp's order
+(:func:`~kvslim.calibration.channelorder.file_channel_order`), converted on load for the architectures
+whose order differs.
 
 Writing is atomic (:mod:`kvslim.atomic`): a temporary file beside the target, re-read and compared
 before it is renamed over the target, so a failed write (a full disk, a file-size limit) leaves the
@@ -24,14 +23,13 @@ truncated or random file, a malformed field, a duplicate or non-canonical tensor
 (``kv_bar.blk.01.k``), a structure whose declared lengths exceed the file (checked before gguf-py
 parses it, which would otherwise loop over a forged array length).
 
-This module knows the bytes and names of the file; it does not check a bias against a model's
-shapes (:func:`kvslim.calibration.meancenter.load_mean_center` does), measure one (:mod:`kvslim.calibration.calibrate`) or
+This module knows the bytes and names of the file; it does not know channel orders
+(:mod:`.channelorder`), check a bias against a model's shapes (:func:`kvslim.calibration.meancenter.load_mean_center` does), measure one (:mod:`kvslim.calibration.calibrate`) or
 apply one (the cache layer does).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import struct
@@ -40,22 +38,30 @@ import numpy as np
 import torch
 
 from .biasset import CHANNEL_ORDERS, BiasSet, check_layer, tensor_name
+from .rotation import METHOD, ROLES, rotation_name
 
 #: ``general.type`` of a bias file (the fork's value).
 FILE_TYPE = "kv-mean-center"
-#: ``kv_mean_center.schema_version`` this module writes and reads.
+#: ``kv_mean_center.schema_version`` of a file without fitted rotations (the fork's; what this module writes
+#: for one, byte for byte as before schema 2 existed).
 SCHEMA_VERSION = 1
+#: ``kv_mean_center.schema_version`` of a file with fitted rotations (``kv_rot.blk.<il>.k/v`` tensors and the
+#: ``kv_mean_center.rotation`` key, :mod:`.rotation`). Both versions are read.
+SCHEMA_VERSION_ROTATION = 2
 #: Prefix of the fork's metadata keys.
 KEY_PREFIX = "kv_mean_center."
 #: ``kv_mean_center.model_sha256_kind``: whose identity ``model_sha256`` holds.
 FINGERPRINT_KIND = "kvslim"
 #: Canonical tensor names only: ``kv_bar.blk.1.k``, never ``kv_bar.blk.01.k`` (an alias of layer 1).
 _TENSOR_RE = re.compile(r"^kv_bar\.blk\.(0|[1-9][0-9]{0,5})\.k$")
-_TENSOR_LIKE = re.compile(r"^kv_bar\.blk\.")
+_TENSOR_LIKE = re.compile(r"^kv_(bar|rot)\.blk\.")
+#: Canonical names of the fitted rotations (schema 2): ``kv_rot.blk.<il>.k`` and ``kv_rot.blk.<il>.v``.
+_ROT_RE = re.compile(r"^kv_rot\.blk\.(0|[1-9][0-9]{0,5})\.(k|v)$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 #: A bias file holds a few hundred KiB (80 layers x 8 heads x 128 channels x 4 bytes = 320 KiB);
 #: anything larger is not one (and is not read into memory to find out).
-MAX_FILE_BYTES = 64 << 20
+#: Schema 2 adds two (H_kv, D, D) float32 rotations a layer: 80 x 8 x 128^2 x 4 B x 2 = 80 MiB at most today.
+MAX_FILE_BYTES = 256 << 20
 
 
 def fingerprint_hex(fingerprint: str) -> str:
@@ -83,6 +89,12 @@ def write_bias_file(path: str | os.PathLike, bias: BiasSet) -> None:
     ``ne=[D, H_kv]`` (channel fastest; the fork writes the same bytes as 1-D ``ne=[D*H_kv]``).
     No timestamps: the same BiasSet gives the same bytes.
 
+    Schema 2 (``bias.rotations`` set, :mod:`.rotation`): ``schema_version`` is 2, ``kv_mean_center.rotation``
+    (str, the fit method) follows ``n_chunks``, and after the bias tensors come ``kv_rot.blk.<il>.k`` then
+    ``kv_rot.blk.<il>.v`` per layer in layer order, F32, numpy ``(H_kv, D, D)`` = GGUF ``ne=[D, D, H_kv]``
+    (``R[h, e, d]``, ``y_e = sum_d R[h, e, d] x_d``). A set without rotations writes schema 1, the same bytes
+    as before schema 2 existed.
+
     Atomic (:func:`kvslim.atomic.atomic_path`): written to a temporary file beside ``path``, re-read
     and compared with ``bias``, then renamed over ``path``. On failure ``path`` is unchanged and the
     error is a one-line :class:`kvslim.atomic.WriteError` (an OSError).
@@ -103,16 +115,23 @@ def write_bias_file(path: str | os.PathLike, bias: BiasSet) -> None:
         if not np.isfinite(a).all():
             raise ValueError(f"{tensor_name(il)} has {int((~np.isfinite(a)).sum())} non-finite values")
         arrays.append(a)
+    rot_arrays = _rotation_arrays(bias, len(arrays))
     from ..atomic import atomic_path
 
     def verify(tmp) -> None:
         """The file on disk parses back to exactly what was meant (a truncated write cannot pass)."""
-        layers, meta = read_layers(tmp)
+        layers, meta, rotations = read_file(tmp)
         if sorted(layers) != list(range(len(arrays))) or any(
             layers[il].shape != a.shape or not np.array_equal(layers[il], a) for il, a in enumerate(arrays)
         ):
             raise ValueError("the written tensors do not read back equal")
+        got_rot = {(il, r): a for r, per in rotations.items() for il, a in per.items()}
+        if sorted(got_rot) != sorted(rot_arrays) or any(
+            not np.array_equal(got_rot[k], a) for k, a in rot_arrays.items()
+        ):
+            raise ValueError("the written rotations do not read back equal")
         expected = {k: v for k, v in bias.metadata().items() if k not in ("architecture",)}
+        expected["rotation"] = (bias.rotation or METHOD) if rot_arrays else None
         got = {k: v for k, v in meta.items() if k in expected}
         if bias.model_fingerprint:
             expected["model_fingerprint"] = "sha256:" + fingerprint_hex(bias.model_fingerprint)
@@ -127,7 +146,7 @@ def write_bias_file(path: str | os.PathLike, bias: BiasSet) -> None:
         # a model, and the fork's files have no such key.
         writer = GGUFWriter(os.fspath(tmp), arch="")
         writer.add_type(FILE_TYPE)
-        writer.add_uint32(KEY_PREFIX + "schema_version", SCHEMA_VERSION)
+        writer.add_uint32(KEY_PREFIX + "schema_version", SCHEMA_VERSION_ROTATION if rot_arrays else SCHEMA_VERSION)
         if fingerprint:
             writer.add_string(KEY_PREFIX + "model_sha256", fingerprint)
         writer.add_bool(KEY_PREFIX + "k_rot", bool(bias.k_rot))
@@ -146,14 +165,41 @@ def write_bias_file(path: str | os.PathLike, bias: BiasSet) -> None:
             writer.add_uint32(KEY_PREFIX + "ctx", int(bias.ctx))
         if bias.n_chunks is not None:
             writer.add_uint32(KEY_PREFIX + "n_chunks", int(bias.n_chunks))
+        if rot_arrays:
+            writer.add_string(KEY_PREFIX + "rotation", bias.rotation or METHOD)
         for il, a in enumerate(arrays):
             writer.add_tensor(tensor_name(il), a)
+        for role in ROLES if rot_arrays else ():  # all K rotations in layer order, then all V rotations
+            for il in range(len(arrays)):
+                writer.add_tensor(rotation_name(il, role), rot_arrays[(il, role)])
         try:
             writer.write_header_to_file()
             writer.write_kv_data_to_file()
             writer.write_tensors_to_file()
         finally:
             writer.close()
+
+
+def _rotation_arrays(bias: BiasSet, n_layers: int) -> dict[tuple[int, str], np.ndarray]:
+    """``(layer, role)`` -> the float32 ``(H, D, D)`` array of each fitted rotation of ``bias`` (empty: none).
+    ValueError for a set whose rotations do not cover every layer of both roles, or are not 3-D finite."""
+    if not bias.rotations:
+        return {}
+    if bias.channel_order != CHANNEL_ORDERS[0]:
+        raise ValueError(
+            f"fitted rotations are written in transformers' channel order only, the set is in {bias.channel_order!r}"
+        )
+    out = {}
+    for role in ROLES:
+        per = bias.rotations.get(role) or []
+        if len(per) != n_layers:
+            raise ValueError(f"the set has {len(per)} {role.upper()} rotations for {n_layers} layers")
+        for il, t in enumerate(per):
+            a = torch.as_tensor(t).detach().to(torch.float32).cpu().contiguous().numpy()
+            if a.ndim != 3 or a.shape[1] != a.shape[2] or not np.isfinite(a).all():
+                raise ValueError(f"{rotation_name(il, role)}: expected a finite (H_kv, D, D) tensor, got shape {a.shape}")
+            out[(il, role)] = a
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -247,6 +293,12 @@ def check_structure(data: bytes, where: str) -> None:
         take(8 * n_dims + 4 + 8, "a tensor info")
 
 
+def read_file(path: str | os.PathLike) -> tuple[dict[int, np.ndarray], dict, dict[str, dict[int, np.ndarray]]]:
+    """:func:`read_layers`, and the fitted rotations: ``{"k": {layer: (H, D, D) float32}, "v": {...}}`` (empty
+    for a schema-1 file)."""
+    return _read(os.fspath(path))
+
+
 def read_layers(path: str | os.PathLike) -> tuple[dict[int, np.ndarray], dict]:
     """Layer index -> float32 array (numpy order, 1-D or ``(H_kv, D)``) and the BiasSet metadata
     (:meth:`~kvslim.calibration.biasset.BiasSet.metadata`'s keys; ``k_rot`` None when the file has none,
@@ -257,9 +309,14 @@ def read_layers(path: str | os.PathLike) -> tuple[dict[int, np.ndarray], dict]:
     kv-mean-center file, a key of the wrong type or an impossible value (an unknown channel order,
     a negative count, a malformed hash), a tensor that is not an F32 ``kv_bar.blk.<il>.k`` of 1 or
     2 dimensions, a non-canonical (``kv_bar.blk.01.k``) or duplicate name. Layers are returned as
-    found (a gap or a count that does not fit the model is the caller's to judge).
+    found (a gap or a count that does not fit the model is the caller's to judge). A schema-2 file's fitted
+    rotations are checked too (:func:`read_file` returns them).
     """
-    path = os.fspath(path)
+    layers, meta, _ = _read(os.fspath(path))
+    return layers, meta
+
+
+def _read(path: str):
     if not os.path.exists(path):
         raise FileNotFoundError(f"bias file {path!r} does not exist")
     if os.path.isdir(path):
@@ -283,7 +340,7 @@ def read_layers(path: str | os.PathLike) -> tuple[dict[int, np.ndarray], dict]:
         raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
 
 
-def _parse(path: str) -> tuple[dict[int, np.ndarray], dict]:
+def _parse(path: str) -> tuple[dict[int, np.ndarray], dict, dict]:
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
     try:
@@ -314,10 +371,12 @@ def _parse(path: str) -> tuple[dict[int, np.ndarray], dict]:
         )
     version = value(KEY_PREFIX + "schema_version", ints)
     # The fork's own writer records no schema version (a later fork adds it, = 1): absent is schema 1.
-    if version is not None and int(version) != SCHEMA_VERSION:
+    if version is not None and int(version) not in (SCHEMA_VERSION, SCHEMA_VERSION_ROTATION):
         raise ValueError(
-            f"{path}: kv_mean_center.schema_version is {int(version)}, this kvslim reads {SCHEMA_VERSION}"
+            f"{path}: kv_mean_center.schema_version is {int(version)}, this kvslim reads "
+            f"{SCHEMA_VERSION} and {SCHEMA_VERSION_ROTATION}"
         )
+    schema = SCHEMA_VERSION if version is None else int(version)
     k_rot = value(KEY_PREFIX + "k_rot", (GGUFValueType.BOOL,))
     pre_rope = value(KEY_PREFIX + "k_pre_rope", (GGUFValueType.BOOL,))
     meta = {
@@ -331,6 +390,7 @@ def _parse(path: str) -> tuple[dict[int, np.ndarray], dict]:
         "ctx": value(KEY_PREFIX + "ctx", ints),
         "n_chunks": value(KEY_PREFIX + "n_chunks", ints),
         "architecture": value("general.architecture", strings) or None,
+        "rotation": value(KEY_PREFIX + "rotation", strings),
     }
     if meta["channel_order"] is not None and meta["channel_order"] not in CHANNEL_ORDERS:
         raise ValueError(
@@ -353,13 +413,31 @@ def _parse(path: str) -> tuple[dict[int, np.ndarray], dict]:
             if meta[key] < 0:
                 raise ValueError(f"{path}: kv_mean_center.{key} is {meta[key]}, expected >= 0")
     layers: dict[int, np.ndarray] = {}
+    rotations: dict[str, dict[int, np.ndarray]] = {}
     for t in reader.tensors:
+        r = _ROT_RE.match(t.name)
+        if r is not None:
+            il, role = int(r.group(1)), r.group(2)
+            if schema < SCHEMA_VERSION_ROTATION:
+                raise ValueError(f"{path}: {t.name} in a schema-{schema} file (fitted rotations are schema 2)")
+            if il in rotations.setdefault(role, {}):
+                raise ValueError(f"{path}: {t.name} appears twice")
+            if t.tensor_type != GGMLQuantizationType.F32 or len(t.shape) != 3:
+                raise ValueError(
+                    f"{path}: {t.name} has type {t.tensor_type.name} and {len(t.shape)} dimensions, expected F32 "
+                    f"ne=[D, D, H_kv]"
+                )
+            a = np.array(t.data, dtype=np.float32, copy=True)
+            if a.ndim != 3 or a.shape[1] != a.shape[2]:
+                raise ValueError(f"{path}: {t.name} has shape {a.shape}, expected (H_kv, D, D)")
+            rotations[role][il] = a
+            continue
         m = _TENSOR_RE.match(t.name)
         if m is None:
             if _TENSOR_LIKE.match(t.name):
                 raise ValueError(
                     f"{path}: tensor name {t.name!r} is not canonical; layer il is named "
-                    f"kv_bar.blk.<il>.k with il written without leading zeros"
+                    f"kv_bar.blk.<il>.k (kv_rot.blk.<il>.k/v) with il written without leading zeros"
                 )
             raise ValueError(
                 f"{path}: unexpected tensor {t.name!r}; a bias file holds only kv_bar.blk.<il>.k"
@@ -378,7 +456,9 @@ def _parse(path: str) -> tuple[dict[int, np.ndarray], dict]:
         layers[il] = np.array(t.data, dtype=np.float32, copy=True)
     if not layers:
         raise ValueError(f"{path}: no kv_bar.blk.<il>.k tensors")
-    return layers, meta
+    if rotations and meta["rotation"] is None:
+        raise ValueError(f"{path}: kv_rot tensors without kv_mean_center.rotation (the method they were fitted with)")
+    return layers, meta, rotations
 
 
 def read_bias_file(
@@ -388,7 +468,7 @@ def read_bias_file(
     2-D tensors, ``(H_kv * D,)`` for 1-D ones unless ``n_kv_heads`` and ``head_dim`` are given
     (then every tensor is validated and reshaped to ``(H_kv, D)``). Layers must be 0..n-1;
     a gap raises (use :func:`kvslim.calibration.meancenter.load_mean_center` for validation against a model)."""
-    layers, meta = read_layers(path)
+    layers, meta, rot = read_file(path)
     missing = sorted(set(range(max(layers) + 1)) - set(layers))
     if missing:
         raise ValueError(
@@ -402,130 +482,19 @@ def read_bias_file(
         tensors = [
             check_layer(t, il, n_kv_heads, head_dim, where=os.fspath(path)) for il, t in enumerate(tensors)
         ]
+    rotations = None
+    if rot:
+        rotations = {}
+        for role in ROLES:
+            per = rot.get(role, {})
+            if sorted(per) != list(range(len(tensors))):
+                raise ValueError(
+                    f"{os.fspath(path)}: the {role.upper()} rotations cover layers {sorted(per)}, the biases "
+                    f"0..{len(tensors) - 1}"
+                )
+            rotations[role] = [torch.from_numpy(per[il]) for il in range(len(tensors))]
     return BiasSet(
-        tensors=tensors, **{**meta, "k_rot": bool(meta["k_rot"]), "pre_rope": bool(meta["pre_rope"])}
+        tensors=tensors,
+        rotations=rotations,
+        **{**meta, "k_rot": bool(meta["k_rot"]), "pre_rope": bool(meta["pre_rope"])},
     )
-
-
-def file_channel_order(meta: dict) -> str:
-    """The channel order of a file's tensors: its ``kv_mean_center.channel_order`` when it has one
-    (kvslim's files), else ``llama.cpp`` -- the fork's convention: its tool averages the K tensor
-    llama.cpp writes into its cache (``k_cache_in``), which is in llama.cpp's channel order."""
-    return meta.get("channel_order") or CHANNEL_ORDERS[1]
-
-
-# ----------------------------------------------------------------------------------------------
-# Channel order: transformers vs llama.cpp
-
-#: model_type -> whether llama.cpp's GGUF converter permutes k_proj rows for it. llama.cpp runs these
-#: archs with interleaved ("normal") RoPE, pairs (2i, 2i+1), so convert_hf_to_gguf.py permutes the
-#: q/k rows of transformers' rotate-half layout, pairs (i, i + D/2); NEOX-RoPE archs keep the order.
-LLAMA_CPP_PERMUTES_K = {
-    "llama": True, "mistral": True, "mixtral": True,
-    "qwen2": False, "qwen3": False, "qwen2_moe": False, "qwen3_moe": False, "phi3": False,
-    "gemma": False, "gemma2": False, "gemma3_text": False, "stablelm": False,
-}  # fmt: skip
-
-
-#: GGUF ``general.architecture`` -> the same fact, for files that name the architecture they came
-#: from (llama.cpp converts Llama, Mistral and Mixtral checkpoints to arch ``llama``).
-LLAMA_CPP_PERMUTES_K_ARCH = {
-    "llama": True,
-    "qwen2": False, "qwen3": False, "qwen2moe": False, "qwen3moe": False, "phi3": False,
-    "gemma": False, "gemma2": False, "gemma3": False, "stablelm": False,
-}  # fmt: skip
-
-
-def llama_cpp_permutes(model_type: str | None = None, architecture: str | None = None) -> bool:
-    """Whether llama.cpp's K channel order differs from transformers' for a model: decided by the
-    GGUF ``architecture`` when given (a file's ``general.architecture``), else by transformers'
-    ``model_type``. ValueError for an unknown one, or when neither is given."""
-    if architecture:
-        if architecture not in LLAMA_CPP_PERMUTES_K_ARCH:
-            raise ValueError(
-                f"unknown whether llama.cpp permutes the K channels of GGUF architecture {architecture!r}; "
-                f"known: {', '.join(sorted(LLAMA_CPP_PERMUTES_K_ARCH))}"
-            )
-        return LLAMA_CPP_PERMUTES_K_ARCH[architecture]
-    if model_type is None:
-        raise ValueError("the model's architecture (model_type) is needed to tell llama.cpp's channel order")
-    return _permutes(model_type)
-
-
-def _permutes(model_type: str) -> bool:
-    if model_type not in LLAMA_CPP_PERMUTES_K:
-        raise ValueError(
-            f"unknown whether llama.cpp permutes the K channels of model_type {model_type!r}; "
-            f"known: {', '.join(sorted(LLAMA_CPP_PERMUTES_K))}"
-        )
-    return LLAMA_CPP_PERMUTES_K[model_type]
-
-
-def _two_d(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    for il, t in enumerate(tensors):
-        if t.dim() != 2 or t.shape[1] % 2:
-            raise ValueError(
-                f"{tensor_name(il)}: channel reordering needs (H_kv, D) tensors with an even D, got "
-                f"shape {tuple(t.shape)} (read 1-D files with read_bias_file(..., n_kv_heads=, head_dim=))"
-            )
-    return tensors
-
-
-def permute_to_llama_cpp(t: torch.Tensor) -> torch.Tensor:
-    """One layer ``(H, D)`` in transformers' order -> llama.cpp's order for a permuting arch."""
-    # (H, D) -> (H, 2, D/2)[h, r, i] -> (H, D/2, 2)[h, i, r] -> index 2i + r
-    return t.reshape(t.shape[0], 2, -1).transpose(1, 2).reshape(t.shape)
-
-
-def permute_from_llama_cpp(t: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`permute_to_llama_cpp`."""
-    # (H, D) -> (H, D/2, 2)[h, i, r] -> (H, 2, D/2)[h, r, i] -> index r * D/2 + i
-    return t.reshape(t.shape[0], -1, 2).transpose(1, 2).reshape(t.shape)
-
-
-def permute_rotated(t: torch.Tensor, to_llama_cpp: bool) -> torch.Tensor:
-    """One layer ``(H, D)`` of a bias in the Hadamard-rotated basis (``k_rot``), converted between the two
-    channel orders of a permuting arch: llama.cpp rotates its *permuted* keys, ``H P k``, kvslim rotates
-    transformers' ``H k``; the mean is linear, so ``b_llama = H P H b_kvslim`` and back with ``P^T``
-    (``H`` symmetric and its own inverse; the block rule of :mod:`kvslim.cache.hadamard`, llama.cpp's for K)."""
-    from ..cache.hadamard import Hadamard
-
-    h = Hadamard.for_head_dim(int(t.shape[1]))
-    perm = permute_to_llama_cpp if to_llama_cpp else permute_from_llama_cpp
-    return h.apply(perm(h.apply(t.float())))
-
-
-def to_llama_cpp_order(bias: BiasSet, model_type: str) -> BiasSet:
-    """The same biases with each head's channels in llama.cpp's order for ``model_type``.
-
-    For llama-arch models (Llama, Mistral, SmolLM2) channel ``2i + r`` of llama.cpp's K is channel
-    ``r * D/2 + i`` of transformers' K (the converter's q/k permutation, which transformers' GGUF
-    loader undoes); other known archs keep the order. Tensors must be ``(H_kv, D)``.
-    """
-    if bias.channel_order != CHANNEL_ORDERS[0]:
-        raise ValueError(f"expected a bias in {CHANNEL_ORDERS[0]!r} order, got {bias.channel_order!r}")
-    if bias.pre_rope:
-        raise ValueError(
-            "a bias of pre-RoPE keys (k_pre_rope) has no llama.cpp counterpart: llama.cpp caches K after RoPE"
-        )
-    tensors = _two_d(bias.tensors)
-    if _permutes(model_type):
-        tensors = [permute_rotated(t, True) if bias.k_rot else permute_to_llama_cpp(t) for t in tensors]
-    return dataclasses.replace(bias, tensors=tensors, channel_order=CHANNEL_ORDERS[1])
-
-
-def from_llama_cpp_order(bias: BiasSet, model_type: str | None = None) -> BiasSet:
-    """Inverse of :func:`to_llama_cpp_order` (also for a fork-written file, whose order is llama.cpp's).
-
-    Whether the order differs is decided by the bias's ``architecture`` (the file's
-    ``general.architecture``) when it has one, else by ``model_type``.
-    """
-    if bias.channel_order not in (None, CHANNEL_ORDERS[1]):
-        raise ValueError(f"expected a bias in {CHANNEL_ORDERS[1]!r} order, got {bias.channel_order!r}")
-    tensors = bias.tensors
-    if llama_cpp_permutes(model_type, bias.architecture):
-        # a rotated bias is the mean of H P k: back to kvslim's H k through the unrotated basis
-        tensors = [
-            permute_rotated(t, False) if bias.k_rot else permute_from_llama_cpp(t) for t in _two_d(tensors)
-        ]
-    return dataclasses.replace(bias, tensors=tensors, channel_order=CHANNEL_ORDERS[0])

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 #: The two K channel orders a bias can be in: transformers' (what kvslim's cache stores) and llama.cpp's
-#: (permuted for llama-arch models; :func:`kvslim.calibration.biasfile.to_llama_cpp_order`).
+#: (permuted for llama-arch models; :func:`kvslim.calibration.channelorder.to_llama_cpp_order`).
 CHANNEL_ORDERS = ("transformers", "llama.cpp")
 
 
@@ -53,13 +53,17 @@ class BiasSet:
     cache_type: the K storage format the bias was calibrated for (e.g. ``q4_0``); None if unknown.
     channel_order: ``transformers`` (the K channel order of the transformers model, what kvslim's
         cache stores), ``llama.cpp`` (permuted for llama.cpp, see
-        :func:`~kvslim.calibration.biasfile.to_llama_cpp_order`), or None if unknown (a fork-written file:
+        :func:`~kvslim.calibration.channelorder.to_llama_cpp_order`), or None if unknown (a fork-written file:
         llama.cpp's order).
     n_tokens, text_sha256, ctx, n_chunks: the calibration run (tokens used, sha256 of the text's
         UTF-8 bytes, chunk length, number of chunks); None if unknown (e.g. a fork-written file).
     architecture: the GGUF ``general.architecture`` of a file that has one (kvslim writes none; it
         decides the channel order of a file in llama.cpp's order); None otherwise.
     stats: K spread measured during calibration (in memory only, never written).
+    rotations: ``{"k": [...], "v": [...]}``, one fitted rotation ``(H_kv, D, D)`` float32 per layer
+        (:mod:`kvslim.calibration.rotation`, ``y = R x`` from the file's unrotated basis: post- or pre-RoPE as
+        ``pre_rope`` says, never Hadamard-rotated), or None; a file with them is schema version 2.
+    rotation: the method they were fitted with (:data:`kvslim.calibration.rotation.METHOD`), None without.
     """
 
     tensors: list[torch.Tensor]
@@ -74,6 +78,8 @@ class BiasSet:
     n_chunks: int | None = None
     architecture: str | None = None
     stats: KStats | None = field(default=None, repr=False)
+    rotations: dict[str, list[torch.Tensor]] | None = field(default=None, repr=False)
+    rotation: str | None = None
 
     @property
     def n_layers(self) -> int:
@@ -92,6 +98,7 @@ class BiasSet:
             "ctx": self.ctx,
             "n_chunks": self.n_chunks,
             "architecture": self.architecture,
+            "rotation": self.rotation,
         }
 
     def summary_rows(self) -> list[dict]:

@@ -11,6 +11,9 @@ llama.cpp's ``tools/kv-mean-center`` (PrismML-Eng/llama.cpp PR #51), the text is
 chunks of ``ctx`` tokens, a fresh cache per chunk, so positions restart at 0 in every chunk; sums
 are float64.
 
+With ``fit_rotation=True`` the same pass also sums the channel moments of K (in the file's basis) and V per
+(layer, KV head) and fits the rotation of :mod:`kvslim.calibration.rotation` to them (schema 2 of the file).
+
 This module only measures. The result is a :class:`~kvslim.calibration.meancenter.BiasSet` (what a bias is,
 and how a cache loads one); :mod:`kvslim.calibration.biasfile` writes and reads it as GGUF; the cache layer
 subtracts it.
@@ -27,6 +30,7 @@ from ..generate import prefill
 from ..shapes import ModelShapes
 from .fingerprint import model_fingerprint
 from .meancenter import BiasSet, KStats, check_positive_int
+from .rotation import METHOD as ROTATION_METHOD
 
 #: Fewest calibration tokens for a useful bias: one chunk of llama.cpp's default context (the fork's
 #: tool refuses less). docs/mean-center.md's measured gains used 7168 tokens.
@@ -122,6 +126,7 @@ def collect_k_means_from_ids(
     fingerprint: str | None = None,
     rotate: bool | str = "auto",
     pre_rope: bool = False,
+    fit_rotation: bool = False,
 ) -> BiasSet:
     """Mean of the cached K per (layer, kv-head, channel) over a token sequence.
 
@@ -137,6 +142,9 @@ def collect_k_means_from_ids(
         (default): the basis a default cache (``rotate='auto'``) stores a quantized K in — Hadamard-rotated
         wherever the model's head_dim allows it (:func:`default_rotate`) —, so that the default cache given
         the file rotates and centers (a file in another basis would switch its rotation off).
+    fit_rotation: also fit a rotation of K and V per (layer, KV head) to the text
+        (:func:`kvslim.calibration.rotation.fit_rotation`), in the file's K basis without the Hadamard
+        (post- or pre-RoPE as ``pre_rope``), for a cache with ``rotate='fitted'``; the result's ``rotations``.
     Returns a :class:`~kvslim.calibration.meancenter.BiasSet` with ``(H_kv, D)`` float32 means and
     :class:`~kvslim.calibration.meancenter.KStats`.
     """
@@ -158,6 +166,18 @@ def collect_k_means_from_ids(
     n_layers = ModelShapes.from_config(model.config).n_layers
     device = next(model.parameters()).device
     sums = _KSums()
+    moments = None
+    observe = sums.observe
+    if fit_rotation:
+        from .rotation import MomentSums
+
+        moments = MomentSums()
+
+        def observe(layer_idx, key_states, value_states):
+            sums.add(layer_idx, key_states)
+            moments.add(layer_idx, "k", key_states)
+            moments.add(layer_idx, "v", value_states)
+
     n_used = sum(e - s for s, e in spans)
     was_training = model.training
     model.eval()  # no dropout in the measured keys
@@ -174,7 +194,7 @@ def collect_k_means_from_ids(
                     rotate="k" if rotate else "none",
                     pre_rope=pre_rope,
                     config=model.config,
-                    observe=sums.observe,
+                    observe=observe,
                     observe_stored=rotate or pre_rope,
                 )
                 prefill(model, chunk, cache)
@@ -182,6 +202,7 @@ def collect_k_means_from_ids(
     finally:
         model.train(was_training)
     means, stats = sums.means(n_layers)
+    rotations = None if moments is None else _fit(moments, model.config, n_layers, bool(rotate))
     if n_used < MIN_USEFUL_TOKENS:
         noise = max(standard_error_ratio(m, sd, n_used) for m, sd in zip(means, stats.channel_std))
         warnings.warn(
@@ -202,7 +223,24 @@ def collect_k_means_from_ids(
         ctx=ctx,
         n_chunks=len(spans),
         stats=stats,
+        rotations=rotations,
+        rotation=None if rotations is None else ROTATION_METHOD,
     )
+
+
+def _fit(moments, config, n_layers: int, k_rot: bool) -> dict[str, list[torch.Tensor]]:
+    """The fitted rotations from the observed moments, K's taken off the Hadamard it was observed in:
+    ``R_obs H`` maps the unrotated key to where ``R_obs`` maps its Hadamard image (H is its own inverse)."""
+    from ..cache.hadamard import Hadamard, block_size
+    from .rotation import fit_from_sums
+
+    shapes = ModelShapes.from_config(config)
+    blocks = {"k": block_size(shapes.k_head_dim), "v": block_size(shapes.v_head_dim)}
+    rotations = fit_from_sums(moments, n_layers, blocks)
+    if k_rot:
+        h = Hadamard.for_head_dim(shapes.k_head_dim).matrix(dtype=torch.float64)
+        rotations["k"] = [(r.double() @ h).to(torch.float32) for r in rotations["k"]]
+    return rotations
 
 
 def default_rotate(config) -> bool:
@@ -234,6 +272,7 @@ def collect_k_means(
     fingerprint: str | None = None,
     rotate: bool | str = "auto",
     pre_rope: bool = False,
+    fit_rotation: bool = False,
 ) -> BiasSet:
     """Calibrate on ``text``: tokenized once as a whole with the tokenizer's defaults (special
     tokens as ``tokenizer(text)`` adds them), then :func:`collect_k_means_from_ids`."""
@@ -252,4 +291,5 @@ def collect_k_means(
         fingerprint=fingerprint,
         rotate=rotate,
         pre_rope=pre_rope,
+        fit_rotation=fit_rotation,
     )

@@ -23,14 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .biasfile import (
-    LLAMA_CPP_PERMUTES_K,
-    LLAMA_CPP_PERMUTES_K_ARCH,
-    file_channel_order,
-    fingerprint_hex,
-    from_llama_cpp_order,
-    read_layers,
-)
+from .biasfile import fingerprint_hex, read_layers
 from .biasset import (
     CHANNEL_ORDERS,
     BiasSet,
@@ -38,6 +31,12 @@ from .biasset import (
     check_layer,
     check_positive_int,
     tensor_name,
+)
+from .channelorder import (
+    LLAMA_CPP_PERMUTES_K,
+    LLAMA_CPP_PERMUTES_K_ARCH,
+    file_channel_order,
+    from_llama_cpp_order,
 )
 
 #: The CLI's name for ``allow_other_model=True``, quoted in messages.
@@ -81,7 +80,7 @@ def load_mean_center(
     k_rot, pre_rope: the basis the cache stores K in (Hadamard-rotated; before RoPE); a file recording
         another basis is refused (as the fork does for k_rot; a file without the pre-RoPE key is post-RoPE).
         A rotated file in llama.cpp's channel order is converted in the rotated basis
-        (:func:`~kvslim.calibration.biasfile.permute_rotated`, the block rule of :mod:`kvslim.cache.hadamard`).
+        (:func:`~kvslim.calibration.channelorder.permute_rotated`, the block rule of :mod:`kvslim.cache.hadamard`).
     k_format, key_dtype: the K storage format and the dtype of the model's keys, when known. A bias
         larger than the format can store (:func:`bias_limit`; a centered key ``k - bias`` would
         overflow every block) or than ``key_dtype`` holds is refused here, not mid-generation.

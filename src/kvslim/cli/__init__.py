@@ -33,6 +33,7 @@ import sys
 import threading
 import warnings
 
+from .. import threads
 from . import errors
 from .errors import (
     EXIT_SIGINT,
@@ -199,10 +200,13 @@ def _main(argv: list[str], received: list[int]) -> int:
     name = argv[0]
     ok = False
     try:
+        # the OpenMP thread policy is environment the runtime reads when torch loads: set before the import
+        policy = threads.prepare(name, argv[1:])
         module = importlib.import_module(SUBCOMMANDS[name][0])
         parser = _Parser(prog=f"kvslim {name}", description=SUBCOMMANDS[name][1])
         module.configure(parser)
         args = parser.parse_args(argv[1:])
+        args.thread_policy = policy
         launcher = _launcher_missing()
         if launcher is not None:
             raise UserError(launcher)

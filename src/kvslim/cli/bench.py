@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 
+from .. import threads
 from .common import (
     UserError,
     add_model_flags,
@@ -27,6 +28,9 @@ SMOKE_CONFIGS = ["int4", "q4_0,sink=4,window=28"]
 # --smoke: a seconds-long run for CI.
 #: --threads beyond this many per CPU is refused (a typo, not a setting: torch would start them all).
 MAX_THREADS_PER_CPU = 4
+#: --peers of the single-stream bench (transformers' QuantizedCache backends) and of --concurrency (serving peers)
+SINGLE_PEERS = ("quanto", "hqq", "fp8")
+CONCURRENCY_PEERS = ("openvino", "vllm")
 SMOKE = dict(lengths=[16, 32], steps=2, warmup=1, append_lengths=[64, 256], append_reps=3, seen=[64, 256])
 
 
@@ -86,10 +90,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--peers",
         nargs="*",
         default=None,
-        choices=["quanto", "hqq", "fp8"],
+        choices=[*SINGLE_PEERS, *CONCURRENCY_PEERS],
         metavar="BACKEND",
         help="add transformers' QuantizedCache with these backends (quanto, hqq, fp8; none named: all), "
-        "2 and 4 bits; a backend whose package is missing is reported, not an error",
+        "2 and 4 bits; with --concurrency: the serving peers instead, each in its own venv as a subprocess "
+        "(openvino: OpenVINO GenAI's ContinuousBatchingPipeline, `make openvino`; vllm: vLLM's CPU build, "
+        "`make vllm`; none named: both); a peer that is missing is reported, not an error",
     )
     parser.add_argument(
         "--append-lengths",
@@ -118,9 +124,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="windowed specs for the flatness measurement (default: the windowed --config specs)",
     )
     parser.add_argument("--no-seen", action="store_true", help="skip the StreamingLLM flatness measurement")
-    parser.add_argument(
-        "--threads", type=int, default=None, metavar="T", help="torch threads (default: torch's)"
-    )
+    threads.add_thread_flags(parser)
     parser.add_argument(
         "--attn",
         default="auto",
@@ -148,6 +152,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="measure many streams at once instead: aggregate decode tok/s and bytes per stream at each "
         "concurrency and --lengths, the plain cache batched as generate() batches and transformers' continuous "
         "batching side by side (e.g. 1,4,16)",
+    )
+    parser.add_argument(
+        "--serve",
+        action="store_true",
+        help="with --concurrency: also drive a real `kvslim serve` (started on 127.0.0.1, a free port) with C "
+        "concurrent streaming clients per --config: aggregate tok/s, inter-token latency and TTFT percentiles",
     )
     parser.add_argument(
         "--no-continuous-batching",
@@ -196,6 +206,13 @@ def run(args: argparse.Namespace) -> int:
     prefill = None if args.prefill_lengths == "all" else args.prefill_lengths
     if args.compile and args.concurrency is not None:
         raise UserError("--compile and --concurrency do not combine yet (the batch engine steps eagerly)")
+    if args.serve and args.concurrency is None:
+        raise UserError("--serve measures many streams through the server: give --concurrency too (e.g. 1,16)")
+    wrong = [p for p in args.peers or () if p not in (CONCURRENCY_PEERS if args.concurrency else SINGLE_PEERS)]
+    if wrong:
+        kind, legal = (("--concurrency", CONCURRENCY_PEERS) if args.concurrency
+                       else ("the single-stream bench", SINGLE_PEERS))
+        raise UserError(f"--peers {' '.join(wrong)}: not a peer of {kind}; expected some of {', '.join(legal)}")
     check_output("--json", args.json)
     check_output("--plot", args.plot)
     import importlib.util
@@ -214,10 +231,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    policy = threads.describe(getattr(args, "thread_policy", None))
+    print(threads.banner(policy), flush=True)
     attn = resolve_attn(args.attn)  # fails fast, before the model loads
     model, _ = load_model_from_args(args)
     if args.concurrency is not None:
-        return _run_concurrency(args, model, configs, settings)
+        return _run_concurrency(args, model, configs, settings, policy)
     result = run_bench(
         model,
         configs,
@@ -238,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
     )
     print(render(result))
     if args.json:
-        write_json(args.json, result.to_dict())
+        write_json(args.json, {**result.to_dict(), "thread_policy": _after(policy)})
         print(f"wrote {args.json}")
     if args.plot:
         from ..atomic import atomic_path
@@ -250,16 +269,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_concurrency(args, model, configs, settings) -> int:
-    """``--concurrency``: many streams at once (kvslim.bench.concurrency), a table and JSON."""
+def _after(policy: dict) -> dict:
+    """The thread policy record with the load average at the end of the run beside the one at its start."""
+    return {**policy, "load_average_after": threads.load_average()}
+
+
+def _run_concurrency(args, model, configs, settings, policy) -> int:
+    """``--concurrency``: many streams at once (kvslim.bench.concurrency), a table and JSON; with --serve the
+    same streams through ``kvslim serve``; with --peers the serving peers in their own venvs."""
     import kvslim
 
-    from ..bench.concurrency import render_concurrency, run_concurrency
+    from ..bench.concurrency import link_ratios, render_concurrency, run_concurrency, tokens
     from ..bench.modes import build_modes
     from ..bench.suite import _logger
+    from ..kernels.clib import bf16_instructions
 
     kvslim.enable(model)  # the engine's ragged steps attend on each row's codes
     modes, _ = build_modes(model, configs)
+    log = _logger(not args.quiet)
     rows = run_concurrency(
         model,
         modes,
@@ -269,8 +296,38 @@ def _run_concurrency(args, model, configs, settings) -> int:
         warmup=settings["warmup"],
         seed=args.seed,
         continuous_batching=not args.no_continuous_batching,
-        log=_logger(not args.quiet),
+        log=log,
     )
+    extra: dict = {}
+
+    def prompt(length: int) -> list[int]:
+        return tokens(model, length, args.seed)[0].tolist()
+
+    if args.serve:
+        from ..bench.serve import run_serve
+
+        flags = ["--dtype", args.dtype, "--device", args.device, *(["--model", args.model] if args.model else [])]
+        try:
+            served, extra["serve_log"] = run_serve(
+                flags, list(configs), prompt, settings["lengths"], args.concurrency, settings["steps"],
+                warmup=settings["warmup"], threads=args.threads, omp_wait=args.omp_wait, log=log,
+            )
+        except RuntimeError as e:  # the server did not start: its log's last line says why
+            lines = [x for x in str(e).splitlines() if x.strip()]
+            raise UserError(f"--serve: {lines[0]} {lines[-1] if len(lines) > 1 else ''}".strip()) from None
+        rows += served
+    if args.peers is not None:
+        from ..bench.concurrency_peers import run_peers
+
+        found, extra["peers"] = run_peers(
+            args.peers or list(CONCURRENCY_PEERS), model, list(configs), prompt, settings["lengths"],
+            args.concurrency, settings["steps"], warmup=settings["warmup"], threads=policy["torch_threads"],
+            log=log,
+        )
+        rows += found
+        for line in extra["peers"].values():
+            print(line)
+    link_ratios(rows)
     print(render_concurrency(rows))
     if args.json:
         write_json(
@@ -278,7 +335,10 @@ def _run_concurrency(args, model, configs, settings) -> int:
             {
                 "concurrency": [r.to_dict() for r in rows],
                 "settings": {"lengths": settings["lengths"], "concurrency": args.concurrency, "steps": settings["steps"],
-                             "threads": args.threads, "configs": list(configs)},
+                             "threads": args.threads, "configs": list(configs), "serve": args.serve,
+                             "dtype": args.dtype, "cpu_bf16": bf16_instructions()},
+                "thread_policy": _after(policy),
+                **extra,
             },
         )
         print(f"wrote {args.json}")

@@ -55,7 +55,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-rotate",
         default="auto",
-        choices=ROTATE,
+        choices=[r for r in ROTATE if r != "fitted"],
         help="the K basis to calibrate for: k or kv (K Hadamard-rotated, records k_rot=true), none or v (K "
         "unrotated); auto (default): as the default cache stores a quantized K, rotated wherever the "
         "model's head_dim allows it, so that the file and the default cache's rotation add up",
@@ -64,6 +64,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--kv-pre-rope",
         action="store_true",
         help="calibrate for a cache storing K before RoPE (records k_pre_rope=true)",
+    )
+    parser.add_argument(
+        "--fit-rotation",
+        action="store_true",
+        help="also fit a rotation of K and V per layer and KV head to the text (eigenbasis + Hadamard mix, "
+        "kvslim.calibration.rotation) and write it into the file (schema 2), for a cache with "
+        "--kv-rotate fitted --kv-mean-center FILE; fit with --kv-pre-rope for a cache storing K before RoPE",
     )
     parser.add_argument("--out", required=True, metavar="BIAS.gguf", help="output bias file (GGUF)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -77,13 +84,16 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(
             "--llama-cpp-order cannot be combined with --kv-pre-rope: llama.cpp caches K after RoPE"
         )
+    if args.llama_cpp_order and args.fit_rotation:
+        raise UserError("--llama-cpp-order cannot be combined with --fit-rotation: llama.cpp reads no fitted rotation")
     check_input_file("--text", args.text)
     check_output("--out", args.out)
     text = read_text_file("--text", args.text)
     check_model_args(args)
 
-    from ..calibration.biasfile import to_llama_cpp_order, write_bias_file
+    from ..calibration.biasfile import write_bias_file
     from ..calibration.calibrate import collect_k_means
+    from ..calibration.channelorder import to_llama_cpp_order
 
     model, tokenizer = load_model_from_args(args)
     _check_context(args.ctx, model.config)
@@ -98,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
         cache_type=args.cache_type,
         rotate="auto" if args.kv_rotate == "auto" else args.kv_rotate in ("k", "kv"),
         pre_rope=args.kv_pre_rope,
+        fit_rotation=args.fit_rotation,
     )
     if args.llama_cpp_order:
         bias = to_llama_cpp_order(bias, model.config.model_type)
@@ -126,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
         f"{bias.n_layers} layers, K format {bias.cache_type}, channel order {bias.channel_order}, "
         f"K basis {'rotated' if bias.k_rot else 'unrotated'}{', pre-RoPE' if bias.pre_rope else ''}, "
         f"model {bias.model_fingerprint}"
+        + (f", fitted K/V rotation ({bias.rotation}, schema 2)" if bias.rotations else "")
     )
     return 0
 

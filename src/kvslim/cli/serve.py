@@ -11,6 +11,7 @@ import argparse
 import os
 import re
 
+from .. import threads
 from .common import (
     UserError,
     add_cache_flags,
@@ -166,6 +167,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--default-max-tokens", type=int, default=256, metavar="N", help="max_tokens when a request names none (256)"
     )
+    threads.add_thread_flags(parser)
 
 
 def api_key_from(args: argparse.Namespace) -> str | None:
@@ -192,7 +194,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
     for flag, value in (("--max-concurrency", args.max_concurrency), ("--prefill-chunk", args.prefill_chunk),
                         ("--default-max-tokens", args.default_max_tokens), ("--max-queue", args.max_queue),
-                        ("--max-sessions", args.max_sessions), ("--max-prompt-tokens", args.max_prompt_tokens)):
+                        ("--max-sessions", args.max_sessions), ("--max-prompt-tokens", args.max_prompt_tokens),
+                        ("--threads", args.threads)):
         if value is not None and value < 1:
             raise UserError(f"{flag} must be >= 1, got {value}")
     if not args.shutdown_grace >= 0 or args.shutdown_grace > 3600:
@@ -208,8 +211,12 @@ def run(args: argparse.Namespace) -> int:
     from ..serve import build_app
     from ..serve.defaults import default_memory_budget
     from ..serve.shutdown import run_server
-    from .sample import _eos_ids
+    from .prompt import eos_ids
 
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     model, tokenizer = load_model_from_args(args, kvslim_attention=True)
     name = args.served_model_name or (
         EMBEDDED_NAME if args.model is None else os.path.basename(os.path.normpath(args.model))
@@ -230,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
         max_concurrency=args.max_concurrency,
         prefill_chunk=args.prefill_chunk,
         session_dir=args.session_dir,
-        stop_ids=_eos_ids(model, tokenizer),
+        stop_ids=eos_ids(model, tokenizer),
         default_max_tokens=args.default_max_tokens,
         max_queue=args.max_queue,
         max_prompt_tokens=max_prompt,
@@ -249,6 +256,7 @@ def run(args: argparse.Namespace) -> int:
         f"{_hours(args.session_ttl)} idle, in {args.session_dir or 'memory only'}; "
         f"{'API key required' if key else 'no API key'})"
     )
+    say(f"kvslim: {threads.banner(threads.describe(getattr(args, 'thread_policy', None)))}")
     run_server(app, host=args.host, port=args.port, grace=args.shutdown_grace)
     return 0
 

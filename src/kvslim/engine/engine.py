@@ -6,16 +6,15 @@ eviction). A :meth:`Engine.step`:
 1. admits waiting requests the budget allows (:class:`~kvslim.engine.scheduler.Scheduler`), one at a time,
    each given its cache as soon as it is admitted — its session's kept cache (read back from disk if it was
    parked) or a new one — so making room for the next never parks the session the previous one continues;
-2. prefills up to ``prefill_chunk`` prompt tokens, each request's chunk alone through
-   :func:`kvslim.generate.prefill`: the prompts with the fewest tokens left first (several short ones in a
-   step when their chunks fit together), and one passed over for a few steps gets its turn
-   (:meth:`Scheduler.prefill_plan`). A long prompt delays another request's first token by at most the
-   chunk running and one aged chunk, and stalls the running rows by at most one chunk's worth of tokens
-   per step; a prompt's last chunk samples its first token;
-3. feeds every decoding row its pending token in one ragged forward
-   (:func:`kvslim.generate.forward_rows`: the linear layers once for all rows, attention row by row on
-   each row's own codes, no padding to the longest row) and samples each row's next token with its own
-   settings and generator;
+2. runs ONE forward (:mod:`kvslim.engine.step`): every decoding row's pending token plus up to
+   ``prefill_chunk`` prompt tokens of joining requests — the prompts with the fewest tokens left first
+   (several short ones when their chunks fit together), one passed over for a few steps getting its turn
+   (:meth:`Scheduler.prefill_plan`) — packed into one sequence (:func:`kvslim.generate.forward_step`: the
+   linear layers once for every token of the step, no padding; attention per row on each row's own codes).
+   A joining prompt never pauses the decoding rows: its chunk rides in their forward, which grows by at most
+   ``prefill_chunk`` tokens. A long prompt delays another request's first token by at most the chunk running
+   and one aged chunk; a prompt's last chunk samples its first token;
+3. samples each row's next token with its own settings and generator;
 4. retires rows that hit a stop token or ``max_new_tokens``, freeing their caches and reservations, so
    waiting requests join at the next step — a request that names a ``session`` leaves its cache to the
    :class:`~kvslim.engine.sessions.SessionStore`, and the session's next request continues on it,
@@ -26,16 +25,17 @@ Faults stay in their row. Whatever fails for one request — making room for it,
 prefill chunk, its K/V in the ragged step (dropped from the step, :mod:`kvslim.cache.ragged`), sampling
 (non-finite logits), keeping or parking its session — ends that request alone with ``finish_reason
 "error"`` and a one-line ``error`` naming the step and the cause (server paths elided); the other rows and
-the engine go on. Only a forward that fails as a whole (no row left, out of memory) ends every row of it.
+the engine go on. Only a forward that fails as a whole (no row left, out of memory) ends every row of it —
+the decoding rows a prompt chunk shares its forward with included.
 
 Refusals are typed (:mod:`kvslim.engine.errors`): :meth:`Engine.submit` raises a
 :class:`~kvslim.engine.errors.Refusal` subclass saying which limit a request hit, before anything is queued.
 
 Greedy output of a request equals that request run alone through the engine, token for token, whatever
-else shares its steps (every row's logits are bit-identical: :mod:`kvslim.cache.ragged`, "Filler rows"; the
-prefill of a request never mixes with another's). The engine is driven from one thread; :meth:`submit`,
-:meth:`cancel`, :meth:`cancel_all` and :meth:`delete_session` may be called from others (a lock orders
-them with steps).
+else shares its steps (every row's logits are bit-identical: :mod:`kvslim.cache.ragged`, "Packed, not
+padded" and "Filler rows"; a prompt is read in the chunks it has alone, whatever shares their forward). The
+engine is driven from one thread; :meth:`submit`, :meth:`cancel`, :meth:`cancel_all` and
+:meth:`delete_session` may be called from others (a lock orders them with steps).
 """
 
 from __future__ import annotations
@@ -50,33 +50,23 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from .. import generate as gen
 from ..checks import check_int
 from ..config import CacheConfig, parse_spec
-from .errors import (
-    BudgetRefusal,
-    ContextRefusal,
-    InputRefusal,
-    QueueFull,
-    RequestLimits,
-    SettingsRefusal,
-    describe,
-)
+from .errors import InputRefusal, QueueFull, RequestLimits, describe
+from .gate import BATCH_DEPENDENT_ROPE, Gate  # noqa: F401 - BATCH_DEPENDENT_ROPE re-exported
 from .request import FINISH_REASONS, Event, Request, Result
 from .scheduler import Row, Scheduler
 from .sessions import SessionStore
+from .step import Stepping
 from .trim import Trimmer
 
 log = logging.getLogger("kvslim.engine")
-
-#: RoPE types whose frequencies transformers computes from the largest position id of the whole batch
-BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 #: the limits a request's own cache settings meet unless the engine is given others
 DEFAULT_LIMITS = RequestLimits()
 
 
-class Engine:
+class Engine(Stepping):
     """Continuous batching of generation requests over one model.
 
     model: a loaded transformers causal LM; the engine switches it to the ``kvslim`` attention
@@ -87,7 +77,8 @@ class Engine:
     for another model, unless ``allow_other_model``). memory_budget: bytes every admitted request's cache
     may reach together (None: no limit); a request waits until its share fits, and one that cannot fit
     alone is refused. max_batch: rows decoded together at most. prefill_chunk: prompt tokens read per
-    step. session_dir: where idle sessions are parked when the budget needs their memory (None: they are
+    step, in the same forward as the decoding rows' tokens (not counted against it), and the longest chunk a
+    prompt is read in (:mod:`kvslim.engine.step`). session_dir: where idle sessions are parked when the budget needs their memory (None: they are
     dropped then, counted and logged; :mod:`kvslim.engine.sessions`). max_queue: requests waiting for a
     slot at most (None: no limit; past it :class:`~kvslim.engine.errors.QueueFull`). max_prompt_tokens:
     the longest prompt taken (None: the context decides). request_limits: the maxima of a request's own
@@ -111,10 +102,6 @@ class Engine:
         session_ttl: float | None = None,
         allow_other_model: bool = False,
     ):
-        import kvslim
-
-        from ..shapes import ModelShapes, is_mla, text_config
-
         self.default_cache = parse_spec(cache) if isinstance(cache, str) else cache
         if not isinstance(self.default_cache, CacheConfig):
             raise ValueError(f"cache must be a CacheConfig or a spec string, got {cache!r}")
@@ -130,28 +117,16 @@ class Engine:
             raise ValueError(f"request_limits must be a RequestLimits, got {type(request_limits).__name__}")
         if not isinstance(allow_other_model, bool):
             raise ValueError(f"allow_other_model must be True or False, got {allow_other_model!r}")
-        config = getattr(model, "config", None)
-        if config is None:
-            raise ValueError(f"Engine needs a loaded transformers model, got {type(model).__name__}")
-        self.shapes = ModelShapes.from_config(config)
-        if is_mla(text_config(config)):
-            raise ValueError(
-                f"the batch engine cannot serve {self.shapes.model_type}: MLA expands its cached latent before "
-                "attention, so there are no per-row codes to attend on"
-            )
-        from ..cache.levers import rotary_embedding
-
-        emb, _ = rotary_embedding(config)
-        rope_type = getattr(emb, "rope_type", "default") if emb is not None else "default"
-        if rope_type in BATCH_DEPENDENT_ROPE:
-            raise ValueError(
-                f"the batch engine cannot serve {self.shapes.model_type} with rope_type {rope_type!r}: its frequencies "
-                "follow the longest position in the whole batch, so one row would change every other row's results "
-                "(run it one stream at a time with kvslim.generate)"
-            )
-        self.model = kvslim.enable(model)
-        self.vocab_size = int(getattr(text_config(config), "vocab_size", 0) or 0)
-        self.dtype = next(model.parameters()).dtype
+        self.gate = Gate(
+            model,
+            self.default_cache,
+            request_limits=request_limits,
+            max_prompt_tokens=max_prompt_tokens,
+            fingerprint=session_dir is not None,
+            allow_other_model=allow_other_model,
+        )
+        self.model, self.shapes, self.dtype = self.gate.model, self.gate.shapes, self.gate.dtype
+        self.vocab_size = self.gate.vocab_size
         self.scheduler = Scheduler(memory_budget, max_batch)
         self.prefill_chunk = prefill_chunk
         self.max_queue = max_queue
@@ -167,14 +142,7 @@ class Engine:
         self.steps = 0
         self.prefilled_tokens = 0  # prompt tokens fed through prefill (a continued session's are not)
         self.row_errors = 0  # requests ended by a failure in a step
-        self._fingerprint = None
-        if session_dir is not None or self.default_cache.mean_center is not None:
-            from ..calibration.fingerprint import model_fingerprint
-
-            self._fingerprint = model_fingerprint(model)
-        self._allow_other_model = allow_other_model
-        self._bias = self._read_bias(self.default_cache.mean_center)
-        self._make_cache(self.default_cache)  # the default settings must fit this model (raises if not)
+        self._fingerprint = self.gate.fingerprint
         self.sessions = SessionStore(
             session_dir,
             config=model.config,
@@ -184,43 +152,6 @@ class Engine:
             max_sessions=max_sessions,
             ttl=session_ttl,
         )
-
-    # -- caches ------------------------------------------------------------------------------
-    @staticmethod
-    def _read_bias(path):
-        """The default cache's bias file, read once (every cache built from it shares the tensors)."""
-        if path is None:
-            return None
-        from ..calibration.biasfile import read_bias_file
-
-        try:
-            return read_bias_file(path)
-        except OSError as e:
-            raise ValueError(f"the cache's mean_center bias file {path!r} cannot be read: {e.strerror or e}") from None
-
-    def _make_cache(self, cfg: CacheConfig):
-        from ..cache.adapter import SlimCache, SlimCacheLayer
-
-        if cfg.mean_center is None:
-            cache = SlimCache.from_config(cfg, config=self.model.config)
-        else:  # only ever the default's file (submit refuses others), loaded once, checked against the model
-            cache = SlimCache.from_config(
-                cfg,
-                config=self.model.config,
-                mean_center=self._bias,
-                model_fingerprint=self._fingerprint,
-                allow_other_model=self._allow_other_model,
-            )
-            cache.cache_config = cfg  # its settings name the file its bias came from (a parked session records it)
-        kinds = sorted(
-            {type(layer).__name__ for layer in cache.layers if not isinstance(layer, SlimCacheLayer)}
-        )
-        if kinds or any(type(layer).__name__ == "SlimHybridLayer" for layer in cache.layers):
-            raise ValueError(
-                f"the batch engine serves models whose every layer stores K/V; {self.shapes.model_type} has "
-                f"{', '.join(kinds) or 'hybrid'} layers (run it one stream at a time with kvslim.generate)"
-            )
-        return cache
 
     # -- requests --------------------------------------------------------------------------
     def submit(self, request: Request) -> str:
@@ -232,56 +163,9 @@ class Engine:
         (cannot fit the memory budget even alone), :class:`QueueFull` (``max_queue`` requests waiting)."""
         if not isinstance(request, Request):
             raise InputRefusal(f"submit() takes a kvslim.engine.Request, got {type(request).__name__}")
-        n_prompt = len(request.prompt)
-        top = max(request.prompt)
-        if self.vocab_size and top >= self.vocab_size:
-            raise InputRefusal(
-                f"prompt token id {top} is outside the model's vocabulary (0..{self.vocab_size - 1})"
-            )
-        if self.max_prompt_tokens is not None and n_prompt > self.max_prompt_tokens:
-            raise InputRefusal(
-                f"the prompt has {n_prompt} tokens, more than this server takes ({self.max_prompt_tokens}, "
-                "max_prompt_tokens)"
-            )
-        cfg = request.cache or self.default_cache
-        ctx = self.shapes.max_position_embeddings
-        if request.cache is not None and request.cache != self.default_cache:
-            self.request_limits.check(cfg, context=ctx)  # SettingsRefusal
-            if cfg.mean_center is not None and cfg.mean_center != self.default_cache.mean_center:
-                raise SettingsRefusal(
-                    "cache setting mean_center: a request can only use the engine's own bias file (read once "
-                    "when it started), not a file of its choosing"
-                )
-        total = n_prompt + request.max_new_tokens
-        try:
-            cache = self._make_cache(cfg)  # raises ValueError for settings this model cannot take
-        except ValueError as e:
-            raise SettingsRefusal(str(e)) from None
-        # Past the context only a bounded cache whose position ids are re-based (kept below the period plus a
-        # chunk) stays inside it; any other cache would feed ids the model was never trained on.
-        bounded_ids = cache.rebase_period is not None and cache.rebase_period + self.prefill_chunk <= (
-            ctx or 0
-        )
-        if ctx is not None and total > ctx and not bounded_ids:
-            why = (
-                "the cache has no window"
-                if cfg.window is None
-                else "this cache's position ids are not kept bounded"
-            )
-            raise ContextRefusal(
-                f"prompt ({n_prompt} tokens) + max_new_tokens ({request.max_new_tokens}) = {total} is past "
-                f"the model's context of {ctx} tokens, and {why}: shorten it, or use a bounded cache "
-                f"(sink=4,window=...) whose positions stay inside the context"
-            )
+        cache, reserved = self.gate.check(request, prefill_chunk=self.prefill_chunk, scheduler=self.scheduler)
         # a full queue after the request's own checks: a bad request is told what is wrong with it, not to retry
         self._check_queue()
-        reserved = cache.projected_nbytes(total, dtype=self.dtype)
-        if not self.scheduler.fits_alone(reserved):
-            raise BudgetRefusal(
-                f"this request's cache can reach {reserved} bytes ({cfg.to_spec()}, {total} tokens), more than the "
-                f"whole memory budget of {self.scheduler.memory_budget} bytes: raise the budget, lower max_new_tokens "
-                f"or use a smaller cache (a window, fewer bits)"
-            )
         with self._lock:
             rid = request.request_id or f"req-{next(self._ids)}"
             if rid in self.results or self.scheduler.find(rid) is not None:
@@ -295,7 +179,7 @@ class Engine:
                     row.generator.seed()
                 else:
                     row.generator.manual_seed(request.seed)
-            self.results[rid] = Result(rid, prompt_tokens=n_prompt, reserved_bytes=reserved)
+            self.results[rid] = Result(rid, prompt_tokens=len(request.prompt), reserved_bytes=reserved)
             self.scheduler.submit(row)
         return rid
 
@@ -387,11 +271,9 @@ class Engine:
             self._expire()
             self._admit(events)
             prefilled = self.scheduler.prefill_plan(self.prefill_chunk)
-            for row in prefilled:
-                self._prefill_chunk(row, events)
             rows = [r for r in self.scheduler.decoding() if r.pending is not None]
-            if rows:
-                self._decode(rows, events)
+            if prefilled or rows:
+                self._forward(prefilled, rows, events)
             self.steps += 1
             if prefilled or rows:
                 self._step_times.append(time.perf_counter() - start)
@@ -445,74 +327,6 @@ class Engine:
                 return
         row.cache, row.empty = row.empty, None
 
-    def _prefill_chunk(self, row: Row, events: list[Event]) -> None:
-        prompt = row.request.prompt
-        end = min(row.fed + self.prefill_chunk, len(prompt))
-        phase = "prefill"
-        try:
-            ids = torch.tensor([prompt[row.fed : end]], dtype=torch.long, device=self.model.device)
-            logits = gen.prefill(self.model, ids, row.cache)  # (1, V)
-            self.prefilled_tokens += end - row.fed
-            row.fed = end
-            self._track(row)
-            if row.fed < len(prompt):
-                return
-            row.state = "decode"
-            phase = "sampling"
-            token, logprob, top = self._sample(row, logits)
-        except Exception as e:  # noqa: BLE001 - this request fails (non-finite K/V, out of memory...), not the engine
-            self._fail(row, events, phase, e)
-            return
-        self._emit(row, token, logprob, top, events)
-
-    def _decode(self, rows: list[Row], events: list[Event]) -> None:
-        errors: dict = {}
-        try:
-            logits = gen.forward_rows(
-                self.model, [r.pending for r in rows], [r.cache for r in rows], errors=errors
-            )
-            ok = self._finite(logits).tolist()  # one sync for the step
-        except Exception as e:  # noqa: BLE001 - the forward failed as a whole: its rows end, the engine goes on
-            for b, r in enumerate(rows):
-                self._fail(r, events, "the decode step", errors.get(b, e))
-            return
-        for b, r in enumerate(rows):
-            if b in errors:  # its K/V were refused: dropped from the step, the other rows' logits are exact
-                self._fail(r, events, "the decode step", errors[b])
-                continue
-            try:
-                self._track(r)
-                token, logprob, top = self._sample(r, logits[b : b + 1], ok[b])
-            except Exception as e:  # noqa: BLE001 - this row alone
-                self._fail(r, events, "sampling", e)
-                continue
-            self._emit(r, token, logprob, top, events)
-
-    @staticmethod
-    def _finite(logits: torch.Tensor) -> torch.Tensor:
-        """(B,) bool: whether each row's logits can be sampled (no NaN, no +inf, some finite value; a -inf
-        logit is a token the model rules out)."""
-        bad = torch.isnan(logits).any(dim=-1) | torch.isposinf(logits).any(dim=-1)
-        return ~bad & torch.isfinite(logits).any(dim=-1)
-
-    def _sample(self, row: Row, logits: torch.Tensor, finite: bool | None = None):
-        """Row ``row``'s next token from ``logits`` (1, V), with its logprob and top alternatives when asked:
-        ``(token, logprob | None, top_logprobs | None)``. Non-finite logits raise (that row ends)."""
-        if finite is None:
-            finite = bool(self._finite(logits)[0])
-        if not finite:
-            raise ValueError("the model's logits for this request are not finite (NaN or inf)")
-        req = row.request
-        token = int(gen.sample_next(logits, req.temperature, req.top_p, row.generator)[0])
-        if req.logprobs is None:
-            return token, None, None
-        lp = torch.log_softmax(logits[0].float(), dim=-1)  # (V,), the raw logits: before temperature and top_p
-        top: tuple = ()
-        if req.logprobs:
-            values, ids = lp.topk(min(req.logprobs, lp.numel()))  # sorted, most likely first
-            top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
-        return token, float(lp[token]), top
-
     def _emit(self, row: Row, token: int, logprob, top, events: list[Event]) -> None:
         try:
             row.tokens.append(token)
@@ -550,6 +364,11 @@ class Engine:
         if row.state == "done":
             return
         self.trimmer.freed()
+        if row.cache is not None:  # its peak bytes, once (a decode step does not walk every row's cache)
+            try:
+                self._track(row)
+            except Exception:  # noqa: BLE001 - leaving never fails; the figure is only reported
+                log.warning("request %s: sizing its cache failed", row.request_id)
         try:
             self._release(row)
         except Exception as e:  # noqa: BLE001 - the session is lost; the row still leaves
@@ -588,11 +407,6 @@ class Engine:
             budget = self.scheduler.memory_budget
             if budget is not None:  # a cache may hold more than its reservation (buffers allocated ahead)
                 self.sessions.make_room(budget - self.scheduler.reserved)
-
-    def _track(self, row: Row) -> None:
-        n = row.cache.nbytes()
-        row.peak_bytes = max(row.peak_bytes, n)
-        self.results[row.request_id].cache_bytes = row.peak_bytes
 
     # -- convenience -----------------------------------------------------------------------
     def events(self) -> Iterator[Event]:

@@ -8,7 +8,8 @@ budget has left; a younger request never overtakes it, so a large one is not sta
 not fit even alone is refused when it is submitted (the engine does that), never left waiting forever.
 
 Prefill is shortest-first with aging, not first in first out (:meth:`Scheduler.prefill_plan`): a step
-reads up to ``prefill_chunk`` prompt tokens, taking the admitted rows still reading their prompts in order
+reads up to ``prefill_chunk`` prompt tokens (in the same forward as the decoding rows' tokens:
+:mod:`kvslim.engine.step`), taking the admitted rows still reading their prompts in order
 of the fewest tokens left — several short ones in one step when their chunks fit together — except that a
 row passed over ``MAX_SKIPS`` steps in a row goes first. A conversation's new turn (a few dozen tokens) is
 read at the next step even while a 50,000-token prompt prefills: it waits for at most the chunk already

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import MEAN_CENTER_FORMATS, CacheConfig
-from ..formats import make_codec
+from ..formats.varnorm import cache_codec
 from ..shapes import ModelShapes
 from .modes import check_int, resolve_modes
 
@@ -162,7 +162,7 @@ def cache_bytes(
     (:func:`fp_bytes`), then per stream
     encoded tokens (token parts per token, group parts per group, as the codec really encodes them)
     and a full-precision residual, plus a float32 ``(H_kv, D)`` mean-centering bias and, for a centered K
-    body, one byte per token and head (``kvslim.cache.buffers.CENTERED``). Counts the stored
+    body, one byte per token and head (``kvslim.cache.basis.CENTERED``). Counts the stored
     tensors only, not the buffers' preallocated slack (see ``SlimCache.nbytes``).
     """
     check_int("seen", seen, 0, "tokens fed to the cache")
@@ -180,7 +180,7 @@ def cache_bytes(
         total = 0
         stream_len = 0
         for role, fmt in (("k", k_fmt), ("v", v_fmt)):
-            codec = make_codec(fmt, role, group_size=config.group_size, v_group_size=config.v_group_size)
+            codec = cache_codec(config, fmt, role)
             codec.check_head_dim(shape.head_dim)
             # one full-precision token of this stream (its sinks and residual): residual_dtype for a lossy codec
             per_elem_fp = batch * shape.kv_heads * shape.head_dim * fp_bytes(config.residual_dtype, codec, shape)

@@ -61,7 +61,8 @@ class KeyTransform:
 
     1. ``bias`` (H_kv, D) float32 added (the mean-centering zero point; None: none) — to the tokens whose
        ``centered`` flag (B, H_kv, T, 1) uint8 is set (None: to every token);
-    2. ``hadamard`` (a :class:`~kvslim.cache.hadamard.Hadamard`) applied (None: none);
+    2. ``hadamard`` (a :class:`~kvslim.cache.hadamard.Hadamard`, or a fitted rotation whose ``inverse`` takes the
+       key back from the stored basis, :class:`~kvslim.calibration.rotation.FittedRotation`) applied (None: none);
     3. RoPE: channel pair ``(o + i, o + i + R/2)`` of token ``t`` (body index) rotated by the angle whose
        cosine and sine are ``cos[b, t, i]`` / ``sin[b, t, i]``, ``cos``/``sin`` (B or 1, T, R/2) float32,
        ``o = rope_offset`` (None: no rotation).
@@ -248,6 +249,8 @@ def k_scores(
             f"the encoded body {t}"
         )
     fn = kernel.k_scores_transformed or reference.k_scores_transformed
+    if transform.hadamard is not None and not transform.hadamard.block:
+        fn = reference.k_scores_transformed  # a fitted rotation (a matrix, block 0): the kernels apply Hadamard blocks only
     return fn(q, codec, enc, offset, transform)
 
 
@@ -283,7 +286,12 @@ def _cpu_ok(extra=None):
 register(
     "cpu",
     "affine_k",
-    Kernel(cpu.k_affine, reference.v_weighted, _cpu_ok(), k_scores_transformed=cpu.k_affine_transformed),
+    Kernel(
+        cpu.k_affine,
+        reference.v_weighted,
+        _cpu_ok(cpu.affine_k_supported),
+        k_scores_transformed=cpu.k_affine_transformed,
+    ),
     cpu.status,
 )
 register("cpu", "affine_v", Kernel(reference.k_scores, cpu.v_affine, _cpu_ok(cpu.affine_v_supported)))

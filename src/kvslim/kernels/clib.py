@@ -52,7 +52,7 @@ from .. import paths
 from ..atomic import remove_stale
 from ..formats import FORMATS
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 SOURCES = Path(__file__).parent / "csrc"
 BASE_FLAGS = ["-O3", "-shared", "-fPIC", "-std=c11", "-ffp-contract=fast"]
 #: Tried in order; the first set the compiler accepts is used.
@@ -99,6 +99,18 @@ def _machine_id() -> str:
     except OSError:
         ident.append(platform.processor())
     return "\n".join(ident)
+
+
+def bf16_instructions() -> list[str]:
+    """The bfloat16 instructions this CPU announces (/proc/cpuinfo flags ``avx512_bf16``, ``amx_bf16``; Linux;
+    empty elsewhere or without them): where they are missing, torch emulates bfloat16 matmuls in float32, so a
+    ``--dtype bfloat16`` model saves memory but not time (docs/performance.md, "bfloat16")."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return []
+    return [x for x in ("avx512_bf16", "amx_bf16") if x in flags]
 
 
 def _sources() -> list[Path]:

@@ -16,6 +16,7 @@ import torch
 
 from ..formats import Codec, Encoded
 from ..formats.layout import body_layout, expect, rows_contiguous
+from ..formats.varnorm import factor_part
 from .clib import NAMED_ROWS, ROWS_LAYOUT, library, row_code, status  # noqa: F401 - the dispatcher reads cpu.status
 
 #: Longest query axis (GQA group x new tokens) the C kernels take. They redo the dot products per
@@ -39,12 +40,16 @@ def _run(op: int, what: str, dims: tuple, params: tuple, parts: tuple) -> None:
     _call(lambda a: library().kv_run(op, a), what, vals, parts)
 
 
-def _call(entry, what: str, vals: list, parts) -> None:
+def _call(entry, what: str, vals: list, parts, tail: tuple = ()) -> None:
     """``entry(args)`` on one int64 array: ``vals``, then (pointer, element strides of dims 0..2, dtype code)
     per tensor of ``parts``; its return code as Python's error (1: out of memory, other nonzero: rejected)."""
     for t in parts:
+        if t is None:  # an absent optional part (C reads data 0 as none)
+            vals += (0, 0, 0, 0, _DT[torch.uint8])
+            continue
         s = t.stride()
         vals += (t.data_ptr(), s[0], s[1], s[2], _DT[t.dtype])
+    vals += tail
     args = array.array("q", vals)  # one int64 array, far cheaper to marshal than ctypes structs; held until the call returns
     rc = entry(args.buffer_info()[0])
     if rc == 1:
@@ -72,7 +77,7 @@ def k_affine(q: torch.Tensor, codec: Codec, enc: Encoded, offset: int) -> torch.
         "k_affine",
         (b, h, m, t, d),
         (codec.bits, codec.token_group, offset),
-        (q, codes, scale, zero, out),
+        (q, codes, scale, zero, out, _vn_part(codec, enc, b, h, t, d, offset)),
     )
     return out
 
@@ -90,6 +95,8 @@ def _transform_parts(q: torch.Tensor, tr, t: int) -> tuple[tuple, tuple]:
         expect(bias, (h, d), (torch.float32,), "transform bias")
         bias = bias[None, :, None, :]
     hblock = 0 if tr.hadamard is None else int(tr.hadamard.block)
+    if tr.hadamard is not None and not hblock:
+        raise ValueError("the C transform kernels apply Hadamard blocks only, not a fitted rotation's matrix")
     if hblock and (hblock & (hblock - 1) or d % hblock):
         raise ValueError(f"a Hadamard block of {hblock} does not tile head_dim {d}")
     cos = sin = q
@@ -127,7 +134,7 @@ def k_affine_transformed(q: torch.Tensor, codec: Codec, enc: Encoded, offset: in
         "k_affine_transformed",
         (b, h, m, t, d),
         (codec.bits, codec.token_group, offset, *params),
-        (q, codes, scale, zero, out, *extra),
+        (q, codes, scale, zero, out, *extra, _vn_part(codec, enc, b, h, t, d, offset)),
     )
     return out
 
@@ -137,6 +144,16 @@ def k_affine_transformed(q: torch.Tensor, codec: Codec, enc: Encoded, offset: in
 
 def _v_group(codec: Codec, d: int) -> int:
     return d if codec.group_size is None else codec.group_size
+
+
+def affine_k_supported(codec: Codec, enc: Encoded) -> bool:
+    """Whether the C kernels read this per-channel K body (every one: variance-normalized ones too)."""
+    return True
+
+
+#: The checked factor part of a variance-normalized affine body (K token factors, V channel factors; None for a
+#: plain body): one contract with the Triton kernels.
+_vn_part = factor_part
 
 
 def affine_v_supported(codec: Codec, enc: Encoded) -> bool:
@@ -158,8 +175,8 @@ def v_affine(p: torch.Tensor, codec: Codec, enc: Encoded, offset: int) -> torch.
         _OP_V_AFFINE,
         "v_affine",
         (b, h, m, t, d),
-        (codec.bits, lay.group),
-        (p, lay.x, lay.scale, lay.zero, out),
+        (codec.bits, lay.group, codec.token_group, offset),
+        (p, lay.x, lay.scale, lay.zero, out, _vn_part(codec, enc, b, h, t, d, offset)),
     )
     return out
 
@@ -233,14 +250,15 @@ def _body_args(codec: Codec, enc: Encoded, b: int, h: int, d: int, offset: int, 
     if codec.family in ("affine_k", "affine_v"):
         lay = body_layout(codec, enc, b, h, n, d, offset if role == "k" else 0)
         group = codec.token_group if role == "k" else lay.group
-        return (1, codec.bits, group, offset if role == "k" else 0, n), (lay.x, lay.scale, lay.zero)
+        vn = _vn_part(codec, enc, b, h, n, lay.d, offset)
+        return (1, codec.bits, group, offset if role == "k" else 0, n), (lay.x, lay.scale, lay.zero), vn
     fmt, x, xs, _ = _row_parts(codec, enc, b, h, n, d)
-    return (0, fmt, 1, 0, n), (x, xs, x)
+    return (0, fmt, 1, 0, n), (x, xs, x), None
 
 
 def attend_supported(codec_k: Codec, enc_k: Encoded, codec_v: Codec, enc_v: Encoded) -> bool:
     """Whether :func:`attend` reads both bodies: per-channel K or rows, per-token V or rows, in C."""
-    k_ok = codec_k.family == "affine_k" or rows_supported(codec_k, enc_k)
+    k_ok = (codec_k.family == "affine_k" and affine_k_supported(codec_k, enc_k)) or rows_supported(codec_k, enc_k)
     v_ok = (codec_v.family == "affine_v" and affine_v_supported(codec_v, enc_v)) or rows_supported(codec_v, enc_v)
     return k_ok and v_ok
 
@@ -258,12 +276,14 @@ def attend(
     v_body: Encoded,
     k_hblock: int = 0,
     v_hblock: int = 0,
+    v_offset: int = 0,
 ) -> torch.Tensor:
     """One layer's decode attention in one C call: q (B, H, M, D) fp32, already scaled, against the sinks, the
     encoded bodies and the residual (full-precision parts (B, H, n, D) fp32/fp16/bf16 or None), softmax over
     all of them, the weighted values summed: (B, H, M, D) fp32. The bodies are stored in a normalized
     Hadamard basis of block ``k_hblock`` / ``v_hblock`` (0: none): the body's keys are scored with the
-    rotated query, the body's value sum is rotated back."""
+    rotated query, the body's value sum is rotated back. ``v_offset``: where the V body's first token sits in its
+    group (a variance-normalized V's channel factors are per group of ``token_group`` tokens; 0 otherwise)."""
     if q.dim() != 4 or q.dtype != torch.float32:
         raise ValueError(f"fused attention: q must be (B, H, M, D) float32, got {tuple(q.shape)} {q.dtype}")
     q = rows_contiguous(q)
@@ -282,15 +302,16 @@ def attend(
     (s_k, ks), (s_v, vs), (rk, kr), (rv, vr) = fp
     if s_k != s_v:
         raise ValueError(f"fused attention: {s_k} sink keys but {s_v} sink values")
-    kp, kparts = _body_args(k_codec, k_body, b, h, d, k_offset, "k")
-    vp, vparts = _body_args(v_codec, v_body, b, h, d, 0, "v")
+    kp, kparts, kvn = _body_args(k_codec, k_body, b, h, d, k_offset, "k")
+    vp, vparts, vvn = _body_args(v_codec, v_body, b, h, d, v_offset, "v")
     if s_k + kp[4] + rk != s_k + vp[4] + rv:
         raise ValueError(
             f"fused attention: K holds {kp[4]} + {rk} tokens after the sinks, V {vp[4]} + {rv}"
         )
     out = torch.empty((b, h, m, d), dtype=torch.float32)
     vals = [b, h, m, d, torch.get_num_threads(), s_k, rk, rv, *kp, vp[0], vp[1], vp[2], vp[4], k_hblock, v_hblock]
-    _call(library().kv_attend, "attend", vals, (q, ks, vs, kr, vr, *kparts, *vparts, out))
+    parts = (q, ks, vs, kr, vr, *kparts, *vparts, out, kvn, vvn)
+    _call(library().kv_attend, "attend", vals, parts, (v_codec.token_group, v_offset))
     return out
 
 
@@ -343,7 +364,9 @@ def _row_pieces(pieces, h: int, d: int, role: str, vals: list) -> tuple[int, int
     """A row's K or V body pieces appended to ``vals`` as piece records; returns (pieces, tokens)."""
     tokens, first = 0, None
     for codec, enc, offset in pieces:
-        p, parts = _body_args(codec, enc, 1, h, d, offset, role)
+        p, parts, vn = _body_args(codec, enc, 1, h, d, offset, role)
+        if vn is not None:
+            raise ValueError("attention rows: variance-normalized bodies go to the per-row kernel (kv_attend)")
         if role == "v":
             first = first or p[:2]
             if p[:2] != first:

@@ -1,7 +1,7 @@
 """The Triton backend: K scores and V weighted sums for CUDA tensors, read from the packed codes.
 
 Every codec family a kernel can read directly is covered -- per-channel affine K and per-token
-affine V at 8/4/2 bits (any scale dtype, any V channel group), the GGML blocks q8_0, q4_0, q4_1,
+affine V at 8/4/3/2 bits (any scale dtype, any V channel group; variance-normalized or not), the GGML blocks q8_0, q4_0, q4_1,
 q5_0 and q5_1, fp8 with its per-token scale, and plain fp16/bf16/fp32 (``cast``) -- in both roles.
 The programs (:mod:`.triton_kernels`) decode a tile of tokens in registers and multiply it with
 every query row of its KV head at once, so one decode step reads each stored byte once: no fp32
@@ -39,6 +39,7 @@ import torch
 from ..formats import Codec, Encoded
 from ..formats.layout import FAMILIES as LAYOUT_FAMILIES
 from ..formats.layout import body_layout
+from ..formats.varnorm import factor_part
 
 #: Longest query axis (GQA group x new tokens) taken; longer (prefill) goes to the reference, whose
 #: decode + cuBLAS matmul runs on tensor cores where these fp32 ``tl.dot`` tiles do not. Unmeasured:
@@ -157,7 +158,9 @@ def supported(codec: Codec, enc: Encoded) -> bool:
 class _Layout:
     """The launch arguments of one body: the layout code (FMT), bits of an affine code, bytes of a
     GGML block, the three tensors (codes, blocks or values; scale; zero -- unused ones repeat
-    another) and the scale group (tokens per K scale row, channels per V scale)."""
+    another) and the scale group (tokens per K scale row, channels per V scale); ``n``: a
+    variance-normalized affine body's factor bytes (:mod:`kvslim.formats.varnorm`; else the codes, unread),
+    ``ngroup`` tokens per V factor row."""
 
     fmt: int
     bits: int
@@ -166,9 +169,20 @@ class _Layout:
     s: torch.Tensor
     z: torch.Tensor
     group: int
+    n: torch.Tensor | None = None
+    ngroup: int = 1
+
+    @property
+    def vn(self) -> bool:
+        return self.n is not None
+
+    @property
+    def factors(self) -> torch.Tensor:
+        return self.x if self.n is None else self.n
 
     def strides(self) -> list[int]:
-        return [*self.x.stride()[:3], *self.s.stride()[:3], *self.z.stride()[:3]]
+        f = self.factors
+        return [*self.x.stride()[:3], *self.s.stride()[:3], *self.z.stride()[:3], *f.stride()[:3]]
 
 
 def _layout(codec: Codec, enc: Encoded, b: int, h: int, t: int, d: int | None, offset: int) -> tuple:
@@ -182,10 +196,10 @@ def _layout(codec: Codec, enc: Encoded, b: int, h: int, t: int, d: int | None, o
     if family == "ggml" and not _ggml_ok(codec):
         raise ValueError(f"the Triton kernels do not read {codec.name} blocks of {codec.format.block}")
     lay = body_layout(codec, enc, b, h, t, d, offset)
-    if family == "affine_k":
-        return _Layout(prog.AFFINE_K.value, codec.bits, 0, lay.x, lay.scale, lay.zero, lay.group), lay.d
-    if family == "affine_v":
-        return _Layout(prog.AFFINE_V.value, codec.bits, 0, lay.x, lay.scale, lay.zero, lay.group), lay.d
+    if family in ("affine_k", "affine_v"):
+        fmt = (prog.AFFINE_K if family == "affine_k" else prog.AFFINE_V).value
+        n = factor_part(codec, enc, b, h, t, lay.d, offset)  # None for a plain body
+        return _Layout(fmt, codec.bits, 0, lay.x, lay.scale, lay.zero, lay.group, n, codec.token_group), lay.d
     if family == "ggml":
         x = lay.x
         return _Layout(prog.GGML[codec.name].value, 8, codec.format.block.nbytes, x, x, x, 1), lay.d
@@ -228,10 +242,10 @@ def k_scores(q: torch.Tensor, codec: Codec, enc: Encoded, offset: int) -> torch.
     grid = (b * h, _cdiv(t, block_t), _cdiv(m, block_m))
     with _device(q):
         programs().k_scores_kernel[grid](
-            q, lay.x, lay.s, lay.z, out,
-            h, m, t, d, offset, lay.group,
+            q, lay.x, lay.s, lay.z, lay.factors, out,
+            h, m, t, d, offset, lay.group, lay.ngroup,
             *q.stride()[:3], *lay.strides(),
-            FMT=lay.fmt, BITS=lay.bits, NB=lay.nb,
+            FMT=lay.fmt, BITS=lay.bits, NB=lay.nb, VN=lay.vn,
             BLOCK_M=block_m, BLOCK_T=block_t, BLOCK_D=block_d, **COMPILE_OPTIONS,
         )  # fmt: skip
     return out
@@ -266,10 +280,10 @@ def v_weighted(p: torch.Tensor, codec: Codec, enc: Encoded, offset: int) -> torc
     partial = torch.empty((b * h, n_split, m, d), dtype=torch.float32, device=p.device)
     with _device(p):
         programs().v_partial_kernel[(b * h, n_split, m_tiles)](
-            p, lay.x, lay.s, lay.z, partial,
-            h, m, t, d, offset, lay.group, per,
+            p, lay.x, lay.s, lay.z, lay.factors, partial,
+            h, m, t, d, offset, lay.group, lay.ngroup, per,
             *p.stride()[:3], *lay.strides(),
-            FMT=lay.fmt, BITS=lay.bits, NB=lay.nb,
+            FMT=lay.fmt, BITS=lay.bits, NB=lay.nb, VN=lay.vn,
             BLOCK_M=block_m, BLOCK_T=block_t, BLOCK_D=block_d, **COMPILE_OPTIONS,
         )  # fmt: skip
     out = partial[:, 0] if n_split == 1 else partial.sum(1)  # (B * H, M, D): the second pass

@@ -52,7 +52,7 @@ def apply_transform(rows: torch.Tensor, tr, start: int) -> torch.Tensor:
             )
         x = x + bias
     if tr.hadamard is not None:
-        x = tr.hadamard.apply(x)
+        x = tr.hadamard.inverse(x)  # back from the stored basis (a Hadamard is its own inverse; a fitted R: R^T)
     if tr.cos is not None:
         n = x.shape[2]
         c = tr.cos[:, None, start : start + n].to(x.device)  # (B|1, 1, n, R/2)

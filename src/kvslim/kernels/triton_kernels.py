@@ -25,8 +25,11 @@ FMT     value
 0  K    per-channel affine: code ``(bytes16[p // 8] >> p % 8) & mask`` at bit ``p = d * bits`` of the
         row's little-endian bit stream (``bytes16``: the byte and the next one, read only where an int3
         code straddles the byte boundary, ``p % 8 > 5``);
-        ``code * scale[g, d] + zero[g, d]`` with ``g = (offset + t) // group`` (KIVI K)
-1  V    per-token affine: same code; ``code * scale[t, d // group] + zero[t, d // group]`` (KIVI V)
+        ``code * scale[g, d] + zero[g, d]`` with ``g = (offset + t) // group`` (KIVI K); variance-normalized
+        (``VN``, formats/varnorm.py): ``zero[g, d] + r_t * ((code - L / 2) * scale[g, d])``, ``r_t`` the token's
+        factor byte ``e`` read as ``2^((e - 128) / 4)`` (:func:`_factor`), ``L = 2^bits - 1``
+1  V    per-token affine: same code; ``code * scale[t, d // group] + zero[t, d // group]`` (KIVI V);
+        variance-normalized: that times ``c[(offset + t) // ngroup, d]``, the channel's factor of its token group
 2-6     GGML q8_0, q4_0, q4_1, q5_0, q5_1: block ``j = d // 32`` of ``NB`` bytes, ``i = d % 32``;
         fp16 ``d`` (and ``m``) from two little-endian bytes; q5's fifth bit is bit ``i % 8`` of
         ``qh`` byte ``i // 8`` (= bit ``i`` of the little-endian uint32)
@@ -46,6 +49,8 @@ not need).
 
 import triton
 import triton.language as tl
+
+from ..formats.varnorm import FACTOR_TABLE
 
 #: Layout codes (the FMT argument); constexpr globals, the only kind a Triton program may read.
 AFFINE_K, AFFINE_V, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, FP8, CAST = (tl.constexpr(i) for i in range(9))
@@ -74,27 +79,47 @@ def _e4m3(b):
     return tl.where((b & 127) == 127, nan, tl.where(e == 0, sub, normal))
 
 
+#: ``2^(i / 4)`` in fp32, i = 1..3 (varnorm.FACTOR_TABLE; entry 0 is 1)
+VN_F1, VN_F2, VN_F3 = (tl.constexpr(f) for f in FACTOR_TABLE[1:])
+
+
+@triton.jit
+def _factor(e):
+    """int32 tile of variance-normalization factor bytes -> fp32 ``2^((e - 128) / 4)``, exactly as
+    varnorm.factor_of: the table entry of ``e % 4`` times the power of two ``2^(e // 4 - 32)`` from its bits."""
+    i = e & 3
+    frac = tl.where(i == 0, 1.0, tl.where(i == 1, VN_F1, tl.where(i == 2, VN_F2, VN_F3)))
+    pow2 = (((e >> 2) + 95) << 23).to(tl.float32, bitcast=True)  # 2^(e // 4 - 32), always normal
+    return frac * pow2
+
+
 @triton.jit
 def tile(
     x_ptr,
     s_ptr,
     z_ptr,
+    n_ptr,
     sxt,
     sst,
     szt,
+    snt,
     t,
     d,
     t_ok,
     d_ok,
     offset,
     group,
+    ngroup,
     FMT: tl.constexpr,
     BITS: tl.constexpr,
     NB: tl.constexpr,
+    VN: tl.constexpr,
 ):
     """fp32 values (BLOCK_T, BLOCK_D) of tokens ``t`` (BLOCK_T, 1) int64 and channels ``d``
     (1, BLOCK_D); 0 outside ``t_ok`` (BLOCK_T, 1) and ``d_ok`` (1, BLOCK_D). The pointers are at
-    this (b, h)'s first token; ``group``: tokens per K scale row (FMT 0), channels per V scale (FMT 1)."""
+    this (b, h)'s first token; ``group``: tokens per K scale row (FMT 0), channels per V scale (FMT 1).
+    ``VN``: an affine body with variance-normalization factors at ``n_ptr`` (row stride ``snt``): K one
+    byte per token, V one per channel per ``ngroup`` tokens (unused otherwise)."""
     mask = t_ok & d_ok
     if FMT == AFFINE_K or FMT == AFFINE_V:  # noqa: SIM109 (Triton's frontend has no `in`)
         p = d * BITS  # the code's first bit in the row's little-endian bit stream
@@ -107,9 +132,17 @@ def tile(
             g = (offset + t) // group  # the token's scale row; the first group is partly evicted
             s = tl.load(s_ptr + g * sst + d, mask=mask, other=0).to(tl.float32)
             z = tl.load(z_ptr + g * szt + d, mask=mask, other=0).to(tl.float32)
+            if VN:  # the grid centered on the zero, times the token's factor (a masked token reads byte 0)
+                r = _factor(tl.load(n_ptr + t * snt, mask=t_ok, other=0).to(tl.int32))  # (BLOCK_T, 1)
+                return tl.where(mask, z + r * ((code - ((1 << BITS) - 1) / 2) * s), 0.0)
         else:
             s = tl.load(s_ptr + t * sst + d // group, mask=mask, other=0).to(tl.float32)
             z = tl.load(z_ptr + t * szt + d // group, mask=mask, other=0).to(tl.float32)
+            if VN:  # times the channel's factor of the token's group
+                c = _factor(
+                    tl.load(n_ptr + ((offset + t) // ngroup) * snt + d, mask=mask, other=0).to(tl.int32)
+                )
+                return tl.where(mask, (code * s + z) * c, 0.0)
         return code * s + z
     elif FMT == FP8:
         b = tl.load(x_ptr + t * sxt + d, mask=mask, other=0)
@@ -146,6 +179,7 @@ def k_scores_kernel(
     x_ptr,
     s_ptr,
     z_ptr,
+    n_ptr,
     out_ptr,
     H,
     M,
@@ -153,6 +187,7 @@ def k_scores_kernel(
     D,
     offset,
     group,
+    ngroup,
     sqb,
     sqh,
     sqm,
@@ -165,9 +200,13 @@ def k_scores_kernel(
     szb,
     szh,
     szt,
+    snb,
+    snh,
+    snt,
     FMT: tl.constexpr,
     BITS: tl.constexpr,
     NB: tl.constexpr,
+    VN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -184,18 +223,22 @@ def k_scores_kernel(
         x_ptr + b * sxb + h * sxh,
         s_ptr + b * ssb + h * ssh,
         z_ptr + b * szb + h * szh,
+        n_ptr + b * snb + h * snh,
         sxt,
         sst,
         szt,
+        snt,
         t[:, None],
         d[None, :],
         (t < T)[:, None],
         (d < D)[None, :],
         offset,
         group,
+        ngroup,
         FMT,
         BITS,
         NB,
+        VN,
     )  # (BLOCK_T, BLOCK_D)
     scores = tl.dot(q, tl.trans(k), input_precision="ieee")  # (BLOCK_M, BLOCK_T)
     out = out_ptr + (bh * M + m[:, None]) * T + t[None, :]
@@ -208,6 +251,7 @@ def v_partial_kernel(
     x_ptr,
     s_ptr,
     z_ptr,
+    n_ptr,
     out_ptr,
     H,
     M,
@@ -215,6 +259,7 @@ def v_partial_kernel(
     D,
     offset,
     group,
+    ngroup,
     TILES,
     spb,
     sph,
@@ -228,9 +273,13 @@ def v_partial_kernel(
     szb,
     szh,
     szt,
+    snb,
+    snh,
+    snt,
     FMT: tl.constexpr,
     BITS: tl.constexpr,
     NB: tl.constexpr,
+    VN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -244,6 +293,7 @@ def v_partial_kernel(
     d = tl.arange(0, BLOCK_D)
     p_row = p_ptr + b * spb + h * sph + m[:, None] * spm  # (BLOCK_M, 1)
     x_base, s_base, z_base = x_ptr + b * sxb + h * sxh, s_ptr + b * ssb + h * ssh, z_ptr + b * szb + h * szh
+    n_base = n_ptr + b * snb + h * snh
     acc = tl.full((BLOCK_M, BLOCK_D), 0.0, tl.float32)
     for i in range(0, TILES):
         t = (split * TILES + i) * BLOCK_T + tl.arange(0, BLOCK_T)  # (BLOCK_T,) int64
@@ -252,18 +302,22 @@ def v_partial_kernel(
             x_base,
             s_base,
             z_base,
+            n_base,
             sxt,
             sst,
             szt,
+            snt,
             t[:, None],
             d[None, :],
             (t < T)[:, None],
             (d < D)[None, :],
             offset,
             group,
+            ngroup,
             FMT,
             BITS,
             NB,
+            VN,
         )  # (BLOCK_T, BLOCK_D), 0 outside the body
         acc += tl.dot(p, v, input_precision="ieee")
     n_split = tl.num_programs(1)

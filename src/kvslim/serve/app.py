@@ -213,7 +213,8 @@ class _API:
     async def _serve(self, http: HTTPRequest, p: oai.Params, ids: list[int], *, chat: bool) -> Response:
         try:
             req = Request(prompt=ids, max_new_tokens=p.max_tokens or self.default_max_tokens,
-                          temperature=p.temperature, top_p=p.top_p, seed=p.seed, stop_ids=self.stop_ids,
+                          temperature=p.temperature, top_p=p.top_p, seed=p.seed,
+                          stop_ids=() if p.ignore_eos else self.stop_ids,
                           cache=p.cache, session=p.session, logprobs=p.logprobs)
         except ValueError as e:
             raise APIError(400, scrub(str(e))) from None

@@ -5,7 +5,8 @@ A client that sends ``tools`` and gets an answer has been told the model saw its
 set to anything but its neutral value (``tools: []``, ``response_format: {"type": "text"}``, a penalty of
 0...), and a field it does not know is refused as OpenAI refuses it ("Unrecognized request argument
 supplied"). ``null`` is the same as leaving a field out, for every field. kvslim's own fields
-(``session``, ``kvslim_cache``) are read here too.
+(``session``, ``kvslim_cache``) are read here too, and vLLM's ``ignore_eos`` (the reply does not end at the
+model's end-of-sequence token: a benchmark's fixed-length replies, ``kvslim bench --serve``).
 
 Pure parsing: a JSON object in, :class:`Params` and the prompt (messages or text) out. No engine, no
 tokenizer; :mod:`kvslim.serve.app` turns the result into an engine request.
@@ -42,6 +43,7 @@ class Params:
     logprobs: int | None
     session: str | None
     cache: CacheConfig | None
+    ignore_eos: bool = False
 
 
 # -- which fields exist -------------------------------------------------------------------------
@@ -50,7 +52,7 @@ class Params:
 #: labels for the provider's bookkeeping that change no output, accepted and unused
 _COMMON = frozenset({
     "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "n", "stream",
-    "stream_options", "stop", "logprobs", "user", "session", "kvslim_cache",
+    "stream_options", "stop", "logprobs", "user", "session", "kvslim_cache", "ignore_eos",
 })
 _CHAT = _COMMON | {"messages", "top_logprobs", "metadata", "safety_identifier", "prompt_cache_key"}
 _COMPLETION = _COMMON | {"prompt"}
@@ -134,6 +136,9 @@ def parse(body: dict, *, chat: bool, max_tokens_limit: int, session_header: byte
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise APIError(400, f"stream must be true or false, got {show(stream)}", param="stream")
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        raise APIError(400, f"ignore_eos must be true or false, got {show(ignore_eos)}", param="ignore_eos")
     return Params(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -145,6 +150,7 @@ def parse(body: dict, *, chat: bool, max_tokens_limit: int, session_header: byte
         logprobs=_chat_logprobs(body) if chat else _completion_logprobs(body),
         session=_session(body.get("session"), session_header),
         cache=_cache(body.get("kvslim_cache")),
+        ignore_eos=bool(ignore_eos),
     )
 
 

@@ -247,8 +247,10 @@ class Runner:
         (only after a failed step can that happen; the check is one set per step)."""
         if not self._queues or self.engine_errors == 0:
             return
-        pending = self.engine.pending_ids()
-        for rid in [r for r in list(self._queues) if r not in pending]:
+        with self._gate:  # submit registers a queue and then the request under the gate: never between the two
+            pending = self.engine.pending_ids()
+            orphans = [r for r in list(self._queues) if r not in pending]
+        for rid in orphans:
             self.outcomes["error"] += 1
             self._deliver(rid, Done(Event(rid, None, 0, True, "error", "the engine lost this request"), None))
 
@@ -259,11 +261,14 @@ class Runner:
             self._deliver(rid, Done(Event(rid, None, 0, True, reason, error), None))
 
     def _dispatch(self, events: list[Event]) -> None:
+        """A step's events to their queues: one hand-over per event loop for the whole step (waking the loop
+        once, not once per row), in row order."""
+        batches: dict = {}
         for ev in events:
             if ev.token is not None:
                 self.generated_tokens += 1
             if not ev.finished:
-                self._deliver(ev.request_id, ev)
+                self._deliver(ev.request_id, ev, batches)
                 continue
             result = self.engine.results.pop(ev.request_id, None)
             if ev.request_id in self._queues:
@@ -271,15 +276,27 @@ class Runner:
             if result is not None:
                 self.prompt_tokens += result.prompt_tokens
                 self.cached_tokens += result.cached_tokens
-            self._deliver(ev.request_id, Done(ev, result))
+            self._deliver(ev.request_id, Done(ev, result), batches)
+        for loop, items in batches.items():
+            with contextlib.suppress(RuntimeError):  # the loop closed (shutdown)
+                loop.call_soon_threadsafe(_put_all, items)
 
-    def _deliver(self, rid: str, item) -> None:
+    def _deliver(self, rid: str, item, batches: dict | None = None) -> None:
         entry = self._queues.get(rid) if not isinstance(item, Done) else self._queues.pop(rid, None)
         if entry is None:
             return
         loop, queue = entry
+        if batches is not None:
+            batches.setdefault(loop, []).append((queue, item))
+            return
         with contextlib.suppress(RuntimeError):  # the loop closed (shutdown)
             loop.call_soon_threadsafe(queue.put_nowait, item)
+
+
+def _put_all(items: list) -> None:
+    """On the event loop: each ``(queue, item)`` put, in order."""
+    for queue, item in items:
+        queue.put_nowait(item)
 
 
 def _with_id(request: Request, rid: str) -> Request:

@@ -58,7 +58,7 @@
 #include <immintrin.h>
 #endif
 
-#define KV_ABI_VERSION 5
+#define KV_ABI_VERSION 6
 
 #if defined(__GNUC__) || defined(__clang__)
 #define KV_INLINE static inline __attribute__((always_inline))
@@ -236,6 +236,15 @@ static int n_chunks(int bh, int T, int nthreads, int min_chunk) {
  * 8 in 3 bytes). */
 KV_INLINE int affine_bits_ok(int bits) { return bits == 8 || bits == 4 || bits == 3 || bits == 2; }
 KV_INLINE int codes_per_unit(int bits) { return bits == 3 ? 8 : 8 / bits; }
+
+/* Variance normalization (kvslim/formats/varnorm.py): a stored factor byte e means 2^((e - 128) / 4), exactly:
+ * the fp32 table entry of (e - 128) mod 4 times a power of two built from its bits. The table holds the same
+ * four floats as varnorm.FACTOR_TABLE (fp32 of 2^(i/4)). */
+static const float VN_TABLE[4] = {0x1p+0f, 0x1.306fe0p+0f, 0x1.6a09e6p+0f, 0x1.ae89fap+0f};
+KV_INLINE float vn_factor(uint8_t e) {
+    const int k = (int)e - 128, q = k >= 0 ? k / 4 : -((3 - k) / 4);
+    return VN_TABLE[k - 4 * q] * f32_from_bits((uint32_t)(q + 127) << 23);
+}
 
 /* Codes of one token (np bytes) -> floats in plane order, times scale[k / run] plus zero[k / run] when
  * scale is not NULL (run: the plane elements sharing a scale; a multiple of 8 for the AVX2 path). */
@@ -613,20 +622,35 @@ KV_INLINE void fold_group(const kv_part *q, const kv_part *sc, const kv_part *zr
 
 KV_INLINE void k_affine_task(int bits, const kv_part *q, const kv_part *codes, const kv_part *sc, const kv_part *zr,
                              const kv_part *out, int M, int D, int G, int offset, int b, int h, int t0, int t1,
-                             float *restrict scratch) {
+                             float *restrict scratch, const kv_part *vn) {
     const int per = codes_per_unit(bits), np = D / per;
-    float *rows = scratch, *qq = rows + TILE * D, *tmp = qq + M * D, *cst = tmp + 2 * D;
+    float *rows = scratch, *qq = rows + TILE * D, *tmp = qq + M * D, *cst = tmp + 2 * D, *hs = cst + M;
+    const float half = 0.5f * (float)((1 << bits) - 1);
     float *ob = (float *)at(out, b, h, 0);
     for (int t = t0; t < t1;) {
         const int g = (offset + t) / G;
         const int gend = (g + 1) * G - offset; /* first token of the next group */
         fold_group(q, sc, zr, M, D, per, b, h, g, qq, cst, tmp);
+        if (vn) /* x = zero + r_t * scale * (code - half): score = cst + r_t * (qq . code - half * sum(qq)) */
+            for (int m = 0; m < M; m++) {
+                float acc = 0.0f;
+                for (int k = 0; k < D; k++) acc += qq[(int64_t)m * D + k];
+                hs[m] = half * acc;
+            }
         const int stop = t1 < gend ? t1 : gend;
         for (; t < stop; t += TILE) {
             const int n = stop - t < TILE ? stop - t : TILE;
             for (int j = 0; j < n; j++)
                 unpack_planes(at(codes, b, h, t + j), rows + (int64_t)j * D, np, bits, NULL, NULL, 1);
-            k_tile(qq, D, cst, M, D, rows, n, ob, out->s2, t);
+            k_tile(qq, D, vn ? NULL : cst, M, D, rows, n, ob, out->s2, t);
+            if (vn)
+                for (int j = 0; j < n; j++) {
+                    const float r = vn_factor(*at(vn, b, h, t + j));
+                    for (int m = 0; m < M; m++) {
+                        float *o = ob + m * out->s2 + t + j;
+                        *o = cst[m] + r * (*o - hs[m]);
+                    }
+                }
         }
         t = stop;
     }
@@ -638,8 +662,9 @@ KV_INLINE void k_affine_task(int bits, const kv_part *q, const kv_part *codes, c
  * codes (D), scale and zero (2 * D), their plane-order copies (2 * D). */
 KV_INLINE void k_affine_t_task(int bits, const kv_part *q, const kv_part *codes, const kv_part *sc, const kv_part *zr,
                                const kv_part *out, int M, int D, int G, int offset, int b, int h, int t0, int t1,
-                               float *restrict scratch, const kv_tr *tr) {
+                               float *restrict scratch, const kv_tr *tr, const kv_part *vn) {
     const int per = codes_per_unit(bits), np = D / per;
+    const float half = 0.5f * (float)((1 << bits) - 1);
     float *rows = scratch, *tmp = rows + TILE * D, *s = tmp + D, *z = s + D, *sp = z + D, *zp = sp + D;
     const float *qb = (const float *)at(q, b, h, 0);
     float *ob = (float *)at(out, b, h, 0);
@@ -659,8 +684,13 @@ KV_INLINE void k_affine_t_task(int bits, const kv_part *q, const kv_part *codes,
             for (int j = 0; j < n; j++) {
                 float *restrict r = rows + (int64_t)j * D;
                 unpack_planes(at(codes, b, h, t + j), tmp, np, bits, NULL, NULL, 1);
-                KV_SIMD
-                for (int k = 0; k < D; k++) tmp[k] = tmp[k] * sp[k] + zp[k];
+                if (vn) { /* x = zero + r_t * scale * (code - half) */
+                    const float rt = vn_factor(*at(vn, b, h, t + j));
+                    for (int k = 0; k < D; k++) tmp[k] = zp[k] + rt * (sp[k] * (tmp[k] - half));
+                } else {
+                    KV_SIMD
+                    for (int k = 0; k < D; k++) tmp[k] = tmp[k] * sp[k] + zp[k];
+                }
                 for (int i = 0; i < per; i++)
                     for (int jj = 0; jj < np; jj++) r[per * jj + i] = tmp[i * np + jj];
             }
@@ -676,9 +706,10 @@ KV_INLINE void k_affine_t_task(int bits, const kv_part *q, const kv_part *codes,
 /* acc (plane order) += p[m, t] * (code * scale + zero) over a chunk; channel groups of g (g % per == 0). */
 KV_INLINE void v_affine_task(int bits, const kv_part *p, const kv_part *codes, const kv_part *sc, const kv_part *zr,
                              int M, int D, int g, int b, int h, int t0, int t1, float *restrict scratch,
-                             float *restrict acc) {
+                             float *restrict acc, const kv_part *vn, int G, int offset) {
     const int per = codes_per_unit(bits), np = D / per, ng = D / g, run = g / per;
-    float *rows = scratch, *s = rows + TILE * D, *z = s + ng;
+    float *rows = scratch, *s = rows + TILE * D, *z = s + ng, *cf = z + ng;
+    int cg = -1; /* the token group whose channel factors cf holds (plane order) */
     const float *pb = (const float *)at(p, b, h, 0);
     for (int t = t0; t < t1; t += TILE) {
         const int n = t1 - t < TILE ? t1 - t : TILE;
@@ -690,6 +721,17 @@ KV_INLINE void v_affine_task(int bits, const kv_part *p, const kv_part *codes, c
                 z[gg] = ldf(zp, gg, zr->dtype);
             }
             unpack_planes(at(codes, b, h, t + jt), row, np, bits, s, z, run);
+            if (vn) { /* x = c_d * (code * scale + zero), c per group of G tokens */
+                const int gi = (offset + t + jt) / G;
+                if (gi != cg) {
+                    const uint8_t *c = at(vn, b, h, gi);
+                    for (int i = 0; i < per; i++)
+                        for (int j = 0; j < np; j++) cf[i * np + j] = vn_factor(c[per * j + i]);
+                    cg = gi;
+                }
+                KV_SIMD
+                for (int k = 0; k < D; k++) row[k] *= cf[k];
+            }
         }
         v_tile(pb + t, p->s2, M, D, rows, n, acc);
     }
@@ -704,6 +746,9 @@ typedef struct {
     const kv_dims *dm;
     float *part;
     const kv_tr *tr; /* transformed K ops only, else NULL */
+    const kv_part *vn; /* variance-normalized affine bodies: K token factors (B,H,T,1) / V channel factors
+                          (B,H,n,D) uint8, else NULL (formats/varnorm.py) */
+    int vgroup, voffset; /* V with vn: tokens per channel-factor row, tokens evicted from the first group */
 } kv_call;
 
 static void run_task(const kv_call *k, int64_t task, float *scratch);
@@ -752,12 +797,13 @@ static KV_NOINLINE void run_range(const kv_call *k, int b, int h, int t0, int t1
     case BITS:                                                                                                  \
         if (k->op == OP_K_AFFINE_T)                                                                             \
             k_affine_t_task(BITS, k->x, k->p1, k->p2, k->p3, k->out, M, D, k->group, k->offset, b, h, t0, t1,   \
-                            scratch, k->tr);                                                                    \
+                            scratch, k->tr, k->vn);                                                             \
         else if (k->op == OP_K_AFFINE)                                                                          \
             k_affine_task(BITS, k->x, k->p1, k->p2, k->p3, k->out, M, D, k->group, k->offset, b, h, t0, t1,       \
-                          scratch);                                                                             \
+                          scratch, k->vn);                                                                      \
         else                                                                                                    \
-            v_affine_task(BITS, k->x, k->p1, k->p2, k->p3, M, D, k->group, b, h, t0, t1, scratch, acc);         \
+            v_affine_task(BITS, k->x, k->p1, k->p2, k->p3, M, D, k->group, b, h, t0, t1, scratch, acc, k->vn,   \
+                          k->vgroup, k->voffset);                                                               \
         return;
     if (k->op == OP_K_ROWS || k->op == OP_V_ROWS || k->op == OP_K_ROWS_T) {
         switch (k->fmt) {
@@ -839,10 +885,12 @@ static int run_call(kv_call *k) {
         if (D % per || k->group < 1) return KV_EARG;
         if (k->op == OP_K_AFFINE) {
             if (k->offset < 0 || k->offset >= k->group) return KV_EARG;
-            scratch = (size_t)(TILE + M + 2) * D + (size_t)M; /* rows, folded queries, scale/zero, consts */
+            scratch = (size_t)(TILE + M + 2) * D + 2 * (size_t)M; /* rows, folded queries, scale/zero, consts */
         } else {
             if (D % k->group || k->group % per) return KV_EARG;
-            scratch = (size_t)TILE * D + 2 * (size_t)(D / k->group); /* rows, one token's scales/zeros */
+            if (k->vn && (k->vgroup < 1 || k->voffset < 0 || k->voffset >= k->vgroup)) return KV_EARG;
+            /* rows, one token's scales/zeros, a group's channel factors */
+            scratch = (size_t)(TILE + 1) * D + 2 * (size_t)(D / k->group);
         }
     }
     k->nc = n_chunks(dm->B * dm->H, dm->T, nt, 128);
@@ -967,11 +1015,13 @@ static size_t attend_scratch(int M, int D) { return (size_t)(TILE + M + 8) * D +
 /* args: B, H, M, D, nthreads, S, RK, RV, K body (kind, code, group, offset, n), V body (kind, code, group, n),
  * K hadamard block, V hadamard block; then 12 parts of 5 int64 (data, s0, s1, s2, dtype): q (B, H, M, D) fp32,
  * k_sink, v_sink (B, H, S, D), k_res (B, H, RK, D), v_res (B, H, RV, D) fp32/fp16/bf16, K body x, s, z,
- * V body x, s, z (as kv_run's parts; unused ones may repeat q), out (B, H, M, D) fp32. */
+ * V body x, s, z (as kv_run's parts; unused ones may repeat q), out (B, H, M, D) fp32; then 2 parts more, the K
+ * and V bodies' variance-normalization factors (kv_call.vn; data 0: none), and 2 int64: the V factors' token
+ * group and offset. */
 int kv_attend(const int64_t *a) {
     const int B = (int)a[0], H = (int)a[1], M = (int)a[2], D = (int)a[3], S = (int)a[5], RK = (int)a[6], RV = (int)a[7];
-    kv_part pt[12];
-    for (int i = 0; i < 12; i++) {
+    kv_part pt[14];
+    for (int i = 0; i < 14; i++) {
         const int64_t *e = a + 19 + 5 * i;
         pt[i] = (kv_part){(const void *)(intptr_t)e[0], e[1], e[2], e[3], (int32_t)e[4], 0};
     }
@@ -979,6 +1029,10 @@ int kv_attend(const int64_t *a) {
     const kv_body kb = {(int)a[8], (int)a[9], (int)a[10], (int)a[11], (int)a[12], &pt[5], &pt[6], &pt[7]};
     const kv_body vb = {(int)a[13], (int)a[14], (int)a[15], 0, (int)a[16], &pt[8], &pt[9], &pt[10]};
     const int khb = (int)a[17], vhb = (int)a[18];
+    const kv_part *kvn = pt[12].data ? &pt[12] : NULL, *vvn = pt[13].data ? &pt[13] : NULL;
+    const int vgroup = (int)a[19 + 5 * 14], voffset = (int)a[20 + 5 * 14];
+    if ((kvn && kb.kind != 1) || (vvn && (vb.kind != 1 || vgroup < 1 || voffset < 0 || voffset >= vgroup)))
+        return KV_EARG;
     if (B < 1 || H < 1 || M < 1 || D < 1 || S < 0 || RK < 0 || RV < 0) return KV_EARG;
     if (!body_ok(&kb, 0, D) || !body_ok(&vb, 1, D) || S + kb.n + RK != S + vb.n + RV || S + kb.n + RK < 1) return KV_EARG;
     if (!hblock_ok(khb, D) || !hblock_ok(vhb, D)) return KV_EARG;
@@ -1008,10 +1062,10 @@ int kv_attend(const int64_t *a) {
     const kv_dims dk = {B, H, M, NK, D, dm.nthreads}, dv = {B, H, M, NV, D, dm.nthreads};
     const kv_call kc = {.op = kb.kind ? OP_K_AFFINE : OP_K_ROWS, .fmt = kb.code, .bits = kb.code, .group = kb.group,
                         .offset = kb.offset, .nc = nck, .x = &qb, .p1 = kb.x, .p2 = kb.s, .p3 = kb.z, .out = &sc,
-                        .dm = &dk, .part = NULL, .tr = NULL};
+                        .dm = &dk, .part = NULL, .tr = NULL, .vn = kvn};
     const kv_call vc = {.op = vb.kind ? OP_V_AFFINE : OP_V_ROWS, .fmt = vb.code, .bits = vb.code, .group = vb.group,
                         .offset = 0, .nc = ncv, .x = &sc, .p1 = vb.x, .p2 = vb.s, .p3 = vb.z, .out = NULL,
-                        .dm = &dv, .part = part, .tr = NULL};
+                        .dm = &dv, .part = part, .tr = NULL, .vn = vvn, .vgroup = vgroup, .voffset = voffset};
     int err = KV_OK;
 #pragma omp parallel num_threads(nt)
     {
@@ -1398,8 +1452,8 @@ int kv_run(int op, const int64_t *args) {
                   (int32_t)args[5]};
     if (dm.B < 1 || dm.H < 1 || dm.M < 1 || dm.T < 1 || dm.D < 1) return KV_EARG;
     const int64_t *prm = args + 6;
-    kv_part pt[9];
-    static const int NPARTS[] = {4, 4, 5, 5, 8, 9};
+    kv_part pt[10];
+    static const int NPARTS[] = {4, 4, 6, 6, 8, 10}; /* the affine ops end with the vn part (data 0: none) */
     const int nparts = NPARTS[op];
     for (int i = 0; i < nparts; i++) {
         const int64_t *a = args + 6 + KV_NPARAM + 5 * i;
@@ -1428,6 +1482,12 @@ int kv_run(int op, const int64_t *args) {
         k.offset = op == OP_K_AFFINE || op == OP_K_AFFINE_T ? (int)prm[2] : 0;
         k.p3 = &pt[3];
         k.out = &pt[4];
+        const kv_part *vn = &pt[nparts - 1];
+        k.vn = vn->data ? vn : NULL;
+        if (op == OP_V_AFFINE) { /* params: bits, channel group, token group, offset */
+            k.vgroup = (int)prm[2];
+            k.voffset = (int)prm[3];
+        }
     }
     return run_call(&k);
 }

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The OpenMP wait policy measured (issue 30, item 6): the engine's many-stream decode step under each
+# policy (passive, active, the runtime's default), on a quiet machine and with BUSY competing processes
+# keeping the cores busy, one `kvslim bench --concurrency` per cell, then one table.
+#
+#   scripts/thread_policy.sh                      # 16 streams x 4,096 tokens, int4, 2 threads, 2 busy loops
+#   CONC=4 LENGTH=512 STEPS=5 scripts/thread_policy.sh   # a shorter run
+#   SMOKE=1 scripts/thread_policy.sh              # seconds: the tiny settings, to check the script runs
+#
+# Settings (environment): KVSLIM (default: .venv/bin/kvslim), CONFIG (int4), CONC (16), LENGTH (4096),
+# STEPS (10), THREADS (2), BUSY (2), OUT (out/thread-policy), MODEL (--model; default the embedded model).
+# Run it on a machine nobody else is using: the "quiet" column is only quiet if the machine is.
+# The busy loops are this script's children, ended by their PIDs when it exits (also on Ctrl-C).
+set -euo pipefail
+
+KVSLIM=${KVSLIM:-.venv/bin/kvslim}
+CONFIG=${CONFIG:-int4}
+CONC=${CONC:-16}
+LENGTH=${LENGTH:-4096}
+STEPS=${STEPS:-10}
+THREADS=${THREADS:-2}
+BUSY=${BUSY:-2}
+OUT=${OUT:-out/thread-policy}
+MODEL_FLAGS=()
+[ -n "${MODEL:-}" ] && MODEL_FLAGS=(--model "$MODEL")
+if [ -n "${SMOKE:-}" ]; then CONC=2; LENGTH=32; STEPS=3; fi
+mkdir -p "$OUT"
+unset OMP_WAIT_POLICY  # each run chooses its own with --omp-wait
+
+busy_pids=()
+stop_busy() {
+    for pid in "${busy_pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+    for pid in "${busy_pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+    busy_pids=()
+}
+trap stop_busy EXIT INT TERM
+
+for load in quiet busy; do
+    if [ "$load" = busy ]; then
+        for _ in $(seq "$BUSY"); do python3 -c 'while True: pass' & busy_pids+=($!); done
+        sleep 2
+    fi
+    for wait in passive active runtime; do
+        echo "== $load, --omp-wait $wait: $CONC x $LENGTH $CONFIG, $THREADS threads" >&2
+        "$KVSLIM" bench "${MODEL_FLAGS[@]}" --concurrency "$CONC" --lengths "$LENGTH" --config "$CONFIG" \
+            --steps "$STEPS" --warmup 1 --threads "$THREADS" --omp-wait "$wait" --no-continuous-batching \
+            --quiet --json "$OUT/$load-$wait.json" > "$OUT/$load-$wait.txt"
+    done
+    stop_busy
+done
+
+python3 - "$OUT" "$CONFIG" <<'EOF'
+import json, os, sys
+out, config = sys.argv[1], sys.argv[2]
+rows = {}
+for load in ("quiet", "busy"):
+    for wait in ("passive", "active", "runtime"):
+        with open(os.path.join(out, f"{load}-{wait}.json")) as f:
+            d = json.load(f)
+        row = next(r for r in d["concurrency"] if r["mode"] == config)
+        rows[load, wait] = (row, d["thread_policy"])
+print(f"| --omp-wait | quiet ms/step | busy ms/step | busy / quiet | load avg (busy, before -> after) |")
+print("|---|---:|---:|---:|---|")
+for wait in ("passive", "active", "runtime"):
+    q, b = rows["quiet", wait][0], rows["busy", wait][0]
+    pol = rows["busy", wait][1]
+    la = lambda x: "n/a" if x is None else f"{x[0]:.2f}"
+    print(f"| {wait} | {q['ms_median']:.1f} | {b['ms_median']:.1f} | {b['ms_median'] / q['ms_median']:.2f}x "
+          f"| {la(pol['load_average'])} -> {la(pol['load_average_after'])} |")
+print(f"\n{config}, {rows['quiet', 'passive'][0]['concurrency']} streams x {rows['quiet', 'passive'][0]['length']} "
+      f"tokens, {rows['quiet', 'passive'][1]['torch_threads']} threads; JSON and text in {out}/")
+EOF

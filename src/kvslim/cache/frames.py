@@ -1,0 +1,129 @@
+"""The RoPE frames of one layer's stored keys: which rotation each key carries, and where it must be read.
+
+Each key carries the RoPE rotation of the position id it was fed with. :class:`Frames` tracks, per stored
+key, that rotation relative to the token's *true* position (its index among the row's real tokens):
+``rotation = true - base``, where ``base`` is what the caller subtracted to keep position ids bounded (0 under
+``model.generate()``). Stream tokens share bases in a few runs (``runs``, oldest first); sinks keep their
+rotation per row (``sink_rot``). At read time, in the frame of the current forward's base, every key is
+presented at the rotation its ``positions`` mode asks for (docs/streaming.md):
+
+- ``original``: every key at its true position;
+- ``cache`` (StreamingLLM's in-cache positions): window keys at their true positions and sink ``j`` right
+  before the window's first key, as if the kept tokens were one contiguous sequence.
+
+Only the full-precision sinks are ever re-rotated (:meth:`Frames.sink_keys`); a stream run whose base differs
+from the current one is moved at read time (:meth:`Frames.run_deltas`), never re-encoded. With ``pre_rope``
+the stream's keys carry no rotation at all: each is rotated on read to its true position in the current
+frame (:meth:`Frames.read_positions`), so runs never need moving.
+
+A token's *slot* is its index among every token the layer has seen (pads included); its true position is
+``slot - pads`` of its row. The layer (:mod:`kvslim.cache.layer`) owns the counts (``seen``, the stream's
+length), the padding and the sinks' slots, and hands them in; this object owns the rotations.
+
+This module knows nothing about storage, codecs, eviction decisions or transformers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .rotary import Rotary
+
+
+def fed_positions(first: int, n: int, pads: torch.Tensor | None, base: int, device) -> torch.Tensor:
+    """The position ids tokens at slots ``first .. first + n - 1`` were fed with: ``slot - pads - base``,
+    (B, n) int64 (``(1, n)`` with ``pads`` None: no padding)."""
+    slots = torch.arange(first, first + n, device=device)  # (n,)
+    return slots[None, :] - (0 if pads is None else pads[:, None]) - base
+
+
+class Frames:
+    """The rotation bookkeeping of one layer's keys (module docstring).
+
+    positions: ``original`` or ``cache``; rotary: the model's RoPE (None: keys are never moved, the base is
+    always 0); pre_rope: the stream holds keys before RoPE. State: ``sink_rot`` (B, <=sink) int64, the
+    rotation position of each sink key; ``runs`` ``[[tokens, base], ...]`` over the stream's keys, oldest
+    first; ``base`` and ``rope``, the base and rotary of the forward being served.
+    """
+
+    __slots__ = ("positions", "rotary", "pre_rope", "sink_rot", "runs", "base", "rope")
+
+    def __init__(self, positions: str, rotary: Rotary | None, pre_rope: bool):
+        self.positions = positions
+        self.rotary = rotary
+        self.pre_rope = pre_rope
+        self.sink_rot: torch.Tensor | None = None
+        self.runs: list[list[int]] = []
+        self.base = 0
+        self.rope: Rotary | None = rotary
+
+    # -- writes ----------------------------------------------------------------------------
+    def serve(self, base: int, rope: Rotary | None) -> None:
+        """The forward being served has this base and rotary (set when its tokens are committed)."""
+        self.base = base
+        self.rope = rope
+
+    def add_run(self, n: int, base: int) -> None:
+        """``n`` stream keys fed with ``base`` joined the stream's end."""
+        if self.runs and self.runs[-1][1] == base:
+            self.runs[-1][0] += n
+        else:
+            self.runs.append([n, base])
+
+    def drop_runs(self, k: int, *, from_back: bool = False) -> None:
+        """Remove ``k`` stream keys from the front (or back) of the runs."""
+        runs = self.runs
+        while k and runs:
+            run = runs[-1] if from_back else runs[0]
+            take = min(k, run[0])
+            run[0] -= take
+            k -= take
+            if run[0] == 0:
+                runs.pop(-1 if from_back else 0)
+
+    # -- reads -----------------------------------------------------------------------------
+    def sink_keys(
+        self,
+        sink_k: torch.Tensor | None,
+        *,
+        first_stream_slot: int,
+        pads: torch.Tensor,
+        sink_start: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """The sink keys ``sink_k`` (B, H, S, D) as the current forward must see them: moved to the rotation
+        their ``positions`` mode asks for, in the frame of the current base; untouched where no move is due.
+        first_stream_slot: the slot of the stream's oldest key; pads, sink_start: (B,) per row."""
+        if sink_k is None or self.rotary is None:
+            return sink_k
+        s = sink_k.shape[2]
+        j = torch.arange(s, device=self.sink_rot.device)
+        if self.positions == "cache":
+            want = (first_stream_slot - s + j)[None, :] - pads[:, None]  # (B, S) true positions, contiguous
+        else:
+            want = (sink_start[:, None] + j[None, :]) - pads[:, None]  # their own true positions
+        delta = want - self.base - self.sink_rot  # (B, S)
+        if not bool((delta != 0).any()):
+            return sink_k
+        return self.rotary.move(sink_k, delta)
+
+    def run_deltas(self) -> tuple[tuple[int, int], ...]:
+        """(tokens, delta) per run of stream keys, oldest first: each run's keys must be moved by
+        ``delta = run base - current base`` positions. Empty when every delta is 0 (or the stream is
+        pre-RoPE: its keys are rotated to their read positions, :meth:`read_positions`)."""
+        if self.pre_rope or all(b == self.base for _, b in self.runs):
+            return ()
+        return tuple((n, b - self.base) for n, b in self.runs)
+
+    def read_positions(self, first_stream_slot: int, n_stream: int, pads: torch.Tensor) -> torch.Tensor | None:
+        """(B, L) int64: where each of the ``n_stream`` stream keys sits in the current frame (its true
+        position minus the current base) — what a pre-RoPE stream is rotated to on read. None unless
+        ``pre_rope`` (or an empty stream)."""
+        if not self.pre_rope or not n_stream:
+            return None
+        return fed_positions(first_stream_slot, n_stream, pads, self.base, pads.device)
+
+    def stream_rot(self, k: int, first_stream_slot: int, pads: torch.Tensor) -> torch.Tensor:
+        """(B, k) rotation positions of the stream's ``k`` oldest keys (the ids they were fed with)."""
+        slots = torch.arange(first_stream_slot, first_stream_slot + k, device=pads.device)
+        bases = torch.tensor([b for n, b in self.runs for _ in range(n)][:k], device=pads.device)
+        return slots[None, :] - pads[:, None] - bases[None, :]

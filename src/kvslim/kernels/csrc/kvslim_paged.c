@@ -1,0 +1,390 @@
+/* kvslim paged attention: attention on kvslim-encoded pages, many rows in one call, each row with its own
+ * block table (the vLLM plugin, kvslim/vllm; meant to be shared with kvslim's engine, whose ragged step is the
+ * same "many rows, one call" shape).
+ *
+ * Storage: pages of T tokens per (block, KV head); token t of page b, head h is a row of bytes at
+ *   pages + b * page_stride + h * head_stride + t * token_stride
+ * holding K at k_offset and V at v_offset, each in a row format (kvp_format): f32/f16/bf16 values, GGML
+ * q8_0/q4_0/q4_1/q5_0/q5_1 blocks of 32 (ggml-common.h's byte layout, checked against kvslim's format
+ * registry by the Python side), or kvslim's per-token affine int8/int4/int3/int2 (packed codes as
+ * formats/affine.py, then fp16 scale and fp16 zero; value = code * scale + zero).
+ *
+ * A row r (a request in vLLM, a conversation in kvslim's engine) has q_len queries at q[q_start ..] and
+ * kv_len keys, the last q_len of which are its queries' own tokens: query i sits at position
+ * kv_len - q_len + i. Key j lives in page table[j / T], token j % T. With causal, query position p sees keys
+ * 0..p (and with a window W > 0 only p - W + 1..p); without, every key (and the window still applies).
+ * That covers decode (q_len 1), prefill, prefill continuing a cached prefix (chunked prefill, prefix caching),
+ * and mixed batches in one call. GQA: the Hq / Hkv query heads of a KV head share its decoded pages.
+ *
+ * Per (row, KV head, chunk of up to QC queries) task: each page's K rows are decoded once into an fp32
+ * tile (T x D, in L1), scored against every query of the chunk, then its V rows decoded and summed with an
+ * online softmax (Milakov & Gimelshein 2018; FlashAttention's rescaling), all in fp32. Tasks run in parallel
+ * (OpenMP, the caller's thread count). No full fp32 copy of the history is ever made.
+ *
+ * Entry points: kvp_attend (the kernel), kvp_format (a format name -> its code and block), kvp_abi_version.
+ * Return codes: 0 ok, 1 out of memory, 2 bad arguments (unknown format, a page index outside the table or
+ * the pool). The Python side checks shapes and dtypes; nothing here can check a pointer's extent.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#define KVP_ABI_VERSION 1
+/* Queries per task (a prefill row is split into chunks of QC queries). */
+#define KVP_QC 16
+/* Largest page (tokens) and head dim the scratch is sized for. */
+#define KVP_MAX_T 256
+#define KVP_MAX_D 1024
+
+enum {
+    KVP_F32 = 0,
+    KVP_F16,
+    KVP_BF16,
+    KVP_Q8_0,
+    KVP_Q4_0,
+    KVP_Q4_1,
+    KVP_Q5_0,
+    KVP_Q5_1,
+    KVP_A8,
+    KVP_A4,
+    KVP_A3,
+    KVP_A2,
+};
+
+/* name -> code, and the (elements, bytes) of one block (GGML) or packing unit (affine); values: (1, size). */
+static const struct {
+    const char *name;
+    int code, elements, bytes;
+} KVP_FORMATS[] = {
+    {"f32", KVP_F32, 1, 4},    {"f16", KVP_F16, 1, 2},    {"bf16", KVP_BF16, 1, 2},  {"q8_0", KVP_Q8_0, 32, 34},
+    {"q4_0", KVP_Q4_0, 32, 18}, {"q4_1", KVP_Q4_1, 32, 20}, {"q5_0", KVP_Q5_0, 32, 22}, {"q5_1", KVP_Q5_1, 32, 24},
+    {"int8", KVP_A8, 1, 1},    {"int4", KVP_A4, 2, 1},    {"int3", KVP_A3, 8, 3},    {"int2", KVP_A2, 4, 1},
+};
+#define KVP_NFORMATS ((int)(sizeof(KVP_FORMATS) / sizeof(KVP_FORMATS[0])))
+
+int kvp_abi_version(void) { return KVP_ABI_VERSION; }
+
+int kvp_format(const char *name, int32_t *elements, int32_t *bytes) {
+    for (int i = 0; i < KVP_NFORMATS; i++)
+        if (!strcmp(name, KVP_FORMATS[i].name)) {
+            *elements = KVP_FORMATS[i].elements;
+            *bytes = KVP_FORMATS[i].bytes;
+            return KVP_FORMATS[i].code;
+        }
+    *elements = *bytes = 0;
+    return -1;
+}
+
+/* ------------------------------------------------------------------------------------------ row decoders */
+
+static inline float kvp_h2f(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8)); /* little-endian fp16 */
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, f;
+    if (e == 0) {
+        if (m == 0) {
+            f = sign;
+        } else { /* subnormal: normalize */
+            e = 113;
+            while (!(m & 0x400)) {
+                m <<= 1;
+                e--;
+            }
+            f = sign | (e << 23) | ((m & 0x3ff) << 13);
+        }
+    } else if (e == 31) {
+        f = sign | 0x7f800000u | (m << 13);
+    } else {
+        f = sign | ((e + 112) << 23) | (m << 13);
+    }
+    float out;
+    memcpy(&out, &f, 4);
+    return out;
+#endif
+}
+
+/* One token's D values in format fmt at src -> dst fp32. */
+static void kvp_decode_row(int fmt, const uint8_t *restrict src, int D, float *restrict dst) {
+    switch (fmt) {
+    case KVP_F32:
+        memcpy(dst, src, (size_t)D * 4);
+        return;
+    case KVP_F16:
+        for (int i = 0; i < D; i++) dst[i] = kvp_h2f(src + 2 * i);
+        return;
+    case KVP_BF16:
+        for (int i = 0; i < D; i++) {
+            uint32_t f = (uint32_t)(src[2 * i] | (src[2 * i + 1] << 8)) << 16;
+            memcpy(dst + i, &f, 4);
+        }
+        return;
+    case KVP_Q8_0:
+        for (int b = 0; b < D / 32; b++, src += 34, dst += 32) {
+            float d = kvp_h2f(src);
+            const int8_t *q = (const int8_t *)(src + 2);
+            for (int j = 0; j < 32; j++) dst[j] = d * (float)q[j];
+        }
+        return;
+    case KVP_Q4_0:
+        for (int b = 0; b < D / 32; b++, src += 18, dst += 32) {
+            float d = kvp_h2f(src);
+            const uint8_t *qs = src + 2;
+            for (int j = 0; j < 16; j++) {
+                dst[j] = d * (float)((qs[j] & 15) - 8);
+                dst[j + 16] = d * (float)((qs[j] >> 4) - 8);
+            }
+        }
+        return;
+    case KVP_Q4_1:
+        for (int b = 0; b < D / 32; b++, src += 20, dst += 32) {
+            float d = kvp_h2f(src), m = kvp_h2f(src + 2);
+            const uint8_t *qs = src + 4;
+            for (int j = 0; j < 16; j++) {
+                dst[j] = d * (float)(qs[j] & 15) + m;
+                dst[j + 16] = d * (float)(qs[j] >> 4) + m;
+            }
+        }
+        return;
+    case KVP_Q5_0:
+    case KVP_Q5_1: {
+        int q51 = fmt == KVP_Q5_1, nb = q51 ? 24 : 22, hq = q51 ? 4 : 2;
+        for (int b = 0; b < D / 32; b++, src += nb, dst += 32) {
+            float d = kvp_h2f(src), m = q51 ? kvp_h2f(src + 2) : 0.0f;
+            uint32_t qh = (uint32_t)src[hq] | ((uint32_t)src[hq + 1] << 8) | ((uint32_t)src[hq + 2] << 16) |
+                          ((uint32_t)src[hq + 3] << 24);
+            const uint8_t *qs = src + hq + 4;
+            for (int j = 0; j < 16; j++) {
+                int lo = (qs[j] & 15) | (((qh >> j) & 1) << 4), hi = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+                /* q5_0: d * (q - 16), written as formats/ggml.py computes it */
+                dst[j] = q51 ? d * (float)lo + m : d * (float)(lo - 16);
+                dst[j + 16] = q51 ? d * (float)hi + m : d * (float)(hi - 16);
+            }
+        }
+        return;
+    }
+    case KVP_A8:
+    case KVP_A4:
+    case KVP_A3:
+    case KVP_A2: {
+        int bits = fmt == KVP_A8 ? 8 : fmt == KVP_A4 ? 4 : fmt == KVP_A3 ? 3 : 2;
+        int nb = D * bits / 8;
+        float s = kvp_h2f(src + nb), z = kvp_h2f(src + nb + 2);
+        if (bits == 8) {
+            for (int i = 0; i < D; i++) dst[i] = (float)src[i] * s + z;
+        } else if (bits == 3) { /* 8 codes in a little-endian 24-bit word */
+            for (int u = 0; u < D / 8; u++) {
+                uint32_t w = (uint32_t)src[3 * u] | ((uint32_t)src[3 * u + 1] << 8) | ((uint32_t)src[3 * u + 2] << 16);
+                for (int i = 0; i < 8; i++) dst[8 * u + i] = (float)((w >> (3 * i)) & 7) * s + z;
+            }
+        } else { /* 8 / bits codes per byte, low bits first */
+            int per = 8 / bits, mask = (1 << bits) - 1;
+            for (int j = 0; j < nb; j++)
+                for (int i = 0; i < per; i++) dst[per * j + i] = (float)((src[j] >> (bits * i)) & mask) * s + z;
+        }
+        return;
+    }
+    default:
+        return;
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ the kernel */
+
+/* kvp_attend's header: int64 fields (a double's bits for scale). */
+enum {
+    H_ABI = 0,
+    H_NROWS,
+    H_ROWS,      /* int64 rows[n_rows][R_FIELDS] */
+    H_HQ,
+    H_HKV,
+    H_D,
+    H_T,         /* tokens per page */
+    H_Q,         /* fp32 queries (N, Hq, D): token stride H_QS floats, heads contiguous */
+    H_QS,
+    H_OUT,       /* fp32 output, same shape */
+    H_OUTS,
+    H_PAGES,     /* uint8 pool */
+    H_NPAGES,    /* pages in the pool (bounds check) */
+    H_PAGE_STRIDE,
+    H_HEAD_STRIDE,
+    H_TOKEN_STRIDE,
+    H_KFMT,
+    H_KOFF,
+    H_VFMT,
+    H_VOFF,
+    H_SCALE,     /* double bits */
+    H_WINDOW,    /* <= 0: none */
+    H_CAUSAL,
+    H_THREADS,   /* <= 0: OpenMP's default */
+    H_FIELDS
+};
+/* A row: its first query, its number of queries, its number of keys, its block table (int32 page ids) and
+ * that table's length. */
+enum { R_QSTART = 0, R_QLEN, R_KVLEN, R_TABLE, R_TABLE_LEN, R_FIELDS };
+
+void kvp_layout(int64_t *dst) {
+    dst[0] = H_FIELDS;
+    dst[1] = R_FIELDS;
+}
+
+typedef struct {
+    const int64_t *a;
+    const int64_t *rows;
+    int Hq, Hkv, D, T, G;
+    float scale;
+} kvp_call;
+
+/* One task: row r, KV head h, queries q0 .. q0 + M - 1 of the row. Returns 0 or 2 (bad page index). */
+static int kvp_task(const kvp_call *c, int r, int h, int q0, float *scratch) {
+    const int64_t *a = c->a, *row = c->rows + (int64_t)r * R_FIELDS;
+    const int D = c->D, T = c->T, G = c->G;
+    const int64_t qlen = row[R_QLEN], kvlen = row[R_KVLEN], tlen = row[R_TABLE_LEN];
+    const int32_t *table = (const int32_t *)(intptr_t)row[R_TABLE];
+    const int M = (int)(qlen - q0 < KVP_QC ? qlen - q0 : KVP_QC), MG = M * G;
+    const int64_t window = a[H_WINDOW], causal = a[H_CAUSAL];
+    const int64_t pos0 = kvlen - qlen + q0; /* position of the task's first query */
+    const float *q = (const float *)(intptr_t)a[H_Q];
+    float *out = (float *)(intptr_t)a[H_OUT];
+    const uint8_t *pool = (const uint8_t *)(intptr_t)a[H_PAGES];
+
+    float *kt = scratch, *vt = kt + (size_t)T * D, *qq = vt + (size_t)T * D, *acc = qq + (size_t)MG * D;
+    float *mx = acc + (size_t)MG * D, *sum = mx + MG, *s = sum + MG;
+    for (int m = 0; m < M; m++)
+        for (int g = 0; g < G; g++) {
+            const float *src = q + (row[R_QSTART] + q0 + m) * a[H_QS] + (int64_t)(h * G + g) * D;
+            float *dst = qq + (size_t)(m * G + g) * D;
+            for (int d = 0; d < D; d++) dst[d] = src[d] * c->scale;
+        }
+    memset(acc, 0, sizeof(float) * (size_t)MG * D);
+    for (int i = 0; i < MG; i++) {
+        mx[i] = -INFINITY;
+        sum[i] = 0.0f;
+    }
+    /* keys any query of the task may see: [lo, hi) */
+    int64_t hi = causal ? pos0 + M : kvlen, lo = window > 0 ? pos0 - window + 1 : 0;
+    if (hi > kvlen) hi = kvlen;
+    if (lo < 0) lo = 0;
+    for (int64_t p = lo / T; p * T < hi; p++) {
+        if (p >= tlen) return 2;
+        int64_t blk = table[p];
+        if (blk < 0 || blk >= a[H_NPAGES]) return 2;
+        const uint8_t *base = pool + blk * a[H_PAGE_STRIDE] + (int64_t)h * a[H_HEAD_STRIDE];
+        int64_t t0 = p * T;
+        int ta = (int)(lo > t0 ? lo - t0 : 0), tb = (int)(hi - t0 < T ? hi - t0 : T);
+        for (int t = ta; t < tb; t++)
+            kvp_decode_row((int)a[H_KFMT], base + t * a[H_TOKEN_STRIDE] + a[H_KOFF], D, kt + (size_t)t * D);
+        int v_done = 0;
+        for (int m = 0; m < M; m++) {
+            int64_t qp = pos0 + m;
+            int64_t ka = window > 0 ? qp - window + 1 : 0, kb = causal ? qp + 1 : kvlen;
+            int u0 = (int)(ka > t0 + ta ? ka - t0 : ta), u1 = (int)(kb < t0 + tb ? kb - t0 : tb);
+            if (u0 >= u1) continue;
+            if (!v_done) {
+                for (int t = ta; t < tb; t++)
+                    kvp_decode_row((int)a[H_VFMT], base + t * a[H_TOKEN_STRIDE] + a[H_VOFF], D, vt + (size_t)t * D);
+                v_done = 1;
+            }
+            for (int g = 0; g < G; g++) {
+                int i = m * G + g;
+                const float *qv = qq + (size_t)i * D;
+                float pm = -INFINITY;
+                for (int t = u0; t < u1; t++) {
+                    const float *kr = kt + (size_t)t * D;
+                    float dot = 0.0f;
+                    for (int d = 0; d < D; d++) dot += qv[d] * kr[d];
+                    s[t] = dot;
+                    if (dot > pm) pm = dot;
+                }
+                float nm = pm > mx[i] ? pm : mx[i];
+                float corr = mx[i] == -INFINITY ? 0.0f : expf(mx[i] - nm);
+                float *ac = acc + (size_t)i * D;
+                float ssum = sum[i] * corr;
+                for (int d = 0; d < D; d++) ac[d] *= corr;
+                for (int t = u0; t < u1; t++) {
+                    float w = expf(s[t] - nm);
+                    ssum += w;
+                    const float *vr = vt + (size_t)t * D;
+                    for (int d = 0; d < D; d++) ac[d] += w * vr[d];
+                }
+                sum[i] = ssum;
+                mx[i] = nm;
+            }
+        }
+    }
+    for (int m = 0; m < M; m++)
+        for (int g = 0; g < G; g++) {
+            int i = m * G + g;
+            float inv = sum[i] > 0.0f ? 1.0f / sum[i] : 0.0f;
+            float *dst = out + (row[R_QSTART] + q0 + m) * a[H_OUTS] + (int64_t)(h * G + g) * D;
+            for (int d = 0; d < D; d++) dst[d] = acc[(size_t)i * D + d] * inv;
+        }
+    return 0;
+}
+
+int kvp_attend(const int64_t *a) {
+    if (a[H_ABI] != KVP_ABI_VERSION) return 2;
+    kvp_call c;
+    c.a = a;
+    c.rows = (const int64_t *)(intptr_t)a[H_ROWS];
+    c.Hq = (int)a[H_HQ];
+    c.Hkv = (int)a[H_HKV];
+    c.D = (int)a[H_D];
+    c.T = (int)a[H_T];
+    double sc;
+    memcpy(&sc, &a[H_SCALE], 8);
+    c.scale = (float)sc;
+    if (c.Hkv <= 0 || c.Hq % c.Hkv || c.D <= 0 || c.D > KVP_MAX_D || c.T <= 0 || c.T > KVP_MAX_T) return 2;
+    if (a[H_KFMT] < 0 || a[H_KFMT] >= KVP_NFORMATS || a[H_VFMT] < 0 || a[H_VFMT] >= KVP_NFORMATS) return 2;
+    c.G = c.Hq / c.Hkv;
+    const int64_t nrows = a[H_NROWS];
+    int64_t ntasks = 0;
+    for (int64_t r = 0; r < nrows; r++) {
+        const int64_t *row = c.rows + r * R_FIELDS;
+        if (row[R_QLEN] < 0 || row[R_KVLEN] < row[R_QLEN]) return 2;
+        ntasks += (row[R_QLEN] + KVP_QC - 1) / KVP_QC * c.Hkv;
+    }
+    if (ntasks == 0) return 0;
+    int64_t *task = malloc(sizeof(int64_t) * 3 * (size_t)ntasks); /* (row, head, first query) */
+    if (!task) return 1;
+    int64_t n = 0;
+    for (int64_t r = 0; r < nrows; r++) {
+        const int64_t *row = c.rows + r * R_FIELDS;
+        for (int64_t q0 = 0; q0 < row[R_QLEN]; q0 += KVP_QC)
+            for (int h = 0; h < c.Hkv; h++) {
+                task[3 * n] = r;
+                task[3 * n + 1] = h;
+                task[3 * n + 2] = q0;
+                n++;
+            }
+    }
+    const size_t MG = (size_t)KVP_QC * c.G;
+    const size_t scratch_floats = 2 * (size_t)c.T * c.D + 2 * MG * c.D + 2 * MG + c.T + 16;
+    int err = 0;
+#ifdef _OPENMP
+    int nt = a[H_THREADS] > 0 ? (int)a[H_THREADS] : omp_get_max_threads();
+    if (nt > ntasks) nt = (int)ntasks;
+#pragma omp parallel num_threads(nt) reduction(| : err)
+#endif
+    {
+        float *scratch = malloc(sizeof(float) * scratch_floats); /* every thread still takes part in the loop */
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+        for (int64_t i = 0; i < ntasks; i++)
+            err |= scratch ? kvp_task(&c, (int)task[3 * i], (int)task[3 * i + 1], (int)task[3 * i + 2], scratch) : 1;
+        free(scratch);
+    }
+    free(task);
+    return err & 1 ? 1 : err ? 2 : 0;
+}

@@ -1,0 +1,228 @@
+"""Attention on kvslim pages over block tables: the C kernel (``csrc/kvslim_paged.c``) and a torch reference.
+
+A step's *rows* (vLLM's requests; kvslim's engine's conversations) are described once per step by
+:class:`Rows` and read by every layer: row ``r`` has ``q_len`` queries from ``q_start`` in the packed query
+tensor, ``kv_len`` keys (its queries' own tokens are the last ``q_len``), and its own block table (int32 page
+ids; key ``j`` is token ``j % T`` of page ``table[j // T]``). That one description covers decode, prefill,
+prefill continuing a cached prefix, and mixed batches, in one call.
+
+The C entry point ``kvp_attend`` takes a row table whose records each carry a *pointer* to their block table:
+vLLM's rows point into its 2-D block table; kvslim's engine can point each row at a list of its own (the
+``rows`` shape of ``kv_attend_rows``), which is how the kernel is meant to be shared.
+
+:func:`attend` calls the kernel, or the reference when the library cannot be built or ``$KVSLIM_VLLM_KERNEL``
+is ``reference`` (the reference decodes a row's pages to fp32 and runs a masked softmax: correct, slow).
+
+This module imports nothing of vLLM.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from ..formats import get_format
+from .pages import PageLayout, Part, gather
+
+#: ``$KVSLIM_VLLM_KERNEL``: ``c`` (default: the C kernel when it builds) or ``reference``.
+KERNEL_ENV = "KVSLIM_VLLM_KERNEL"
+#: kvp_attend's ABI and table widths (csrc/kvslim_paged.c: H_FIELDS, R_FIELDS), checked when the library loads.
+ABI = 1
+HEAD_FIELDS = 24
+ROW_FIELDS = 5
+#: C's row decoders of the cast dtypes.
+CAST_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
+@dataclass
+class Rows:
+    """One step's rows. table: int64 (R, 5) = q_start, q_len, kv_len, block table address, its length;
+    block_table: int32 (R, max_blocks), kept alive for the addresses; starts / kv_lens: Python lists."""
+
+    table: torch.Tensor
+    block_table: torch.Tensor
+    starts: list[int]
+    kv_lens: list[int]
+
+    @classmethod
+    def of(cls, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor) -> Rows:
+        """query_start_loc: (R + 1,); seq_lens: (R,) keys per row; block_table: (R', max_blocks), R' >= R."""
+        starts = query_start_loc.tolist()
+        lens = seq_lens.tolist()
+        r = len(lens)
+        bt = block_table[:r]
+        if bt.dtype != torch.int32 or (bt.shape[1] > 1 and bt.stride(1) != 1):
+            bt = bt.to(torch.int32).contiguous()
+        table = torch.empty((r, ROW_FIELDS), dtype=torch.int64)
+        if r:
+            q_start = torch.tensor(starts[:r], dtype=torch.int64)
+            table[:, 0] = q_start
+            table[:, 1] = torch.tensor(starts[1 : r + 1], dtype=torch.int64) - q_start
+            table[:, 2] = torch.tensor(lens, dtype=torch.int64)
+            table[:, 3] = bt.data_ptr() + torch.arange(r, dtype=torch.int64) * bt.stride(0) * 4
+            table[:, 4] = bt.shape[1]
+        return cls(table, bt, starts, lens)
+
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def _part_code(lib, part: Part) -> int:
+    """C's format code for ``part``, its block checked against the format registry."""
+    name = CAST_NAMES[part.dtype] if part.family == "cast" else part.name
+    elements, nbytes = ctypes.c_int32(), ctypes.c_int32()
+    code = lib.kvp_format(name.encode(), ctypes.byref(elements), ctypes.byref(nbytes))
+    if code < 0:
+        raise RuntimeError(f"the paged kernel has no decoder for {name}")
+    fmt = get_format(part.name)
+    expected = fmt.block if part.family == "ggml" else fmt.pack if part.family == "affine" else None
+    if expected is not None and (elements.value, nbytes.value) != tuple(expected):
+        raise RuntimeError(
+            f"the paged kernel reads {name} in units of {elements.value} elements / {nbytes.value} bytes, "
+            f"the format registry says {tuple(expected)}"
+        )
+    return code
+
+
+def library():
+    """The C library with ``kvp_attend`` declared, or None (the reason in :func:`status`)."""
+    if "lib" not in _state:
+        with _lock:
+            if "lib" not in _state:
+                _state["lib"], _state["reason"] = None, ""
+                try:
+                    from ..kernels import clib
+
+                    lib = clib.library()
+                    if lib is None:
+                        raise RuntimeError(clib.status()[1])
+                    lib.kvp_attend.argtypes = [ctypes.c_void_p]
+                    lib.kvp_attend.restype = ctypes.c_int
+                    lib.kvp_format.argtypes = [
+                        ctypes.c_char_p,
+                        ctypes.POINTER(ctypes.c_int32),
+                        ctypes.POINTER(ctypes.c_int32),
+                    ]
+                    lib.kvp_format.restype = ctypes.c_int
+                    lib.kvp_abi_version.restype = ctypes.c_int
+                    lib.kvp_layout.argtypes = [ctypes.c_void_p]
+                    lib.kvp_layout.restype = None
+                    widths = (ctypes.c_int64 * 2)()
+                    lib.kvp_layout(widths)
+                    if lib.kvp_abi_version() != ABI or tuple(widths) != (HEAD_FIELDS, ROW_FIELDS):
+                        raise RuntimeError(
+                            f"kvp_attend has ABI {lib.kvp_abi_version()} / tables {tuple(widths)}, "
+                            f"expected {ABI} / {(HEAD_FIELDS, ROW_FIELDS)}"
+                        )
+                    _state["lib"], _state["reason"] = lib, "C kernel"
+                except Exception as e:  # any failure: the reference, said once
+                    _state["reason"] = f"torch reference ({type(e).__name__}: {e})"
+    return _state["lib"]
+
+
+def status() -> str:
+    """Which path :func:`attend` takes, and why."""
+    if os.environ.get(KERNEL_ENV, "c") == "reference":
+        return f"torch reference (${KERNEL_ENV}=reference)"
+    library()
+    return _state["reason"]
+
+
+def attend(
+    layout: PageLayout,
+    kv_cache: torch.Tensor,
+    query: torch.Tensor,
+    out: torch.Tensor,
+    rows: Rows,
+    scale: float,
+    window: int = 0,
+    causal: bool = True,
+) -> None:
+    """Attention of every row's queries on its pages, written into ``out``.
+
+    kv_cache: uint8 (num_pages, H_kv, T, row_bytes); query, out: (N, H_q, D) (out in any float dtype);
+    window: keys a query sees counting itself (0: all)."""
+    lib = None if os.environ.get(KERNEL_ENV, "c") == "reference" else library()
+    if lib is None:
+        attend_reference(layout, kv_cache, query, out, rows, scale, window, causal)
+        return
+    codes = _state.setdefault("codes", {})
+    key = (layout.k, layout.v)
+    if key not in codes:
+        codes[key] = (_part_code(lib, layout.k), _part_code(lib, layout.v))
+    kcode, vcode = codes[key]
+    q = query.float().contiguous()
+    o = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty_like(q)
+    n_pages, h_kv, t, _ = kv_cache.shape
+    b = kv_cache.element_size()
+    head = [
+        ABI,
+        rows.table.shape[0],
+        rows.table.data_ptr(),
+        q.shape[1],
+        h_kv,
+        layout.head_dim,
+        t,
+        q.data_ptr(),
+        q.stride(0),
+        o.data_ptr(),
+        o.stride(0),
+        kv_cache.data_ptr(),
+        n_pages,
+        kv_cache.stride(0) * b,
+        kv_cache.stride(1) * b,
+        kv_cache.stride(2) * b,
+        kcode,
+        layout.k.offset,
+        vcode,
+        layout.v.offset,
+        struct.unpack("<q", struct.pack("<d", float(scale)))[0],
+        window,
+        int(causal),
+        torch.get_num_threads(),
+    ]
+    args = torch.tensor(head, dtype=torch.int64)
+    rc = lib.kvp_attend(args.data_ptr())
+    if rc:
+        raise RuntimeError(
+            f"kvslim paged attention failed (code {rc}: {'out of memory' if rc == 1 else 'bad arguments'})"
+        )
+    if o is not out:
+        out.copy_(o)
+
+
+def attend_reference(
+    layout: PageLayout,
+    kv_cache: torch.Tensor,
+    query: torch.Tensor,
+    out: torch.Tensor,
+    rows: Rows,
+    scale: float,
+    window: int = 0,
+    causal: bool = True,
+) -> None:
+    """:func:`attend` in torch: each row's pages decoded to fp32, a masked softmax. The oracle of the C kernel."""
+    h_q = query.shape[1]
+    for r, kv_len in enumerate(rows.kv_lens):
+        q0, q1 = rows.starts[r], rows.starts[r + 1]
+        n = q1 - q0
+        if n == 0:
+            continue
+        k, v = gather(layout, kv_cache, rows.block_table[r], kv_len)  # (H_kv, L, D) fp32
+        g = h_q // k.shape[0]
+        k, v = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)  # (H_q, L, D)
+        q = query[q0:q1].float().transpose(0, 1)  # (H_q, n, D)
+        s = (q @ k.transpose(1, 2)) * scale  # (H_q, n, L)
+        qpos = torch.arange(kv_len - n, kv_len)[:, None]  # (n, 1)
+        kpos = torch.arange(kv_len)[None, :]  # (1, L)
+        keep = kpos <= qpos if causal else torch.ones(n, kv_len, dtype=torch.bool)
+        if window > 0:
+            keep = keep & (kpos > qpos - window)
+        s = s.masked_fill(~keep, float("-inf"))
+        out[q0:q1] = (torch.softmax(s, -1) @ v).transpose(0, 1).to(out.dtype)  # (n, H_q, D)

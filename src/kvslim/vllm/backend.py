@@ -1,0 +1,256 @@
+"""kvslim's attention backend for vLLM 0.32's CPU platform: vLLM's classes, and nothing else.
+
+vLLM's CPU platform always returns ``CPU_ATTN``'s class path (``--attention-backend CUSTOM`` is ignored on CPU),
+so :func:`kvslim.vllm.register` points ``CPU_ATTN`` at :class:`KvslimCPUBackend` with ``register_backend``.
+
+- :meth:`KvslimCPUBackend.customize_spec` sets the page layout: storage dtype uint8 and ``state_content_bytes``
+  = bytes of one token of one KV head in kvslim's formats (:class:`~kvslim.vllm.pages.PageLayout`), so vLLM's
+  KV-cache manager counts its blocks in those bytes: the capacity it reports at start-up is kvslim's.
+- kernel blocks of 32 tokens (one page per (block, KV head): one GGML / KIVI group); vLLM splits its manager
+  blocks (128 tokens on CPU by default) into pages, and hands slot mappings and block tables in pages.
+- :meth:`KvslimCPUImpl.do_kv_cache_update` encodes each step's new tokens and writes them through the slot
+  mapping; :meth:`KvslimCPUImpl.forward` attends on the codes (:func:`kvslim.vllm.attend.attend`).
+
+Opt-in: an engine that gives no kvslim spec (:func:`kvslim.vllm.spec.given`) gets vLLM's own CPU backend, its
+implementation, builder, block sizes and spec untouched (:func:`active` decides, per engine, when vLLM builds the
+attention layers), so installing kvslim in vLLM's environment changes nothing until a spec is given.
+
+The spec is read when vLLM builds a layer's implementation (engine start: a bad spec fails there with one line)
+from ``additional_config["kvslim"]`` or ``$KVSLIM_VLLM_SPEC`` (:mod:`.spec`). ``customize_spec`` is a class
+method that vLLM calls after building the layers; it reads the layout this process built last (one engine
+per worker process; in-process engines build their layers before their cache spec).
+
+Refused at start, one line each: vLLM's own ``--kv-cache-dtype`` other than ``auto`` (the format is kvslim's),
+ALiBi, logits soft-capping, attention sinks (gpt-oss), encoder / cross attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+import torch
+from vllm.config import VllmConfig, get_current_vllm_config, get_current_vllm_config_or_none
+from vllm.logger import init_logger
+from vllm.v1.attention.backend import (
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadataBuilder,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+
+from . import attend as paged
+from .pages import PAGE_TOKENS, PageLayout, write
+from .spec import from_sources, given
+
+logger = init_logger("vllm.kvslim")  # under vLLM's configured "vllm" logger, so its INFO lines show
+
+#: The page layout built last in this process, by head size (what customize_spec reads).
+_LAYOUTS: dict[int, PageLayout] = {}
+#: Whether the engine built last in this process gave a kvslim spec ("active"), for the calls made without vLLM's
+#: current config set.
+_STATE: dict[str, bool] = {}
+
+
+def active() -> bool:
+    """Whether this engine stores kvslim pages: it gave a spec (else vLLM's own CPU backend runs). Read from vLLM's
+    current config when one is set (engine start), else what the last engine of this process decided."""
+    config = get_current_vllm_config_or_none()
+    if config is not None:
+        _STATE["active"] = given(config.additional_config)
+    return _STATE.get("active", False)
+
+
+def layout_for(vllm_config: VllmConfig, head_size: int) -> PageLayout:
+    """The page layout of this engine's spec for ``head_size`` (ValueError in one line for a bad spec)."""
+    config = from_sources(vllm_config.additional_config)
+    model_dtype = vllm_config.model_config.dtype
+    try:
+        layout = PageLayout.of(config.k_format, config.v_format, head_size, model_dtype)
+    except ValueError as e:
+        raise ValueError(f"kvslim: {' '.join(str(e).split())}") from None
+    _LAYOUTS[head_size] = layout
+    return layout
+
+
+class KvslimCPUBackend(CPUAttentionBackend):
+    """vLLM's CPU attention backend, storing pages in kvslim's formats (module docstring); vLLM's own
+    ``CPUAttentionBackend`` for an engine that gives no kvslim spec."""
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CPU_ATTN"
+
+    @classmethod
+    def supports_kv_cache_dtype(cls, kv_cache_dtype) -> bool:
+        # vLLM's --kv-cache-dtype is a closed list; kvslim's format is its spec, so only "auto" is taken.
+        if active():
+            return kv_cache_dtype in (None, "auto")
+        return super().supports_kv_cache_dtype(kv_cache_dtype)
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
+        if active():
+            return [PAGE_TOKENS]
+        return CPUAttentionBackend.get_supported_kernel_block_sizes(kv_cache_spec)
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return [] if active() else super().get_supported_head_sizes()
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple:
+        return (KVCacheLayout.LBHNC,)
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        if active():
+            return attn_type == AttentionType.DECODER
+        return super().supports_attn_type(attn_type)
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        """uint8 pages, ``state_content_bytes`` = one token of one KV head in kvslim's formats (K then V)."""
+        if not active() or (spec.dtype == torch.uint8 and spec.state_content_bytes is not None):
+            return spec  # vLLM's own pages, or already ours
+        config = get_current_vllm_config_or_none()
+        layout = layout_for(config, spec.head_size) if config is not None else _LAYOUTS.get(spec.head_size)
+        if layout is None:
+            raise RuntimeError("kvslim: the page layout is asked for before any attention layer was built")
+        if spec.head_size_v != spec.head_size:
+            raise ValueError(
+                f"kvslim: K and V head sizes differ ({spec.head_size}, {spec.head_size_v}): not supported"
+            )
+        logger.info_once(
+            "kvslim pages: K %s, V %s, %d bytes per token and KV head (%s bytes in %s); attention: %s",
+            layout.k.name,
+            layout.v.name,
+            layout.row_bytes,
+            2 * spec.head_size * spec.dtype.itemsize,
+            spec.dtype,
+            paged.status(),
+        )
+        return replace(spec, dtype=torch.uint8, state_content_bytes=layout.row_bytes)
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return KvslimCPUImpl if active() else CPUAttentionBackendImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[AttentionMetadataBuilder]:
+        return KvslimMetadataBuilder if active() else CPUAttentionMetadataBuilder
+
+
+@dataclass
+class KvslimMetadata:
+    """One step's attention metadata, shared by every layer: the rows (:class:`~kvslim.vllm.attend.Rows`)."""
+
+    num_actual_tokens: int
+    rows: paged.Rows
+    slot_mapping: torch.Tensor
+    causal: bool = True
+
+
+class KvslimMetadataBuilder(AttentionMetadataBuilder[KvslimMetadata]):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> KvslimMetadata:
+        m = common_attn_metadata
+        if isinstance(m.causal, torch.Tensor):
+            raise NotImplementedError("kvslim: per-token causal masks (prefix-LM models) are not supported")
+        rows = paged.Rows.of(m.query_start_loc_cpu, m.seq_lens.cpu(), m.block_table_tensor)
+        return KvslimMetadata(m.num_actual_tokens, rows, m.slot_mapping, bool(m.causal))
+
+
+class KvslimCPUImpl(AttentionImpl):
+    """Writes through the slot mapping in kvslim's formats; attends on the codes over block tables."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+        **kwargs,
+    ) -> None:
+        refused = {
+            "ALiBi": alibi_slopes is not None,
+            "logits soft-capping": bool(logits_soft_cap),
+            "attention sinks": sinks is not None,
+            f"{attn_type} attention": attn_type != AttentionType.DECODER,
+            f"--kv-cache-dtype {kv_cache_dtype} (give kvslim's format in additional_config or $KVSLIM_VLLM_SPEC)": (
+                kv_cache_dtype != "auto"
+            ),
+        }
+        for what, bad in refused.items():
+            if bad:
+                raise ValueError(f"kvslim: {what} is not supported by kvslim's vLLM backend")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.sliding_window = sliding_window or 0
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.layout = layout_for(get_current_vllm_config(), head_size)
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: KvslimMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """query: (N, H_q, D); kv_cache: uint8 (pages, H_kv, 32, row_bytes); output: (N, H_q, D)."""
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("kvslim: fused output quantization is not supported")
+        if attn_metadata is None:  # warm-up
+            return output
+        n = attn_metadata.num_actual_tokens
+        paged.attend(
+            self.layout,
+            kv_cache,
+            query[:n],
+            output[:n],
+            attn_metadata.rows,
+            self.scale,
+            self.sliding_window,
+            attn_metadata.causal,
+        )
+        return output
+
+    def do_kv_cache_update(
+        self,
+        layer: torch.nn.Module,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """key, value: (N, H_kv, D): encoded once and stored in their slots."""
+        write(self.layout, kv_cache, key, value, slot_mapping)

@@ -1,0 +1,163 @@
+"""vLLM's paged KV cache in kvslim's formats: the byte layout of a page, and the writes through a slot mapping.
+
+vLLM (0.32, CPU) hands each attention layer one uint8 tensor ``kv_cache: (num_blocks, H_kv, T, C)`` (its
+``LBHNC`` layout: head-major block interiors), ``T`` = 32 tokens per (block, KV head) — a page — and ``C`` =
+:attr:`PageLayout.row_bytes` bytes per token, the backend's ``customize_spec`` (``state_content_bytes``).
+A token's row holds its K, then its V, each in the registered format of its role:
+
+============  ===============================================  =========================================
+family        bytes of one role in a token row                 same bytes as
+============  ===============================================  =========================================
+``cast``      the values in the format's dtype (``none``: the  the values
+              model's own dtype; fp16; bf16), ``D * size``
+``ggml``      ``D / 32`` blocks of the format (q8_0: 34 bytes, :func:`kvslim.formats.quantize_ggml` on
+              q4_0: 18, q4_1: 20, q5_0: 22, q5_1: 24)          (1, 1, 1, D): kvslim's own and llama.cpp's
+``affine``    codes ``D * bits / 8`` (packed as                :func:`~kvslim.formats.affine.quantize_per_token`
+              :mod:`kvslim.formats.affine`), then scale and    with one group per head: kvslim's V codec
+              zero as fp16 (4 bytes)                           (``v_group=None``)
+============  ===============================================  =========================================
+
+Affine K is stored *per token* here (kvslim's own cache stores KIVI's per-channel K, scales shared by a group
+of 32 tokens, which needs the partly filled last page staged at full precision: not built yet), so the plugin
+allows only int8 and int4 for K (:mod:`.spec`).
+
+Writes (:func:`write`) encode only the tokens of this step and scatter their rows into their slots: a token
+is encoded once, when it is written, and a page is never re-encoded.
+
+This module knows nothing of vLLM's classes: tensors in, tensors out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..formats import dequantize_ggml, get_format, quantize_ggml
+from ..formats.affine import dequantize_per_token, packed_dim, quantize_per_token
+
+#: Tokens per page: vLLM's kernel block size for this backend, one GGML/KIVI group.
+PAGE_TOKENS = 32
+#: Bytes of an affine role's scale + zero (fp16 each).
+AFFINE_META = 4
+#: The dtype of the affine scale and zero in a page.
+SCALE_DTYPE = torch.float16
+#: Cast formats by name (``none`` takes the model's dtype).
+CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Part:
+    """One role's bytes in a token row: format ``name`` (its ``family``), ``nbytes`` from ``offset``.
+
+    dtype: a cast part's value dtype (None otherwise); bits: an affine part's code width (None otherwise)."""
+
+    name: str
+    family: str
+    offset: int
+    nbytes: int
+    dtype: torch.dtype | None = None
+    bits: int | None = None
+
+
+def make_part(name: str, role: str, head_dim: int, model_dtype: torch.dtype, offset: int) -> Part:
+    """The :class:`Part` of format ``name`` for ``role`` ("k"/"v") at ``offset`` of the row."""
+    fmt = get_format(name)
+    codec = fmt.codec(role)
+    codec.check_head_dim(head_dim)
+    family = fmt.family[role]
+    if family == "cast":
+        dtype = CAST_DTYPES.get(name, model_dtype)
+        return Part(name, "cast", offset, head_dim * dtype.itemsize, dtype=dtype)
+    if family == "ggml":
+        size, nbytes = fmt.block
+        return Part(name, "ggml", offset, head_dim // size * nbytes)
+    if family in ("affine_k", "affine_v"):
+        return Part(name, "affine", offset, packed_dim(fmt.bits, head_dim) + AFFINE_META, bits=fmt.bits)
+    raise ValueError(f"kvslim: format {name!r} (family {family}) has no vLLM page layout")
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """The byte layout of a token row of a page: K's :class:`Part`, then V's; ``head_dim`` D."""
+
+    k: Part
+    v: Part
+    head_dim: int
+
+    @classmethod
+    def of(cls, k_format: str, v_format: str, head_dim: int, model_dtype: torch.dtype) -> PageLayout:
+        k = make_part(k_format, "k", head_dim, model_dtype, 0)
+        v = make_part(v_format, "v", head_dim, model_dtype, k.nbytes)
+        return cls(k, v, head_dim)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token of one KV head (K and V): vLLM's ``state_content_bytes``."""
+        return self.k.nbytes + self.v.nbytes
+
+    def encode(self, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """key, value: (N, H, D) floating point -> rows uint8 (N, H, row_bytes)."""
+        return torch.cat([encode_part(self.k, key), encode_part(self.v, value)], dim=-1)
+
+    def decode(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows uint8 (..., row_bytes) -> (K, V) fp32 (..., D)."""
+        return decode_part(self.k, rows, self.head_dim), decode_part(self.v, rows, self.head_dim)
+
+
+def encode_part(part: Part, x: torch.Tensor) -> torch.Tensor:
+    """x: (N, H, D) floating point -> uint8 (N, H, part.nbytes)."""
+    if part.family == "cast":
+        return x.to(part.dtype).contiguous().view(torch.uint8)
+    if part.family == "ggml":
+        return quantize_ggml(x, part.name)
+    codes, scale, zero = quantize_per_token(x, part.bits, None, SCALE_DTYPE)  # (N,H,D*b/8), (N,H,1) x2
+    return torch.cat([codes, scale.view(torch.uint8), zero.view(torch.uint8)], dim=-1)
+
+
+def decode_part(part: Part, rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """rows: uint8 (..., row_bytes) -> this part's values fp32 (..., D)."""
+    b = rows[..., part.offset : part.offset + part.nbytes]
+    if part.family == "cast":
+        return b.contiguous().view(part.dtype).float()
+    if part.family == "ggml":
+        return dequantize_ggml(b.contiguous(), part.name)
+    n = part.nbytes - AFFINE_META
+    scale = b[..., n : n + 2].contiguous().view(SCALE_DTYPE)  # (..., 1)
+    zero = b[..., n + 2 : n + 4].contiguous().view(SCALE_DTYPE)
+    return dequantize_per_token(b[..., :n].contiguous(), scale, zero, part.bits, None, torch.float32)
+
+
+def write(
+    layout: PageLayout,
+    kv_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Encode the step's tokens and store each row in its slot.
+
+    kv_cache: uint8 (num_blocks, H, T, row_bytes) (any strides); key, value: (N', H, D) with N' >= N, the
+    first N tokens written; slot_mapping: (N,) integer, slot ``s`` = page ``s // T``, token ``s % T``;
+    negative slots (vLLM's padding) are skipped."""
+    n = slot_mapping.shape[0]
+    if n == 0:
+        return
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, key, value = slots[keep], key[:n][keep], value[:n][keep]
+    else:
+        key, value = key[:n], value[:n]
+    t = kv_cache.shape[2]
+    kv_cache[slots // t, :, slots % t] = layout.encode(key, value)  # rows (N, H, C) into (N, H, C)
+
+
+def gather(layout: PageLayout, kv_cache: torch.Tensor, blocks: torch.Tensor, length: int):
+    """The first ``length`` tokens stored in pages ``blocks`` (a row of a block table), decoded:
+    (K, V) fp32 (H, length, D)."""
+    n = -(-length // kv_cache.shape[2])
+    pages = kv_cache[blocks[:n].long()]  # (n, H, T, C)
+    h = pages.shape[1]
+    rows = pages.transpose(0, 1).reshape(h, -1, pages.shape[-1])[:, :length]  # (H, n*T, C) -> (H, L, C)
+    return layout.decode(rows)

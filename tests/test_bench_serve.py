@@ -1,0 +1,193 @@
+"""Issue 30, items 5-7: the thread policy (kvslim.threads and the CLI flags), ``kvslim bench --concurrency
+--serve`` against a real ``kvslim serve`` child on the tiny model, the serving peers skipped cleanly when
+their venvs are absent, and the server's per-step hand-over. Timings are never asserted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import save_tiny_word_model
+from kvslim import threads
+
+# -- the thread policy ---------------------------------------------------------------------------
+
+
+def test_wait_policy_choice():
+    assert threads.choose_wait(None, {}) == ("PASSIVE", "kvslim default")
+    assert threads.choose_wait("auto", {"OMP_WAIT_POLICY": "active"}) == ("ACTIVE", "environment")
+    assert threads.choose_wait("active", {}) == ("ACTIVE", "--omp-wait")
+    assert threads.choose_wait("runtime", {}) == ("", "--omp-wait")
+    assert threads.choose_wait("passive", {"OMP_WAIT_POLICY": "PASSIVE"}) == ("PASSIVE", "--omp-wait")
+    with pytest.raises(ValueError, match="contradicts OMP_WAIT_POLICY=ACTIVE"):
+        threads.choose_wait("passive", {"OMP_WAIT_POLICY": "ACTIVE"})
+    with pytest.raises(ValueError, match="contradicts"):
+        threads.choose_wait("runtime", {"OMP_WAIT_POLICY": "PASSIVE"})
+    with pytest.raises(ValueError, match="--omp-wait must be one of auto, passive, active, runtime, got 'spin'"):
+        threads.choose_wait("spin", {})
+
+
+def test_prepare_sets_the_environment_only_where_unset_and_only_for_its_commands():
+    env: dict = {}
+    policy = threads.prepare("bench", ["--concurrency", "2", "--threads", "3"], env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "3"}
+    assert policy.threads == 3 and policy.wait_source == "kvslim default"
+    env = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "active"}
+    threads.prepare("serve", ["--threads=2", "--omp-wait", "auto"], env)
+    assert env == {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "active"}  # the user's environment wins
+    env = {}
+    threads.prepare("serve", ["--omp-wait", "runtime"], env)
+    assert env == {}  # the runtime's own default: left unset
+    assert threads.prepare("sample", ["--threads", "2"], env) is None and env == {}
+    env = {}
+    threads.prepare("bench", ["--threads", "x"], env)  # the subcommand's parser reports it
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def _cli(*argv, env=None, timeout=300):
+    full = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    full = {k: v for k, v in full.items() if v is not None}
+    return subprocess.run([sys.executable, "-m", "kvslim.cli", *argv], capture_output=True, text=True,
+                          timeout=timeout, env=full, stdin=subprocess.DEVNULL)
+
+
+def test_the_policy_is_set_before_torch_loads_and_reported():
+    """In a fresh process the CLI sets OMP_WAIT_POLICY before torch (and its OpenMP runtime) loads."""
+    code = (
+        "import os, sys\n"
+        "from kvslim import threads\n"
+        "p = threads.prepare('bench', ['--threads', '1'])\n"
+        "import torch\n"
+        "d = threads.describe(p)\n"
+        "print(p.before_torch, d['omp_wait_policy'], d['wait_source'], d['torch_threads'])\n"
+        "print(threads.banner(d))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    first, banner = out.stdout.splitlines()[:2]
+    assert first == "True PASSIVE kvslim default 1", out.stderr
+    assert banner.startswith("threads: 1 torch threads of") and "OMP_WAIT_POLICY PASSIVE (kvslim default)" in banner
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_word_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.mark.parametrize(
+    "argv, env, message",
+    [
+        (["--omp-wait", "spin"], {}, "--omp-wait must be one of auto, passive, active, runtime"),
+        (["--omp-wait", "active"], {"OMP_WAIT_POLICY": "PASSIVE"}, "contradicts OMP_WAIT_POLICY=PASSIVE"),
+        (["--serve"], {}, "--serve measures many streams through the server: give --concurrency"),
+        (["--peers", "openvino"], {}, "--peers openvino: not a peer of the single-stream bench"),
+        (["--concurrency", "2", "--peers", "quanto"], {}, "--peers quanto: not a peer of --concurrency"),
+        (["--threads", "0"], {}, "--threads must be an integer >= 1"),
+    ],
+)
+def test_bad_flags_are_one_line(model_dir, argv, env, message):
+    out = _cli("bench", "--model", str(model_dir), *argv, env={"OMP_WAIT_POLICY": None, **env})
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], out.stderr
+
+
+def test_serve_rejects_bad_thread_flags(model_dir):
+    out = _cli("serve", "--model", str(model_dir), "--threads", "0")
+    assert out.returncode == 2 and "--threads must be >= 1, got 0" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+# -- kvslim bench --serve ------------------------------------------------------------------------
+
+
+def test_decode_window():
+    from kvslim.bench.serve import decode_window
+
+    recs = [{"times_s": [1.0, 1.1, 1.2, 1.3, 1.4]}, {"times_s": [1.05, 1.15, 1.25, 1.35]}]
+    w = decode_window(recs, warmup=1)
+    assert w["start"] == pytest.approx(1.15) and w["end"] == pytest.approx(1.35)
+    assert w["chunks"] == 2 + 2  # (1.15, 1.35]: 1.2, 1.3 of the first; 1.25, 1.35 of the second
+    assert len(w["gaps"]) == 1 + 2 and all(g == pytest.approx(0.1) for g in w["gaps"])
+    assert decode_window([{"times_s": [1.0, 2.0]}], warmup=1) is None  # too short to leave a window
+    assert decode_window([{"times_s": [1.0, 1.1, 1.2]}, {"times_s": [3.0, 3.1, 3.2]}], warmup=0) is None
+
+
+@pytest.mark.slow
+def test_bench_serve_drives_a_real_server(model_dir, tmp_path):
+    """A short real run: the engine rows and the same specs through a `kvslim serve` child, 2 streams each."""
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("httpx")
+    out_json = tmp_path / "bench.json"
+    out = _cli("bench", "--model", str(model_dir), "--concurrency", "2", "--lengths", "16", "--steps", "4",
+               "--warmup", "1", "--config", "int4", "none,sink=4,window=8", "--serve", "--no-continuous-batching",
+               "--threads", "1", "--json", str(out_json), "--quiet", timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("threads: 1 torch threads of")
+    data = json.loads(out_json.read_text())
+    rows = {r["mode"]: r for r in data["concurrency"]}
+    assert set(rows) == {"dynamic", "int4", "none,sink=4,window=8", "int4 via serve", "none,sink=4,window=8 via serve"}
+    for mode in ("int4 via serve", "none,sink=4,window=8 via serve"):
+        r = rows[mode]
+        assert r["kind"] == "serve" and r["concurrency"] == 2 and r["length"] == 16
+        assert r["aggregate_tok_s"] > 0 and r["itl_p50_ms"] <= r["itl_p90_ms"] <= r["itl_p99_ms"]
+        assert r["ttft_p50_ms"] > 0 and r["ratio_to_dynamic"] > 0
+        assert "sessions continued 2/2" in r["note"]  # the decode phase continued each prefilled session
+        assert r["bytes_per_stream"] > 0
+    assert rows["int4"]["itl_p50_ms"] == pytest.approx(rows["int4"]["ms_median"])
+    policy = data["thread_policy"]
+    assert policy["omp_wait_policy"] == "PASSIVE" and policy["torch_threads"] == 1
+    assert "load_average_after" in policy and data["settings"]["serve"] is True
+    assert os.path.exists(data["serve_log"])
+    with open(data["serve_log"]) as f:
+        log = f.read()
+    assert "--omp-wait auto" in log and "threads: 1 torch threads" in log  # the server ran the bench's policy
+
+
+# -- the serving peers ------------------------------------------------------------------------------
+
+
+def test_peer_cache_mapping():
+    from kvslim.bench.concurrency_peers import peer_cache
+
+    assert peer_cache("openvino", "none") == ({"kv": "f32", "eviction": None}, "")
+    assert peer_cache("openvino", "int4")[0]["kv"] == "u4" and peer_cache("openvino", "q8_0")[0]["kv"] == "u8"
+    start, recent, most = peer_cache("openvino", "int4,sink=4,window=1020")[0]["eviction"]
+    assert (start, most) == (32, 1024) and most > start + recent
+    assert peer_cache("openvino", "int2")[0] is None and peer_cache("openvino", "fp8")[0] is None
+    assert peer_cache("vllm", "none") == ({"kv": "auto", "eviction": None}, "")
+    assert peer_cache("vllm", "int4")[0] is None
+
+
+def test_missing_peers_are_one_line_each(monkeypatch, tmp_path):
+    from conftest import tiny_model
+    from kvslim.bench import concurrency_peers as cp
+
+    monkeypatch.setenv("KVSLIM_OPENVINO_VENV", str(tmp_path / "no-openvino"))
+    monkeypatch.setenv("KVSLIM_VLLM_VENV", str(tmp_path / "no-vllm"))
+    rows, notes = cp.run_peers(["openvino", "vllm"], tiny_model("llama"), ["int4"], lambda n: [3] * n, [16], [2], 2)
+    assert rows == []
+    assert notes["openvino"] == ("peer openvino: not installed: run `make openvino` (builds .venv-openvino) or set "
+                                 "KVSLIM_OPENVINO_VENV")
+    assert "run `make vllm`" in notes["vllm"]
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(os.path.dirname(__file__), "..", ".venv-openvino", ".installed")),
+                    reason="no .venv-openvino (make openvino)")
+@pytest.mark.slow
+def test_openvino_peer_when_installed(model_dir):
+    """The OpenVINO runner on the tiny model's directory (exported on first use): a row with every column."""
+    from conftest import tiny_model
+    from kvslim.bench import concurrency_peers as cp
+
+    model = tiny_model("llama")
+    model.name_or_path = str(model_dir)
+    rows, notes = cp.run_peers(["openvino"], model, ["int4", "int2"], lambda n: [3 + i for i in range(n)],
+                               [16], [2], 3, warmup=1, threads=1)
+    assert "skipped int2" in notes["openvino"], notes
+    assert [r.mode for r in rows] == ["openvino int4"], notes
+    assert rows[0].aggregate_tok_s > 0 and rows[0].steps >= 1 and rows[0].note.startswith("KV u4")

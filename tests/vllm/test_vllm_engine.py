@@ -1,0 +1,190 @@
+"""vLLM itself, with kvslim's plugin, on the embedded model's converted directory (make vllm-test).
+
+One engine per spec for the whole module, in this process (eager, offline, VLLM_CPU_KVCACHE_SPACE=1), and the stock
+backend once in a child process with the plugin left out (VLLM_PLUGINS=none). Every engine runs the same batch
+(:func:`vllm_helpers.run`): greedy prompts, one long enough to be prefilled in chunks alongside the others'
+decode steps, and teacher-forced text segments whose full logits are recorded each step; then the long prompt
+again, which continues from vLLM's prefix cache.
+
+- ``none`` in fp32 equals the stock CPU backend token for token, and its logits are the stock logits;
+- q4_0 pages hold the same bytes as kvslim's own q4_0 cache, and through vLLM give the KL divergence kvslim's
+  own cache gives on the same text (both against the transformers model without a cache);
+- capacity: vLLM's own count at start-up, q4_0 / int8 against the stock bf16 pages;
+- a bad spec fails at engine start with kvslim's one-line message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# vllm.version, not vllm: without vLLM installed, "vllm" resolves to this directory (tests/ is on sys.path)
+pytest.importorskip(
+    "vllm.version", reason="vLLM is not installed (make vllm builds .venv-vllm; make vllm-test runs these)"
+)
+
+import vllm_helpers as helpers  # noqa: E402  (tests/vllm on sys.path: rootdir-relative test imports)
+
+pytestmark = pytest.mark.slow
+
+PREFILL, FORCED = 24, 16
+#: The specs run in this process, one engine each (None: no kvslim spec, so vLLM's own backend runs).
+SPECS = ("none", "q4_0", "int8", None)
+
+
+def _kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    from kvslim.evaluate.perplexity import kl_from_log_probs
+
+    return kl_from_log_probs(
+        torch.log_softmax(ref_logits.double(), -1), torch.log_softmax(logits.double(), -1)
+    )
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The text segments, the transformers model's logits for them without a cache, and kvslim's own caches' KL
+    (teacher-forced through a SlimCache, as ``kvslim eval`` measures; residual 0: every token encoded, as in a
+    vLLM page)."""
+    from kvslim.config import parse_spec
+    from kvslim.evaluate.modes import cache_maker
+    from kvslim.evaluate.perplexity import perplexity_through_cache
+    from kvslim.models import load_model
+
+    model, tokenizer = load_model(None)
+    ids = tokenizer(helpers.TEXT.read_text(encoding="utf-8")).input_ids
+    segments = [ids[s : s + PREFILL + FORCED] for s in (0, 400, 1200)]
+    make = cache_maker(model, None)
+    with torch.inference_mode():
+        logits = [model(torch.tensor([s])).logits[0, PREFILL - 1 : -1].float() for s in segments]
+        own = {}
+        for spec in ("q4_0", "q8_0"):  # rotate=none: the same codes as the pages (kvslim's auto rotates q4_0)
+            own[spec] = torch.cat(
+                [
+                    perplexity_through_cache(
+                        model,
+                        torch.tensor([s]),
+                        lambda spec=spec: make(parse_spec(f"{spec},residual=0,rotate=none")),
+                        prefill=PREFILL,
+                        reference_logits=ref,
+                        progress=False,
+                    ).kld
+                    for s, ref in zip(segments, logits)
+                ]
+            )
+    return {"segments": segments, "logits": torch.cat(logits), "own_kl": own}
+
+
+@pytest.fixture(scope="module")
+def stock(reference, tmp_path_factory):
+    """The stock CPU backend (kvslim's plugin left out) on the same batch, in a child process."""
+    out = tmp_path_factory.mktemp("stock") / "stock.pt"
+    env = {
+        **os.environ,
+        "VLLM_PLUGINS": "none",
+        "KVSLIM_TEST_SEGMENTS": json.dumps(reference["segments"]),
+        "KVSLIM_TEST_PREFILL": str(PREFILL),
+    }
+    helper = Path(helpers.__file__)
+    proc = subprocess.run(
+        [sys.executable, str(helper), "stock", "float32", str(out)], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def engines(reference):
+    """Each spec's engine in turn, in this process: its :func:`vllm_helpers.run` result and capacity."""
+    results = {}
+    for spec in SPECS:
+        llm = helpers.start(spec)
+        try:
+            results[spec] = helpers.run(llm, reference["segments"], PREFILL)
+            results[spec]["capacity"] = helpers.capacity(llm)
+        finally:
+            helpers.stop(llm)
+    return results
+
+
+def test_none_fp32_is_the_stock_backend_token_for_token(engines, stock):
+    ours = engines["none"]
+    assert ours["tokens"] == stock["tokens"]
+    assert ours["rerun"] == stock["rerun"] == stock["tokens"][-1]
+    kl = _kl(stock["logits"], ours["logits"])
+    assert kl.max() < 1e-6, kl.max()
+    assert ours["logits"].argmax(-1).tolist() == stock["logits"].argmax(-1).tolist()
+
+
+def test_without_a_spec_the_plugin_leaves_vllms_own_backend(engines, stock):
+    ours = engines[None]
+    assert ours["capacity"] == stock["capacity"]
+    assert ours["tokens"] == stock["tokens"]
+    assert torch.equal(ours["logits"], stock["logits"])  # the same kernel: bit for bit
+
+
+def test_prefix_cache_and_chunked_prefill_continue_over_kvslim_pages(engines):
+    # the long prompt (> MAX_BATCHED_TOKENS) was prefilled in chunks; its rerun found its pages cached
+    for spec in ("none", "q4_0", "int8"):
+        r = engines[spec]
+        assert r["rerun"] == r["tokens"][-1], spec
+        assert r["rerun_cached"] >= 128, (spec, r["rerun_cached"])
+
+
+def test_lossy_pages_give_coherent_text(engines, stock):
+    colors = ("red", "orange", "yellow", "green", "blue", "indigo", "violet", "purple")
+    for spec in ("q4_0", "int8"):
+        texts = engines[spec]["texts"]
+        assert "Paris" in texts[0], (spec, texts)
+        assert "if" in texts[1] or "return" in texts[1], (spec, texts)
+        assert any(c in texts[2].lower() for c in colors) or texts[2] == stock["texts"][2], (spec, texts)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="measured 2026-12-02: q4_0 through vLLM KL 0.119 vs kvslim's own q4_0 (rotate=none, residual=0) 0.021 on "
+    "these 48 tokens: vLLM's prefill and decode tokens attend on their own just-written codes, kvslim's on their exact "
+    "K/V (docs/vllm.md); flips to a pass when the backend attends the step's own tokens at full precision",
+)
+def test_kl_through_vllm_is_kvslims_own_on_the_same_codes(engines, stock, reference):
+    ref = reference["logits"]
+    stock_kl = _kl(ref, stock["logits"]).mean().item()  # vLLM's model against transformers', no quantization
+    q4 = _kl(ref, engines["q4_0"]["logits"]).mean().item()
+    own = reference["own_kl"]["q4_0"].mean().item()
+    int8 = _kl(ref, engines["int8"]["logits"]).mean().item()
+    print(
+        f"\nKL vs transformers (mean over {ref.shape[0]} forced tokens): stock vLLM {stock_kl:.2e}, "
+        f"kvslim-in-vLLM q4_0 {q4:.4f}, kvslim's own q4_0 {own:.4f}, kvslim-in-vLLM int8 {int8:.5f}, "
+        f"kvslim's own q8_0 {reference['own_kl']['q8_0'].mean().item():.5f}"
+    )
+    assert stock_kl < 0.1 * own
+    assert 0.75 * own <= q4 <= 1.33 * own, (q4, own)
+    assert int8 < q4
+
+
+def test_capacity_is_vllms_own_count(engines, stock):
+    fp32 = stock["capacity"]
+    assert engines["none"]["capacity"] == fp32  # same bytes per token, same count
+    bf16 = 2 * fp32  # stock bf16 pages are half its fp32 pages (docs/vllm.md has vLLM's own bf16 count)
+    print(
+        f"\ncapacity (tokens) in 1 GiB: stock fp32 {fp32}, q4_0 {engines['q4_0']['capacity']} "
+        f"({engines['q4_0']['capacity'] / bf16:.2f}x bf16), int8 {engines['int8']['capacity']} "
+        f"({engines['int8']['capacity'] / bf16:.2f}x bf16)"
+    )
+    assert engines["q4_0"]["capacity"] >= 3.5 * bf16
+    assert engines["int8"]["capacity"] >= 1.85 * bf16
+
+
+def test_a_bad_spec_fails_at_engine_start_in_one_line(engines):
+    with pytest.raises(Exception) as e:
+        helpers.start("q4_0,window=64")
+    text = str(e.value)
+    assert "kvslim: window=64 is not supported in vLLM" in text, text
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
