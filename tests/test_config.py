@@ -137,7 +137,7 @@ def test_every_spec_key_round_trips_a_value_other_than_its_default():
 
 def test_validation_and_spec_messages_come_from_the_declaration():
     with pytest.raises(
-        ValueError, match=r"^rotate must be one of auto, none, k, v, kv \(which encoded tensors"
+        ValueError, match=r"^rotate must be one of auto, none, k, v, kv, fitted \(which encoded tensors"
     ):
         CacheConfig(rotate="x")
     with pytest.raises(

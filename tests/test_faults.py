@@ -488,9 +488,9 @@ def malformed_cases() -> dict[str, tuple[bytes, str]]:
             with_kvs(typ, kv_str("kv_mean_center.schema_version", "1")),
             "schema_version has type STRING",
         ),
-        "schema_version 2": (
-            with_kvs(typ, kv_u32("kv_mean_center.schema_version", 2)),
-            "schema_version is 2",
+        "schema_version 3": (
+            with_kvs(typ, kv_u32("kv_mean_center.schema_version", 3)),
+            "schema_version is 3",
         ),
         "k_rot is a number": (with_kvs(typ, kv_u32("kv_mean_center.k_rot", 1)), "k_rot has type UINT32"),
         "channel_order unknown": (

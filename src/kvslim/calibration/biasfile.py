@@ -37,8 +37,7 @@ import struct
 import numpy as np
 import torch
 
-from .biasset import CHANNEL_ORDERS, BiasSet, check_layer, tensor_name
-from .rotation import METHOD, ROLES, rotation_name
+from .biasset import CHANNEL_ORDERS, METHOD, ROLES, BiasSet, check_layer, rotation_name, tensor_name
 
 #: ``general.type`` of a bias file (the fork's value).
 FILE_TYPE = "kv-mean-center"

@@ -18,6 +18,17 @@ import torch
 CHANNEL_ORDERS = ("transformers", "llama.cpp")
 
 
+#: ``kv_mean_center.rotation``: the method the rotation tensors were fitted with (the only one so far).
+METHOD = "pca-hadamard"
+#: Roles a file holds rotations for, in file order.
+ROLES = ("k", "v")
+
+
+def rotation_name(layer: int, role: str) -> str:
+    """The GGUF tensor name of layer ``layer``'s fitted rotation of ``role`` (``k`` or ``v``)."""
+    return f"kv_rot.blk.{layer}.{role}"
+
+
 def tensor_name(layer: int) -> str:
     """The GGUF tensor name of layer ``layer``'s K bias (the fork's naming; also how messages name a layer)."""
     return f"kv_bar.blk.{layer}.k"
