@@ -387,8 +387,8 @@ def test_the_default_bias_file_is_read_once_and_checked_against_the_model(model,
     with pytest.raises(ValueError, match="calibrated for another model"):
         Engine(model, cache=f"q8_0,rotate=none,mean_center={other}")
     reads = []
-    real = biasfile.read_layers
-    monkeypatch.setattr(biasfile, "read_layers", lambda *a, **k: reads.append(1) or real(*a, **k))
+    real = biasfile._read  # every reader of the file (read_layers, read_file, read_bias_file) goes through it
+    monkeypatch.setattr(biasfile, "_read", lambda *a, **k: reads.append(1) or real(*a, **k))
     spec = f"q8_0,rotate=none,mean_center={ours}"
     engine = Engine(model, cache=spec)
     got = engine.run([Request(_ids(9, s), max_new_tokens=3) for s in range(3)])
