@@ -5,7 +5,10 @@ imported by kvslim.
 
 JOB.json as for :mod:`kvslim.bench.peer_openvino` (``ir_dir`` unused; each run's ``kv`` is vLLM's
 ``kv_cache_dtype``: ``auto`` -- its stock KV, the model's dtype --; eviction is not vLLM's and such runs are
-refused by the caller). Each run is one in-process ``LLMEngine`` (``dtype`` from the job, bf16 by default as
+refused by the caller). Each run is one ``LLMEngine`` in a process of its own (vLLM's CPU worker keeps its
+memory until the process ends: a second engine in the same process finds none free), its KV space sized to
+the run (``kv_cache_memory_bytes``: the run's tokens at the model's KV bytes per token, 1.5x and 1 GiB over)
+instead of vLLM's default of 92% of the machine's memory; each engine (``dtype`` from the job, bf16 by default as
 vLLM's CPU build runs; ``VLLM_CPU_OMP_THREADS_BIND`` left to vLLM, ``threads`` given as
 ``OMP_NUM_THREADS``) given ``concurrency`` requests of the prompt's token ids, greedy, ``ignore_eos``, stepped
 by hand; a step is timed once every request has its first token and while all still run, the first
@@ -31,6 +34,17 @@ def pct(xs, q):
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
+def kv_space(model_dir: str, tokens: int) -> int:
+    """Bytes of KV space for ``tokens`` tokens of the model in ``model_dir`` (bf16/fp16 K and V of every layer),
+    1.5x and 1 GiB over (vLLM's blocks round up, and its profiler wants room)."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = 2 * cfg["num_hidden_layers"] * heads * head_dim * 2
+    return int(1.5 * tokens * per_token) + (1 << 30)
+
+
 def run_one(job: dict, run: dict) -> dict:
     from vllm import EngineArgs, LLMEngine, SamplingParams
 
@@ -39,7 +53,7 @@ def run_one(job: dict, run: dict) -> dict:
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=job["model_dir"], dtype=job.get("dtype", "bfloat16"), max_num_seqs=max(c, 1),
         max_model_len=length + new + 16, kv_cache_dtype=run["kv"], enable_prefix_caching=False,
-        seed=0,
+        seed=0, kv_cache_memory_bytes=kv_space(job["model_dir"], c * (length + new + 16)),
     ))
     params = SamplingParams(max_tokens=new, ignore_eos=True, temperature=0.0)
     t0 = time.perf_counter()
@@ -79,23 +93,53 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--job", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--only", type=int, default=None, help="run only this run of the job (the per-run child)")
     a = p.parse_args()
     with open(a.job) as f:
         job = json.load(f)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process: steps timed here
     rows = []
-    for run in job["runs"]:
-        try:
-            rows.append(run_one(job, run))
-        except Exception as e:  # noqa: BLE001 - one run that does not go is a note in its row
-            rows.append({"mode": f"vllm {run['spec']}", "kind": "peer", "length": run["length"],
-                         "concurrency": run["concurrency"], "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
-        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    if a.only is not None:
+        rows.append(_guarded(job, job["runs"][a.only]))
+    else:
+        for i, run in enumerate(job["runs"]):
+            rows.append(_child(a.job, a.out, i, run))
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     tmp = a.out + ".tmp"
     with open(tmp, "w") as f:
         json.dump(rows, f)
     os.replace(tmp, a.out)
     return 0
+
+
+def _guarded(job: dict, run: dict) -> dict:
+    try:
+        return run_one(job, run)
+    except Exception as e:  # noqa: BLE001 - one run that does not go is a note in its row
+        return _error(run, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+
+
+def _error(run: dict, why: str) -> dict:
+    return {"mode": f"vllm {run['spec']}", "kind": "peer", "length": run["length"],
+            "concurrency": run["concurrency"], "error": why}
+
+
+def _child(job_path: str, out: str, i: int, run: dict) -> dict:
+    """Run ``i`` in a child process of its own (its memory back when it ends); its row, or an error row."""
+    import subprocess
+
+    child_out = f"{out}.{i}"
+    proc = subprocess.run([sys.executable, __file__, "--job", job_path, "--out", child_out, "--only", str(i)],
+                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        with open(child_out) as f:
+            return json.load(f)[0]
+    except (OSError, ValueError, IndexError):
+        tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
+        return _error(run, f"exit {proc.returncode}: {tail[0][:200]}")
+    finally:
+        if os.path.exists(child_out):
+            os.remove(child_out)
 
 
 if __name__ == "__main__":
