@@ -77,7 +77,9 @@ def _row(qrow, k, v, gen, *, sinks=0, nk=20, k_off=0, rk=3, nv=None, v_off=0, hb
     kb = encoded_view(k, 1, H, nk, k_off, gen, D)
     vb = encoded_view(v, 1, H, nv, v_off, gen, D)
     s = (_fp(sinks, gen, dtype), _fp(sinks, gen, dtype)) if sinks else (None, None)
-    return AttendRow(qrow, *s, _fp(rk, gen, dtype), _fp(rv, gen, dtype), ((k, kb, k_off),), ((v, vb, v_off),), *hb)
+    return AttendRow(
+        qrow, *s, _fp(rk, gen, dtype), _fp(rv, gen, dtype), ((k, kb, k_off),), ((v, vb, v_off),), *hb
+    )
 
 
 def _reference(q: torch.Tensor, row) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,7 +106,9 @@ def _check(out: torch.Tensor, q: torch.Tensor, row, what: str) -> None:
     ref, scale = _reference(q[row.qrow], row)
     err = (out[row.qrow].double() - ref).abs()
     bad = err > REL * scale
-    assert not bad.any(), f"{what}: {int(bad.sum())} of {err.numel()} off, max relative {(err / scale).max():.3g}"
+    assert not bad.any(), (
+        f"{what}: {int(bad.sum())} of {err.numel()} off, max relative {(err / scale).max():.3g}"
+    )
 
 
 def _queries(n: int, gen) -> torch.Tensor:
@@ -119,17 +123,13 @@ def _run(q, rows, fill=0.0):
 
 @pytest.mark.parametrize("i", range(len(NAMES)), ids=NAMES)
 def test_every_format_against_the_reference_and_the_c_kernel(i):
-    """K of one format, V of the next, three rows of different lengths (sinks, an evicted part of the first group,
-    residuals of 0..9 tokens, a bfloat16 residual): equal to the float64 reference, and to the C rows kernel on the
-    rows it reads."""
+    """K of one format, V of the next, two rows of different lengths (sinks, an evicted part of the first group, a
+    body past one tile, residuals of 0 and 4 tokens): equal to the float64 reference, and to the C rows kernel on
+    the rows it reads."""
     k, v = _codec(NAMES[i], "k"), _codec(NAMES[(i + 1) % len(NAMES)], "v")
     gen = torch.Generator().manual_seed(i)
-    rows = [
-        _row(0, k, v, gen, sinks=2, nk=13, k_off=3, rk=4, nv=17),
-        _row(1, k, v, gen, nk=40, rk=0),
-        _row(2, k, v, gen, sinks=1, nk=70, k_off=5, rk=9, nv=75, dtype=torch.bfloat16),
-    ]
-    q = _queries(3, gen)
+    rows = [_row(0, k, v, gen, sinks=2, nk=13, k_off=3, rk=4, nv=17), _row(1, k, v, gen, nk=40, rk=0)]
+    q = _queries(2, gen)
     out = _run(q, rows)
     for row in rows:
         _check(out, q, row, f"K {k.name} V {v.name} row {row.qrow}")
@@ -142,30 +142,30 @@ def test_every_format_against_the_reference_and_the_c_kernel(i):
 
 def test_hadamard_bases_variance_normalized_bodies_and_pieces():
     """Rows with K and/or V in a Hadamard basis (blocks 32 and 16), variance-normalized K and V (a V factor group
-    entered 5 tokens in), and the same rows with their bodies cut into pieces (1-token pieces, cuts inside a K
-    group): every row equal to the reference; the cut rows equal the whole ones."""
+    entered 5 tokens in), bfloat16 sinks and residuals, and the same rows with their bodies cut into pieces
+    (1-token pieces, cuts inside a K group): every row equal to the reference; the cut rows equal the whole ones."""
     gen = torch.Generator().manual_seed(40)
     k4, v4 = _codec("int4", "k"), _codec("int4", "v")
     kn, vn = _codec("int2", "k", vn=True), _codec("int4", "v", vn=True)
     rows = [
-        _row(0, k4, v4, gen, sinks=2, nk=21, k_off=2, rk=5, hb=(32, 32)),
-        _row(1, k4, _codec("q8_0", "v"), gen, nk=33, rk=2, hb=(16, 0)),
-        _row(2, kn, vn, gen, sinks=2, nk=27, k_off=3, rk=4, nv=29, v_off=5),
-        _row(3, kn, vn, gen, nk=16, rk=0, v_off=0, hb=(0, 32)),
+        _row(0, k4, v4, gen, sinks=2, nk=13, k_off=2, rk=5, hb=(32, 32), dtype=torch.bfloat16),
+        _row(1, k4, _codec("q8_0", "v"), gen, nk=9, rk=2, hb=(16, 0)),
+        _row(2, kn, vn, gen, sinks=2, nk=11, k_off=3, rk=4, nv=13, v_off=5),
+        _row(3, kn, vn, gen, nk=8, rk=0, v_off=0, hb=(0, 32)),
     ]
     q = _queries(4, gen)
     out = _run(q, rows)
     for row in rows:
         _check(out, q, row, f"row {row.qrow}")
     cut = [row._replace(k_body=_cut(row.k_body[0]), v_body=_cut(row.v_body[0])) for row in rows]
-    assert all(len(r.k_body) > 4 and len(r.v_body) > 4 for r in cut)
+    assert all(len(r.k_body) == 4 and len(r.v_body) == 4 for r in cut)
     pieces = _run(q, cut)
     for row in cut:
         _check(pieces, q, row, f"cut row {row.qrow}")
     torch.testing.assert_close(pieces, out, atol=1e-5, rtol=1e-5)
 
 
-def _cut(piece, cuts=(1, 2, 3, 7, 12)):
+def _cut(piece, cuts=(1, 2, 7)):
     """A body piece (codec, Encoded, offset) cut before each token index of ``cuts`` (views, as a paged pool's
     blocks; a group part keeps the groups its tokens touch; a plain V piece's offset stays 0)."""
     codec, enc, offset = piece
@@ -180,25 +180,22 @@ def _cut(piece, cuts=(1, 2, 3, 7, 12)):
 
 
 def test_a_row_reads_its_own_segments_only_and_alone_gives_the_same_bits():
-    """Four rows of one layout and one length, different data, in a shuffled order, their queries at scattered rows
-    of a bigger q: each equals its own reference (a row reading another's table entry, pieces or head would not);
-    rows no row names keep their values; each row alone (a 1-row launch) gives the batch's bits exactly."""
+    """Three rows of one layout and one length, different data, in a shuffled order, their queries at scattered
+    rows of a bigger q: each equals its own reference (a row reading another's table entry, pieces or head would
+    not); rows no row names keep their values; each row alone (a 1-row launch) gives the batch's bits exactly."""
     gen = torch.Generator().manual_seed(50)
     k, v = _codec("int4", "k"), _codec("q4_0", "v")
-    qrows = [5, 0, 3, 1]
-    rows = [_row(r, k, v, gen, sinks=2, nk=24, k_off=1, rk=3) for r in qrows]
+    qrows = [4, 0, 2]
+    rows = [_row(r, k, v, gen, sinks=2, nk=12, k_off=1, rk=3) for r in qrows]
     random.Random(1).shuffle(rows)
-    q = _queries(7, gen)
+    q = _queries(5, gen)
     out = _run(q, rows, fill=7.0)
-    for r in (2, 4, 6):
+    for r in (1, 3):
         assert torch.equal(out[r], torch.full_like(out[r], 7.0))
     for row in rows:
         _check(out, q, row, f"row {row.qrow}")
         alone = _run(q, [row], fill=7.0)
         assert torch.equal(alone[row.qrow], out[row.qrow])
-    others = [row._replace(k_body=rows[0].k_body) for row in rows[1:]]  # a row's own pieces matter
-    swapped = _run(q, others)
-    assert not torch.allclose(swapped[rows[1].qrow], out[rows[1].qrow], atol=1e-3)
 
 
 def test_rows_that_do_not_fit_are_handed_back():
@@ -224,7 +221,9 @@ def test_rows_that_do_not_fit_are_handed_back():
     with pytest.raises(ValueError, match="out must be"):
         gpu_rows.attend_rows(q, good, torch.zeros(3, H, M, D + 1))
     with pytest.raises(ValueError, match="query rows a head"):
-        gpu_rows.attend_rows(torch.zeros(1, H, gpu.MAX_M + 1, D), good[:1], torch.zeros(1, H, gpu.MAX_M + 1, D))
+        gpu_rows.attend_rows(
+            torch.zeros(1, H, gpu.MAX_M + 1, D), good[:1], torch.zeros(1, H, gpu.MAX_M + 1, D)
+        )
 
 
 def test_the_engine_step_runs_one_launch_a_layer_with_each_row_as_alone():
@@ -236,7 +235,7 @@ def test_the_engine_step_runs_one_launch_a_layer_with_each_row_as_alone():
     from kvslim import SlimCache
     from kvslim import generate as gen
 
-    model = kvslim.enable(tiny_model("llama", num_hidden_layers=2))
+    model = kvslim.enable(tiny_model("llama", num_hidden_layers=1))
     specs = [
         "int4,sink=2,window=40,group=8,residual=8",
         "q4_0,residual=0,group=1",
@@ -253,7 +252,8 @@ def test_the_engine_step_runs_one_launch_a_layer_with_each_row_as_alone():
         launches.append(sorted(r.qrow for r in rows))
         return real(q, rows, out)
 
-    def caches(which=range(len(specs))):
+    def caches(which=None):
+        which = range(len(specs)) if which is None else which
         made = [SlimCache.from_config(kvslim.parse_spec(specs[b]), config=model.config) for b in which]
         for b, c in zip(which, made, strict=True):
             gen.prefill(model, prompts[b], c)
@@ -264,7 +264,7 @@ def test_the_engine_step_runs_one_launch_a_layer_with_each_row_as_alone():
         made = caches()
         launches.clear()
         together = gen.forward_rows(model, tokens, made)
-        assert launches == [[0, 1, 2]] * 2  # one call a layer, the three fusable rows
+        assert launches == [[0, 1, 2]]  # one call for the layer, the three fusable rows
         for b in range(len(specs)):
             alone = gen.forward_rows(model, tokens[b : b + 1], caches([b]))
             assert torch.equal(alone[0], together[b]), specs[b]
@@ -280,10 +280,10 @@ _PTR = {torch.uint8: "*u8", torch.float16: "*fp16", torch.bfloat16: "*bf16", tor
 
 
 def test_the_rows_program_compiles_for_the_gpu(monkeypatch, tmp_path):
-    """Without a GPU: the compiled (not interpreted) rows program builds to a cubin with Triton's own compiler, for
-    two layouts (normalized affine K with Hadamard bases and bfloat16 residuals; q5_1 K with fp8 V), so the GPU
-    path's front end, types and lowering are checked too, not only its arithmetic (as tests/test_triton.py does for
-    the per-row programs)."""
+    """Without a GPU: the compiled (not interpreted) rows program builds to a cubin (sm_80) with Triton's own
+    compiler, for normalized affine K and int3 V with Hadamard bases and bfloat16 sinks and residuals, so the GPU
+    path's front end, types and lowering are checked too, not only its arithmetic (tests/test_triton.py builds the
+    tile decoder of every layout the same way)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -297,10 +297,7 @@ def test_the_rows_program_compiles_for_the_gpu(monkeypatch, tmp_path):
     kernel = gpu_rows.programs().rows_kernel
     assert not gpu.interpreting() and not isinstance(kernel, InterpretedFunction)
     gen = torch.Generator().manual_seed(70)
-    cases = [
-        (_codec("int4", "k", vn=True), _codec("int3", "v"), True, torch.bfloat16, 80),
-        (_codec("q5_1", "k"), _codec("fp8", "v"), False, torch.float32, 90),
-    ]
+    cases = [(_codec("int4", "k", vn=True), _codec("int3", "v"), True, torch.bfloat16, 80)]
     names = list(kernel.arg_names)
     for k, v, had, fp, arch in cases:
         lk, _ = gpu._layout(k, encoded_view(k, 1, H, 8, 0, gen, D), 1, H, 8, D, 0)
@@ -314,6 +311,8 @@ def test_the_rows_program_compiles_for_the_gpu(monkeypatch, tmp_path):
             for part, t in zip("xszf", (lay.x, lay.s, lay.z, lay.factors), strict=True):
                 signature[f"{role}{part}_ptr"] = _PTR[t.dtype]
         signature.update({n: "constexpr" for n in const})
-        src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(c),): x for c, x in const.items()})
+        src = ASTSource(
+            fn=kernel, signature=signature, constexprs={(names.index(c),): x for c, x in const.items()}
+        )
         compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=gpu.COMPILE_OPTIONS)
         assert compiled.asm["cubin"], (k.name, v.name, arch)

@@ -83,7 +83,9 @@ def fused_row(kv, qrow: int, b: int | None = None):
     def body(enc: Encoded) -> Encoded:
         if b is None:
             return enc
-        return Encoded(token={n: cut(t) for n, t in enc.token.items()}, group={n: cut(t) for n, t in enc.group.items()})
+        return Encoded(
+            token={n: cut(t) for n, t in enc.token.items()}, group={n: cut(t) for n, t in enc.group.items()}
+        )
 
     return kernels.cpu.AttendRow(
         qrow,

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from ..formats import Codec, Encoded
-from . import cpu, gpu, gpu_rows, reference
+from . import cpu, gpu, gpu_rows, reference  # noqa: F401 - gpu_rows: reached as kernels.gpu_rows
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 #: Order in which "auto" tries backends (the reference last, as it covers everything). Each declines

@@ -67,7 +67,13 @@ def _fp(t, h: int, d: int, device) -> tuple[int, torch.Tensor | None]:
     """(tokens, part) of a row's sinks or residual (1, H, n, D) fp32/fp16/bf16; None or empty: (0, None)."""
     if t is None or (t.dim() == 4 and t.shape[2] == 0 and t.dtype in _FP):
         return 0, None
-    if t.dim() != 4 or tuple(t.shape[:2]) != (1, h) or t.shape[3] != d or t.dtype not in _FP or t.device != device:
+    if (
+        t.dim() != 4
+        or tuple(t.shape[:2]) != (1, h)
+        or t.shape[3] != d
+        or t.dtype not in _FP
+        or t.device != device
+    ):
         raise ValueError(
             f"attention rows: a full-precision part {tuple(t.shape)} {t.dtype} on {t.device} does not fit a row of "
             f"(1, {h}, n, {d}) on {device}"
@@ -124,9 +130,14 @@ def attend_rows(q: torch.Tensor, rows, out: torch.Tensor) -> list[int]:
     fp32 on the same device with a contiguous last dim (rows no row names are left as they are). Returns the
     indices (into ``rows``) of the rows not computed (arguments that do not fit, a query row named twice)."""
     if q.dim() != 4 or q.dtype != torch.float32:
-        raise ValueError(f"attention rows: q must be an (N, H, M, D) float32 tensor, got {tuple(q.shape)} {q.dtype}")
-    if out.shape != q.shape or out.dtype != torch.float32 or out.device != q.device or (
-        q.shape[3] > 1 and out.stride(3) != 1
+        raise ValueError(
+            f"attention rows: q must be an (N, H, M, D) float32 tensor, got {tuple(q.shape)} {q.dtype}"
+        )
+    if (
+        out.shape != q.shape
+        or out.dtype != torch.float32
+        or out.device != q.device
+        or (q.shape[3] > 1 and out.stride(3) != 1)
     ):
         raise ValueError(
             f"attention rows: out must be a float32 {tuple(q.shape)} tensor on {q.device} with a contiguous last "
@@ -134,7 +145,9 @@ def attend_rows(q: torch.Tensor, rows, out: torch.Tensor) -> list[int]:
         )
     nq, h, m, d = q.shape
     if not 0 < m <= gpu.MAX_M:
-        raise ValueError(f"attention rows: {m} query rows a head, the Triton rows program takes 1..{gpu.MAX_M}")
+        raise ValueError(
+            f"attention rows: {m} query rows a head, the Triton rows program takes 1..{gpu.MAX_M}"
+        )
     q = rows_contiguous(q)
     groups: dict[tuple, list] = {}
     left, taken = [], set()
@@ -183,9 +196,7 @@ def _launch(q: torch.Tensor, out: torch.Tensor, key: tuple, preps: list) -> None
     }
     blocks = sorted({hb for p in preps for hb in p["hbs"] if hb})
     had = (
-        torch.stack([_hadamard(hb, d, block_d, str(q.device)) for hb in blocks])
-        if blocks
-        else q.new_zeros(1)
+        torch.stack([_hadamard(hb, d, block_d, str(q.device)) for hb in blocks]) if blocks else q.new_zeros(1)
     )
     row_tab, piece_tab, scratch = [], [], 0
     for p in preps:
@@ -205,8 +216,23 @@ def _launch(q: torch.Tensor, out: torch.Tensor, key: tuple, preps: list) -> None
         kh, vh = (blocks.index(hb) if hb else 0 for hb in p["hbs"])
         (s, _), _, (rk, _), (rv, _) = p["fp"]
         row_tab.append(
-            [p["qrow"], s, rk, rv, p["nk"], p["nv"], firsts["k"], len(p["kp"]), firsts["v"], len(p["vp"]), kh, vh,
-             scratch, p["t"], *fp]  # fmt: skip
+            [
+                p["qrow"],
+                s,
+                rk,
+                rv,
+                p["nk"],
+                p["nv"],
+                firsts["k"],
+                len(p["kp"]),
+                firsts["v"],
+                len(p["vp"]),
+                kh,
+                vh,
+                scratch,
+                p["t"],
+                *fp,
+            ]  # fmt: skip
         )
         scratch += h * m * p["t"]
     prog = programs()

@@ -59,7 +59,9 @@ def _fp_scores(q, base, sh, st, n, col0, h, scr, T, m, d, m_ok, d_ok, mx, BLOCK_
     for t0 in range(0, n, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
         t_ok = t < n
-        k = tl.load(base + h * sh + t[:, None] * st + d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+        k = tl.load(
+            base + h * sh + t[:, None] * st + d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0
+        )
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")  # (BLOCK_M, BLOCK_T)
         s = tl.where(t_ok[None, :], s, float("-inf"))
         tl.store(scr + m[:, None] * T + col0 + t[None, :], s, mask=m_ok[:, None] & t_ok[None, :])
@@ -73,10 +75,14 @@ def _fp_sum(acc, w, base, sh, st, n, col0, h, scr, T, m, d, m_ok, d_ok, mx, BLOC
     for t0 in range(0, n, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
         t_ok = t < n
-        s = tl.load(scr + m[:, None] * T + col0 + t[None, :], mask=m_ok[:, None] & t_ok[None, :], other=float("-inf"))
+        s = tl.load(
+            scr + m[:, None] * T + col0 + t[None, :], mask=m_ok[:, None] & t_ok[None, :], other=float("-inf")
+        )
         p = tl.exp(s - mx[:, None])
         w += tl.reduce(p, 1, _add)
-        v = tl.load(base + h * sh + t[:, None] * st + d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(
+            base + h * sh + t[:, None] * st + d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0
+        )
         acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
     return acc, w
 
@@ -111,7 +117,9 @@ def _body(
             )  # fmt: skip
             if IS_V:
                 s = tl.load(
-                    scr + m[:, None] * T + col + t[None, :], mask=m_ok[:, None] & t_ok[None, :], other=float("-inf")
+                    scr + m[:, None] * T + col + t[None, :],
+                    mask=m_ok[:, None] & t_ok[None, :],
+                    other=float("-inf"),
                 )
                 p = tl.exp(s - mx[:, None])
                 w += tl.reduce(p, 1, _add)
@@ -147,7 +155,11 @@ def rows_kernel(
     m = tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
     m_ok, d_ok = m < M, d < D
-    q = tl.load(q_ptr + qrow * sqn + h * sqh + m[:, None] * sqm + d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + qrow * sqn + h * sqh + m[:, None] * sqm + d[None, :],
+        mask=m_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     hm = d[:, None] * BLOCK_D + d[None, :]  # a (BLOCK_D, BLOCK_D) matrix's elements
     qb = q
     if KHAD:  # the body's queries in its basis: (H q) . k = q . (H k), H symmetric
@@ -156,25 +168,93 @@ def rows_kernel(
     w = tl.full((BLOCK_M,), 0.0, tl.float32)
     mx = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     # 1. scores: sinks, body pieces, residual
-    mx = _fp_scores(q, ksk_ptr + tl.load(row + 14), tl.load(row + 15), tl.load(row + 16), S, 0, h, scr, T, m, d, m_ok, d_ok, mx, BLOCK_T)
+    mx = _fp_scores(
+        q,
+        ksk_ptr + tl.load(row + 14),
+        tl.load(row + 15),
+        tl.load(row + 16),
+        S,
+        0,
+        h,
+        scr,
+        T,
+        m,
+        d,
+        m_ok,
+        d_ok,
+        mx,
+        BLOCK_T,
+    )
     _, mx, w = _body(
         qb, w, pt_ptr, tl.load(row + 6), tl.load(row + 7), kx_ptr, ks_ptr, kz_ptr, kf_ptr, S, h, scr, T, m, d,
         m_ok, d_ok, mx, False, KFMT, KBITS, KNB, KVN, BLOCK_T,
     )  # fmt: skip
-    mx = _fp_scores(q, kre_ptr + tl.load(row + 20), tl.load(row + 21), tl.load(row + 22), RK, S + NK, h, scr, T, m, d, m_ok, d_ok, mx, BLOCK_T)
+    mx = _fp_scores(
+        q,
+        kre_ptr + tl.load(row + 20),
+        tl.load(row + 21),
+        tl.load(row + 22),
+        RK,
+        S + NK,
+        h,
+        scr,
+        T,
+        m,
+        d,
+        m_ok,
+        d_ok,
+        mx,
+        BLOCK_T,
+    )
     tl.debug_barrier()  # every score of the row is in scr before any is read back
     # 2. exp(score - max) times the values: sinks, body pieces (rotated back once), residual
     acc = tl.full((BLOCK_M, BLOCK_D), 0.0, tl.float32)
-    acc, w = _fp_sum(acc, w, vsk_ptr + tl.load(row + 17), tl.load(row + 18), tl.load(row + 19), S, 0, h, scr, T, m, d, m_ok, d_ok, mx, BLOCK_T)
+    acc, w = _fp_sum(
+        acc,
+        w,
+        vsk_ptr + tl.load(row + 17),
+        tl.load(row + 18),
+        tl.load(row + 19),
+        S,
+        0,
+        h,
+        scr,
+        T,
+        m,
+        d,
+        m_ok,
+        d_ok,
+        mx,
+        BLOCK_T,
+    )
     body = tl.full((BLOCK_M, BLOCK_D), 0.0, tl.float32)
     body, _, w = _body(
         body, w, pt_ptr, tl.load(row + 8), tl.load(row + 9), vx_ptr, vs_ptr, vz_ptr, vf_ptr, S, h, scr, T, m, d,
         m_ok, d_ok, mx, True, VFMT, VBITS, VNB, VVN, BLOCK_T,
     )  # fmt: skip
     if VHAD:  # the body's sum back in the model's basis
-        body = tl.dot(body, tl.load(had_ptr + tl.load(row + 11) * BLOCK_D * BLOCK_D + hm), input_precision="ieee")
+        body = tl.dot(
+            body, tl.load(had_ptr + tl.load(row + 11) * BLOCK_D * BLOCK_D + hm), input_precision="ieee"
+        )
     acc += body
-    acc, w = _fp_sum(acc, w, vre_ptr + tl.load(row + 23), tl.load(row + 24), tl.load(row + 25), RV, S + NV, h, scr, T, m, d, m_ok, d_ok, mx, BLOCK_T)
+    acc, w = _fp_sum(
+        acc,
+        w,
+        vre_ptr + tl.load(row + 23),
+        tl.load(row + 24),
+        tl.load(row + 25),
+        RV,
+        S + NV,
+        h,
+        scr,
+        T,
+        m,
+        d,
+        m_ok,
+        d_ok,
+        mx,
+        BLOCK_T,
+    )
     w = tl.where(w > 0, w, 1.0)  # padded query rows (m >= M) have no weight
     out = out_ptr + qrow * son + h * soh + m[:, None] * som + d[None, :]
     tl.store(out, acc / w[:, None], mask=m_ok[:, None] & d_ok[None, :])
