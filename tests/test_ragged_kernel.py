@@ -41,6 +41,8 @@ FUSED = [
     ("q4_1,residual_dtype=bfloat16", 1500),  # 1344: 4 chunks a head, bfloat16 residual
     ("fp8,residual=32", 64),  # 32: fp8
     ("int8,v=q4_0,rotate=k", 2000),  # 1856: K rotated, V not
+    ("int4,varnorm=on,sink=4,window=60,group=8,residual=8", 300),  # variance-normalized, V factors entered mid-group
+    ("int2,varnorm=on,pre_rope=false,group=16,residual=16", 257),  # normalized int2
 ]
 #: rows the fused call does not read: they keep the per-row path (pre-RoPE keys, nothing encoded yet, lossless)
 PER_ROW = [("int2", 300), ("int4", 5), ("none", 50)]
@@ -102,7 +104,7 @@ def test_attend_rows_equals_attend_per_row_bit_for_bit(threads):
         hk, hv = attention._hblocks(seg)
         alone = cpu.attend(
             qf[i + 3 : i + 4].clone(), seg.k_sink, seg.v_sink, seg.k_res, seg.v_res, seg.k_codec, seg.k_body,
-            seg.k_offset, seg.v_codec, seg.v_body, k_hblock=hk, v_hblock=hv,
+            seg.k_offset, seg.v_codec, seg.v_body, k_hblock=hk, v_hblock=hv, v_offset=seg.v_offset,
         )  # fmt: skip
         assert torch.equal(out[i + 3 : i + 4], alone), FUSED[i]
 
@@ -111,7 +113,7 @@ def _cut(seg, cuts):
     """The K and V bodies of ``seg`` as pieces ``(codec, Encoded, offset)`` cut before each token index in
     ``cuts``: views, as a paged pool's blocks are (a per-channel K piece keeps the groups it touches)."""
     pieces = []
-    for codec, body, offset in ((seg.k_codec, seg.k_body, seg.k_offset), (seg.v_codec, seg.v_body, 0)):
+    for codec, body, offset in ((seg.k_codec, seg.k_body, seg.k_offset), (seg.v_codec, seg.v_body, seg.v_offset)):
         n = next(iter(body.token.values())).shape[2]
         bounds = [0, *sorted({c for c in cuts if 0 < c < n}), n]
         pieces.append(
@@ -125,7 +127,7 @@ def _cut(seg, cuts):
 def test_a_body_cut_into_pieces_gives_the_same_bits(threads):
     """A body as a list of blocks (what a paged pool hands the kernel): cut anywhere (1-token pieces, cuts inside
     a per-channel group, at chunk boundaries and off them), the output is the one-piece output, bit for bit."""
-    segs = _rows([FUSED[0], FUSED[3], FUSED[6], FUSED[9], FUSED[11]], seed=5)
+    segs = _rows([FUSED[0], FUSED[3], FUSED[6], FUSED[9], FUSED[11], FUSED[12]], seed=5)
     qf = torch.randn(len(segs), H, M, D, generator=torch.Generator().manual_seed(2)) * D**-0.5
     whole = torch.zeros_like(qf)
     assert cpu.attend_rows(qf, [attention._fused_row(s, i) for i, s in enumerate(segs)], whole) == []
@@ -265,6 +267,7 @@ MIX = [
     (90, "q8_0,sink=4,window=50,residual=0"),
     (9, "none"),
     (260, "q4_0,k=int8,group=16,residual=16"),
+    (120, "int4,varnorm=on,group=16,residual=16"),  # variance-normalized rows in the one call too
 ]
 
 

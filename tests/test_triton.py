@@ -230,7 +230,7 @@ def test_programs_compile_for_the_gpu(monkeypatch, tmp_path):
     monkeypatch.delenv("TRITON_INTERPRET")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # a cold compile, nothing left in $HOME
     programs = gpu.programs()
-    assert not gpu.interpreting() and programs is not gpu._programs[True]
+    assert not gpu.interpreting() and programs is not gpu._programs[("triton_kernels", True)]
     gen = torch.Generator().manual_seed(10)
     cases = [("int2", "k"), ("int4", "v"), ("q8_0", "k"), ("q4_0", "v"), ("q4_1", "k")]
     cases += [("q5_0", "v"), ("q5_1", "k"), ("fp8", "v"), ("bf16", "k"), ("int3", "k"), ("int3", "v")]
@@ -347,9 +347,16 @@ def test_ragged_engine_step_on_the_triton_kernels(triton_backend, monkeypatch):
         used.append("cpu")
         return real_rows(*a, **k)
 
+    real_gpu_rows = kernels.gpu_rows.attend_rows
+
+    def spy_gpu_rows(*a, **k):  # ... and on the Triton backend, as one rows launch per layer
+        used.append("triton")
+        return real_gpu_rows(*a, **k)
+
     monkeypatch.setattr(kernels, "select", spy)
     monkeypatch.setattr(kernels.cpu, "attend", spy_attend)
     monkeypatch.setattr(kernels.cpu, "attend_rows", spy_rows)
+    monkeypatch.setattr(kernels.gpu_rows, "attend_rows", spy_gpu_rows)
     for backend in ("cpu", "triton"):
         kernels.set_backend(backend)
         caches = [SlimCache.from_config(kvslim.parse_spec(s), config=model.config) for s in specs]

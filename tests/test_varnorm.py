@@ -272,20 +272,38 @@ def test_triton_factor_bytes_are_exact(monkeypatch):
         kernels.set_backend(None)
 
 
-def test_many_rows_call_leaves_normalized_rows_to_the_per_row_kernel():
-    """kv_attend_rows has no factor reader (yet): a row with a normalized body is handed back, not misread."""
+def test_many_rows_call_reads_normalized_rows_in_place():
+    """kv_attend_rows reads a normalized row's factors in place, as kv_attend does: K token factors and V channel
+    factors entered mid-group (v_offset), the body whole or cut into pieces (a cut inside a factor group), bit for
+    bit the per-row call; a factor offset outside its group is handed back."""
     from kvslim.kernels import cpu
 
     if not cpu.status()[0]:
         pytest.skip(f"C kernels unavailable: {cpu.status()[1]}")
-    x = sample(7)
+    x = sample(7, t=96)
     kc = varnorm_codec(make_codec("int2", "k", group_size=32), 32)
-    vc = make_codec("int2", "v", group_size=32)
-    row = cpu.AttendRow(
-        0, None, None, x[:1, :, :4], x[:1, :, :4], ((kc, kc.encode(x[:1]), 0),), ((vc, vc.encode(x[:1]), 0),)
-    )
-    out = torch.zeros(1, 2, 1, 64)
-    assert cpu.attend_rows(torch.randn(1, 2, 1, 64), [row], out) == [0]
+    vc = varnorm_codec(make_codec("int4", "v", group_size=32), 32)
+    kb, vb = kc.encode(x[:1]), vc.encode(x[:1])
+    k_enc, k_off = kb.narrow(5, 96, 0, 32)  # the first 5 tokens evicted: 27 left in the first group
+    v_enc, v_off = vb.narrow(5, 96, 0, 32)
+    res = x[:1, :, :4]
+    q = torch.randn(1, 2, 3, 64, generator=torch.Generator().manual_seed(1)) / 8
+    alone = cpu.attend(q, None, None, res, res, kc, k_enc, k_off, vc, v_enc, v_offset=v_off)
+    row = cpu.AttendRow(0, None, None, res, res, ((kc, k_enc, k_off),), ((vc, v_enc, v_off),))
+    out = torch.zeros_like(q)
+    assert cpu.attend_rows(q, [row], out) == []
+    assert torch.equal(out, alone)
+    cut = []
+    for codec, enc, off in ((kc, k_enc, k_off), (vc, v_enc, v_off)):
+        bounds = [0, 10, 27, 40, 91]  # 10 and 40: inside a group
+        cut.append(tuple((codec, *enc.narrow(lo, hi, off, 32)) for lo, hi in zip(bounds, bounds[1:])))
+    pieces = torch.zeros_like(q)
+    assert cpu.attend_rows(q, [row._replace(k_body=cut[0], v_body=cut[1])], pieces) == []
+    assert torch.equal(pieces, alone)
+    plain = cpu.attend(q, None, None, res, res, kc, k_enc, k_off, vc, v_enc, v_offset=0)
+    assert not torch.equal(plain, alone)  # the V factors' offset is read
+    bad = row._replace(v_body=((vc, v_enc, 32),))  # outside the group: the row is handed back
+    assert cpu.attend_rows(q, [bad], torch.zeros_like(q)) == [0]
 
 
 # --------------------------------------------------------------------------- the option

@@ -41,13 +41,19 @@ from .cache.basis import CENTERED
 from .cache.segments import FAST_MAX_QUERY as FAST_MAX_QUERY  # re-exported: the contract with the cache
 from .cache.segments import Segments
 from .cache.static import StaticSegments
+from .fused import fusable as _fusable  # noqa: F401 - the tests' name for the one fusability test
+from .fused import fused_decode as _fused_decode
+from .fused import fused_row as _fused_row  # noqa: F401 - the tests' name
+from .fused import hblocks as _hblocks  # noqa: F401 - the tests' name
+from .fused import ragged_fused as _ragged_fused
 from .kernels import ops
 
 NAME = "kvslim"
 #: FAST_MAX_QUERY (imported above, :mod:`kvslim.cache.segments`): forwards with more new tokens than this
 #: (prefill chunks) are handed materialized K/V and run sdpa: their cost is the matmuls, not reading the cache.
-#: A decode step (one new token a row, no mask) runs its attention as one C call where it can
-#: (:func:`_fused_decode`); False computes it op by op (the reference the fused call is tested against).
+#: A decode step (one new token a row, no mask) runs its attention as one kernel call where it can
+#: (:mod:`kvslim.fused`: C on the CPU, the Triton rows program on CUDA); False computes it op by op (the
+#: reference the fused call is tested against).
 FUSED_DECODE = True
 
 
@@ -100,78 +106,6 @@ def compressed_attention(query: torch.Tensor, kv: Segments, attention_mask, scal
         o = probs[..., n_sink + n_body :] @ kv.v_res.float()
         out = o if out is None else out + o
     return out.reshape(b, hq, q_len, -1).to(query.dtype)  # V may be narrower than K (MLA)
-
-
-def _fused_decode(qf: torch.Tensor, kv: Segments) -> torch.Tensor | None:
-    """A decode step's attention over ``kv`` in one C call (:func:`kvslim.kernels.cpu.attend`), or None where
-    that call does not apply (:func:`_fusable`) and :func:`compressed_attention` computes it op by op. The same
-    scores, softmax and sums, in one call instead of a dozen dispatched ops and two kernel calls a layer: what an
-    eager step's time at short contexts was made of."""
-    if not _fusable(qf, kv):
-        return None
-    k_hblock, v_hblock = _hblocks(kv)
-    return kernels.cpu.attend(
-        qf,
-        kv.k_sink,
-        kv.v_sink,
-        kv.k_res,
-        kv.v_res,
-        kv.k_codec,
-        kv.k_body,
-        kv.k_offset,
-        kv.v_codec,
-        kv.v_body,
-        k_hblock=k_hblock,
-        v_hblock=v_hblock,
-        v_offset=kv.v_offset,
-    )
-
-
-def _fusable(qf: torch.Tensor, kv: Segments, served: bool | None = None) -> bool:
-    """Whether the fused C call reads ``kv`` for queries like ``qf`` (B, Hkv, M, D): both bodies present and read
-    by the C kernels (the kernel registry picks ``cpu`` for them), no key runs to move (a re-based stream), no
-    pre-RoPE keys, a basis without a centering bias, V as wide as K. The one test for a row alone
-    (:func:`_fused_decode`) and for a row of a ragged step (:func:`_ragged_fused`): the same answer for both is
-    what keeps a row's output the same in and out of a batch. served: ``kernels.cpu_serves_query(qf)`` when the
-    caller asked it once for many rows (None: asked here)."""
-    if kv.k_body is None or kv.v_body is None or kv.k_runs or kv.k_pos is not None or not qf.is_cpu:
-        return False
-    kb, vb = kv.k_basis, kv.v_basis
-    if (kb is not None and kb.bias is not None) or (vb is not None and vb.bias is not None):
-        return False
-    if any(b is not None and b.hadamard is not None and not b.hadamard.block for b in (kb, vb)):
-        return False  # a fitted rotation (a matrix, block 0): the fused C call applies Hadamard blocks only
-    # V as wide as K (not MLA): read off the residual, which every lossy stream has (possibly empty)
-    if kv.v_res is None or kv.v_res.shape[-1] != qf.shape[-1]:
-        return False
-    served = kernels.cpu_serves_query(qf) if served is None else served
-    if not served or not kernels.on_cpu(kv.k_body, kv.v_body):
-        return False
-    return kernels.cpu.attend_supported(kv.k_codec, kv.k_body, kv.v_codec, kv.v_body)
-
-
-def _hblocks(kv: Segments) -> tuple[int, int]:
-    """The Hadamard blocks of the K and V bodies' bases (0: none)."""
-    kb, vb = kv.k_basis, kv.v_basis
-    return (
-        0 if kb is None or kb.hadamard is None else kb.hadamard.block,
-        0 if vb is None or vb.hadamard is None else vb.hadamard.block,
-    )
-
-
-def _fused_row(kv: Segments, qrow: int):
-    """``kv`` as one row of the fused call (:class:`kvslim.kernels.cpu.AttendRow`), its query at ``qrow``: the
-    arguments :func:`_fused_decode` gives :func:`kvslim.kernels.cpu.attend`, the body as one piece."""
-    return kernels.cpu.AttendRow(
-        qrow,
-        kv.k_sink,
-        kv.v_sink,
-        kv.k_res,
-        kv.v_res,
-        ((kv.k_codec, kv.k_body, kv.k_offset),),
-        ((kv.v_codec, kv.v_body, 0),),
-        *_hblocks(kv),
-    )
 
 
 def _stream_scores(qf: torch.Tensor, kv: Segments) -> list[torch.Tensor]:
@@ -306,9 +240,10 @@ def _ragged_attention(module, query, key, dropout, scaling, kwargs):
     """query (B, Hq, 1, D): row ``b`` attends to every token row ``b`` stores (no mask: a decode token sees its
     whole row), each on its own Segments; a filler row's output is 0. Returns (B, 1, Hq, Dv).
 
-    The rows the fused C call reads (:func:`_fusable`, the test a row alone meets) go in one call for the whole
-    layer (:func:`_ragged_fused`); the others, and any the call leaves (arguments that do not fit, a failed call),
-    run one by one as a row alone does. A row that raises there is dropped (``key.drop``) when the step asks for
+    The rows the fused call reads (:func:`kvslim.fused.fusable`, the test a row alone meets) go in one call for the
+    whole layer (:func:`kvslim.fused.ragged_fused`: C's rows kernel on the CPU, the Triton rows program on CUDA);
+    the others, and any the call leaves (arguments that do not fit, a failed call), run one by one as a row alone
+    does. A row that raises there is dropped (``key.drop``) when the step asks for
     that, and its output is 0.
 
     A packed step (``key.spans`` set: decode tokens and prompt chunks in one sequence) goes to
@@ -408,43 +343,6 @@ def _chunk_mask(n: int, t: int, window: int | None, device) -> torch.Tensor | No
 def _unfused_kwargs(kwargs) -> bool:
     """Features :func:`_segments_attention` hands to the materializing path, never to the compressed one."""
     return any(kwargs.get(k) is not None for k in ("softcap", "position_bias", "sinks"))
-
-
-def _ragged_fused(query, key, scaling, real: list[int]):
-    """The fusable rows of a ragged step's layer in one C call (:func:`kvslim.kernels.cpu.attend_rows`).
-
-    Returns (out (B, 1, Hq, D) in query's dtype, with the fused rows' outputs and 0 elsewhere, rows left to the
-    caller), or (None, real) where no row is fused. Each fused row's output is bit for bit what
-    :func:`compressed_attention` gives that row alone: the same query arithmetic (elementwise, whatever the
-    batch), the same kernel arithmetic (``kv_attend_rows`` is ``kv_attend`` per row), the same casts."""
-    b_all, hq, q_len, d = query.shape
-    first = key.rows[real[0]]
-    h_kv = first.kv_shape[1]
-    if hq % h_kv:
-        return None, real
-    scaling = d**-0.5 if scaling is None else scaling
-    # GQA folded into the query axis as compressed_attention folds it: (B, Hkv, rep * q, D)
-    qf = (query.float() * scaling).reshape(b_all, h_kv, hq // h_kv * q_len, d)
-    served = kernels.cpu_serves_query(qf)
-    if not served:
-        return None, real
-    rows, rest = [], []
-    for b in real:
-        seg = key.rows[b]
-        if seg.kv_shape[1:] == (h_kv, d) and _fusable(qf, seg, served):
-            rows.append(_fused_row(seg, b))
-        else:
-            rest.append(b)
-    if not rows:
-        return None, real
-    flat = torch.zeros_like(qf)  # rows the call does not write (fillers, rows left) stay 0
-    try:
-        left = kernels.cpu.attend_rows(qf, rows, flat)
-    except Exception:  # noqa: BLE001 - every row runs alone instead, where a failure stays with its row
-        left = range(len(rows))
-    rest = sorted(rest + [rows[i].qrow for i in left])
-    out = flat.reshape(b_all, hq, q_len, d).to(query.dtype).transpose(1, 2).contiguous()  # (B, q, Hq, D)
-    return out, rest
 
 
 def _ragged_v_dim(key, real=None) -> int:

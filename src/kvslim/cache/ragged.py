@@ -7,9 +7,10 @@ to each joining row (chunked prefill mixed into the decode step, as Sarathi-Serv
 longest row costs, for every row, and would need one storage layout for all of them. Instead
 :class:`RaggedCache` hands each attention layer a :class:`RaggedSegments`: one
 :class:`~kvslim.cache.layer.Segments` view per row (None for a filler row, see below), and the ``kvslim``
-attention (:mod:`kvslim.attention`) attends on each row's own codes: one C call a layer for every row the
-fused kernel reads (:func:`kvslim.kernels.cpu.attend_rows`, each row computed as it would be alone), row by
-row for the others. The linear layers, the norms and RoPE run once over the whole batch — that is what a
+attention (:mod:`kvslim.attention`) attends on each row's own codes: one kernel call a layer for every row
+the rows kernels read (:mod:`kvslim.fused`: C's :func:`kvslim.kernels.cpu.attend_rows` on the CPU, the Triton
+:func:`kvslim.kernels.gpu_rows.attend_rows` on CUDA; each row computed as it would be alone), row by row for
+the others. The linear layers, the norms and RoPE run once over the whole batch — that is what a
 batch is for: the weights are read once per step for every row.
 
 A row that fails (its K/V not finite, or its store refuses them) in a step run with an ``errors`` dict is

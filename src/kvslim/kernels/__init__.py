@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from ..formats import Codec, Encoded
-from . import cpu, gpu, reference
+from . import cpu, gpu, gpu_rows, reference  # noqa: F401 - gpu_rows: reached as kernels.gpu_rows
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 #: Order in which "auto" tries backends (the reference last, as it covers everything). Each declines
@@ -163,6 +163,19 @@ def cpu_serves_query(x: torch.Tensor) -> bool:
     """:func:`cpu_serves`' answer for what does not depend on the bodies (the backend, the query): asked once
     for the rows of a ragged step, whose bodies are then checked with :func:`on_cpu` one by one."""
     return get_backend() in ("auto", "cpu") and x.is_cpu and 0 < x.shape[2] <= cpu.MAX_M and _usable("cpu")
+
+
+def triton_serves_query(x: torch.Tensor) -> bool:
+    """Whether a decode step's attention for queries ``x`` (B, H_kv, M, D) goes to the Triton rows program
+    (:mod:`.gpu_rows`): CUDA tensors under "auto" or "triton", CPU tensors only when the interpreter was asked for
+    by name (:func:`kvslim.kernels.gpu.cpu_opt_in`), M up to :data:`.gpu.MAX_M`, Triton usable. The bodies are
+    the caller's to check (:func:`kvslim.kernels.gpu_rows.attend_supported`)."""
+    wanted = get_backend()
+    if wanted not in ("auto", "triton") or not 0 < x.shape[2] <= gpu.MAX_M or x.dtype != torch.float32:
+        return False
+    if not (x.is_cuda or (x.is_cpu and gpu.cpu_opt_in(wanted))):
+        return False
+    return gpu.installed() and _usable("triton")
 
 
 def on_cpu(*bodies: Encoded) -> bool:

@@ -324,7 +324,8 @@ class AttendRow(NamedTuple):
     qrow: the row's index in the call's q and out. k_sink, v_sink, k_res, v_res: (1, H, n, D) fp32/fp16/bf16 or
     None. k_body, v_body: the encoded body as pieces ``(codec, Encoded, offset)``, oldest first, concatenated
     (one piece: a cache's body; many: blocks anywhere in memory, as a paged pool keeps them); ``offset``: where
-    a per-channel K piece's first token sits in its group (0 for the others). A row's V pieces share one
+    a per-channel K piece's first token sits in its group, a variance-normalized V piece's in its factors' group
+    of ``token_group`` tokens (0 for the others). A row's V pieces share one
     format. k_hblock, v_hblock: the bodies' Hadamard blocks (0: none), as :func:`attend`'s."""
 
     qrow: int
@@ -361,21 +362,24 @@ def _fp_part(t: torch.Tensor | None, h: int, d: int, dummy: tuple) -> tuple[int,
 
 
 def _row_pieces(pieces, h: int, d: int, role: str, vals: list) -> tuple[int, int]:
-    """A row's K or V body pieces appended to ``vals`` as piece records; returns (pieces, tokens)."""
+    """A row's K or V body pieces appended to ``vals`` as piece records; returns (pieces, tokens). A
+    variance-normalized affine piece carries its factors (and, for V, their token group, ``offset`` being where
+    the piece's first token sits in it), read in place as :func:`attend` reads them."""
     tokens, first = 0, None
     for codec, enc, offset in pieces:
         p, parts, vn = _body_args(codec, enc, 1, h, d, offset, role)
-        if vn is not None:
-            raise ValueError("attention rows: variance-normalized bodies go to the per-row kernel (kv_attend)")
         if role == "v":
             first = first or p[:2]
             if p[:2] != first:
                 raise ValueError(
                     f"attention rows: a row's V pieces must share one format, got {first} and {p[:2]}"
                 )
-        vals += p
+            if vn is not None:  # the V factors' offset in their group (a plain V piece's offset field stays 0)
+                p = (*p[:3], offset, p[4])
+        vals += (*p, codec.token_group if role == "v" and vn is not None else 0)
         for t in parts:
             vals += _part(t)
+        vals += (0, 0, 0, 0, _DT[torch.uint8]) if vn is None else _part(vn)
         tokens += p[4]
     return len(pieces), tokens
 

@@ -11,6 +11,9 @@ gridded over token tiles; the V sum is split over the tokens (flash-decoding: Da
 and the per-split partial sums are added by a second pass (``torch.sum``; the probabilities arrive
 normalized, so no rescaling is needed).
 
+A decode step's whole attention for many rows (sinks, bodies as lists of pieces, residual, softmax, value sums)
+in one launch: :mod:`.gpu_rows` (programs in :mod:`.triton_rows`), which reuses these programs' tile decoder.
+
 Triton is an optional extra (``pip install kvslim[gpu]``): this module imports it only on first use,
 and :func:`status` reports it missing without raising.
 
@@ -100,38 +103,37 @@ def cpu_opt_in(requested: str) -> bool:
 
 # --------------------------------------------------------------------------- the programs
 
-_lock = threading.Lock()
-_programs: dict[bool, ModuleType] = {}
+_lock = threading.RLock()  # re-entered: the rows programs' module asks for the base programs while it loads
+_programs: dict[tuple[str, bool], ModuleType] = {}
 
 
-def programs() -> ModuleType:
-    """The :mod:`.triton_kernels` programs for the current mode: compiled for the GPU, or interpreted
-    under ``$TRITON_INTERPRET``. Triton fixes a ``@triton.jit`` function's mode when it is decorated,
-    so each mode executes its own copy of the module, registered as ``kvslim.kernels._triton_compiled``
-    or ``kvslim.kernels._triton_interpreted`` (Triton reads program sources through inspect)."""
+def programs(module: str = "triton_kernels") -> ModuleType:
+    """The :mod:`.triton_kernels` programs (or ``module``'s: :mod:`.triton_rows`) for the current mode: compiled
+    for the GPU, or interpreted under ``$TRITON_INTERPRET``. Triton fixes a ``@triton.jit`` function's mode when
+    it is decorated, so each mode executes its own copy of the module, registered as
+    ``kvslim.kernels._triton_compiled`` or ``kvslim.kernels._triton_interpreted`` (``_triton_rows_compiled`` ...
+    for the rows programs; Triton reads program sources through inspect)."""
     mode = interpreting()
-    if mode not in _programs:
+    key = (module, mode)
+    if key not in _programs:
         with _lock:
-            if mode not in _programs:
-                spec = importlib.util.find_spec(f"{__package__}.triton_kernels")
-                name = f"{__package__}._triton_{'interpreted' if mode else 'compiled'}"
+            if key not in _programs:
+                spec = importlib.util.find_spec(f"{__package__}.{module}")
+                stem = "triton" if module == "triton_kernels" else module
+                name = f"{__package__}._{stem}_{'interpreted' if mode else 'compiled'}"
                 spec = importlib.util.spec_from_file_location(name, spec.origin)
-                module = importlib.util.module_from_spec(spec)
-                sys.modules[name] = module
+                loaded = importlib.util.module_from_spec(spec)
+                sys.modules[name] = loaded
                 try:
-                    spec.loader.exec_module(module)
+                    spec.loader.exec_module(loaded)
                 except BaseException:
                     del sys.modules[name]
                     raise
-                _programs[mode] = module
-    return _programs[mode]
+                _programs[key] = loaded
+    return _programs[key]
 
 
 # --------------------------------------------------------------------------- layouts
-
-
-
-
 
 
 def _ggml_ok(codec: Codec) -> bool:

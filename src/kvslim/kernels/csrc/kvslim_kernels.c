@@ -58,7 +58,7 @@
 #include <immintrin.h>
 #endif
 
-#define KV_ABI_VERSION 6
+#define KV_ABI_VERSION 7
 
 #if defined(__GNUC__) || defined(__clang__)
 #define KV_INLINE static inline __attribute__((always_inline))
@@ -1127,19 +1127,22 @@ int kv_attend(const int64_t *a) {
  *       V first piece, V piece count, then the parts k_sink, v_sink (1, H, S, D), k_res (1, H, RK, D),
  *       v_res (1, H, RV, D) fp32/fp16/bf16 (unused ones may repeat q), then status (RT_STATUS: the caller
  *       writes KV_EARG; this call writes KV_OK for each row it computes), 0
- *   npieces piece records (RT_PIECE): kind, code, group, offset, n, then the parts x, s, z: kv_attend's body
- *       arguments for n tokens (K: offset = the piece's first token's place in its group; V: offset unused).
- *       A row's V pieces share kind and code (their sum is un-permuted once). Rows may share pieces.
+ *   npieces piece records (RT_PIECE): kind, code, group, offset, n, vgroup, then the parts x, s, z, f: kv_attend's
+ *       body arguments for n tokens (K: offset = the piece's first token's place in its token group; V: offset =
+ *       that place in its group of vgroup tokens, read only with factors, else 0) and a variance-normalized affine
+ *       piece's factors f (kv_attend's K / V factor parts; data 0: none, vgroup unused then). A row's V pieces
+ *       share kind and code (their sum is un-permuted once). Rows may share pieces.
  *   part = data, s0, s1, s2, dtype; a row's parts are batch 1 (dim 0 is never indexed).
  *
  * Returns KV_OK (every row done); KV_EARG: the rows whose status says so were refused and their output left
  * untouched, the others done (a bad header refuses every row); KV_ENOMEM: no output is reliable. */
 
-enum { RT_HEAD = 18, RT_ROW = 32, RT_PIECE = 20, RT_STATUS = 30 };
+enum { RT_HEAD = 18, RT_ROW = 32, RT_PIECE = 26, RT_STATUS = 30 };
 
 typedef struct {
     kv_body b;
-    kv_part x, s, z;
+    kv_part x, s, z, f; /* f: variance-normalization factors (data NULL: none) */
+    int vgroup;         /* V with factors: tokens per factor row (b.offset: the first token's place in it) */
 } rt_piece;
 
 typedef struct {
@@ -1174,11 +1177,14 @@ static int rt_setup(const int64_t *e, const rt_piece *pieces, int64_t np, int64_
     if (kf < 0 || kn < 0 || kf > np - kn || vf < 0 || vn < 0 || vf > np - vn) return KV_EARG;
     int64_t nk = 0, nv = 0;
     for (int64_t i = kf; i < kf + kn; i++) {
-        if (!body_ok(&pieces[i].b, 0, D)) return KV_EARG;
+        if (!body_ok(&pieces[i].b, 0, D) || (pieces[i].f.data && pieces[i].b.kind != 1)) return KV_EARG;
         if ((nk += pieces[i].b.n) >= lim) return KV_EARG;
     }
     for (int64_t i = vf; i < vf + vn; i++) {
         if (!body_ok(&pieces[i].b, 1, D) || pieces[i].b.kind != pieces[vf].b.kind || pieces[i].b.code != pieces[vf].b.code)
+            return KV_EARG;
+        const rt_piece *v = &pieces[i];
+        if (v->f.data ? v->b.kind != 1 || v->vgroup < 1 || v->b.offset < 0 || v->b.offset >= v->vgroup : v->b.offset != 0)
             return KV_EARG;
         if ((nv += pieces[i].b.n) >= lim) return KV_EARG;
     }
@@ -1219,7 +1225,8 @@ static void rt_body(const rt_row *w, int is_v, int h, int c, int H, int M, int D
         const kv_call k = {.op = is_v ? (b->kind ? OP_V_AFFINE : OP_V_ROWS) : (b->kind ? OP_K_AFFINE : OP_K_ROWS),
                            .fmt = b->code, .bits = b->code, .group = b->group, .offset = is_v ? 0 : b->offset, .nc = nc,
                            .x = is_v ? &sc : &w->qb, .p1 = &pc[i].x, .p2 = &pc[i].s, .p3 = &pc[i].z,
-                           .out = is_v ? NULL : &sc, .dm = &dm, .part = NULL, .tr = NULL};
+                           .out = is_v ? NULL : &sc, .dm = &dm, .part = NULL, .tr = NULL,
+                           .vn = pc[i].f.data ? &pc[i].f : NULL, .vgroup = pc[i].vgroup, .voffset = b->offset};
         run_range(&k, 0, h, lo - start, hi - start, scratch, acc);
     }
 }
@@ -1253,9 +1260,10 @@ int kv_attend_rows(int64_t *a) {
     }
     for (int64_t i = 0; i < NP; i++) {
         const int64_t *e = pr + i * RT_PIECE;
-        int v[5];
-        for (int j = 0; j < 5; j++) v[j] = e[j] < INT32_MIN || e[j] > INT32_MAX ? -1 : (int)e[j];
-        pieces[i] = (rt_piece){.x = part_of(e + 5), .s = part_of(e + 10), .z = part_of(e + 15)};
+        int v[6];
+        for (int j = 0; j < 6; j++) v[j] = e[j] < INT32_MIN || e[j] > INT32_MAX ? -1 : (int)e[j];
+        pieces[i] = (rt_piece){.x = part_of(e + 6), .s = part_of(e + 11), .z = part_of(e + 16), .f = part_of(e + 21),
+                               .vgroup = v[5]};
         pieces[i].b = (kv_body){v[0], v[1], v[2], v[3], v[4], &pieces[i].x, &pieces[i].s, &pieces[i].z};
     }
     /* set up the rows; sizes of the scores, rotated queries and V partial sums; task counts; the call's work */

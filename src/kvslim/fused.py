@@ -1,0 +1,172 @@
+"""A decode step's attention in one kernel call: one cache's rows (:func:`fused_decode`) or every row of a ragged
+step's layer (:func:`ragged_fused`), each row computed as it would be alone.
+
+Two backends, one contract (a table of rows, each with its own sinks, encoded body as a list of pieces, residual
+and bases; :class:`kvslim.kernels.cpu.AttendRow`), picked by device (:func:`rows_backend`):
+
+- CPU tensors: the C kernels, ``kernels.cpu.attend`` (a cache alone, ``kv_attend``) and ``kernels.cpu.attend_rows``
+  (many rows, ``kv_attend_rows``): the same instructions per row, so a row's output is bit for bit the same alone
+  and in a batch.
+- CUDA tensors (CPU tensors under Triton's interpreter, asked for by name): the Triton rows program
+  (``kernels.gpu_rows.attend_rows``), for a cache alone too, so that here also a row gets the same bits alone and
+  in a batch (its program depends on the row alone).
+
+What neither reads (:func:`fusable`: pre-RoPE keys, re-based key runs, a mean-centering bias, a fitted rotation,
+MLA's narrower V, nothing encoded yet, a backend other than these) runs op by op in
+:func:`kvslim.attention.compressed_attention`.
+
+This module knows the cache's :class:`~kvslim.cache.segments.Segments` view and the kernels' row contract; it
+knows nothing about transformers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import kernels
+from .formats import Encoded
+
+
+def rows_backend(qf: torch.Tensor):
+    """The kernels module whose ``attend_rows`` serves queries ``qf`` (B, Hkv, M, D) fp32: ``kernels.cpu``,
+    ``kernels.gpu_rows``, or None (op by op)."""
+    if kernels.cpu_serves_query(qf):
+        return kernels.cpu
+    if kernels.triton_serves_query(qf):
+        return kernels.gpu_rows
+    return None
+
+
+def fusable(qf: torch.Tensor, kv, backend=None) -> bool:
+    """Whether the fused call reads ``kv`` for queries like ``qf`` (B, Hkv, M, D): both bodies present and read by
+    the backend's kernels, no key runs to move (a re-based stream), no pre-RoPE keys, a basis without a centering
+    bias and with Hadamard blocks (not a fitted rotation's matrix), V as wide as K. The one test for a row alone
+    (:func:`fused_decode`) and for a row of a ragged step (:func:`ragged_fused`): the same answer for both is what
+    keeps a row's output the same in and out of a batch. backend: :func:`rows_backend`'s answer when the caller
+    asked it once for many rows (None: asked here)."""
+    if kv.k_body is None or kv.v_body is None or kv.k_runs or kv.k_pos is not None:
+        return False
+    kb, vb = kv.k_basis, kv.v_basis
+    if (kb is not None and kb.bias is not None) or (vb is not None and vb.bias is not None):
+        return False
+    if any(b is not None and b.hadamard is not None and not b.hadamard.block for b in (kb, vb)):
+        return False  # a fitted rotation (a matrix, block 0): the fused calls apply Hadamard blocks only
+    # V as wide as K (not MLA): read off the residual, which every lossy stream has (possibly empty)
+    if kv.v_res is None or kv.v_res.shape[-1] != qf.shape[-1]:
+        return False
+    backend = rows_backend(qf) if backend is None else backend
+    if backend is kernels.cpu:
+        if not kernels.on_cpu(kv.k_body, kv.v_body):
+            return False
+        return kernels.cpu.attend_supported(kv.k_codec, kv.k_body, kv.v_codec, kv.v_body)
+    if backend is kernels.gpu_rows:
+        return kernels.gpu_rows.attend_supported(qf, kv.k_codec, kv.k_body, kv.v_codec, kv.v_body)
+    return False
+
+
+def hblocks(kv) -> tuple[int, int]:
+    """The Hadamard blocks of the K and V bodies' bases (0: none)."""
+    kb, vb = kv.k_basis, kv.v_basis
+    return (
+        0 if kb is None or kb.hadamard is None else kb.hadamard.block,
+        0 if vb is None or vb.hadamard is None else vb.hadamard.block,
+    )
+
+
+def fused_row(kv, qrow: int, b: int | None = None):
+    """``kv`` (batch row ``b`` of it; None: a batch of one) as one row of the fused call
+    (:class:`kvslim.kernels.cpu.AttendRow`), its query at ``qrow``: the bodies as one piece each."""
+
+    def cut(t):
+        return t if b is None or t is None else t[b : b + 1]
+
+    def body(enc: Encoded) -> Encoded:
+        if b is None:
+            return enc
+        return Encoded(
+            token={n: cut(t) for n, t in enc.token.items()}, group={n: cut(t) for n, t in enc.group.items()}
+        )
+
+    return kernels.cpu.AttendRow(
+        qrow,
+        cut(kv.k_sink),
+        cut(kv.v_sink),
+        cut(kv.k_res),
+        cut(kv.v_res),
+        ((kv.k_codec, body(kv.k_body), kv.k_offset),),
+        ((kv.v_codec, body(kv.v_body), kv.v_offset),),
+        *hblocks(kv),
+    )
+
+
+def fused_decode(qf: torch.Tensor, kv) -> torch.Tensor | None:
+    """A decode step's attention (B, Hkv, M, D) fp32 over ``kv`` in one kernel call, or None where that call does
+    not apply (:func:`fusable`) and :func:`kvslim.attention.compressed_attention` computes it op by op. The same
+    scores, softmax and sums, in one call instead of a dozen dispatched ops and two kernel calls a layer: what an
+    eager step's time at short contexts was made of. On CUDA it is the rows program with this cache's rows, the
+    call a ragged step makes for all its rows."""
+    backend = rows_backend(qf)
+    if backend is None or not fusable(qf, kv, backend):
+        return None
+    if backend is kernels.gpu_rows:
+        out = torch.zeros_like(qf)
+        rows = [fused_row(kv, b, None if qf.shape[0] == 1 else b) for b in range(qf.shape[0])]
+        try:
+            left = kernels.gpu_rows.attend_rows(qf, rows, out)
+        except Exception:  # noqa: BLE001 - as a ragged step does with a failed call: the op-by-op path instead
+            return None
+        return None if left else out
+    k_hblock, v_hblock = hblocks(kv)
+    return kernels.cpu.attend(
+        qf,
+        kv.k_sink,
+        kv.v_sink,
+        kv.k_res,
+        kv.v_res,
+        kv.k_codec,
+        kv.k_body,
+        kv.k_offset,
+        kv.v_codec,
+        kv.v_body,
+        k_hblock=k_hblock,
+        v_hblock=v_hblock,
+        v_offset=kv.v_offset,
+    )
+
+
+def ragged_fused(query, key, scaling, real: list[int]):
+    """The fusable rows of a ragged step's layer in one call (``attend_rows`` of :func:`rows_backend`).
+
+    Returns (out (B, 1, Hq, D) in query's dtype, with the fused rows' outputs and 0 elsewhere, rows left to the
+    caller), or (None, real) where no row is fused. Each fused row's output is bit for bit what
+    :func:`kvslim.attention.compressed_attention` gives that row alone: the same query arithmetic (elementwise,
+    whatever the batch), the same kernel arithmetic per row (``kv_attend_rows`` is ``kv_attend`` per row; the
+    Triton rows program is the one a row alone runs), the same casts."""
+    b_all, hq, q_len, d = query.shape
+    first = key.rows[real[0]]
+    h_kv = first.kv_shape[1]
+    if hq % h_kv:
+        return None, real
+    scaling = d**-0.5 if scaling is None else scaling
+    # GQA folded into the query axis as compressed_attention folds it: (B, Hkv, rep * q, D)
+    qf = (query.float() * scaling).reshape(b_all, h_kv, hq // h_kv * q_len, d)
+    backend = rows_backend(qf)
+    if backend is None:
+        return None, real
+    rows, rest = [], []
+    for b in real:
+        seg = key.rows[b]
+        if seg.kv_shape[1:] == (h_kv, d) and fusable(qf, seg, backend):
+            rows.append(fused_row(seg, b))
+        else:
+            rest.append(b)
+    if not rows:
+        return None, real
+    flat = torch.zeros_like(qf)  # rows the call does not write (fillers, rows left) stay 0
+    try:
+        left = backend.attend_rows(qf, rows, flat)
+    except Exception:  # noqa: BLE001 - every row runs alone instead, where a failure stays with its row
+        left = range(len(rows))
+    rest = sorted(rest + [rows[i].qrow for i in left])
+    out = flat.reshape(b_all, hq, q_len, d).to(query.dtype).transpose(1, 2).contiguous()  # (B, q, Hq, D)
+    return out, rest
