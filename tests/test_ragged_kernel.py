@@ -316,3 +316,105 @@ def test_rows_bench_runs_and_checks_identity(capsys):
     )
     out = capsys.readouterr().out
     assert "one-call us" in out and '"mode": "one-call"' in out
+
+
+#: (spec, tokens before the re-base, tokens after it): rows whose keys sit in two RoPE frames (a re-base of the
+#: position ids by RUN_BASE between them; the residual already all in the new frame): per-channel K with a group
+#: split by the run boundary, GGML rows, a Hadamard basis and none, sinks, a window
+RUNS = [
+    ("int4,sink=4,window=200,group=16,residual=16", 150, 40),
+    ("q4_0,sink=2,window=100,residual=0,group=1", 300, 30),
+    ("int8,rotate=none,group=8,residual=8", 77, 21),
+    ("q8_0,k=int4,group=16,residual=16", 500, 60),
+]
+RUN_BASE = 37
+
+
+def _segments_with_runs(spec: str, before: int, after: int, seed: int):
+    """Layer 0 of a SlimCache with ``spec``: ``before`` tokens fed at base 0, ``after`` and a decode token at base
+    RUN_BASE (what kvslim's loop does when it re-bases the position ids): its Segments view, with key runs."""
+    cache = SlimCache.from_config(kvslim.parse_spec(spec), config=tiny_config())
+    store = cache.layers[0].store
+    g = torch.Generator().manual_seed(seed)
+    kv = lambda t: torch.randn(1, H, t, D, generator=g) * 2 + torch.linspace(-3, 3, D)  # noqa: E731 - channel means
+    store.append(kv(before), kv(before))
+    store.append(kv(after), kv(after), base=RUN_BASE)
+    return store.append(kv(1), kv(1), segments=True, base=RUN_BASE)
+
+
+def test_rows_with_key_runs_are_fused_and_read_each_run_in_its_frame(threads, monkeypatch):
+    """A row whose keys sit in two RoPE frames goes through the fused call (each run a K piece scored with the
+    query moved into its frame) and gives the op-by-op path's output (which moves the query per run too) up to
+    the order of fp32 sums; alone and in a ragged step beside rows without runs, bit for bit the same."""
+    segs = [_segments_with_runs(spec, b, a, 21 + i) for i, (spec, b, a) in enumerate(RUNS)]
+    query = _queries(len(segs) + 2, 9)
+    qf = (query.float() * D**-0.5).reshape(len(segs) + 2, H, M, D)
+    for spec_runs, seg in zip(RUNS, segs, strict=True):
+        assert len(seg.k_runs) == 2 and seg.k_runs[0][1] != 0 and seg.k_runs[1][1] == 0, (spec_runs, seg.k_runs)
+        assert attention._fusable(qf[:1], seg), spec_runs
+    alone = [_alone(query[i : i + 1], seg) for i, seg in enumerate(segs)]
+    monkeypatch.setattr(attention, "FUSED_DECODE", False)
+    op_by_op = [_alone(query[i : i + 1], seg) for i, seg in enumerate(segs)]
+    monkeypatch.setattr(attention, "FUSED_DECODE", True)
+    for spec_runs, a, o in zip(RUNS, alone, op_by_op, strict=True):
+        torch.testing.assert_close(a, o, atol=2e-5, rtol=1e-5, msg=str(spec_runs))
+    # a ragged step: the rows with runs beside rows without, one fused call, each row = alone
+    plain = _rows([FUSED[0], FUSED[4]], seed=31)
+    rows = (segs[0], plain[0], segs[1], segs[2], plain[1], segs[3])
+    calls = []
+    real = cpu.attend_rows
+    monkeypatch.setattr(
+        cpu, "attend_rows", lambda q, rs, out: calls.append(sorted(r.qrow for r in rs)) or real(q, rs, out)
+    )
+    q6 = _queries(len(rows), 10)
+    out, _ = attention.kvslim_attention(_MODULE, q6, RaggedSegments(rows), None, None, scaling=None)
+    assert calls[0] == list(range(len(rows)))  # every row in the one call
+    calls.clear()
+    for b, seg in enumerate(rows):
+        assert torch.equal(out[b : b + 1], _alone(q6[b : b + 1], seg)), b
+
+
+@pytest.mark.parametrize("residual_dtype", ["float16", "bfloat16", "model"])
+def test_a_run_that_reaches_into_the_residual_is_fused(residual_dtype, monkeypatch):
+    """Right after a re-base the old frame's keys are still in the full-precision residual too: they become a
+    piece of their own (the residual's dtype, read by the C row decoders) scored with the moved query, the
+    residual's tail in the frame with the row's; the output is the op-by-op path's."""
+    if not cpu.status()[0]:
+        pytest.skip("no C compiler")
+    seg = _segments_with_runs(f"int4,group=16,residual=64,residual_dtype={residual_dtype}", 100, 2, 41)
+    n_body = seg.n_body("k")
+    assert seg.k_runs[0][1] != 0 and seg.k_runs[0][0] > n_body  # the old frame's keys reach into the residual
+    query = _queries(1, 12)
+    qf = (query.float() * D**-0.5).reshape(1, H, M, D)
+    assert attention._fusable(qf, seg)
+    row = attention._fused_row(seg, 0, qf=qf)
+    assert len(row.k_body) == 2 and row.k_res.shape[2] == seg.k_res.shape[2] - (seg.k_runs[0][0] - n_body)
+    fused = _alone(query, seg)
+    monkeypatch.setattr(attention, "FUSED_DECODE", False)
+    torch.testing.assert_close(fused, _alone(query, seg), atol=2e-5, rtol=1e-5)
+
+
+def test_a_piece_with_its_own_queries_is_scored_with_them(threads):
+    """kv_attend_rows reads a K piece's own queries where it has them: a row cut into two pieces, the second
+    given the row's query moved, equals the op-by-op scores of that split (checked against torch)."""
+    seg = _segments(FUSED[7][0], FUSED[7][1], 51)  # q5_0, no Hadamard basis: the pieces' queries as given
+    qf = torch.randn(1, H, M, D, generator=torch.Generator().manual_seed(5)) * D**-0.5
+    n = seg.n_body("k")
+    (k1, k2), vp = _cut(seg, {n // 3})[0], _cut(seg, {n // 3})[1]
+    other = (torch.randn(1, H, M, D, generator=torch.Generator().manual_seed(6)) * D**-0.5).contiguous()
+    row = attention._fused_row(seg, 0)._replace(k_body=(k1, (*k2, other)), v_body=vp)
+    out = torch.zeros_like(qf)
+    assert cpu.attend_rows(qf, [row], out) == []
+    # torch: decoded keys and values, scores of the first piece with qf, the second with other
+    k, v = seg.materialize()
+    k, v = k.float(), v.float()  # (1, H, T, D): sinks, body, residual
+    s = seg.k_sink.shape[2] if seg.k_sink is not None else 0
+    n1 = n // 3
+    scores = qf @ k.transpose(-1, -2)
+    scores[..., s + n1 : s + n] = (other @ k.transpose(-1, -2))[..., s + n1 : s + n]
+    ref = torch.softmax(scores, -1) @ v
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    # and the same call without the second piece's queries differs (the queries are read, not ignored)
+    plain = torch.zeros_like(qf)
+    assert cpu.attend_rows(qf, [attention._fused_row(seg, 0)], plain) == []
+    assert not torch.allclose(plain, out, atol=1e-3)

@@ -12,6 +12,8 @@ transformers when a :class:`SlimCache` is built, by :func:`enable`, or by an exp
 
 from __future__ import annotations
 
+from .lazy import lazy_exports
+
 __version__ = "0.1.0"
 
 # public name -> (module, attribute); loaded on first access (PEP 562)
@@ -54,18 +56,4 @@ def enable(model):
     return model
 
 
-def __getattr__(name: str):
-    try:
-        module_name, attr = _LAZY[name]
-    except KeyError:
-        raise AttributeError(f"module 'kvslim' has no attribute {name!r}") from None
-    import importlib
-
-    module = importlib.import_module(module_name)
-    value = module if attr is None else getattr(module, attr)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

@@ -11,9 +11,12 @@ and bases; :class:`kvslim.kernels.cpu.AttendRow`), picked by device (:func:`rows
   (``kernels.gpu_rows.attend_rows``), for a cache alone too, so that here also a row gets the same bits alone and
   in a batch (its program depends on the row alone).
 
-What neither reads (:func:`fusable`: pre-RoPE keys, re-based key runs, a mean-centering bias, a fitted rotation,
-MLA's narrower V, nothing encoded yet, a backend other than these) runs op by op in
-:func:`kvslim.attention.compressed_attention`.
+A stream whose keys sit in several RoPE frames (runs after a re-base of the position ids: a windowed cache, for up
+to a window's worth of steps after each re-base) is one K piece per run in the C rows call, each scored with the
+row's queries moved into its frame (:func:`fused_row`); the Triton program does not take a piece's own queries yet.
+What neither reads (:func:`fusable`: pre-RoPE keys, re-based key runs on CUDA or in a batched cache, a
+mean-centering bias, a fitted rotation, MLA's narrower V, nothing encoded yet, a backend other than these) runs op
+by op in :func:`kvslim.attention.compressed_attention`.
 
 This module knows the cache's :class:`~kvslim.cache.segments.Segments` view and the kernels' row contract; it
 knows nothing about transformers.
@@ -24,7 +27,10 @@ from __future__ import annotations
 import torch
 
 from . import kernels
-from .formats import Encoded
+from .formats import Encoded, make_codec
+
+#: the codec of full-precision keys read as a piece (the residual's keys of a run off the frame, :func:`_run_pieces`)
+_FP_ROWS = make_codec("none", "k")
 
 
 def rows_backend(qf: torch.Tensor):
@@ -39,12 +45,13 @@ def rows_backend(qf: torch.Tensor):
 
 def fusable(qf: torch.Tensor, kv, backend=None) -> bool:
     """Whether the fused call reads ``kv`` for queries like ``qf`` (B, Hkv, M, D): both bodies present and read by
-    the backend's kernels, no key runs to move (a re-based stream), no pre-RoPE keys, a basis without a centering
+    the backend's kernels, key runs (a re-based stream) only on the CPU, in a cache of one row, with the residual's
+    keys in the frame after those off it (:func:`_runs_fit`), no pre-RoPE keys, a basis without a centering
     bias and with Hadamard blocks (not a fitted rotation's matrix), V as wide as K. The one test for a row alone
     (:func:`fused_decode`) and for a row of a ragged step (:func:`ragged_fused`): the same answer for both is what
     keeps a row's output the same in and out of a batch. backend: :func:`rows_backend`'s answer when the caller
     asked it once for many rows (None: asked here)."""
-    if kv.k_body is None or kv.v_body is None or kv.k_runs or kv.k_pos is not None:
+    if kv.k_body is None or kv.v_body is None or kv.k_pos is not None:
         return False
     kb, vb = kv.k_basis, kv.v_basis
     if (kb is not None and kb.bias is not None) or (vb is not None and vb.bias is not None):
@@ -55,6 +62,8 @@ def fusable(qf: torch.Tensor, kv, backend=None) -> bool:
     if kv.v_res is None or kv.v_res.shape[-1] != qf.shape[-1]:
         return False
     backend = rows_backend(qf) if backend is None else backend
+    if kv.k_runs and (backend is not kernels.cpu or kv.kv_shape[0] != 1 or not _runs_fit(kv)):
+        return False
     if backend is kernels.cpu:
         if not kernels.on_cpu(kv.k_body, kv.v_body):
             return False
@@ -73,9 +82,18 @@ def hblocks(kv) -> tuple[int, int]:
     )
 
 
-def fused_row(kv, qrow: int, b: int | None = None):
+def fused_row(kv, qrow: int, b: int | None = None, qf: torch.Tensor | None = None):
     """``kv`` (batch row ``b`` of it; None: a batch of one) as one row of the fused call
-    (:class:`kvslim.kernels.cpu.AttendRow`), its query at ``qrow``: the bodies as one piece each."""
+    (:class:`kvslim.kernels.cpu.AttendRow`), its query at ``qrow`` (of ``qf`` (N, Hkv, M, D), needed only for
+    a cache with key runs): the bodies as one piece each, or K as one piece per key run (:func:`_run_pieces`)."""
+    if kv.k_runs:
+        if qf is None:
+            raise ValueError("a row with key runs needs its queries (qf) for the runs' pieces")
+        k_body, moved = _run_pieces(kv, qf[qrow : qrow + 1])
+        return kernels.cpu.AttendRow(
+            qrow, kv.k_sink, kv.v_sink, kv.k_res[:, :, moved:], kv.v_res, k_body,
+            ((kv.v_codec, kv.v_body, kv.v_offset),), *hblocks(kv),
+        )  # fmt: skip
 
     def cut(t):
         return t if b is None or t is None else t[b : b + 1]
@@ -108,6 +126,9 @@ def fused_decode(qf: torch.Tensor, kv) -> torch.Tensor | None:
     backend = rows_backend(qf)
     if backend is None or not fusable(qf, kv, backend):
         return None
+    if kv.k_runs:  # keys in other RoPE frames (CPU, one row): the rows call scores each run with its own queries
+        out = torch.zeros_like(qf)
+        return None if kernels.cpu.attend_rows(qf, [fused_row(kv, 0, qf=qf)], out) else out
     if backend is kernels.gpu_rows:
         out = torch.zeros_like(qf)
         rows = [fused_row(kv, b, None if qf.shape[0] == 1 else b) for b in range(qf.shape[0])]
@@ -157,7 +178,7 @@ def ragged_fused(query, key, scaling, real: list[int]):
     for b in real:
         seg = key.rows[b]
         if seg.kv_shape[1:] == (h_kv, d) and fusable(qf, seg, backend):
-            rows.append(fused_row(seg, b))
+            rows.append(fused_row(seg, b, qf=qf))
         else:
             rest.append(b)
     if not rows:
@@ -170,3 +191,46 @@ def ragged_fused(query, key, scaling, real: list[int]):
     rest = sorted(rest + [rows[i].qrow for i in left])
     out = flat.reshape(b_all, hq, q_len, d).to(query.dtype).transpose(1, 2).contiguous()  # (B, q, Hq, D)
     return out, rest
+
+
+def _runs_fit(kv) -> bool:
+    """Whether the residual's keys off the current RoPE frame all come before its keys in the frame (the fused
+    call scores the residual's tail with the row's own queries; the keys before it become pieces)."""
+    n_body, start, framed = kv.n_body("k"), 0, False
+    for n, delta in kv.k_runs:
+        if start + n > n_body:  # the run reaches into the residual
+            if delta and framed:
+                return False
+            framed = framed or delta == 0
+        start += n
+    return True
+
+
+def _run_pieces(kv, q: torch.Tensor) -> tuple[tuple, int]:
+    """The K stream's keys as pieces ``(codec, Encoded, offset[, queries])``, one per key run, and how many of
+    the residual's first keys they took. A run ``delta`` positions off the current frame is scored with the
+    row's queries ``q`` (1, Hkv, M, D) moved by ``-delta`` (``R(-d)q . k = q . R(d)k``, the arithmetic of
+    :func:`kvslim.attention._stream_scores`): its body keys as a piece of the body's codec with those queries
+    taken to the body's basis, its residual keys (a run still at full precision right after a re-base) as a
+    piece of the residual's own dtype (the ``none`` cast, read by the C row decoders) with the moved queries as
+    they are. A run in the frame is scored with the row's own queries: its body keys a plain piece, its residual
+    keys left to the row's residual. Computed on the row's (1, ...) slice alone, so a row gets the same bits in a
+    ragged step and alone."""
+    n_body, start, pieces, moved = kv.n_body("k"), 0, [], 0
+    basis = kv.k_basis
+    for n, delta in kv.k_runs:
+        lo, hi = start, start + n
+        start = hi
+        qd = None if delta == 0 else kv.rotary.move(q, -delta).float()
+        if lo < n_body:  # the run's body keys
+            enc, offset = kv.k_body.narrow(lo, min(hi, n_body), kv.k_offset, kv.k_codec.token_group)
+            if qd is None:
+                pieces.append((kv.k_codec, enc, offset))
+            else:
+                qb = basis.hadamard.apply(qd) if basis is not None and basis.hadamard is not None else qd
+                pieces.append((kv.k_codec, enc, offset, qb.contiguous()))
+        if hi > n_body and qd is not None:  # the run's residual keys, off the frame
+            res = kv.k_res[:, :, max(lo, n_body) - n_body : hi - n_body]
+            pieces.append((_FP_ROWS, Encoded(token={"x": res}), 0, qd.contiguous()))
+            moved = hi - n_body
+    return tuple(pieces), moved

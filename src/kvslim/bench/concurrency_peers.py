@@ -10,8 +10,11 @@ rows, which become :class:`~.concurrency.ConcurrencyRow`\\ s here.
 Cache specs map to the peer's own cache: OpenVINO's KV precision is ``f32`` for ``none``, ``u8`` for the
 8-bit formats, ``u4`` for the 4-bit ones, and a windowed spec becomes its cache eviction (start 32 tokens,
 recent up to 128, capped at sink + window rounded up to its 32-token blocks: what it can do, not StreamingLLM);
-vLLM runs its stock KV (``auto``: the model's dtype, bf16) for the unwindowed specs only. Specs a peer has no
-counterpart for are skipped with a note.
+vLLM runs its stock KV (``auto``: the model's dtype, bf16; ``KVSLIM_VLLM_DTYPE=float32`` runs its model and KV in
+float32, for a CPU without bf16 instructions, where vLLM's bf16 is emulated) for the unwindowed specs only. Specs
+a peer has no counterpart for are skipped with a note. Each peer is given a token budget of one prompt a step and
+``concurrency + 2`` more new tokens than the timed window, so every stream decodes in the window
+(:mod:`.peer_common`).
 """
 
 from __future__ import annotations
@@ -136,7 +139,9 @@ def _run(peer, python, script, directory, runs, steps, warmup, threads, log) -> 
     from ..models.converted import cache_dir
 
     job = {"model_dir": directory, "ir_dir": str(cache_dir() / "openvino" / _export_name(directory)),
-           "threads": threads, "steps": steps, "warmup": warmup, "runs": runs}
+           "threads": threads, "steps": steps, "warmup": warmup, "runs": runs,
+           # vLLM's model dtype: its CPU build's bf16 by default; float32 where the CPU has no bf16 instructions
+           "dtype": os.environ.get("KVSLIM_VLLM_DTYPE", "bfloat16")}
     with tempfile.TemporaryDirectory(prefix=f"kvslim-peer-{peer}-") as tmp:
         job_path, out_path = os.path.join(tmp, "job.json"), os.path.join(tmp, "rows.json")
         with open(job_path, "w") as f:

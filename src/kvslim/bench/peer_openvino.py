@@ -23,11 +23,31 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+try:
+    from .peer_common import (
+        emit,
+        guarded,
+        kv_elements_per_token,
+        new_tokens,
+        step_budget,
+        step_row,
+        write_rows,
+    )
+except ImportError:  # run as a script in the peer's venv: the sibling module, not the package
+    from peer_common import (
+        emit,
+        guarded,
+        kv_elements_per_token,
+        new_tokens,
+        step_budget,
+        step_row,
+        write_rows,
+    )
 
 PER_TOKEN_BYTES = {"f32": 4, "u8": 1, "u4": 0.5}
 
@@ -50,25 +70,19 @@ def export(model_dir: str, ir_dir: str) -> None:
     os.replace(tmp, ir_dir)
 
 
-def pct(xs, q):
-    s = sorted(xs)
-    k = (len(s) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
 def run_one(job: dict, run: dict, layers_kv: int) -> dict:
     import numpy as np
     import openvino as ov
     import openvino_genai as g
 
     c, length = run["concurrency"], run["length"]
-    new = job["warmup"] + job["steps"] + 1
+    new = new_tokens(job, run)
     sc = g.SchedulerConfig()
     tokens = c * (length + new + 64)
     sc.cache_size = max(1, int(tokens * layers_kv * PER_TOKEN_BYTES[run["kv"]] * 1.5 / 2**30) + 1)  # GB
     sc.max_num_seqs = max(c, 1)
+    sc.max_num_batched_tokens = step_budget(run)
+    sc.dynamic_split_fuse = True
     sc.enable_prefix_caching = False  # every stream prefills its prompt, as kvslim's do
     note = f"KV {run['kv']}"
     if run.get("eviction"):
@@ -102,19 +116,7 @@ def run_one(job: dict, run: dict, layers_kv: int) -> dict:
             decode.append(dt)
         elif first_all is None and all(n >= 1 for n in got):
             first_all = time.perf_counter() - t0
-    timed = decode[job["warmup"]:]
-    row = {"mode": f"openvino {run['spec']}", "kind": "peer", "length": length, "concurrency": c,
-           "steps": len(timed), "ms_median": float("nan"), "ms_q1": float("nan"), "ms_q3": float("nan"),
-           "aggregate_tok_s": 0.0, "ratio_to_dynamic": None, "bytes_per_stream": None, "cache_bytes": None,
-           "note": note + (f"; every prefill done at {first_all:.1f} s" if first_all is not None else "")}
-    if not timed:
-        row["note"] += "; no decode step with every stream running (raise --steps)"
-        return row
-    med = statistics.median(timed)
-    row.update(ms_median=med * 1e3, ms_q1=pct(timed, 25) * 1e3, ms_q3=pct(timed, 75) * 1e3,
-               aggregate_tok_s=c / med, itl_p50_ms=med * 1e3, itl_p90_ms=pct(timed, 90) * 1e3,
-               itl_p99_ms=pct(timed, 99) * 1e3)
-    return row
+    return step_row("openvino", run, job["warmup"], decode, first_all, note)
 
 
 def main() -> int:
@@ -125,22 +127,9 @@ def main() -> int:
     with open(a.job) as f:
         job = json.load(f)
     export(job["model_dir"], job["ir_dir"])
-    with open(os.path.join(job["model_dir"], "config.json")) as f:
-        cfg = json.load(f)
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    layers_kv = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head_dim
-    rows = []
-    for run in job["runs"]:
-        try:
-            rows.append(run_one(job, run, layers_kv))
-        except Exception as e:  # noqa: BLE001 - one run that does not go is a note in its row
-            rows.append({"mode": f"openvino {run['spec']}", "kind": "peer", "length": run["length"],
-                         "concurrency": run["concurrency"], "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
-        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    tmp = a.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(rows, f)
-    os.replace(tmp, a.out)
+    layers_kv = kv_elements_per_token(job["model_dir"])
+    rows = [emit(guarded("openvino", run, lambda run=run: run_one(job, run, layers_kv))) for run in job["runs"]]
+    write_rows(a.out, rows)
     return 0
 
 

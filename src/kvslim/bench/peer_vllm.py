@@ -21,27 +21,37 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
-
-def pct(xs, q):
-    s = sorted(xs)
-    k = (len(s) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+try:
+    from .peer_common import (
+        emit,
+        error_row,
+        guarded,
+        kv_elements_per_token,
+        new_tokens,
+        step_budget,
+        step_row,
+        write_rows,
+    )
+except ImportError:  # run as a script in the peer's venv: the sibling module, not the package
+    from peer_common import (
+        emit,
+        error_row,
+        guarded,
+        kv_elements_per_token,
+        new_tokens,
+        step_budget,
+        step_row,
+        write_rows,
+    )
 
 
 def kv_space(model_dir: str, tokens: int) -> int:
     """Bytes of KV space for ``tokens`` tokens of the model in ``model_dir`` (bf16/fp16 K and V of every layer),
     1.5x and 1 GiB over (vLLM's blocks round up, and its profiler wants room)."""
-    with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = json.load(f)
-    heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    per_token = 2 * cfg["num_hidden_layers"] * heads * head_dim * 2
+    per_token = 2 * kv_elements_per_token(model_dir)
     return int(1.5 * tokens * per_token) + (1 << 30)
 
 
@@ -49,10 +59,10 @@ def run_one(job: dict, run: dict) -> dict:
     from vllm import EngineArgs, LLMEngine, SamplingParams
 
     c, length = run["concurrency"], run["length"]
-    new = job["warmup"] + job["steps"] + 1
+    new = new_tokens(job, run)
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=job["model_dir"], dtype=job.get("dtype", "bfloat16"), max_num_seqs=max(c, 1),
-        max_model_len=length + new + 16, kv_cache_dtype=run["kv"], enable_prefix_caching=False,
+        max_model_len=length + new + 16, max_num_batched_tokens=step_budget(run), kv_cache_dtype=run["kv"], enable_prefix_caching=False,
         seed=0, kv_cache_memory_bytes=kv_space(job["model_dir"], c * (length + new + 16)),
     ))
     params = SamplingParams(max_tokens=new, ignore_eos=True, temperature=0.0)
@@ -73,20 +83,7 @@ def run_one(job: dict, run: dict) -> dict:
             decode.append(dt)
         elif first_all is None and all(n >= 1 for n in got.values()):
             first_all = time.perf_counter() - t0
-    timed = decode[job["warmup"]:]
-    row = {"mode": f"vllm {run['spec']}", "kind": "peer", "length": length, "concurrency": c,
-           "steps": len(timed), "ms_median": float("nan"), "ms_q1": float("nan"), "ms_q3": float("nan"),
-           "aggregate_tok_s": 0.0, "ratio_to_dynamic": None, "bytes_per_stream": None, "cache_bytes": None,
-           "note": f"{job.get('dtype', 'bfloat16')}, KV {run['kv']}"
-           + (f"; every prefill done at {first_all:.1f} s" if first_all is not None else "")}
-    if not timed:
-        row["note"] += "; no decode step with every stream running (raise --steps)"
-        return row
-    med = statistics.median(timed)
-    row.update(ms_median=med * 1e3, ms_q1=pct(timed, 25) * 1e3, ms_q3=pct(timed, 75) * 1e3,
-               aggregate_tok_s=c / med, itl_p50_ms=med * 1e3, itl_p90_ms=pct(timed, 90) * 1e3,
-               itl_p99_ms=pct(timed, 99) * 1e3)
-    return row
+    return step_row("vllm", run, job["warmup"], decode, first_all, f"{job.get('dtype', 'bfloat16')}, KV {run['kv']}")
 
 
 def main() -> int:
@@ -98,30 +95,13 @@ def main() -> int:
     with open(a.job) as f:
         job = json.load(f)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process: steps timed here
-    rows = []
     if a.only is not None:
-        rows.append(_guarded(job, job["runs"][a.only]))
+        run = job["runs"][a.only]
+        rows = [guarded("vllm", run, lambda: run_one(job, run))]
     else:
-        for i, run in enumerate(job["runs"]):
-            rows.append(_child(a.job, a.out, i, run))
-            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    tmp = a.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(rows, f)
-    os.replace(tmp, a.out)
+        rows = [emit(_child(a.job, a.out, i, run)) for i, run in enumerate(job["runs"])]
+    write_rows(a.out, rows)
     return 0
-
-
-def _guarded(job: dict, run: dict) -> dict:
-    try:
-        return run_one(job, run)
-    except Exception as e:  # noqa: BLE001 - one run that does not go is a note in its row
-        return _error(run, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
-
-
-def _error(run: dict, why: str) -> dict:
-    return {"mode": f"vllm {run['spec']}", "kind": "peer", "length": run["length"],
-            "concurrency": run["concurrency"], "error": why}
 
 
 def _child(job_path: str, out: str, i: int, run: dict) -> dict:
@@ -136,7 +116,7 @@ def _child(job_path: str, out: str, i: int, run: dict) -> dict:
             return json.load(f)[0]
     except (OSError, ValueError, IndexError):
         tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
-        return _error(run, f"exit {proc.returncode}: {tail[0][:200]}")
+        return error_row("vllm", run, f"exit {proc.returncode}: {tail[0][:200]}")
     finally:
         if os.path.exists(child_out):
             os.remove(child_out)

@@ -11,10 +11,11 @@ ids), the spec sent as ``kvslim_cache``, and ``ignore_eos`` so every reply has i
    cache); their times to first token are the ``ttft`` columns (``C`` prompts of ``L`` tokens arriving
    together, the server's chunked prefill);
 2. *decode*: the ``C`` sessions continued at once by one more prompt token each (prefilled in a step) and
-   ``warmup + steps + 1`` new tokens. The window in which every stream decodes runs from the latest
-   stream's ``warmup``-th streamed chunk to the earliest stream's last chunk; ``aggregate_tok_s`` is the
-   chunks received in it over its length, ``ms_median`` (and the ``itl`` percentiles) the gaps between a
-   stream's chunks in it: the inter-token latency a client sees, comparable to the engine's step.
+   ``warmup + steps + 1 + C + 2`` new tokens (the margin: the sessions join over a few steps). The window in
+   which every stream decodes runs from the latest stream's ``warmup``-th streamed chunk to the earliest
+   stream's last chunk; ``aggregate_tok_s`` is the chunks received in it over its length, ``ms_median`` (and
+   the ``itl`` percentiles) the gaps between a stream's chunks in it: the inter-token latency a client sees,
+   comparable to the engine's step.
 
 A chunk carries one token unless detokenization held a token back (a character split over tokens) or the
 token has no text (a special token): the note gives tokens per chunk (usage's completion tokens over the
@@ -133,7 +134,9 @@ def measure_serve(
             return row
         ttft = [r["ttft_s"] for r in first if r["ttft_s"] is not None]
         row.ttft_p50_ms, row.ttft_p90_ms, row.ttft_p99_ms = (pct_ms(ttft, q) for q in (50, 90, 99))
-        new = warmup + steps + 1
+        # c + 2 more: the continued sessions join the engine's steps over a few steps (a 16-stream run at 1,024
+        # tokens had no window in which all 16 decoded with warmup + steps + 1 tokens each)
+        new = warmup + steps + 1 + c + 2
         t0 = time.perf_counter()
         second = asyncio.run(_phase(
             server,

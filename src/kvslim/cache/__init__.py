@@ -23,6 +23,8 @@ is cheap: the names below load their modules on first use.
 
 from __future__ import annotations
 
+from ..lazy import lazy_exports
+
 _LAZY = {
     "SlimCache": ("kvslim.cache.adapter", "SlimCache"),
     "StaticSlimCache": ("kvslim.cache.static_adapter", "StaticSlimCache"),
@@ -31,13 +33,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str):
-    try:
-        module_name, attr = _LAZY[name]
-    except KeyError:
-        raise AttributeError(f"module 'kvslim.cache' has no attribute {name!r}") from None
-    import importlib
-
-    value = getattr(importlib.import_module(module_name), attr)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

@@ -121,21 +121,8 @@ def resolve_storage(
     if mean_center is not None and cfg.rotate == "fitted":
         biases = _fitted_biases(cfg, shapes, codecs, hadamard, mean_center, pre_rope, model_fingerprint, allow_other_model)
     elif mean_center is not None:
-        if shapes is None:
-            raise ValueError("mean_center needs config=model.config to check the bias against the model's shapes")
-        from ..calibration.meancenter import load_mean_center
-
-        biases = load_mean_center(
-            mean_center,
-            n_layers=shapes.n_layers,
-            n_kv_heads=shapes.n_kv_heads,
-            head_dim=shapes.head_dim,
-            model_fingerprint=model_fingerprint,
-            allow_other_model=allow_other_model,
-            model_type=shapes.model_type,
-            k_format=cfg.k_format,
-            k_rot=hadamard["k"] is not None,
-            pre_rope=pre_rope,
+        biases = _load_biases(
+            cfg, shapes, mean_center, hadamard["k"] is not None, pre_rope, model_fingerprint, allow_other_model
         )
     rotary, why = (None, "no config=model.config") if config is None else model_rotary(config)
     # the position semantics in effect ("auto" resolved: "cache" wherever keys can be moved)
@@ -170,11 +157,29 @@ def _fitted_biases(cfg, shapes, codecs, rotations, mean_center, pre_rope, model_
     pre-RoPE basis its rotations were fitted in), and its K means, taken to the fitted basis, where the K format
     centers (None otherwise: the file serves the rotation only)."""
     from ..calibration.biasfile import read_layers
-    from ..calibration.meancenter import BiasSet, load_mean_center
+    from ..calibration.meancenter import BiasSet
     from ..calibration.rotation import bias_to_fitted
 
     meta = mean_center.metadata() if isinstance(mean_center, BiasSet) else read_layers(mean_center)[1]
-    biases = load_mean_center(
+    # k_rot: the means' recorded basis (taken to the fitted one below); pre_rope: the rotations were fitted in
+    # the file's basis, so a cache in another is refused
+    biases = _load_biases(
+        cfg, shapes, mean_center, bool(meta.get("k_rot")), pre_rope, model_fingerprint, allow_other_model
+    )
+    if not (codecs["k"].lossy and codecs["k"].format.mean_center) or rotations["k"] is None:
+        return None
+    k_rot = bool(meta.get("k_rot"))
+    return [bias_to_fitted(b, rotations["k"].for_layer(il), k_rot) for il, b in enumerate(biases)]
+
+
+def _load_biases(cfg, shapes, mean_center, k_rot, pre_rope, model_fingerprint, allow_other_model):
+    """The K bias of every layer, checked against the model (:func:`~kvslim.calibration.meancenter.load_mean_center`)
+    in the basis ``k_rot`` / ``pre_rope`` names."""
+    if shapes is None:
+        raise ValueError("mean_center needs config=model.config to check the bias against the model's shapes")
+    from ..calibration.meancenter import load_mean_center
+
+    return load_mean_center(
         mean_center,
         n_layers=shapes.n_layers,
         n_kv_heads=shapes.n_kv_heads,
@@ -183,13 +188,9 @@ def _fitted_biases(cfg, shapes, codecs, rotations, mean_center, pre_rope, model_
         allow_other_model=allow_other_model,
         model_type=shapes.model_type,
         k_format=cfg.k_format,
-        k_rot=bool(meta.get("k_rot")),  # the means' recorded basis; taken to the fitted one below
-        pre_rope=pre_rope,  # the rotations were fitted in the file's basis: a cache in another is refused
+        k_rot=k_rot,
+        pre_rope=pre_rope,
     )
-    if not (codecs["k"].lossy and codecs["k"].format.mean_center) or rotations["k"] is None:
-        return None
-    k_rot = bool(meta.get("k_rot"))
-    return [bias_to_fitted(b, rotations["k"].for_layer(il), k_rot) for il, b in enumerate(biases)]
 
 
 def layer_storage(storage: Storage, layer_idx: int) -> tuple:

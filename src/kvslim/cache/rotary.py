@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+#: distances whose angles :meth:`Rotary.move` keeps (a window's re-bases leave one or two at a time)
+KEPT_DISTANCES = 16
+
 
 @dataclass(frozen=True)
 class Rotary:
@@ -100,12 +103,28 @@ class Rotary:
         return out
 
     def nbytes(self) -> int:
-        """Bytes held: the frequencies and the kept range of :meth:`table`."""
+        """Bytes held: the frequencies, the kept range of :meth:`table` and the distances :meth:`move` keeps."""
         n = self.inv_freq.numel() * self.inv_freq.element_size()
         kept = self._memo.get("range")
         if kept is not None:
             n += sum(x.numel() * x.element_size() for x in kept[3:])
+        for pair in self._memo.get("one", {}).values():
+            n += sum(x.numel() * x.element_size() for x in pair)
         return n
+
+    def _one(self, delta: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (R,) of one distance, as :meth:`cos_sin` computes them, kept for the next layers and steps
+        (a re-based run moves every layer's queries by the same distance until its keys leave; at most
+        :data:`KEPT_DISTANCES` distances are kept, the oldest dropped)."""
+        kept = self._memo.setdefault("one", {})
+        key = (delta, str(device))
+        got = kept.get(key)
+        if got is None:
+            got = self.cos_sin(torch.tensor(delta), device)
+            if len(kept) >= KEPT_DISTANCES:
+                kept.pop(next(iter(kept)))
+            kept[key] = got
+        return got
 
     def move(self, x: torch.Tensor, delta: torch.Tensor | int) -> torch.Tensor:
         """``R(delta) x`` for x (B, H, T, D) rotated keys or queries.
@@ -121,12 +140,13 @@ class Rotary:
         r, o = self.rotary_dim, self.offset
         if o + r > d:
             raise ValueError(f"rotary channels {o}..{o + r} exceed head_dim {d}")
-        if delta.ndim == 0:
-            delta = delta.expand(b)
-        if delta.ndim == 1:
-            delta = delta[:, None].expand(b, t)  # (B, T)
-        cos, sin = self.cos_sin(delta, x.device)  # (B, T, R)
-        cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, R)
+        if delta.ndim == 0:  # one distance for everything (a run's queries): its angles kept, per device
+            cos, sin = self._one(int(delta), x.device)  # (R,): the elements cos_sin gives each (b, t)
+        else:
+            if delta.ndim == 1:
+                delta = delta[:, None].expand(b, t)  # (B, T)
+            cos, sin = self.cos_sin(delta, x.device)  # (B, T, R)
+            cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, R)
         xf = x.float()
         rot = xf[..., o : o + r]
         half = r // 2

@@ -13,6 +13,8 @@ Documented entry points, importable from here: :func:`collect_k_means`, :func:`w
 
 from __future__ import annotations
 
+from ..lazy import lazy_exports
+
 _LAZY = {
     "collect_k_means": ("kvslim.calibration.calibrate", "collect_k_means"),
     "write_bias_file": ("kvslim.calibration.biasfile", "write_bias_file"),
@@ -23,13 +25,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str):
-    try:
-        module_name, attr = _LAZY[name]
-    except KeyError:
-        raise AttributeError(f"module 'kvslim.calibration' has no attribute {name!r}") from None
-    import importlib
-
-    value = getattr(importlib.import_module(module_name), attr)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

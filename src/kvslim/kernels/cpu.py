@@ -325,7 +325,9 @@ class AttendRow(NamedTuple):
     None. k_body, v_body: the encoded body as pieces ``(codec, Encoded, offset)``, oldest first, concatenated
     (one piece: a cache's body; many: blocks anywhere in memory, as a paged pool keeps them); ``offset``: where
     a per-channel K piece's first token sits in its group, a variance-normalized V piece's in its factors' group
-    of ``token_group`` tokens (0 for the others). A row's V pieces share one
+    of ``token_group`` tokens (0 for the others). A K piece may carry a fourth element, its own queries
+    ``(1, H, M, D)`` fp32, contiguous, already scaled and in the piece's basis (the call scores that piece with
+    them instead of the row's; kvslim's key runs in other RoPE frames use it). A row's V pieces share one
     format. k_hblock, v_hblock: the bodies' Hadamard blocks (0: none), as :func:`attend`'s."""
 
     qrow: int
@@ -361,12 +363,28 @@ def _fp_part(t: torch.Tensor | None, h: int, d: int, dummy: tuple) -> tuple[int,
     return t.shape[2], _part(rows_contiguous(t))
 
 
-def _row_pieces(pieces, h: int, d: int, role: str, vals: list) -> tuple[int, int]:
+def _piece_queries(qk: torch.Tensor | None, h: int, m: int, d: int, role: str) -> tuple:
+    """The part of a K piece's own queries (None: the row's, an all-zero part)."""
+    if qk is None:
+        return (0, 0, 0, 0, 0)
+    fits = qk.dtype == torch.float32 and tuple(qk.shape) == (1, h, m, d) and qk.is_cpu and qk.is_contiguous()
+    if role != "k" or not fits:
+        raise ValueError(
+            f"attention rows: a {role.upper()} piece's own queries must be K's, a contiguous CPU float32 "
+            f"(1, {h}, {m}, {d}) tensor, got {tuple(qk.shape)} {qk.dtype}"
+        )
+    return _part(qk)  # contiguous: the caller's tensor itself, alive until the call returns
+
+
+def _row_pieces(pieces, h: int, m: int, d: int, role: str, vals: list) -> tuple[int, int]:
     """A row's K or V body pieces appended to ``vals`` as piece records; returns (pieces, tokens). A
     variance-normalized affine piece carries its factors (and, for V, their token group, ``offset`` being where
-    the piece's first token sits in it), read in place as :func:`attend` reads them."""
+    the piece's first token sits in it), read in place as :func:`attend` reads them; a K piece may carry its own
+    queries (a fourth element, :class:`AttendRow`)."""
     tokens, first = 0, None
-    for codec, enc, offset in pieces:
+    for piece in pieces:
+        codec, enc, offset = piece[:3]
+        qk = piece[3] if len(piece) > 3 else None
         p, parts, vn = _body_args(codec, enc, 1, h, d, offset, role)
         if role == "v":
             first = first or p[:2]
@@ -380,6 +398,7 @@ def _row_pieces(pieces, h: int, d: int, role: str, vals: list) -> tuple[int, int
         for t in parts:
             vals += _part(t)
         vals += (0, 0, 0, 0, _DT[torch.uint8]) if vn is None else _part(vn)
+        vals += _piece_queries(qk, h, m, d, role)
         tokens += p[4]
     return len(pieces), tokens
 
@@ -423,8 +442,8 @@ def attend_rows(q: torch.Tensor, rows, out: torch.Tensor) -> list[int]:
                 raise ValueError(f"attention rows: {s_k} sink keys but {s_v} sink values")
             mine: list = []
             first = len(pieces) // _PIECE
-            kn, nk = _row_pieces(row.k_body, h, d, "k", mine)
-            vn, nv = _row_pieces(row.v_body, h, d, "v", mine)
+            kn, nk = _row_pieces(row.k_body, h, m, d, "k", mine)
+            vn, nv = _row_pieces(row.v_body, h, m, d, "v", mine)
             if nk + rk != nv + rv or s_k + nk + rk < 1:
                 raise ValueError(f"attention rows: K holds {nk} + {rk} tokens after the sinks, V {nv} + {rv}")
             hbs = (int(row.k_hblock), int(row.v_hblock))

@@ -58,7 +58,7 @@
 #include <immintrin.h>
 #endif
 
-#define KV_ABI_VERSION 7
+#define KV_ABI_VERSION 8
 
 #if defined(__GNUC__) || defined(__clang__)
 #define KV_INLINE static inline __attribute__((always_inline))
@@ -1130,18 +1130,23 @@ int kv_attend(const int64_t *a) {
  *   npieces piece records (RT_PIECE): kind, code, group, offset, n, vgroup, then the parts x, s, z, f: kv_attend's
  *       body arguments for n tokens (K: offset = the piece's first token's place in its token group; V: offset =
  *       that place in its group of vgroup tokens, read only with factors, else 0) and a variance-normalized affine
- *       piece's factors f (kv_attend's K / V factor parts; data 0: none, vgroup unused then). A row's V pieces
- *       share kind and code (their sum is un-permuted once). Rows may share pieces.
+ *       piece's factors f (kv_attend's K / V factor parts; data 0: none, vgroup unused then), then the part qk:
+ *       a K piece's own queries (1, H, M, D) fp32, already scaled and in the piece's basis (data 0: the row's,
+ *       Hadamard-rotated by the row's K block as kv_attend rotates them). A row whose keys sit in several RoPE
+ *       frames (kvslim's runs after a re-base of the position ids) scores each run's piece with the query moved
+ *       into that run's frame: R(-d)q . k = q . R(d)k, the codes read as stored. A row's V pieces share kind
+ *       and code (their sum is un-permuted once). Rows may share pieces.
  *   part = data, s0, s1, s2, dtype; a row's parts are batch 1 (dim 0 is never indexed).
  *
  * Returns KV_OK (every row done); KV_EARG: the rows whose status says so were refused and their output left
  * untouched, the others done (a bad header refuses every row); KV_ENOMEM: no output is reliable. */
 
-enum { RT_HEAD = 18, RT_ROW = 32, RT_PIECE = 26, RT_STATUS = 30 };
+enum { RT_HEAD = 18, RT_ROW = 32, RT_PIECE = 31, RT_STATUS = 30 };
 
 typedef struct {
     kv_body b;
     kv_part x, s, z, f; /* f: variance-normalization factors (data NULL: none) */
+    kv_part qk;         /* a K piece's own queries (data NULL: the row's body queries) */
     int vgroup;         /* V with factors: tokens per factor row (b.offset: the first token's place in it) */
 } rt_piece;
 
@@ -1178,6 +1183,7 @@ static int rt_setup(const int64_t *e, const rt_piece *pieces, int64_t np, int64_
     int64_t nk = 0, nv = 0;
     for (int64_t i = kf; i < kf + kn; i++) {
         if (!body_ok(&pieces[i].b, 0, D) || (pieces[i].f.data && pieces[i].b.kind != 1)) return KV_EARG;
+        if (pieces[i].qk.data && pieces[i].qk.dtype != DT_F32) return KV_EARG;
         if ((nk += pieces[i].b.n) >= lim) return KV_EARG;
     }
     for (int64_t i = vf; i < vf + vn; i++) {
@@ -1224,7 +1230,7 @@ static void rt_body(const rt_row *w, int is_v, int h, int c, int H, int M, int D
         const kv_body *b = &pc[i].b;
         const kv_call k = {.op = is_v ? (b->kind ? OP_V_AFFINE : OP_V_ROWS) : (b->kind ? OP_K_AFFINE : OP_K_ROWS),
                            .fmt = b->code, .bits = b->code, .group = b->group, .offset = is_v ? 0 : b->offset, .nc = nc,
-                           .x = is_v ? &sc : &w->qb, .p1 = &pc[i].x, .p2 = &pc[i].s, .p3 = &pc[i].z,
+                           .x = is_v ? &sc : pc[i].qk.data ? &pc[i].qk : &w->qb, .p1 = &pc[i].x, .p2 = &pc[i].s, .p3 = &pc[i].z,
                            .out = is_v ? NULL : &sc, .dm = &dm, .part = NULL, .tr = NULL,
                            .vn = pc[i].f.data ? &pc[i].f : NULL, .vgroup = pc[i].vgroup, .voffset = b->offset};
         run_range(&k, 0, h, lo - start, hi - start, scratch, acc);
@@ -1263,7 +1269,7 @@ int kv_attend_rows(int64_t *a) {
         int v[6];
         for (int j = 0; j < 6; j++) v[j] = e[j] < INT32_MIN || e[j] > INT32_MAX ? -1 : (int)e[j];
         pieces[i] = (rt_piece){.x = part_of(e + 6), .s = part_of(e + 11), .z = part_of(e + 16), .f = part_of(e + 21),
-                               .vgroup = v[5]};
+                               .qk = part_of(e + 26), .vgroup = v[5]};
         pieces[i].b = (kv_body){v[0], v[1], v[2], v[3], v[4], &pieces[i].x, &pieces[i].s, &pieces[i].z};
     }
     /* set up the rows; sizes of the scores, rotated queries and V partial sums; task counts; the call's work */
