@@ -10,7 +10,7 @@ so :func:`kvslim.vllm.register` points ``CPU_ATTN`` at :class:`KvslimCPUBackend`
   blocks (128 tokens on CPU by default) into pages, and hands slot mappings and block tables in pages.
 - :meth:`KvslimCPUImpl.do_kv_cache_update` encodes each step's new tokens and writes them through the slot
   mapping; :meth:`KvslimCPUImpl.forward` attends on the codes of each request's history and on the raw K/V of
-  the step's own tokens (:func:`kvslim.vllm.attend.attend`), as kvslim's own cache does.
+  the step's own tokens (:func:`kvslim.vllm.attend.attend`).
 
 Opt-in: an engine that gives no kvslim spec (:func:`kvslim.vllm.spec.given`) gets vLLM's own CPU backend, its
 implementation, builder, block sizes and spec untouched (:func:`active` decides, per engine, when vLLM builds the
