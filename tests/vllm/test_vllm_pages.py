@@ -92,28 +92,49 @@ def test_writes_go_through_the_slot_mapping_and_never_touch_written_tokens():
     assert (pages[[0, 2, 5]] == 0).all()  # pages no request owns stay untouched
 
 
-def _case(fmt_k, fmt_v, dtype=torch.float32, h_q=6, h_kv=2, seed=0):
-    """A mixed batch over shuffled pages: a decode row, a whole prefill, a prefill continuing a cached prefix
-    (chunked prefill / prefix caching), an idle row, a 1-token prompt."""
+#: _case's rows: a decode row, a whole prefill, a prefill continuing a cached prefix of 50 (chunked prefill / prefix
+#: caching: its first new key sits inside a page), an idle row, a 1-token prompt.
+KV_LENS, Q_LENS = [75, 40, 70, 9, 1], [1, 40, 20, 0, 1]
+
+
+def _case(fmt_k, fmt_v, dtype=torch.float32, h_q=6, h_kv=2, seed=0, write_new=True):
+    """A mixed batch over shuffled pages (:data:`KV_LENS`, :data:`Q_LENS`): layout, pages, query, rows, and the
+    step's raw key and value (the rows' new tokens, packed like the queries). write_new False: only the cached
+    tokens are written (the new tokens' slots stay zero), so a kernel that read them from pages would be wrong."""
     g = torch.Generator().manual_seed(seed)
     layout = PageLayout.of(fmt_k, fmt_v, D, dtype)
-    kv_lens, q_lens = [75, 40, 70, 9, 1], [1, 40, 20, 0, 1]
+    kv_lens, q_lens = KV_LENS, Q_LENS
     n_pages = sum(-(-n // PAGE_TOKENS) for n in kv_lens) + 3
     pages = torch.zeros(n_pages, h_kv, PAGE_TOKENS, layout.row_bytes, dtype=torch.uint8)
     perm = torch.randperm(n_pages, generator=g).to(torch.int32)
     table = torch.full((len(kv_lens), 4), -1, dtype=torch.int32)
     used = 0
+    new_k, new_v = [], []
     for r, n in enumerate(kv_lens):
         m = -(-n // PAGE_TOKENS)
         table[r, :m] = perm[used : used + m]
         used += m
         k, v = _kv(n, h_kv, seed=seed + r + 1, dtype=dtype)
-        pos = torch.arange(n)
+        pos = torch.arange(n if write_new else n - q_lens[r])
         write(layout, pages, k, v, table[r, pos // PAGE_TOKENS].long() * PAGE_TOKENS + pos % PAGE_TOKENS)
+        new_k.append(k[n - q_lens[r] :])
+        new_v.append(v[n - q_lens[r] :])
     starts = torch.tensor([0, *np.cumsum(q_lens)], dtype=torch.int32)
     query = torch.randn(int(starts[-1]), h_q, D, generator=g).to(dtype)
     rows = paged.Rows.of(starts, torch.tensor(kv_lens, dtype=torch.int32), table)
-    return layout, pages, query, rows
+    return layout, pages, query, rows, torch.cat(new_k), torch.cat(new_v)
+
+
+def _plain(query, k, v, n, h_q, window=0):
+    """sdpa in fp32 of ``query`` (m, H_q, D), the last m of n positions, on k, v (n, H_kv, D): GQA expanded,
+    causal, keys older than ``window`` masked (0: none)."""
+    g = h_q // k.shape[1]
+    k, v = (x.float().transpose(0, 1).repeat_interleave(g, 0) for x in (k, v))  # (H_q, n, D)
+    m = query.shape[0]
+    qpos, kpos = torch.arange(n - m, n)[:, None], torch.arange(n)[None, :]
+    mask = (kpos <= qpos) & ((kpos > qpos - window) if window else True)
+    q = query.float().transpose(0, 1)  # (H_q, m, D)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(0, 1)
 
 
 @pytest.mark.parametrize(
@@ -132,41 +153,73 @@ def _case(fmt_k, fmt_v, dtype=torch.float32, h_q=6, h_kv=2, seed=0):
     ],
 )
 @pytest.mark.parametrize("window,causal", [(0, True), (17, True), (0, False)])
-def test_kernel_equals_the_reference(fmt_k, fmt_v, dtype, window, causal):
+@pytest.mark.parametrize("raw", [True, False], ids=["raw-new", "pages-only"])
+def test_kernel_equals_the_reference(fmt_k, fmt_v, dtype, window, causal, raw):
     if paged.library() is None:
         pytest.skip(f"C kernels unavailable: {paged.status()}")
-    layout, pages, query, rows = _case(fmt_k, fmt_v, dtype)
+    layout, pages, query, rows, key, value = _case(fmt_k, fmt_v, dtype, write_new=not raw)
+    kv = (key, value) if raw else (None, None)
     ref = torch.zeros(query.shape, dtype=torch.float32)
     out = torch.zeros(query.shape, dtype=torch.float32)
-    paged.attend_reference(layout, pages, query, ref, rows, 0.125, window, causal)
-    paged.attend(layout, pages, query, out, rows, 0.125, window, causal)
+    paged.attend_reference(layout, pages, query, ref, rows, 0.125, window, causal, *kv)
+    paged.attend(layout, pages, query, out, rows, 0.125, window, causal, *kv)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
-def test_reference_is_plain_attention():
-    """The oracle itself: ``none`` pages give exactly the attention of the raw K/V (fp32 sdpa, GQA expanded)."""
-    layout, pages, query, rows = _case("none", "none", h_q=4, h_kv=2, seed=3)
+@pytest.mark.parametrize("raw", [True, False], ids=["raw-new", "pages-only"])
+def test_reference_is_plain_attention(raw):
+    """The oracle itself: ``none`` pages give exactly the attention of the raw K/V (fp32 sdpa, GQA expanded),
+    whether the new keys come from the step's K/V or from the pages."""
+    layout, pages, query, rows, key, value = _case("none", "none", h_q=4, h_kv=2, seed=3)
     out = torch.zeros(query.shape)
-    paged.attend_reference(layout, pages, query, out, rows, D**-0.5)
+    paged.attend_reference(layout, pages, query, out, rows, D**-0.5, 0, True, *((key, value) if raw else ()))
     for r, n in enumerate(rows.kv_lens):
         q0, q1 = rows.starts[r], rows.starts[r + 1]
         if q0 == q1:
             continue
         k, v = _kv(n, 2, seed=3 + r + 1)
-        k, v = (
-            k.transpose(0, 1).repeat_interleave(2, 0),
-            v.transpose(0, 1).repeat_interleave(2, 0),
-        )  # (4, n, D)
-        q = query[q0:q1].transpose(0, 1)  # (4, m, D)
-        mask = torch.arange(n)[None, :] <= torch.arange(n - (q1 - q0), n)[:, None]
-        expect = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        torch.testing.assert_close(out[q0:q1], expect.transpose(0, 1), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[q0:q1], _plain(query[q0:q1], k, v, n, 4), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "int4"])
+@pytest.mark.parametrize("window", [0, 17])
+def test_new_tokens_are_attended_exactly_and_the_cached_prefix_on_its_codes(fmt, window):
+    """A lossy format: each row's new tokens are attended on their raw K/V (a prefill over no cached prefix is
+    plain attention, exactly), its cached prefix on the pages' codes (decoded, not the raw values); the new
+    tokens' slots in the pages are left empty, so reading them from pages would show."""
+    layout, pages, query, rows, key, value = _case(fmt, fmt, h_q=6, h_kv=2, seed=5, write_new=False)
+    fns = [paged.attend_reference] + ([paged.attend] if paged.library() is not None else [])
+    for fn in fns:
+        out = torch.zeros(query.shape)
+        fn(layout, pages, query, out, rows, D**-0.5, window, True, key, value)
+        for r, n in enumerate(rows.kv_lens):
+            q0, q1 = rows.starts[r], rows.starts[r + 1]
+            if q0 == q1:
+                continue
+            k, v = _kv(n, 2, seed=5 + r + 1)
+            exact = _plain(query[q0:q1], k, v, n, 6, window)
+            c = n - (q1 - q0)  # cached keys
+            if c == 0:  # a prefill over no cached prefix: plain attention on the raw K/V
+                torch.testing.assert_close(out[q0:q1], exact, atol=1e-5, rtol=1e-5)
+                continue
+            dk, dv = layout.decode(layout.encode(k[:c], v[:c]))  # the prefix's codes, decoded
+            on_codes = _plain(query[q0:q1], torch.cat([dk, k[c:]]), torch.cat([dv, v[c:]]), n, 6, window)
+            torch.testing.assert_close(out[q0:q1], on_codes, atol=1e-5, rtol=1e-5)
+            assert (out[q0:q1] - exact).abs().max() > 1e-3, (fn.__name__, r)  # the codes did matter
+
+
+def test_the_steps_raw_kv_must_match_the_queries():
+    layout, pages, query, rows, key, value = _case("q4_0", "q4_0")
+    with pytest.raises(ValueError, match="key has shape"):
+        paged.attend(layout, pages, query, torch.zeros(query.shape), rows, 0.125, key=key[:-1], value=value)
+    with pytest.raises(ValueError, match="both"):
+        paged.attend(layout, pages, query, torch.zeros(query.shape), rows, 0.125, key=key)
 
 
 def test_kernel_refuses_a_page_outside_the_pool():
     if paged.library() is None:
         pytest.skip(f"C kernels unavailable: {paged.status()}")
-    layout, pages, query, rows = _case("q4_0", "q4_0")
+    layout, pages, query, rows, _, _ = _case("q4_0", "q4_0")
     rows.block_table[0, 0] = pages.shape[0] + 5
     with pytest.raises(RuntimeError, match="bad arguments"):
         paged.attend(layout, pages, query, torch.zeros(query.shape), rows, 0.125)

@@ -144,8 +144,11 @@ def capacity(llm) -> int:
 
 
 def run(llm, segments: list[list[int]], prefill: int) -> dict:
-    """One batch through vLLM, then a rerun of the long prompt: greedy decoding of :data:`PROMPTS` mixed with
-    teacher forcing of ``segments`` (prefill ``prefill`` tokens each, then their tokens forced one a step).
+    """Teacher forcing of ``segments``, one at a time (prefill ``prefill`` tokens in one step, then their tokens
+    forced one a step: as ``kvslim eval`` scores kvslim's cache; in a batch with the long prompt, vLLM's scheduler
+    could split a segment's prefill into chunks, and a later chunk attends on the earlier ones' codes, which
+    kvslim's own prefill never does), then one batch of greedy decoding of :data:`PROMPTS` (the long one prefilled
+    in chunks next to the others' decodes), then a rerun of the long prompt.
 
     Returns tokens / texts (greedy, per prompt), logits (the forced segments' raw next-token logits, (sum of n, V)
     float32, segment after segment), rerun (the long prompt's tokens again) and rerun_cached (the prompt tokens
@@ -153,16 +156,17 @@ def run(llm, segments: list[list[int]], prefill: int) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    prompts: list = list(PROMPTS)
-    params = [SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0)] * len(PROMPTS)
+    if prefill > MAX_BATCHED_TOKENS:
+        raise ValueError(f"prefill {prefill} > MAX_BATCHED_TOKENS {MAX_BATCHED_TOKENS}: vLLM would chunk it")
     for j, seg in enumerate(segments):
         RECORDED.pop(f"seg{j}", None)
-        prompts.append(TokensPrompt(prompt_token_ids=seg[:prefill]))
         force = {"force": seg[prefill:], "tag": f"seg{j}"}
-        params.append(
-            SamplingParams(max_tokens=len(seg) - prefill, temperature=0, ignore_eos=True, extra_args=force)
+        forced = SamplingParams(
+            max_tokens=len(seg) - prefill, temperature=0, ignore_eos=True, extra_args=force
         )
-    outs = llm.generate(prompts, params, use_tqdm=False)
+        llm.generate([TokensPrompt(prompt_token_ids=seg[:prefill])], [forced], use_tqdm=False)
+    params = [SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0)] * len(PROMPTS)
+    outs = llm.generate(list(PROMPTS), params, use_tqdm=False)
     again = llm.generate(PROMPTS[-1:], params[:1], use_tqdm=False)[0]
     return {
         "tokens": [list(o.outputs[0].token_ids) for o in outs[: len(PROMPTS)]],

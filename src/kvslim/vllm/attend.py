@@ -6,6 +6,14 @@ tensor, ``kv_len`` keys (its queries' own tokens are the last ``q_len``), and it
 ids; key ``j`` is token ``j % T`` of page ``table[j // T]``). That one description covers decode, prefill,
 prefill continuing a cached prefix, and mixed batches, in one call.
 
+Given the step's raw K/V (``key``, ``value``: the tokens vLLM hands the layer, packed like the queries), a row's
+``q_len`` new keys are read from them, exactly, and only its ``kv_len - q_len`` cached keys from the pages' codes:
+a step's tokens attend on each other at full precision and on the history's codes (kvslim's own cache, with its
+default group of 32, keeps even more at full precision: a partly filled group of up to 31 newest tokens). Attending a prefill on its own just-quantized
+codes instead, as a backend that writes before it attends does, compounds the error through the layers: q4_0's
+KL divergence through vLLM was 0.119 that way, 0.061 this way (docs/vllm.md). Without them
+every key is read from the pages (the step's tokens written first).
+
 The C entry point ``kvp_attend`` takes a row table whose records each carry a *pointer* to their block table:
 vLLM's rows point into its 2-D block table; kvslim's engine can point each row at a list of its own (the
 ``rows`` shape of ``kv_attend_rows``), which is how the kernel is meant to be shared.
@@ -32,8 +40,8 @@ from .pages import PageLayout, Part, gather
 #: ``$KVSLIM_VLLM_KERNEL``: ``c`` (default: the C kernel when it builds) or ``reference``.
 KERNEL_ENV = "KVSLIM_VLLM_KERNEL"
 #: kvp_attend's ABI and table widths (csrc/kvslim_paged.c: H_FIELDS, R_FIELDS), checked when the library loads.
-ABI = 1
-HEAD_FIELDS = 24
+ABI = 2
+HEAD_FIELDS = 27
 ROW_FIELDS = 5
 #: C's row decoders of the cast dtypes.
 CAST_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -126,9 +134,14 @@ def library():
     return _state["lib"]
 
 
+def _reference_asked() -> bool:
+    """Whether ``$KVSLIM_VLLM_KERNEL`` asks for the torch reference."""
+    return os.environ.get(KERNEL_ENV, "c") == "reference"
+
+
 def status() -> str:
     """Which path :func:`attend` takes, and why."""
-    if os.environ.get(KERNEL_ENV, "c") == "reference":
+    if _reference_asked():
         return f"torch reference (${KERNEL_ENV}=reference)"
     library()
     return _state["reason"]
@@ -143,20 +156,33 @@ def attend(
     scale: float,
     window: int = 0,
     causal: bool = True,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ) -> None:
     """Attention of every row's queries on its pages, written into ``out``.
 
     kv_cache: uint8 (num_pages, H_kv, T, row_bytes); query, out: (N, H_q, D) (out in any float dtype);
-    window: keys a query sees counting itself (0: all)."""
-    lib = None if os.environ.get(KERNEL_ENV, "c") == "reference" else library()
+    window: keys a query sees counting itself (0: all); key, value: (N, H_kv, D), the step's raw K/V packed like
+    the queries: each row's new keys are read from them (module docstring); None: every key from the pages."""
+    if (key is None) != (value is None):
+        raise ValueError("kvslim paged attention: give both the step's raw key and value, or neither")
+    if key is not None:
+        want = (kv_cache.shape[1], layout.head_dim)
+        for name, x in (("key", key), ("value", value)):
+            if x.dim() != 3 or tuple(x.shape[1:]) != want or x.shape[0] < query.shape[0]:
+                raise ValueError(
+                    f"kvslim paged attention: {name} has shape {tuple(x.shape)}, expected "
+                    f"({query.shape[0]}, {want[0]}, {want[1]}): the step's tokens packed like the queries"
+                )
+    lib = None if _reference_asked() else library()
     if lib is None:
-        attend_reference(layout, kv_cache, query, out, rows, scale, window, causal)
+        attend_reference(layout, kv_cache, query, out, rows, scale, window, causal, key, value)
         return
     codes = _state.setdefault("codes", {})
-    key = (layout.k, layout.v)
-    if key not in codes:
-        codes[key] = (_part_code(lib, layout.k), _part_code(lib, layout.v))
-    kcode, vcode = codes[key]
+    parts = (layout.k, layout.v)
+    if parts not in codes:
+        codes[parts] = (_part_code(lib, layout.k), _part_code(lib, layout.v))
+    kcode, vcode = codes[parts]
     q = query.float().contiguous()
     o = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty_like(q)
     n_pages, h_kv, t, _ = kv_cache.shape
@@ -187,6 +213,13 @@ def attend(
         int(causal),
         torch.get_num_threads(),
     ]
+    if key is not None:
+        k, v = _raw(key), _raw(value)
+        if k.stride(0) != v.stride(0):  # the kernel takes one token stride for both
+            k, v = k.contiguous(), v.contiguous()
+        head += [k.data_ptr(), v.data_ptr(), k.stride(0)]
+    else:
+        head += [0, 0, 0]
     args = torch.tensor(head, dtype=torch.int64)
     rc = lib.kvp_attend(args.data_ptr())
     if rc:
@@ -195,6 +228,13 @@ def attend(
         )
     if o is not out:
         out.copy_(o)
+
+
+def _raw(x: torch.Tensor) -> torch.Tensor:
+    """x (N, H, D) as the kernel reads raw K/V: fp32, heads D apart, values contiguous (any token stride)."""
+    x = x.float()
+    h, d = x.shape[1:]
+    return x if x.stride(2) == 1 and x.stride(1) == d and x.stride(0) >= h * d else x.contiguous()
 
 
 def attend_reference(
@@ -206,17 +246,26 @@ def attend_reference(
     scale: float,
     window: int = 0,
     causal: bool = True,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ) -> None:
-    """:func:`attend` in torch: each row's pages decoded to fp32, a masked softmax. The oracle of the C kernel."""
+    """:func:`attend` in torch: each row's cached keys decoded from its pages to fp32 (with ``key``/``value``,
+    its new keys taken from them), a masked softmax. The oracle of the C kernel."""
     h_q = query.shape[1]
     for r, kv_len in enumerate(rows.kv_lens):
         q0, q1 = rows.starts[r], rows.starts[r + 1]
         n = q1 - q0
         if n == 0:
             continue
-        k, v = gather(layout, kv_cache, rows.block_table[r], kv_len)  # (H_kv, L, D) fp32
-        g = h_q // k.shape[0]
-        k, v = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)  # (H_q, L, D)
+        cached = kv_len if key is None else kv_len - n  # keys read from the pages' codes
+        if cached:
+            kv = gather(layout, kv_cache, rows.block_table[r], cached)  # K, V: (H_kv, cached, D) fp32
+        else:
+            kv = (torch.empty(kv_cache.shape[1], 0, layout.head_dim),) * 2
+        if key is not None:  # the row's new keys, raw
+            kv = [torch.cat([x, raw[q0:q1].float().transpose(0, 1)], 1) for x, raw in zip(kv, (key, value))]
+        g = h_q // kv[0].shape[0]
+        k, v = (x.repeat_interleave(g, 0) for x in kv)  # (H_q, L, D)
         q = query[q0:q1].float().transpose(0, 1)  # (H_q, n, D)
         s = (q @ k.transpose(1, 2)) * scale  # (H_q, n, L)
         qpos = torch.arange(kv_len - n, kv_len)[:, None]  # (n, 1)

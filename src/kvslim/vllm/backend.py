@@ -9,7 +9,8 @@ so :func:`kvslim.vllm.register` points ``CPU_ATTN`` at :class:`KvslimCPUBackend`
 - kernel blocks of 32 tokens (one page per (block, KV head): one GGML / KIVI group); vLLM splits its manager
   blocks (128 tokens on CPU by default) into pages, and hands slot mappings and block tables in pages.
 - :meth:`KvslimCPUImpl.do_kv_cache_update` encodes each step's new tokens and writes them through the slot
-  mapping; :meth:`KvslimCPUImpl.forward` attends on the codes (:func:`kvslim.vllm.attend.attend`).
+  mapping; :meth:`KvslimCPUImpl.forward` attends on the codes of each request's history and on the raw K/V of
+  the step's own tokens (:func:`kvslim.vllm.attend.attend`).
 
 Opt-in: an engine that gives no kvslim spec (:func:`kvslim.vllm.spec.given`) gets vLLM's own CPU backend, its
 implementation, builder, block sizes and spec untouched (:func:`active` decides, per engine, when vLLM builds the
@@ -232,6 +233,9 @@ class KvslimCPUImpl(AttentionImpl):
         if attn_metadata is None:  # warm-up
             return output
         n = attn_metadata.num_actual_tokens
+        # The step's own tokens are attended on their raw K/V, the history on the pages' codes (kvslim.vllm.attend);
+        # a layer sharing another's KV cache has no K/V of its own: everything from the pages.
+        raw = key is not None and value is not None and self.kv_sharing_target_layer_name is None
         paged.attend(
             self.layout,
             kv_cache,
@@ -241,6 +245,8 @@ class KvslimCPUImpl(AttentionImpl):
             self.scale,
             self.sliding_window,
             attn_metadata.causal,
+            key[:n] if raw else None,
+            value[:n] if raw else None,
         )
         return output
 

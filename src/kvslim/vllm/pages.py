@@ -156,8 +156,9 @@ def write(
 def gather(layout: PageLayout, kv_cache: torch.Tensor, blocks: torch.Tensor, length: int):
     """The first ``length`` tokens stored in pages ``blocks`` (a row of a block table), decoded:
     (K, V) fp32 (H, length, D)."""
-    n = -(-length // kv_cache.shape[2])
+    t = kv_cache.shape[2]
+    n = -(-length // t)
     pages = kv_cache[blocks[:n].long()]  # (n, H, T, C)
     h = pages.shape[1]
-    rows = pages.transpose(0, 1).reshape(h, -1, pages.shape[-1])[:, :length]  # (H, n*T, C) -> (H, L, C)
+    rows = pages.transpose(0, 1).reshape(h, n * t, pages.shape[-1])[:, :length]  # (H, n*T, C) -> (H, L, C)
     return layout.decode(rows)

@@ -11,10 +11,18 @@
  *
  * A row r (a request in vLLM, a conversation in kvslim's engine) has q_len queries at q[q_start ..] and
  * kv_len keys, the last q_len of which are its queries' own tokens: query i sits at position
- * kv_len - q_len + i. Key j lives in page table[j / T], token j % T. With causal, query position p sees keys
- * 0..p (and with a window W > 0 only p - W + 1..p); without, every key (and the window still applies).
- * That covers decode (q_len 1), prefill, prefill continuing a cached prefix (chunked prefill, prefix caching),
- * and mixed batches in one call. GQA: the Hq / Hkv query heads of a KV head share its decoded pages.
+ * kv_len - q_len + i. With causal, query position p sees keys 0..p (and with a window W > 0 only
+ * p - W + 1..p); without, every key (and the window still applies). That covers decode (q_len 1), prefill,
+ * prefill continuing a cached prefix (chunked prefill, prefix caching), and mixed batches in one call.
+ * GQA: the Hq / Hkv query heads of a KV head share its decoded pages.
+ *
+ * Where a key comes from. Given the step's raw K/V (H_KNEW, H_VNEW: fp32, packed like the queries, so the
+ * row's new token i is at index q_start + i), a row's keys below its cached length kv_len - q_len are read
+ * from pages (the codes: key j is token j % T of page table[j / T]) and its q_len new keys from the raw K/V,
+ * exactly: a step's tokens attend on each other at full precision and on the history's codes (q4_0 through
+ * vLLM: KL 0.119 -> 0.061, docs/vllm.md). A prefill over no cached prefix
+ * then reads no page at all. Without them (H_KNEW 0) every key is read from pages: the step's tokens must
+ * have been written first.
  *
  * Per (row, KV head, chunk of up to QC queries) task: each page's K rows are decoded once into an fp32
  * tile (T x D, in L1), scored against every query of the chunk, then its V rows decoded and summed with an
@@ -38,7 +46,7 @@
 #include <immintrin.h>
 #endif
 
-#define KVP_ABI_VERSION 1
+#define KVP_ABI_VERSION 2
 /* Queries per task (a prefill row is split into chunks of QC queries). */
 #define KVP_QC 16
 /* Largest page (tokens) and head dim the scratch is sized for. */
@@ -227,6 +235,9 @@ enum {
     H_WINDOW,    /* <= 0: none */
     H_CAUSAL,
     H_THREADS,   /* <= 0: OpenMP's default */
+    H_KNEW,      /* fp32 raw K of the step's tokens (N, Hkv, D), packed like the queries; 0: keys from pages */
+    H_VNEW,      /* fp32 raw V, same shape and strides */
+    H_NEWS,      /* their token stride in floats (heads D apart, values contiguous) */
     H_FIELDS
 };
 /* A row: its first query, its number of queries, its number of keys, its block table (int32 page ids) and
@@ -245,6 +256,16 @@ typedef struct {
     float scale;
 } kvp_call;
 
+/* Tile rows [ta, tb) of one role (K or V) of the page starting at key position t0: [ta, tc) decoded from the
+ * page (format fmt at byte offset off of each token row at base), [tc, tb) copied from the step's raw fp32
+ * rows, tile row t's at raw[raw0 + (t0 + t) * H_NEWS]. */
+static void kvp_fill(const int64_t *a, int fmt, int64_t off, const uint8_t *base, const float *raw, int64_t raw0,
+                     int64_t t0, int ta, int tc, int tb, int D, float *tile) {
+    for (int t = ta; t < tc; t++) kvp_decode_row(fmt, base + t * a[H_TOKEN_STRIDE] + off, D, tile + (size_t)t * D);
+    for (int t = tc; t < tb; t++)
+        memcpy(tile + (size_t)t * D, raw + raw0 + (t0 + t) * a[H_NEWS], sizeof(float) * (size_t)D);
+}
+
 /* One task: row r, KV head h, queries q0 .. q0 + M - 1 of the row. Returns 0 or 2 (bad page index). */
 static int kvp_task(const kvp_call *c, int r, int h, int q0, float *scratch) {
     const int64_t *a = c->a, *row = c->rows + (int64_t)r * R_FIELDS;
@@ -257,6 +278,11 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, float *scratch) {
     const float *q = (const float *)(intptr_t)a[H_Q];
     float *out = (float *)(intptr_t)a[H_OUT];
     const uint8_t *pool = (const uint8_t *)(intptr_t)a[H_PAGES];
+    const float *knew = (const float *)(intptr_t)a[H_KNEW], *vnew = (const float *)(intptr_t)a[H_VNEW];
+    /* keys [0, cached) from pages, [cached, kvlen) from the raw K/V: new token pos - cached */
+    const int64_t cached = knew ? kvlen - qlen : kvlen;
+    /* the raw row of key position k (>= cached): (row[R_QSTART] + k - cached) * H_NEWS + h * D */
+    const int64_t raw0 = (row[R_QSTART] - cached) * a[H_NEWS] + (int64_t)h * D;
 
     float *kt = scratch, *vt = kt + (size_t)T * D, *qq = vt + (size_t)T * D, *acc = qq + (size_t)MG * D;
     float *mx = acc + (size_t)MG * D, *sum = mx + MG, *s = sum + MG;
@@ -276,14 +302,18 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, float *scratch) {
     if (hi > kvlen) hi = kvlen;
     if (lo < 0) lo = 0;
     for (int64_t p = lo / T; p * T < hi; p++) {
-        if (p >= tlen) return 2;
-        int64_t blk = table[p];
-        if (blk < 0 || blk >= a[H_NPAGES]) return 2;
-        const uint8_t *base = pool + blk * a[H_PAGE_STRIDE] + (int64_t)h * a[H_HEAD_STRIDE];
         int64_t t0 = p * T;
         int ta = (int)(lo > t0 ? lo - t0 : 0), tb = (int)(hi - t0 < T ? hi - t0 : T);
-        for (int t = ta; t < tb; t++)
-            kvp_decode_row((int)a[H_KFMT], base + t * a[H_TOKEN_STRIDE] + a[H_KOFF], D, kt + (size_t)t * D);
+        /* tile tokens [ta, tc) from the page, [tc, tb) from the raw K/V */
+        int tc = (int)(cached - t0 < ta ? ta : cached - t0 < tb ? cached - t0 : tb);
+        const uint8_t *base = NULL;
+        if (tc > ta) {
+            if (p >= tlen) return 2;
+            int64_t blk = table[p];
+            if (blk < 0 || blk >= a[H_NPAGES]) return 2;
+            base = pool + blk * a[H_PAGE_STRIDE] + (int64_t)h * a[H_HEAD_STRIDE];
+        }
+        kvp_fill(a, (int)a[H_KFMT], a[H_KOFF], base, knew, raw0, t0, ta, tc, tb, D, kt);
         int v_done = 0;
         for (int m = 0; m < M; m++) {
             int64_t qp = pos0 + m;
@@ -291,8 +321,7 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, float *scratch) {
             int u0 = (int)(ka > t0 + ta ? ka - t0 : ta), u1 = (int)(kb < t0 + tb ? kb - t0 : tb);
             if (u0 >= u1) continue;
             if (!v_done) {
-                for (int t = ta; t < tb; t++)
-                    kvp_decode_row((int)a[H_VFMT], base + t * a[H_TOKEN_STRIDE] + a[H_VOFF], D, vt + (size_t)t * D);
+                kvp_fill(a, (int)a[H_VFMT], a[H_VOFF], base, vnew, raw0, t0, ta, tc, tb, D, vt);
                 v_done = 1;
             }
             for (int g = 0; g < G; g++) {
@@ -346,6 +375,7 @@ int kvp_attend(const int64_t *a) {
     c.scale = (float)sc;
     if (c.Hkv <= 0 || c.Hq % c.Hkv || c.D <= 0 || c.D > KVP_MAX_D || c.T <= 0 || c.T > KVP_MAX_T) return 2;
     if (a[H_KFMT] < 0 || a[H_KFMT] >= KVP_NFORMATS || a[H_VFMT] < 0 || a[H_VFMT] >= KVP_NFORMATS) return 2;
+    if (!a[H_KNEW] != !a[H_VNEW] || (a[H_KNEW] && a[H_NEWS] < (int64_t)c.Hkv * c.D)) return 2;
     c.G = c.Hq / c.Hkv;
     const int64_t nrows = a[H_NROWS];
     int64_t ntasks = 0;
