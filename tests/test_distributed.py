@@ -445,6 +445,57 @@ def test_shard_bias_keeps_the_basis_and_slices_every_layer():
         assert torch.equal(t, whole[1:3])
 
 
+def test_shard_bias_slices_the_fitted_rotations_and_rank_caches_store_what_one_fitted_cache_stores(tmp_path):
+    """A schema-2 set's rotations (one (H_kv, D, D) per layer and role) cut to a rank's heads, from a BiasSet and
+    from its file alike; caches for heads 0-1 and 2-3 with rotate='fitted', fed their heads, read back exactly
+    the full cache's heads (a rotation acts within a head)."""
+    from kvslim.calibration.biasfile import write_bias_file
+
+    config = tiny_llama_config()
+    g = torch.Generator().manual_seed(5)
+    rot = {
+        role: [torch.linalg.qr(torch.randn(4, 32, 32, generator=g, dtype=torch.float64))[0].float() for _ in range(2)]
+        for role in "kv"
+    }  # (H_kv, D, D) orthogonal, a different matrix per head
+    full_set = BiasSet(_bias(), rotations=rot, rotation="pca-hadamard")
+    path = tmp_path / "fit.gguf"
+    write_bias_file(path, full_set)
+    for source in (full_set, path):
+        cut = distributed.shard_bias(source, config, range(1, 3))
+        assert cut.rotation == "pca-hadamard" and set(cut.rotations) == {"k", "v"}
+        for role in "kv":
+            for mine, whole in zip(cut.rotations[role], rot[role], strict=True):
+                assert torch.equal(mine, whole[1:3])
+    assert distributed.shard_bias(BiasSet(_bias()), config, range(1, 3)).rotations is None  # schema 1: none
+    kwargs = dict(kv_quantize="int4", rotate="fitted", group_size=4, residual=4, compressed_attention=False)
+    full = SlimCache(config=config, mean_center=full_set, **kwargs)
+    parts = [range(0, 2), range(2, 4)]
+    shards = [
+        SlimCache(
+            config=distributed.rank_config(config, heads),
+            mean_center=distributed.shard_bias(full_set, config, heads),
+            **kwargs,
+        )
+        for heads in parts
+    ]
+    assert all(c.rotate == "fitted" for c in (full, *shards))
+    k, v = _keys()
+    for start in range(0, k.shape[2], 6):
+        chunk = slice(start, start + 6)
+        for layer in range(2):
+            full.update(k[:, :, chunk], v[:, :, chunk], layer)
+            for heads, cache in zip(parts, shards):
+                cache.update(k[:, heads.start : heads.stop, chunk], v[:, heads.start : heads.stop, chunk], layer)
+    for layer in range(2):
+        want_k, want_v = full.stores()[layer].read(torch.float32)
+        assert full.stores()[layer].k.n_body > 0
+        for heads, cache in zip(parts, shards):
+            got_k, got_v = cache.stores()[layer].read(torch.float32)
+            torch.testing.assert_close(got_k, want_k[:, heads.start : heads.stop], atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(got_v, want_v[:, heads.start : heads.stop], atol=1e-6, rtol=1e-6)
+    assert sum(c.rotation_nbytes() for c in shards) == full.rotation_nbytes() == 2 * 2 * 4 * 32 * 32 * 4
+
+
 def test_helpers_without_a_process_group(model_dir):
     """Not distributed: every head, the local bytes, rank 0 — and rank_cache is a plain SlimCache."""
     import transformers as tf

@@ -253,3 +253,153 @@ def test_fitted_basis_lowers_int2_error_on_the_calibration_distribution():
     assert np.mean([r for (_, role), r in ratios.items() if role == "v"]) < 0.9
     assert max(r for (_, role), r in ratios.items() if role == "k") < 1.05
     assert np.mean(list(ratios.values())) < 1.0
+
+
+# -- bytes -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("v_fmt", ["int4", "none"])
+def test_nbytes_and_bits_count_the_fitted_rotations_once_per_cache(tmp_path, v_fmt):
+    """A fitted cache holds exactly the bytes of the same cache in the Hadamard basis (same codes, scales and
+    residual) plus its matrices: (H_kv, D, D) float32 per layer and encoded role, once per cache — in nbytes,
+    projected_nbytes, kv_bits and the memory formula alike."""
+    from kvslim import parse_spec
+    from kvslim.evaluate.memory import ModelShape, cache_bytes, kv_bits
+
+    model = tiny_model("llama")
+    bias = _calibrate(model)
+    path = tmp_path / "fit.gguf"
+    write_bias_file(path, bias)
+    roles = "kv" if v_fmt != "none" else "k"
+    want = sum(t.numel() * 4 for role in roles for t in bias.rotations[role])
+    assert want == len(roles) * 2 * 2 * 32 * 32 * 4  # roles x layers x (H_kv, D, D) float32
+    base = f"int4,v={v_fmt},residual=8,group=8,pre_rope=0"
+    specs = {"fitted": f"{base},rotate=fitted,mean_center={path}", "plain": f"{base},rotate={roles}"}
+    caches = {
+        name: SlimCache.from_config(parse_spec(spec), config=model.config) for name, spec in specs.items()
+    }
+    assert caches["fitted"].rotate == "fitted" and caches["plain"].rotate in ("kv", "k")
+    assert caches["fitted"].nbytes() - caches["plain"].nbytes() == want  # before any token, too
+    ids = _ids(45, 5)
+    for cache in caches.values():
+        _logits(model, cache, ids)
+    fitted, plain = caches["fitted"], caches["plain"]
+    assert fitted.stores()[0].k.n_body > 0
+    assert fitted.components()["rotation"] == want and plain.components()["rotation"] == 0
+    assert fitted.nbytes() - plain.nbytes() == want
+    assert fitted.projected_nbytes(100) - plain.projected_nbytes(100) == want
+    assert kv_bits(fitted).bytes - kv_bits(plain).bytes == want
+    assert kv_bits(fitted).bits_per_element > kv_bits(plain).bits_per_element
+    shape = ModelShape.from_config(model.config)
+    formula = {name: cache_bytes(shape, parse_spec(spec), 45, prefill=20)[1] for name, spec in specs.items()}
+    assert formula["fitted"] - formula["plain"] == want
+    assert formula["fitted"] == kv_bits(fitted).bytes  # the formula is the real cache's count
+
+
+def test_caches_built_from_one_bias_set_share_its_matrices(tmp_path):
+    """The batch engine reads its bias file once and builds every row's cache from that BiasSet: the caches
+    hold the very same tensors (no copy per cache), and each counts them once (rotation_nbytes' docstring)."""
+    from kvslim.engine.gate import Gate
+
+    model = tiny_model("llama")
+    path = tmp_path / "fit.gguf"
+    write_bias_file(path, _calibrate(model))
+    shared = Gate.read_bias(path)
+    a, b = (
+        SlimCache(kv_quantize="int2", rotate="fitted", mean_center=shared, config=model.config) for _ in range(2)
+    )
+    for role in "kv":
+        for il, m in enumerate(shared.rotations[role]):
+            ptrs = {c._storage.hadamard[role].for_layer(il).matrix.data_ptr() for c in (a, b)}
+            assert ptrs == {m.data_ptr()}
+    want = sum(t.numel() * 4 for role in "kv" for t in shared.rotations[role])
+    assert a.rotation_nbytes() == b.rotation_nbytes() == want
+
+
+# -- pre-RoPE keys in the C kernels ----------------------------------------------------------------------
+
+
+def _random_rotation(h, d, seed):
+    """(H, D, D) float32 orthogonal, dense (no Hadamard structure)."""
+    g = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(h, d, d, generator=g, dtype=torch.float64))
+    return q.float()
+
+
+@pytest.mark.parametrize("fmt", ["int2", "int4", "int8", "q4_0", "q8_0", "fp8", "fp16"])
+@pytest.mark.parametrize("centered", [False, True])
+def test_c_transform_kernels_take_a_fitted_rotation_as_the_reference_does(fmt, centered):
+    """k_scores of pre-RoPE keys stored in a fitted basis (bias added, R^T, then RoPE per token): the C kernels
+    (dense R^T in the tile) against the torch reference (matmul by R), tight, and both against decoding in
+    float64. The rotation is undone per key, before its RoPE: R does not commute with RoPE's angles."""
+    from kvslim import kernels
+    from kvslim.cache.rotary import Rotary
+    from kvslim.kernels import reference
+
+    g = torch.Generator().manual_seed(10)
+    b, h, t, d, m = 2, 3, 77, 64, 5
+    codec = make_codec(fmt, "k", group_size=8)
+    x = torch.randn(b, h, t - t % codec.token_group + codec.token_group, d, generator=g) * 2
+    enc, offset = codec.encode(x), 0
+    if codec.token_group > 1:  # the first group partly evicted, as a window leaves it
+        enc, offset = enc.narrow(3, x.shape[2] - 2, 0, codec.token_group)
+    n = next(iter(enc.token.values())).shape[2]
+    q = torch.randn(b, h, m, d, generator=g)
+    bias = torch.randn(h, d, generator=g) if centered else None
+    flags = (torch.rand(b, h, n, 1, generator=g) < 0.7).to(torch.uint8) if centered else None
+    r = _random_rotation(h, d, 4)
+    rot = Rotary(1.0 / 10000 ** (torch.arange(0, 48, 2).float() / 48), offset=8)  # partial rotary
+    pos = torch.arange(n)[None, :] + torch.tensor([[100], [7]])  # (B, n): per-row positions
+    cos, sin = rot.table(pos, "cpu")
+    tr = kernels.KeyTransform(bias=bias, hadamard=FittedRotation(r), cos=cos, sin=sin, rope_offset=8, centered=flags)
+    calls = []
+    real = reference.k_scores_transformed
+    got = {}
+    for backend in ("cpu", "torch"):
+        kernels.set_backend(backend)
+        try:
+            reference.k_scores_transformed = lambda *a, **k: calls.append(1) or real(*a, **k)
+            got[backend] = kernels.k_scores(q, codec, enc, offset, tr)
+        finally:
+            reference.k_scores_transformed = real
+            kernels.set_backend(None)
+        assert len(calls) == (backend == "torch")  # the C call never falls back to the reference
+    keys = codec.decode(enc, torch.float64, offset)
+    if bias is not None:
+        keys = keys + bias.double()[None, :, None, :] * flags.double()
+    keys = torch.einsum("bhte,hed->bhtd", keys, r.double())  # R^T y
+    keys = rot.move(keys.float(), pos).double()
+    want = q.double() @ keys.transpose(-1, -2)
+    torch.testing.assert_close(got["cpu"], got["torch"], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(got["cpu"].double(), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("spec", ["int2,residual=4,group=4", "int4,sink=2,window=24,residual=4,group=4"])
+def test_pre_rope_fitted_cache_through_the_c_kernels_gives_the_reference_logits(tmp_path, spec):
+    """A pre-RoPE fitted cache on the tiny GQA llama (4 query heads on 2 KV heads), with and without a window
+    that evicts: the logits through the C kernels equal those through the torch reference (fp32 summation
+    order apart), and no score of the run goes to the reference."""
+    from kvslim import kernels, parse_spec
+    from kvslim.kernels import reference
+
+    model = tiny_model("llama", attn_implementation="kvslim")
+    assert model.config.num_attention_heads == 2 * model.config.num_key_value_heads
+    path = tmp_path / "pre.gguf"
+    write_bias_file(path, _calibrate(tiny_model("llama"), pre_rope=True))
+    ids = _ids(70, 6)
+    cfg = parse_spec(f"{spec},rotate=fitted,mean_center={path}")
+    logits, calls = {}, []
+    real = reference.k_scores_transformed
+    for backend in ("cpu", "torch"):
+        cache = SlimCache.from_config(cfg, config=model.config)
+        assert cache.pre_rope and cache.rotate == "fitted"
+        kernels.set_backend(backend)
+        try:
+            reference.k_scores_transformed = lambda *a, b=backend, **k: calls.append(b) or real(*a, **k)
+            logits[backend] = _logits(model, cache, ids)
+        finally:
+            reference.k_scores_transformed = real
+            kernels.set_backend(None)
+        assert cache.stores()[0].k.n_body > 0
+    assert "cpu" not in calls and "torch" in calls
+    torch.testing.assert_close(logits["cpu"], logits["torch"], atol=1e-4, rtol=1e-4)

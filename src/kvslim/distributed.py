@@ -312,7 +312,9 @@ def shard_bias(
     full width, for the model of ``config``. It is validated against the whole model first (shapes, the
     fingerprint, llama.cpp's channel order converted), then every layer's ``(H_kv, D)`` is sliced to
     ``(len(heads), D)``; the basis it records (``k_rot``, ``pre_rope``) is kept, so the cache resolves
-    ``rotate``/``pre_rope`` as it would for the file.
+    ``rotate``/``pre_rope`` as it would for the file. Fitted rotations (schema 2, ``rotate='fitted'``), one
+    ``(H_kv, D, D)`` per layer and role, are checked the same way and sliced to ``(len(heads), D, D)``: a rotation
+    acts within a head, so a rank's heads need only their own matrices.
     """
     from .calibration.biasfile import read_layers
     from .calibration.meancenter import BiasSet, load_mean_center
@@ -336,6 +338,21 @@ def shard_bias(
         k_rot=k_rot,
         pre_rope=pre_rope,
     )  # n_layers x (H_kv, D), transformers' channel order
+    rotations = None
+    if (mean_center.rotations if isinstance(mean_center, BiasSet) else meta.get("rotation")):
+        from .calibration.rotation import load_rotations
+
+        loaded, _ = load_rotations(
+            mean_center,
+            n_layers=shapes.n_layers,
+            n_kv_heads=shapes.n_kv_heads,
+            head_dim=shapes.k_head_dim,
+            v_head_dim=shapes.v_head_dim,
+        )  # {"k", "v"} -> one (H_kv, D, D) per layer, checked orthogonal
+        rotations = {
+            role: [r.matrix[heads.start : heads.stop].contiguous() for r in layers.layers]  # (len(heads), D, D)
+            for role, layers in loaded.items()
+        }
     return BiasSet(
         [t[heads.start : heads.stop].contiguous() for t in full],  # (len(heads), D) each
         k_rot=k_rot,
@@ -345,6 +362,8 @@ def shard_bias(
         text_sha256=meta.get("text_sha256"),
         ctx=meta.get("ctx"),
         n_chunks=meta.get("n_chunks"),
+        rotations=rotations,
+        rotation=meta.get("rotation") if rotations else None,
     )
 
 

@@ -1,13 +1,14 @@
 """Byte accounting of a SlimCache: what it holds, what it will hold, and the report.
 
 :class:`CacheAccounting` is the accounting half of :class:`~kvslim.SlimCache` (a base class of it): ``nbytes``
-counts every tensor the cache holds — codes, scales, zeros, residual, sinks, biases, per-row bookkeeping,
-buffer slack included — from the stores' own tensors; ``projected_nbytes`` is the most a cache will hold for a
+counts every tensor the cache holds — codes, scales, zeros, residual, sinks, biases, fitted rotation matrices,
+per-row bookkeeping, buffer slack included — from the stores' own tensors; ``projected_nbytes`` is the most a cache will hold for a
 given number of tokens (the batch engine's budget); ``report`` the summary the CLI and benchmarks print.
 
 It reads the cache through a small surface: ``stores()`` and ``layers`` (the per-layer stores and
 transformers' layers), ``policy``, ``cache_config``, ``rotary``, ``rebase_period``, ``get_seq_length()`` and
-the resolved options (``positions``, ``rotate``, ``pre_rope``, ``_codecs``, ``_shapes``, ``_rope_source``).
+the resolved options (``positions``, ``rotate``, ``pre_rope``, ``_codecs``, ``_shapes``, ``_rope_source``,
+``_hadamard``).
 This module knows nothing about how those were configured, nor about attention or files.
 """
 
@@ -23,8 +24,8 @@ class CacheAccounting:
     """Bytes held and projected, per component and per layer type, and :meth:`report` (module docstring)."""
 
     def nbytes(self) -> int:
-        """Every byte the cache holds: codes, scales, zeros, residual, sinks, biases, bookkeeping (buffer
-        slack included)."""
+        """Every byte the cache holds: codes, scales, zeros, residual, sinks, biases, fitted rotation matrices
+        (:meth:`rotation_nbytes`: once per cache), bookkeeping (buffer slack included)."""
         return sum(self.components().values())
 
     def projected_nbytes(self, tokens: int, *, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
@@ -48,7 +49,7 @@ class CacheAccounting:
             )
             half = self._rope_source.rotary.inv_freq.numel()
             rotary += (span + max(64, span // 4) + 1) * half * 4 * 2  # cos and sin, float32
-        return held + rotary
+        return held + rotary + self.rotation_nbytes()
 
     def live_nbytes(self) -> int:
         """Bytes of the stored tokens alone, without preallocated buffer slack."""
@@ -62,14 +63,34 @@ class CacheAccounting:
         return full[0].store.stored if full else 0
 
     def components(self) -> dict[str, int]:
-        """Bytes per kind of tensor, summed over layers (``rotary``: the RoPE frequencies, held once)."""
+        """Bytes per kind of tensor, summed over layers (``rotary``: the RoPE frequencies, held once;
+        ``rotation``: the fitted rotation matrices, :meth:`rotation_nbytes`)."""
         out: dict[str, int] = {}
         for s in self.stores():
             for name, n in s.components().items():
                 out[name] = out.get(name, 0) + n
         out["linear_state"] = sum(_linear_state_bytes(layer) for layer in self.layers)
         out["rotary"] = self._rotary_nbytes()
+        out["rotation"] = self.rotation_nbytes()
         return out
+
+    def rotation_nbytes(self) -> int:
+        """The fitted rotation matrices (``rotate='fitted'``, :mod:`kvslim.calibration.rotation`; 0 otherwise):
+        one float32 ``(H_kv, D, D)`` per layer and encoded role, all layers' (the cache holds them from
+        construction, kept layers included), plus the copy a rotation makes on each other device it served
+        (CUDA). A fixed cost per cache, not per token: 2 x 30 layers x 3 KV heads x 64^2 x 4 B = 2.9 MB for
+        SmolLM2-135M.
+
+        Counted once per cache, each distinct tensor once. Caches built from one
+        :class:`~kvslim.calibration.biasset.BiasSet` — the batch engine reads its bias file once
+        (:mod:`kvslim.engine.gate`) and builds every row's cache from it — hold the very same CPU tensors:
+        each cache's ``nbytes()`` counts them (what it keeps alive), so a sum over such caches counts the shared
+        matrices once per cache, not once per process (an upper bound; a Hadamard basis is module-level and
+        counted by none)."""
+        from ..calibration.rotation import LayerRotations, held_nbytes
+
+        rotations = [r for r in self._hadamard.values() if isinstance(r, LayerRotations)]
+        return held_nbytes(t for r in rotations for t in r.tensors())
 
     def _rotary_nbytes(self) -> int:
         """The RoPE frequencies (+ pre-RoPE's angle table), each held once; the Hadamard block matrices are

@@ -164,6 +164,8 @@ class SlimCache(CacheAccounting, Cache):
         if offloading is not False:
             raise ValueError(f"offloading={offloading!r}: {_NO_OFFLOADING}")
         path = os.fspath(mean_center) if isinstance(mean_center, (str, os.PathLike)) else None
+        if path is None and mean_center is not None and rotate == "fitted":
+            path = "<tensors>"  # a BiasSet holding the rotation (the engine's file read once, a rank's shard)
         self.cache_config = CacheConfig(
             kv_quantize=kv_quantize,
             k_quantize=k_quantize,

@@ -21,9 +21,12 @@ closed-form version: no learning, no clipping thresholds (not fitted here; see d
 rotation"), one ``D x D`` matrix per (layer, KV head, role).
 
 Attention is unchanged (``R`` orthogonal): the query is rotated once, ``(R q) . (R k) = q . k``, and a V sum
-rotated back once, ``R^T sum_i p_i R v_i``; a pre-RoPE key is rotated back (``R^T``) per decoded tile before
-its RoPE, by the torch reference (:func:`kvslim.kernels.reference.apply_transform`; the C kernels apply only
-Hadamard blocks and decline a matrix). Matrices are float32; the fit is float64.
+rotated back once, ``R^T sum_i p_i R v_i``. A pre-RoPE key is rotated back (``R^T``) per decoded key before
+its RoPE (:class:`kvslim.kernels.KeyTransform`): RoPE turns each token's channel pairs by that token's angles and
+a dense ``R`` does not commute with that, so no single rotated query serves every token; the C transform kernels
+do it in the tile (``D^2`` multiply-adds a key, the Hadamard's ``D log D``), the torch reference with a matmul
+(:func:`kvslim.kernels.reference.apply_transform`). The fused C decode step takes Hadamard blocks only: a fitted
+basis goes op by op. Matrices are float32; the fit is float64.
 
 This module fits, holds and loads the rotations. The file's bytes are :mod:`.biasfile`'s; observing the
 keys is :mod:`.calibrate`'s; the cache applies a rotation where it applies a Hadamard basis
@@ -49,7 +52,7 @@ class FittedRotation:
 
     The same interface as :class:`kvslim.cache.hadamard.Hadamard` (``apply`` into the stored basis, ``inverse``
     back, ``for_layer``), on 4-D tensors whose dim 1 is the KV head. ``block`` is 0: no fast block transform,
-    so the fused C decode and the C transform kernels decline it (the torch path rotates with a matmul)."""
+    so the fused C decode declines it; the C transform kernels (pre-RoPE keys) take ``matrix`` itself."""
 
     matrix: torch.Tensor
     block = 0
@@ -81,8 +84,14 @@ class FittedRotation:
         """``R^T y`` (B, H, T, D) -> float32 (B, H, T, D): back to the appended basis."""
         return torch.matmul(y.float(), self._m(y))
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor this rotation holds: ``matrix`` and the copy made on each other device it served (on the
+        CPU ``_m`` hands back ``matrix`` itself)."""
+        return (self.matrix, *self._on.values())
+
     def nbytes(self) -> int:
-        return self.matrix.numel() * 4
+        """Bytes of :meth:`tensors`, each distinct tensor once."""
+        return held_nbytes(self.tensors())
 
 
 @dataclass(frozen=True)
@@ -94,8 +103,18 @@ class LayerRotations:
     def for_layer(self, layer: int) -> FittedRotation:
         return self.layers[layer]
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t for r in self.layers for t in r.tensors())
+
     def nbytes(self) -> int:
-        return sum(r.nbytes() for r in self.layers)
+        return held_nbytes(self.tensors())
+
+
+def held_nbytes(tensors) -> int:
+    """Bytes of ``tensors``, a tensor met twice (the same device, address and size: one object, or views of one
+    memory) counted once."""
+    seen = {(str(t.device), t.data_ptr(), t.numel() * t.element_size()) for t in tensors}
+    return sum(n for _, _, n in seen)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -188,7 +207,7 @@ def check_rotation(t, il: int, role: str, n_kv_heads: int, head_dim: int, *, whe
             f"{name} ({where}): shape {tuple(t.shape)} dtype {t.dtype}, expected float ({n_kv_heads}, "
             f"{head_dim}, {head_dim}) (n_kv_heads, head_dim, head_dim)"
         )
-    t = t.detach().to(torch.float32)
+    t = t.detach().to(torch.float32).contiguous()  # rows contiguous: the C kernels and _m use it as it is
     if not torch.isfinite(t).all():
         raise ValueError(f"{name} ({where}): non-finite values")
     err = float(

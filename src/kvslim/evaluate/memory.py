@@ -162,7 +162,8 @@ def cache_bytes(
     (:func:`fp_bytes`), then per stream
     encoded tokens (token parts per token, group parts per group, as the codec really encodes them)
     and a full-precision residual, plus a float32 ``(H_kv, D)`` mean-centering bias and, for a centered K
-    body, one byte per token and head (``kvslim.cache.basis.CENTERED``). Counts the stored
+    body, one byte per token and head (``kvslim.cache.basis.CENTERED``); and once per cache the fitted rotation
+    matrices (:func:`rotation_bytes`). Counts the stored
     tensors only, not the buffers' preallocated slack (see ``SlimCache.nbytes``).
     """
     check_int("seen", seen, 0, "tokens fed to the cache")
@@ -203,7 +204,17 @@ def cache_bytes(
         if config.mean_center is not None and k_fmt in MEAN_CENTER_FORMATS:
             total += shape.kv_heads * shape.head_dim * 4
         stored, everything = n_sink + stream_len, everything + n_layers * total
-    return stored, everything
+    return stored, everything + rotation_bytes(shape, config)
+
+
+def rotation_bytes(shape: ModelShape, config: CacheConfig) -> int:
+    """The fitted rotation matrices a cache of ``config`` holds (``rotate='fitted'``; 0 otherwise): one float32
+    ``(H_kv, D, D)`` per layer for each of K and V its format encodes (``SlimCache.rotation_nbytes``), once per
+    cache whatever the batch and the length."""
+    if config.rotate != "fitted":
+        return 0
+    roles = [(r, f) for r, f in (("k", config.k_format), ("v", config.v_format)) if cache_codec(config, f, r).lossy]
+    return len(roles) * shape.layers * shape.kv_heads * shape.head_dim**2 * 4
 
 
 @dataclass(frozen=True)
@@ -212,7 +223,9 @@ class KVBits:
 
     ``bytes``: every stored tensor of every layer's K/V store — codes, scales, zeros, full-precision
     residual and sinks, mean-centering bias (:meth:`SlimCache.live_nbytes`), whatever format each layer
-    uses. Not counted: the growing buffers' preallocated slack (it depends on how the buffers grew, not
+    uses — and the fitted rotation matrices of ``rotate='fitted'`` (:meth:`SlimCache.rotation_nbytes`: a fixed
+    cost per cache, which weighs most at short lengths: 2.9 MB for SmolLM2-135M, 0.5 bits per element at 4,096
+    tokens). Not counted: the growing buffers' preallocated slack (it depends on how the buffers grew, not
     on the config: ``SlimCache.nbytes()`` has it) and per-cache constants (RoPE tables, per-row
     bookkeeping). ``elements``: stored K/V elements summed over the layers holding K/V, ``stored tokens
     x batch x KV heads x (k_dim + v_dim)``, each layer with its own stored tokens (a sliding layer holds
@@ -263,7 +276,8 @@ def kv_bits(cache) -> KVBits:
             shape = ModelShape(len(fed), h, d, fed[0].dtype)
             stored, nbytes = cache_bytes(shape, cache.cache_config, seen, batch=b)
             return KVBits(seen, stored, elements, nbytes)
-        return KVBits(seen, cache.stored_tokens(), elements, sum(s.live_nbytes() for s in fed))
+        held = sum(s.live_nbytes() for s in fed) + (cache.rotation_nbytes() if fed else 0)
+        return KVBits(seen, cache.stored_tokens(), elements, held)
     elements = nbytes = stored = 0
     for layer in cache.layers:
         for t in (layer.keys, layer.values):

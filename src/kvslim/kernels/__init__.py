@@ -30,8 +30,8 @@ call (a tensor on another device, long query axis, failed build, Triton missing)
 next backend, ending at the reference.
 
 Scores with a :class:`KeyTransform` (pre-RoPE keys, whose rotation is applied on read; a Hadamard
-basis together with it) go to a backend's ``k_scores_transformed`` when it has one — the C kernels
-apply the transform to each decoded tile, in L1 — else to the reference's, which decodes
+basis or a fitted rotation's matrix together with it) go to a backend's ``k_scores_transformed`` when it has
+one — the C kernels apply the transform to each decoded tile, in L1 — else to the reference's, which decodes
 :data:`.reference.TRANSFORM_TILE` tokens at a time (a bounded fp32 scratch, never a copy of the
 history).
 """
@@ -262,8 +262,6 @@ def k_scores(
             f"the encoded body {t}"
         )
     fn = kernel.k_scores_transformed or reference.k_scores_transformed
-    if transform.hadamard is not None and not transform.hadamard.block:
-        fn = reference.k_scores_transformed  # a fitted rotation (a matrix, block 0): the kernels apply Hadamard blocks only
     return fn(q, codec, enc, offset, transform)
 
 

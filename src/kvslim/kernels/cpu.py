@@ -83,11 +83,13 @@ def k_affine(q: torch.Tensor, codec: Codec, enc: Encoded, offset: int) -> torch.
 
 
 def _transform_parts(q: torch.Tensor, tr, t: int) -> tuple[tuple, tuple]:
-    """The C side's (hblock, rhalf, roff, has_bias, has_flags) and (bias, cos, sin, flags) parts of a
+    """The C side's (hblock, rhalf, roff, has_bias, has_flags) and (bias, cos, sin, flags, mat) parts of a
     KeyTransform.
 
     bias: (1, H, 1, D) fp32; cos/sin: (B, 1, T, R/2) fp32, batch stride 0 when shared by every row;
-    flags: the ``centered`` part (B, H, T, 1) uint8. Absent parts repeat q (never read)."""
+    flags: the ``centered`` part (B, H, T, 1) uint8; mat: a fitted rotation's matrix (1, H, D, D) fp32
+    (:class:`kvslim.calibration.rotation.FittedRotation`, block 0: the kernel takes each key back with
+    ``R^T``), None for a Hadamard basis or none. Other absent parts repeat q (never read)."""
     b, h, _, d = q.shape
     bias = q
     if tr.bias is not None:
@@ -95,8 +97,11 @@ def _transform_parts(q: torch.Tensor, tr, t: int) -> tuple[tuple, tuple]:
         expect(bias, (h, d), (torch.float32,), "transform bias")
         bias = bias[None, :, None, :]
     hblock = 0 if tr.hadamard is None else int(tr.hadamard.block)
-    if tr.hadamard is not None and not hblock:
-        raise ValueError("the C transform kernels apply Hadamard blocks only, not a fitted rotation's matrix")
+    mat = None
+    if tr.hadamard is not None and not hblock:  # a fitted rotation: its (H, D, D) matrix
+        mat = tr.hadamard.matrix.to(dtype=torch.float32, device=q.device).contiguous()
+        expect(mat, (h, d, d), (torch.float32,), "transform rotation matrix")
+        mat = mat[None]  # (1, H, D, D): row e of head h at at(mat, 0, h, e)
     if hblock and (hblock & (hblock - 1) or d % hblock):
         raise ValueError(f"a Hadamard block of {hblock} does not tile head_dim {d}")
     cos = sin = q
@@ -119,7 +124,7 @@ def _transform_parts(q: torch.Tensor, tr, t: int) -> tuple[tuple, tuple]:
         flags = rows_contiguous(tr.centered)
         expect(flags, (b, h, t, 1), (torch.uint8,), "transform centered flags")
     has = (int(tr.bias is not None), int(tr.centered is not None))
-    return (hblock, rhalf, roff, *has), (bias, cos, sin, flags)
+    return (hblock, rhalf, roff, *has), (bias, cos, sin, flags, mat)
 
 
 def k_affine_transformed(q: torch.Tensor, codec: Codec, enc: Encoded, offset: int, tr) -> torch.Tensor:

@@ -30,9 +30,12 @@
  *
  * Transformed K scores (OP_K_ROWS_T, OP_K_AFFINE_T): each decoded tile row is turned into the key attention
  * scores against before the dot products, in L1: a per-(head, channel) bias added (mean-centering's zero
- * point), a block-diagonal Hadamard rotation (in-place fast Walsh-Hadamard transform, normalized), then
- * RoPE at the token's own angle from cos/sin tables (pre-RoPE keys, rotated on read). KIVI K is decoded
- * with its scales then (the fold into the query does not commute with a per-token rotation).
+ * point), a block-diagonal Hadamard rotation (in-place fast Walsh-Hadamard transform, normalized) or a fitted
+ * rotation's dense (D, D) matrix per head taken back (R^T y: D^2 multiply-adds a row, where the Hadamard takes
+ * D log D), then RoPE at the token's own angle from cos/sin tables (pre-RoPE keys, rotated on read). The
+ * rotation must be undone per key, before its RoPE: RoPE's angle changes with the token and a dense R does not
+ * commute with it, so no one rotated query serves every token. KIVI K is decoded with its scales then (the
+ * fold into the query does not commute with a per-token rotation).
  *
  * Parallelism: OpenMP over (batch, head, token chunk) tasks, with the caller's thread count (fewer for
  * small calls, see KV_GRAIN). V sums are reduced over the chunks of a (batch, head) at the end, on the
@@ -492,11 +495,12 @@ static void v_tile(const float *restrict p, int64_t ps, int M, int D, const floa
 
 /* What turns a decoded stored key into the key attention scores against (see kvslim.kernels.KeyTransform):
  * bias (H, D) fp32 added when has_bias (only to tokens whose uint8 flag (B, H, T) is set, when has_flags);
- * Hadamard blocks of hblock (0: none); RoPE on channel pairs (roff + i, roff + rhalf + i), i < rhalf
- * (0: none), at angles cos/sin (B or broadcast, T, rhalf) fp32. */
+ * Hadamard blocks of hblock (0: none), or a fitted rotation's matrix taken back, x = R^T y with mat
+ * (1, H, D, D) fp32, rows contiguous, y = R x (NULL: none; never both); RoPE on channel pairs
+ * (roff + i, roff + rhalf + i), i < rhalf (0: none), at angles cos/sin (B or broadcast, T, rhalf) fp32. */
 typedef struct {
     int hblock, rhalf, roff, has_bias, has_flags;
-    const kv_part *bias, *cos, *sin, *flags;
+    const kv_part *bias, *cos, *sin, *flags, *mat;
 } kv_tr;
 
 /* In-place unnormalized Walsh-Hadamard transform of n (a power of two) floats: Sylvester order, the
@@ -538,9 +542,12 @@ KV_INLINE void fwht(float *restrict x, int n) {
         }
 }
 
-/* rows[j] (natural channel order) for tokens t .. t + n - 1 of (b, h), transformed in place. */
-static void transform_rows(const kv_tr *tr, float *restrict rows, int n, int D, int b, int h, int t) {
+/* rows[j] (natural channel order) for tokens t .. t + n - 1 of (b, h), transformed in place. tmp: D floats
+ * (a row's copy, for a fitted rotation). */
+static void transform_rows(const kv_tr *tr, float *restrict rows, int n, int D, int b, int h, int t,
+                           float *restrict tmp) {
     const float *bias = tr->has_bias ? (const float *)at(tr->bias, 0, h, 0) : NULL;
+    const float *rot = tr->mat ? (const float *)at(tr->mat, 0, h, 0) : NULL; /* R of head h, (D, D) */
     const float norm = tr->hblock ? 1.0f / sqrtf((float)tr->hblock) : 1.0f;
     for (int j = 0; j < n; j++) {
         float *restrict r = rows + (int64_t)j * D;
@@ -552,6 +559,16 @@ static void transform_rows(const kv_tr *tr, float *restrict rows, int n, int D, 
             for (int blk = 0; blk < D; blk += tr->hblock) fwht(r + blk, tr->hblock);
             KV_SIMD
             for (int d = 0; d < D; d++) r[d] *= norm;
+        }
+        if (rot) { /* r = R^T y: row e of R scaled by y_e, summed in e order (the reference's y @ R) */
+            memcpy(tmp, r, (size_t)D * sizeof(float));
+            for (int d = 0; d < D; d++) r[d] = 0.0f;
+            for (int e = 0; e < D; e++) {
+                const float ye = tmp[e];
+                const float *restrict re = rot + (int64_t)e * D;
+                KV_SIMD
+                for (int d = 0; d < D; d++) r[d] += ye * re[d];
+            }
         }
         if (tr->rhalf) {
             const float *restrict c = (const float *)at(tr->cos, b, 0, t + j);
@@ -584,7 +601,7 @@ KV_INLINE void k_rows_task(int fmt, const kv_part *q, const kv_part *x, const kv
     for (int t = t0; t < t1; t += TILE) {
         const int n = t1 - t < TILE ? t1 - t : TILE;
         decode_tile(fmt, x, xs, D, b, h, t, n, rows);
-        if (tr) transform_rows(tr, rows, n, D, b, h, t);
+        if (tr) transform_rows(tr, rows, n, D, b, h, t, rows + (int64_t)TILE * D);
         k_tile(qb, q->s2, NULL, M, D, rows, n, ob, out->s2, t);
     }
 }
@@ -659,13 +676,14 @@ KV_INLINE void k_affine_task(int bits, const kv_part *q, const kv_part *codes, c
 /* KIVI K decoded with its scales (natural channel order), transformed, dotted with the unfolded queries.
  * The group's scales and zeros are permuted into plane order once per group, so a token's decode is an
  * unpack, a vectorized multiply-add, and one un-permuting copy. scratch: rows (TILE * D), plane-order
- * codes (D), scale and zero (2 * D), their plane-order copies (2 * D). */
+ * codes (D), scale and zero (2 * D), their plane-order copies (2 * D), a row for the transform (D). */
 KV_INLINE void k_affine_t_task(int bits, const kv_part *q, const kv_part *codes, const kv_part *sc, const kv_part *zr,
                                const kv_part *out, int M, int D, int G, int offset, int b, int h, int t0, int t1,
                                float *restrict scratch, const kv_tr *tr, const kv_part *vn) {
     const int per = codes_per_unit(bits), np = D / per;
     const float half = 0.5f * (float)((1 << bits) - 1);
     float *rows = scratch, *tmp = rows + TILE * D, *s = tmp + D, *z = s + D, *sp = z + D, *zp = sp + D;
+    float *row = zp + D;
     const float *qb = (const float *)at(q, b, h, 0);
     float *ob = (float *)at(out, b, h, 0);
     for (int t = t0; t < t1;) {
@@ -694,7 +712,7 @@ KV_INLINE void k_affine_t_task(int bits, const kv_part *q, const kv_part *codes,
                 for (int i = 0; i < per; i++)
                     for (int jj = 0; jj < np; jj++) r[per * jj + i] = tmp[i * np + jj];
             }
-            transform_rows(tr, rows, n, D, b, h, t);
+            transform_rows(tr, rows, n, D, b, h, t, row);
             k_tile(qb, q->s2, NULL, M, D, rows, n, ob, out->s2, t);
         }
         t = stop;
@@ -871,14 +889,15 @@ static int run_call(kv_call *k) {
         const kv_tr *tr = k->tr;
         if (tr->hblock && (tr->hblock & (tr->hblock - 1) || D % tr->hblock)) return KV_EARG;
         if (tr->rhalf < 0 || tr->roff < 0 || tr->roff + 2 * tr->rhalf > D) return KV_EARG;
+        if (tr->mat && tr->hblock) return KV_EARG; /* one basis: a Hadamard or a fitted matrix */
     }
     if (k->op == OP_K_AFFINE_T) {
         if (!affine_bits_ok(k->bits)) return KV_EARG;
         if (D % codes_per_unit(k->bits) || k->group < 1 || k->offset < 0 || k->offset >= k->group) return KV_EARG;
-        scratch = (size_t)(TILE + 5) * D; /* rows, plane-order codes, scale, zero, their plane-order copies */
+        scratch = (size_t)(TILE + 6) * D; /* rows, plane-order codes, scale, zero, plane-order copies, a row */
     } else if (k->op == OP_K_ROWS || k->op == OP_V_ROWS || k->op == OP_K_ROWS_T) {
         if (k->fmt < R_Q8_0 || k->fmt > R_FP8 || (D % QK != 0 && k->fmt <= R_Q5_1)) return KV_EARG;
-        scratch = (size_t)TILE * D;
+        scratch = (size_t)(TILE + (k->op == OP_K_ROWS_T)) * D; /* rows (+ a row for the transform) */
     } else {
         if (!affine_bits_ok(k->bits)) return KV_EARG;
         per = codes_per_unit(k->bits);
@@ -1455,19 +1474,19 @@ void kv_test_half_to_float(const uint16_t *src, float *dst, int64_t n, int porta
  *   OP_K_AFFINE: params bits, G, offset;    parts q, codes, scale, zero, out
  *   OP_V_AFFINE: params bits, g;            parts p, codes, scale, zero, out
  *   OP_K_ROWS_T:   params fmt, -, -, hblock, rhalf, roff, has_bias, has_flags;  parts q, x, xs, out, bias,
- *                  cos, sin, flags
+ *                  cos, sin, flags, mat
  *   OP_K_AFFINE_T: params bits, G, offset, hblock, rhalf, roff, has_bias, has_flags;  parts q, codes, scale,
- *                  zero, out, bias, cos, sin, flags
- * (bias: (1, H, 1, D) fp32; cos/sin: (B or stride 0, 1, T, rhalf) fp32; flags (B, H, T, 1) uint8; unused
- * parts may repeat q.) */
+ *                  zero, out, bias, cos, sin, flags, mat, vn
+ * (bias: (1, H, 1, D) fp32; cos/sin: (B or stride 0, 1, T, rhalf) fp32; flags (B, H, T, 1) uint8; mat: a fitted
+ * rotation (1, H, D, D) fp32, data 0: none; unused parts may repeat q.) */
 int kv_run(int op, const int64_t *args) {
     if (op < OP_K_ROWS || op > OP_K_AFFINE_T) return KV_EARG;
     kv_dims dm = {(int32_t)args[0], (int32_t)args[1], (int32_t)args[2], (int32_t)args[3], (int32_t)args[4],
                   (int32_t)args[5]};
     if (dm.B < 1 || dm.H < 1 || dm.M < 1 || dm.T < 1 || dm.D < 1) return KV_EARG;
     const int64_t *prm = args + 6;
-    kv_part pt[10];
-    static const int NPARTS[] = {4, 4, 6, 6, 8, 10}; /* the affine ops end with the vn part (data 0: none) */
+    kv_part pt[11];
+    static const int NPARTS[] = {4, 4, 6, 6, 9, 11}; /* the affine ops end with the vn part (data 0: none) */
     const int nparts = NPARTS[op];
     for (int i = 0; i < nparts; i++) {
         const int64_t *a = args + 6 + KV_NPARAM + 5 * i;
@@ -1484,7 +1503,8 @@ int kv_run(int op, const int64_t *args) {
         const int first = op == OP_K_ROWS_T ? 4 : 5; /* the bias part */
         tr = (kv_tr){.hblock = (int)prm[3], .rhalf = (int)prm[4], .roff = (int)prm[5], .has_bias = (int)prm[6],
                      .has_flags = (int)prm[7], .bias = &pt[first], .cos = &pt[first + 1], .sin = &pt[first + 2],
-                     .flags = &pt[first + 3]};
+                     .flags = &pt[first + 3], .mat = pt[first + 4].data ? &pt[first + 4] : NULL};
+        if (tr.mat && pt[first + 4].dtype != DT_F32) return KV_EARG;
         k.tr = &tr;
     }
     if (op == OP_K_ROWS || op == OP_V_ROWS || op == OP_K_ROWS_T) {
