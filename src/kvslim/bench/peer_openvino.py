@@ -29,25 +29,9 @@ import tempfile
 import time
 
 try:
-    from .peer_common import (
-        emit,
-        guarded,
-        kv_elements_per_token,
-        new_tokens,
-        step_budget,
-        step_row,
-        write_rows,
-    )
+    from . import peer_common as common
 except ImportError:  # run as a script in the peer's venv: the sibling module, not the package
-    from peer_common import (
-        emit,
-        guarded,
-        kv_elements_per_token,
-        new_tokens,
-        step_budget,
-        step_row,
-        write_rows,
-    )
+    import peer_common as common
 
 PER_TOKEN_BYTES = {"f32": 4, "u8": 1, "u4": 0.5}
 
@@ -76,12 +60,12 @@ def run_one(job: dict, run: dict, layers_kv: int) -> dict:
     import openvino_genai as g
 
     c, length = run["concurrency"], run["length"]
-    new = new_tokens(job, run)
+    new = common.new_tokens(job, run)
     sc = g.SchedulerConfig()
     tokens = c * (length + new + 64)
     sc.cache_size = max(1, int(tokens * layers_kv * PER_TOKEN_BYTES[run["kv"]] * 1.5 / 2**30) + 1)  # GB
     sc.max_num_seqs = max(c, 1)
-    sc.max_num_batched_tokens = step_budget(run)
+    sc.max_num_batched_tokens = common.step_budget(run)
     sc.dynamic_split_fuse = True
     sc.enable_prefix_caching = False  # every stream prefills its prompt, as kvslim's do
     note = f"KV {run['kv']}"
@@ -116,7 +100,7 @@ def run_one(job: dict, run: dict, layers_kv: int) -> dict:
             decode.append(dt)
         elif first_all is None and all(n >= 1 for n in got):
             first_all = time.perf_counter() - t0
-    return step_row("openvino", run, job["warmup"], decode, first_all, note)
+    return common.step_row("openvino", run, job["warmup"], decode, first_all, note)
 
 
 def main() -> int:
@@ -127,9 +111,9 @@ def main() -> int:
     with open(a.job) as f:
         job = json.load(f)
     export(job["model_dir"], job["ir_dir"])
-    layers_kv = kv_elements_per_token(job["model_dir"])
-    rows = [emit(guarded("openvino", run, lambda run=run: run_one(job, run, layers_kv))) for run in job["runs"]]
-    write_rows(a.out, rows)
+    layers_kv = common.kv_elements_per_token(job["model_dir"])
+    rows = [common.emit(common.guarded("openvino", run, lambda run=run: run_one(job, run, layers_kv))) for run in job["runs"]]
+    common.write_rows(a.out, rows)
     return 0
 
 

@@ -25,33 +25,15 @@ import sys
 import time
 
 try:
-    from .peer_common import (
-        emit,
-        error_row,
-        guarded,
-        kv_elements_per_token,
-        new_tokens,
-        step_budget,
-        step_row,
-        write_rows,
-    )
+    from . import peer_common as common
 except ImportError:  # run as a script in the peer's venv: the sibling module, not the package
-    from peer_common import (
-        emit,
-        error_row,
-        guarded,
-        kv_elements_per_token,
-        new_tokens,
-        step_budget,
-        step_row,
-        write_rows,
-    )
+    import peer_common as common
 
 
 def kv_space(model_dir: str, tokens: int) -> int:
     """Bytes of KV space for ``tokens`` tokens of the model in ``model_dir`` (bf16/fp16 K and V of every layer),
     1.5x and 1 GiB over (vLLM's blocks round up, and its profiler wants room)."""
-    per_token = 2 * kv_elements_per_token(model_dir)
+    per_token = 2 * common.kv_elements_per_token(model_dir)
     return int(1.5 * tokens * per_token) + (1 << 30)
 
 
@@ -59,10 +41,10 @@ def run_one(job: dict, run: dict) -> dict:
     from vllm import EngineArgs, LLMEngine, SamplingParams
 
     c, length = run["concurrency"], run["length"]
-    new = new_tokens(job, run)
+    new = common.new_tokens(job, run)
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=job["model_dir"], dtype=job.get("dtype", "bfloat16"), max_num_seqs=max(c, 1),
-        max_model_len=length + new + 16, max_num_batched_tokens=step_budget(run), kv_cache_dtype=run["kv"], enable_prefix_caching=False,
+        max_model_len=length + new + 16, max_num_batched_tokens=common.step_budget(run), kv_cache_dtype=run["kv"], enable_prefix_caching=False,
         seed=0, kv_cache_memory_bytes=kv_space(job["model_dir"], c * (length + new + 16)),
     ))
     params = SamplingParams(max_tokens=new, ignore_eos=True, temperature=0.0)
@@ -83,7 +65,7 @@ def run_one(job: dict, run: dict) -> dict:
             decode.append(dt)
         elif first_all is None and all(n >= 1 for n in got.values()):
             first_all = time.perf_counter() - t0
-    return step_row("vllm", run, job["warmup"], decode, first_all, f"{job.get('dtype', 'bfloat16')}, KV {run['kv']}")
+    return common.step_row("vllm", run, job["warmup"], decode, first_all, f"{job.get('dtype', 'bfloat16')}, KV {run['kv']}")
 
 
 def main() -> int:
@@ -97,10 +79,10 @@ def main() -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process: steps timed here
     if a.only is not None:
         run = job["runs"][a.only]
-        rows = [guarded("vllm", run, lambda: run_one(job, run))]
+        rows = [common.guarded("vllm", run, lambda: run_one(job, run))]
     else:
-        rows = [emit(_child(a.job, a.out, i, run)) for i, run in enumerate(job["runs"])]
-    write_rows(a.out, rows)
+        rows = [common.emit(_child(a.job, a.out, i, run)) for i, run in enumerate(job["runs"])]
+    common.write_rows(a.out, rows)
     return 0
 
 
@@ -116,7 +98,7 @@ def _child(job_path: str, out: str, i: int, run: dict) -> dict:
             return json.load(f)[0]
     except (OSError, ValueError, IndexError):
         tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
-        return error_row("vllm", run, f"exit {proc.returncode}: {tail[0][:200]}")
+        return common.error_row("vllm", run, f"exit {proc.returncode}: {tail[0][:200]}")
     finally:
         if os.path.exists(child_out):
             os.remove(child_out)
