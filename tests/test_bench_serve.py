@@ -87,6 +87,7 @@ def model_dir(tmp_path_factory):
         (["--peers", "openvino"], {}, "--peers openvino: not a peer of the single-stream bench"),
         (["--concurrency", "2", "--peers", "quanto"], {}, "--peers quanto: not a peer of --concurrency"),
         (["--threads", "0"], {}, "--threads must be an integer >= 1"),
+        (["--concurrency", "2", "--join", "64"], {}, "--join 64: a prompt length of at least 1 token, with --serve"),
     ],
 )
 def test_bad_flags_are_one_line(model_dir, argv, env, message):
@@ -125,7 +126,7 @@ def test_bench_serve_drives_a_real_server(model_dir, tmp_path):
     out_json = tmp_path / "bench.json"
     out = _cli("bench", "--model", str(model_dir), "--concurrency", "2", "--lengths", "16", "--steps", "4",
                "--warmup", "1", "--config", "int4", "none,sink=4,window=8", "--serve", "--no-continuous-batching",
-               "--threads", "1", "--json", str(out_json), "--quiet", timeout=600)
+               "--threads", "1", "--json", str(out_json), "--quiet", "--join", "300", timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("threads: 1 torch threads of")
     data = json.loads(out_json.read_text())
@@ -146,6 +147,27 @@ def test_bench_serve_drives_a_real_server(model_dir, tmp_path):
     with open(data["serve_log"]) as f:
         log = f.read()
     assert "--omp-wait auto" in log and "threads: 1 torch threads" in log  # the server ran the bench's policy
+    joins = {j["spec"]: j for j in data["serve_join"]}  # a 300-token prompt joined each spec's 2 streams
+    assert set(joins) == {"int4", "none,sink=4,window=8"} and "joining prompt through kvslim serve" in out.stdout
+    for j in joins.values():
+        assert j["join_tokens"] == 300 and j["chunks"] == 3 and not j["note"], j
+        assert j["gaps_during"] >= 2 and j["itl_before_p50_ms"] > 0 and j["join_ttft_ms"] > 0
+        assert j["itl_during_p50_ms"] <= j["itl_during_max_ms"] and j["extra_per_chunk_ms"] is not None
+
+
+def test_join_gaps_split_at_the_join_and_sum_per_chunk():
+    from kvslim.bench.join import JoinRow, split_gaps, summarize
+
+    times = [[0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 0.8], [0.05, 0.15, 0.25, 0.45, 0.65, 0.75]]
+    before, during = split_gaps(times, start=0.1, sent=0.3, first=0.7)
+    assert [round(g, 2) for g in before] == [0.1, 0.1, 0.1]  # 0.1-0.2, 0.2-0.3; 0.15-0.25
+    assert sorted(round(g, 2) for g in during) == [0.2, 0.2, 0.2, 0.2]  # 0.3-0.5, 0.5-0.7, 0.25-0.45, 0.45-0.65
+    row = summarize(JoinRow("int4", 16, 2, join_tokens=256, chunk=128, chunks=2), before, during)
+    assert row.itl_before_p50_ms == pytest.approx(100) and row.itl_during_p50_ms == pytest.approx(200)
+    # each stream waited 2 x 100 ms more over 2 chunks: 100 ms a chunk, one step's worth
+    assert row.extra_per_chunk_ms == pytest.approx(100) and row.within_one_step
+    row = summarize(JoinRow("int4", 16, 2, join_tokens=128, chunk=128, chunks=1), before, during)
+    assert row.extra_per_chunk_ms == pytest.approx(200) and not row.within_one_step
 
 
 # -- the serving peers ------------------------------------------------------------------------------

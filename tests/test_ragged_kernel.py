@@ -418,3 +418,54 @@ def test_a_piece_with_its_own_queries_is_scored_with_them(threads):
     plain = torch.zeros_like(qf)
     assert cpu.attend_rows(qf, [attention._fused_row(seg, 0)], plain) == []
     assert not torch.allclose(plain, out, atol=1e-3)
+
+
+def test_a_step_moves_its_rows_sinks_and_run_queries_in_one_call_each_with_the_same_bits(monkeypatch):
+    """A ragged step moves the sinks of all its windowed rows in one Rotary.move (and the queries of all its rows
+    with key runs in one more): each row's sink keys and output are bit for bit those of the row alone, for rows
+    of different lengths (different distances), two sink counts and a row whose sinks need no move."""
+    from kvslim.cache.ragged import RaggedCache
+    from kvslim.cache.rotary import Rotary
+
+    specs = [("int4,sink=4,window=60,group=8,residual=8", n) for n in (200, 75, 131)]
+    specs += [("q8_0,sink=2,window=50,residual=0,group=1", 90), ("int4,sink=4,window=600", 40)]  # last: no move
+    g = torch.Generator().manual_seed(5)
+    feeds = [(torch.randn(1, H, n, D, generator=g) * 2, torch.randn(1, H, n, D, generator=g)) for _, n in specs]
+    new_k, new_v = torch.randn(1, H, len(specs), D, generator=g), torch.randn(1, H, len(specs), D, generator=g)
+
+    def caches():
+        out = []
+        for (spec, _), (k, v) in zip(specs, feeds, strict=True):
+            cache = SlimCache.from_config(kvslim.parse_spec(spec), config=tiny_config())
+            cache.layers[0].store.append(k, v)
+            out.append(cache)
+        return out
+
+    alone = [
+        c.layers[0].store.append(new_k[:, :, b : b + 1], new_v[:, :, b : b + 1], segments=True)
+        for b, c in enumerate(caches())
+    ]
+    moves = []
+    real_move = Rotary.move
+    monkeypatch.setattr(Rotary, "move", lambda self, x, d: moves.append(tuple(x.shape)) or real_move(self, x, d))
+    rows = caches()
+    step = RaggedCache(rows, positions=[n for _, n in specs], bases=[0] * len(specs))
+    view, _ = step.layers[0].update(new_k, new_v)
+    assert sorted(moves) == sorted([(3, H, 4, D), (1, H, 2, D)])  # three int4 rows at once, the q8_0 row alone
+    for b, (seg, ref) in enumerate(zip(view.rows, alone, strict=True)):
+        assert torch.equal(seg.k_sink, ref.k_sink), b
+    assert view.rows[-1].k_sink is rows[-1].layers[0].store.sink_k  # no move due: the stored keys themselves
+    # the fused call over the step: each row's output is its output alone
+    q = _queries(len(specs), 13)
+    out, _ = attention.kvslim_attention(_MODULE, q, RaggedSegments(view.rows), None, None, scaling=None)
+    for b, seg in enumerate(alone):
+        assert torch.equal(out[b : b + 1], _alone(q[b : b + 1], seg)), b
+    # rows with key runs: their queries moved in one call for the step
+    segs = [_segments_with_runs(spec, b, a, 61 + i) for i, (spec, b, a) in enumerate(RUNS)]
+    moves.clear()
+    q4 = _queries(len(segs), 14)
+    out, _ = attention.kvslim_attention(_MODULE, q4, RaggedSegments(tuple(segs)), None, None, scaling=None)
+    assert moves == [(len(segs), H, M, D)]
+    monkeypatch.setattr(Rotary, "move", real_move)
+    for b, seg in enumerate(segs):
+        assert torch.equal(out[b : b + 1], _alone(q4[b : b + 1], seg)), b

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels
+from .cache.rotary import by_rotation
 from .formats import Encoded, make_codec
 
 #: the codec of full-precision keys read as a piece (the residual's keys of a run off the frame, :func:`_run_pieces`)
@@ -82,14 +83,15 @@ def hblocks(kv) -> tuple[int, int]:
     )
 
 
-def fused_row(kv, qrow: int, b: int | None = None, qf: torch.Tensor | None = None):
+def fused_row(kv, qrow: int, b: int | None = None, qf: torch.Tensor | None = None, moved_q: dict | None = None):
     """``kv`` (batch row ``b`` of it; None: a batch of one) as one row of the fused call
     (:class:`kvslim.kernels.cpu.AttendRow`), its query at ``qrow`` (of ``qf`` (N, Hkv, M, D), needed only for
-    a cache with key runs): the bodies as one piece each, or K as one piece per key run (:func:`_run_pieces`)."""
+    a cache with key runs): the bodies as one piece each, or K as one piece per key run (:func:`_run_pieces`;
+    moved_q: its queries already moved per run distance, :func:`_moved_queries`)."""
     if kv.k_runs:
         if qf is None:
             raise ValueError("a row with key runs needs its queries (qf) for the runs' pieces")
-        k_body, moved = _run_pieces(kv, qf[qrow : qrow + 1])
+        k_body, moved = _run_pieces(kv, qf[qrow : qrow + 1], moved_q)
         return kernels.cpu.AttendRow(
             qrow, kv.k_sink, kv.v_sink, kv.k_res[:, :, moved:], kv.v_res, k_body,
             ((kv.v_codec, kv.v_body, kv.v_offset),), *hblocks(kv),
@@ -175,10 +177,11 @@ def ragged_fused(query, key, scaling, real: list[int]):
     if backend is None:
         return None, real
     rows, rest = [], []
+    moved_q = _moved_queries(qf, key, real) if backend is kernels.cpu else {}
     for b in real:
         seg = key.rows[b]
         if seg.kv_shape[1:] == (h_kv, d) and fusable(qf, seg, backend):
-            rows.append(fused_row(seg, b, qf=qf))
+            rows.append(fused_row(seg, b, qf=qf, moved_q=moved_q.get(b)))
         else:
             rest.append(b)
     if not rows:
@@ -206,7 +209,28 @@ def _runs_fit(kv) -> bool:
     return True
 
 
-def _run_pieces(kv, q: torch.Tensor) -> tuple[tuple, int]:
+def _moved_queries(qf: torch.Tensor, key, real: list[int]) -> dict:
+    """``{row: {delta: queries}}``: each ragged row's queries ``qf[row]`` moved by ``-delta`` for every key run
+    ``delta`` positions off its frame, in one :meth:`~kvslim.cache.rotary.Rotary.move` per rotation instead of one
+    per row and run (:func:`_run_pieces` moves a row's own when it is not here: the move is elementwise, so the
+    bits are the same either way)."""
+    items = []
+    for b in real:
+        seg = key.rows[b]
+        if seg is not None and seg.k_runs and seg.rotary is not None:
+            items += [(seg.rotary, (b, delta)) for _, delta in seg.k_runs if delta]
+    out: dict = {}
+    for rotary, pairs in by_rotation(items):
+        if len(pairs) < 2:
+            continue
+        idx = torch.tensor([b for b, _ in pairs])
+        moved = rotary.move(qf[idx], torch.tensor([-d for _, d in pairs])).float()
+        for i, (b, delta) in enumerate(pairs):
+            out.setdefault(b, {})[delta] = moved[i : i + 1]
+    return out
+
+
+def _run_pieces(kv, q: torch.Tensor, moved_q: dict | None = None) -> tuple[tuple, int]:
     """The K stream's keys as pieces ``(codec, Encoded, offset[, queries])``, one per key run, and how many of
     the residual's first keys they took. A run ``delta`` positions off the current frame is scored with the
     row's queries ``q`` (1, Hkv, M, D) moved by ``-delta`` (``R(-d)q . k = q . R(d)k``, the arithmetic of
@@ -221,7 +245,12 @@ def _run_pieces(kv, q: torch.Tensor) -> tuple[tuple, int]:
     for n, delta in kv.k_runs:
         lo, hi = start, start + n
         start = hi
-        qd = None if delta == 0 else kv.rotary.move(q, -delta).float()
+        if delta == 0:
+            qd = None
+        elif moved_q is not None and delta in moved_q:
+            qd = moved_q[delta]
+        else:
+            qd = kv.rotary.move(q, -delta).float()
         if lo < n_body:  # the run's body keys
             enc, offset = kv.k_body.narrow(lo, min(hi, n_body), kv.k_offset, kv.k_codec.token_group)
             if qd is None:

@@ -187,18 +187,22 @@ def run_serve(
     omp_wait: str = "auto",
     log: Callable[[str], None] | None = None,
     log_dir: str | None = None,
+    join: Sequence[int] | None = None,
+    joins: list | None = None,
 ) -> tuple[list[ConcurrencyRow], str]:
     """Every spec at every length and concurrency through one ``kvslim serve`` child (started with room for
-    the largest concurrency, stopped at the end). prompts_of(L): the L token ids every stream sends (the
-    engine rows' prompt). Returns the rows and the server log's path (kept in ``log_dir``, else a temporary
-    directory)."""
+    the largest concurrency and one joining request, stopped at the end). prompts_of(L): the L token ids every
+    stream sends (the engine rows' prompt). join: a prompt that joins each measurement's decoding streams after
+    it (:mod:`.join`), its :class:`~kvslim.bench.join.JoinRow` appended to ``joins``. Returns the rows and the
+    server log's path (kept in ``log_dir``, else a temporary directory)."""
     from .server import Server
 
     log = log or quiet
     log_dir = log_dir or tempfile.mkdtemp(prefix="kvslim-bench-serve-")
     log_path = os.path.join(log_dir, "serve.log")
-    server = Server(kvslim_command(), server_flags(model_flags, max(concurrencies), threads=threads,
-                                                   omp_wait=omp_wait), None, log_path)
+    room = max(concurrencies) + (1 if join else 0)
+    server = Server(kvslim_command(), server_flags(model_flags, room, threads=threads, omp_wait=omp_wait), None,
+                    log_path)
     took = server.start()
     log(f"kvslim serve answered /health in {took:.1f} s (log: {log_path})")
     rows: list[ConcurrencyRow] = []
@@ -210,6 +214,12 @@ def run_serve(
                 for spec in specs:
                     k += 1
                     rows.append(measure_serve(server, spec, [ids] * c, steps, warmup=warmup, tag=f"bench{k}", log=log))
+                    if join:
+                        from ..serve.defaults import DEFAULT_PREFILL_CHUNK
+                        from .join import measure_join
+
+                        joins.append(measure_join(server, spec, [ids] * c, join, steps, chunk=DEFAULT_PREFILL_CHUNK,
+                                                  warmup=warmup, tag=f"join{k}", log=log))
     finally:
         stopped = server.stop()
         if stopped.get("exit_code") not in (0, None) or stopped.get("killed"):

@@ -148,12 +148,16 @@ def read_metrics(url: str, headers: dict | None = None) -> dict[str, float]:
     return out
 
 
-async def stream_request(client: httpx.AsyncClient, path: str, body: dict, *, timeout: float, t_origin: float) -> dict:
+async def stream_request(
+    client: httpx.AsyncClient, path: str, body: dict, *, timeout: float, t_origin: float, record: dict | None = None
+) -> dict:
     """One streamed request (chat or text completion) to ``path`` with ``body``; the record of what happened
     (never raises): ``outcome`` (answered, refused or lost) and its ``reason``, ``ttft_s`` (to the first chunk
     with text), ``itl_s`` (the gaps between chunks with text), ``times_s`` (their arrival, seconds since
-    ``t_origin``, a ``time.perf_counter()`` value), the text, the finish reason and the usage."""
-    rec = {
+    ``t_origin``, a ``time.perf_counter()`` value), the text, the finish reason and the usage. record: a dict to
+    fill as the reply streams (a caller watching the chunks arrive), returned."""
+    rec = {} if record is None else record
+    rec |= {
         "outcome": "lost",
         "reason": None,
         "ttft_s": None,

@@ -93,8 +93,22 @@ class Frames:
         """The sink keys ``sink_k`` (B, H, S, D) as the current forward must see them: moved to the rotation
         their ``positions`` mode asks for, in the frame of the current base; untouched where no move is due.
         first_stream_slot: the slot of the stream's oldest key; pads, sink_start: (B,) per row."""
+        delta = self.sink_delta(sink_k, first_stream_slot=first_stream_slot, pads=pads, sink_start=sink_start)
+        return sink_k if delta is None else self.rotary.move(sink_k, delta)
+
+    def sink_delta(
+        self,
+        sink_k: torch.Tensor | None,
+        *,
+        first_stream_slot: int,
+        pads: torch.Tensor,
+        sink_start: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """The move :meth:`sink_keys` applies: (B, S) int64 distances for :meth:`Rotary.move`, or None where
+        no key moves. A ragged step moves the sinks of all its rows in one call with these
+        (:mod:`kvslim.cache.ragged`): the move is elementwise, so a row's keys get the same bits either way."""
         if sink_k is None or self.rotary is None:
-            return sink_k
+            return None
         s = sink_k.shape[2]
         j = torch.arange(s, device=self.sink_rot.device)
         if self.positions == "cache":
@@ -102,9 +116,7 @@ class Frames:
         else:
             want = (sink_start[:, None] + j[None, :]) - pads[:, None]  # their own true positions
         delta = want - self.base - self.sink_rot  # (B, S)
-        if not bool((delta != 0).any()):
-            return sink_k
-        return self.rotary.move(sink_k, delta)
+        return delta if bool((delta != 0).any()) else None
 
     def run_deltas(self) -> tuple[tuple[int, int], ...]:
         """(tokens, delta) per run of stream keys, oldest first: each run's keys must be moved by

@@ -234,6 +234,7 @@ class SlimLayer:
         values: torch.Tensor,
         *,
         segments: bool = False,
+        defer_sinks: bool = False,
         base: int = 0,
         rope: Rotary | None = None,
         finite_checked: bool = False,
@@ -249,6 +250,7 @@ class SlimLayer:
 
         A transaction: everything is validated and encoded first; a call that raises changes nothing.
         finite_checked: the caller already checked that every value is finite (:meth:`check`).
+        defer_sinks: with ``segments=True``, ``(Segments, delta)`` (:meth:`segments`).
         """
         batch, n_new = keys.shape[0], keys.shape[2]
         # A decode step whose token goes into float16 residuals: one finiteness check of the cast values covers
@@ -325,17 +327,23 @@ class SlimLayer:
         self.seen += n_new
         self.frames.serve(base, rope)
 
-        out = self.segments() if segments else self.read(self.dtype)
+        out = self.segments(defer_sinks=defer_sinks) if segments else self.read(self.dtype)
         self._evict()
         return out
 
     # -- reads -----------------------------------------------------------------------------
-    def segments(self) -> Segments:
-        """A frozen view of what is stored now (valid until the next update)."""
+    def segments(self, *, defer_sinks: bool = False):
+        """A frozen view of what is stored now (valid until the next update). defer_sinks: ``(view, delta)``,
+        the sinks as stored and the move they are due (:meth:`Frames.sink_delta`), for the caller to apply."""
+        where = dict(first_stream_slot=self.seen - len(self.k), pads=self.pads, sink_start=self.sink_start)
+        if defer_sinks:
+            delta = self.frames.sink_delta(self.sink_k, **where)
+            return self._view(self.sink_k), delta
+        return self._view(self.frames.sink_keys(self.sink_k, **where))
+
+    def _view(self, k_sink: torch.Tensor | None) -> Segments:
         return Segments(
-            k_sink=self.frames.sink_keys(
-                self.sink_k, first_stream_slot=self.seen - len(self.k), pads=self.pads, sink_start=self.sink_start
-            ),
+            k_sink=k_sink,
             v_sink=self.sink_v,
             k_codec=self.k.codec,
             v_codec=self.v.codec,

@@ -47,11 +47,12 @@ This module knows nothing about scheduling, sampling or requests.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .rotary import by_rotation
 from .segments import Segments
 
 
@@ -78,6 +79,31 @@ class RaggedSegments:
         first = real[0]
         h, d = (first.kv_shape[1], first.kv_shape[2]) if isinstance(first, Segments) else first[0].shape[1::2]
         return torch.Size((len(self.rows), h, max(lengths), d))
+
+
+def _move_sinks(rows: list, moves: list) -> None:
+    """Move the sink keys of the rows in ``moves`` (``(b, delta)``, delta (1, S) from
+    :meth:`~kvslim.cache.frames.Frames.sink_delta`) and put them in their views, one
+    :meth:`~kvslim.cache.rotary.Rotary.move` per group of rows with the same rotary and sink shape instead of one per
+    row (a step of many windowed rows spent most of its Python time there). The move is elementwise, so each row's
+    keys are bit for bit what its own :meth:`~kvslim.cache.frames.Frames.sink_keys` gives."""
+    items = []
+    for b, delta in moves:
+        k = rows[b].k_sink
+        items.append((rows[b].rotary, (tuple(k.shape), k.dtype, k.device, b, delta)))
+    for rotary, members in by_rotation(items):
+        shapes: dict = {}
+        for shape, dtype, device, b, delta in members:  # one move per sink shape, dtype and device
+            shapes.setdefault((shape, dtype, device), []).append((b, delta))
+        for group in shapes.values():
+            if len(group) == 1:
+                b, delta = group[0]
+                rows[b] = replace(rows[b], k_sink=rotary.move(rows[b].k_sink, delta))
+                continue
+            keys = torch.cat([rows[b].k_sink for b, _ in group])  # (G, H, S, D)
+            moved = rotary.move(keys, torch.cat([d for _, d in group]))  # deltas (G, S)
+            for i, (b, _) in enumerate(group):
+                rows[b] = replace(rows[b], k_sink=moved[i : i + 1])
 
 
 class RaggedLayer(CacheLayerMixin):
@@ -112,7 +138,7 @@ class RaggedLayer(CacheLayerMixin):
         # One finiteness check for the whole step (a sync per layer, not per row); where it fails, each row
         # checks its own tokens: a bad row raises as a batch-1 cache would, or is dropped (module docstring).
         finite = bool(torch.isfinite(key_states).all() & torch.isfinite(value_states).all())
-        rows = []
+        rows, moves = [], []
         for b, cache in enumerate(owner.caches):
             if cache is None:
                 rows.append(None)
@@ -125,19 +151,26 @@ class RaggedLayer(CacheLayerMixin):
                 # a one-token row reads its Segments (the rows kernel); a chunk gets what a batch-1 forward of it
                 # gets: Segments up to FAST_MAX_QUERY tokens (if its cache attends on codes), else (K, V)
                 view = n == 1 or (cache.compressed_attention and n <= FAST_MAX_QUERY)
-                rows.append(
-                    store.append(  # a transaction: a row it refuses stores nothing in this layer
-                        key_states[:, :, start : start + n].contiguous(),  # (1, H_kv, n, D), laid out as alone
-                        value_states[:, :, start : start + n].contiguous(),
-                        segments=view,
-                        base=owner.bases[b],
-                        rope=rope,
-                        finite_checked=finite,
-                    )
+                got = store.append(  # a transaction: a row it refuses stores nothing in this layer
+                    key_states[:, :, start : start + n].contiguous(),  # (1, H_kv, n, D), laid out as alone
+                    value_states[:, :, start : start + n].contiguous(),
+                    segments=view,
+                    defer_sinks=view,
+                    base=owner.bases[b],
+                    rope=rope,
+                    finite_checked=finite,
                 )
             except Exception as e:  # noqa: BLE001 - one row's failure, kept to that row when the caller asks
                 owner.drop(b, e)
                 rows.append(None)
+                continue
+            if view:
+                got, delta = got
+                if delta is not None:
+                    moves.append((b, delta))
+            rows.append(got)
+        if moves:
+            _move_sinks(rows, moves)
         view = RaggedSegments(tuple(rows), owner.drop if owner.errors is not None else None, tuple(owner.spans))
         return view, view
 

@@ -156,6 +156,25 @@ class Rotary:
         return out.to(x.dtype)
 
 
+def by_rotation(items):
+    """``items`` (``(rotary, payload)`` pairs) grouped by equal rotation: a list of ``(rotary, [payload, ...])``,
+    in first-seen order. Rows of a ragged step hold copies of the model's rotary (one per cache), so equal means
+    the same offset and frequencies, not the same object."""
+    groups: list = []
+    for rot, payload in items:
+        for first, members in groups:
+            if first is rot or (
+                first.offset == rot.offset
+                and first.inv_freq.shape == rot.inv_freq.shape
+                and torch.equal(first.inv_freq, rot.inv_freq)
+            ):
+                members.append(payload)
+                break
+        else:
+            groups.append((rot, [payload]))
+    return groups
+
+
 def rotate_half_reference(x: torch.Tensor) -> torch.Tensor:
     """The "rotate_half" layout this module implements, for probing a model's own function."""
     half = x.shape[-1] // 2

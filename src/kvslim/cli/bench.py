@@ -159,6 +159,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="with --concurrency: also drive a real `kvslim serve` (started on 127.0.0.1, a free port) with C "
         "concurrent streaming clients per --config: aggregate tok/s, inter-token latency and TTFT percentiles",
     )
+    parser.add_argument("--join", type=int, default=None, metavar="J", help="with --serve: after each "
+                        "measurement, a J-token prompt joins the decoding streams; what it adds to their latency")
     parser.add_argument(
         "--no-continuous-batching",
         action="store_true",
@@ -206,6 +208,8 @@ def run(args: argparse.Namespace) -> int:
     prefill = None if args.prefill_lengths == "all" else args.prefill_lengths
     if args.compile and args.concurrency is not None:
         raise UserError("--compile and --concurrency do not combine yet (the batch engine steps eagerly)")
+    if args.join is not None and (not args.serve or args.join < 1):
+        raise UserError(f"--join {args.join}: a prompt length of at least 1 token, with --serve")
     if args.serve and args.concurrency is None:
         raise UserError("--serve measures many streams through the server: give --concurrency too (e.g. 1,16)")
     wrong = [p for p in args.peers or () if p not in (CONCURRENCY_PEERS if args.concurrency else SINGLE_PEERS)]
@@ -307,15 +311,22 @@ def _run_concurrency(args, model, configs, settings, policy) -> int:
         from ..bench.serve import run_serve
 
         flags = ["--dtype", args.dtype, "--device", args.device, *(["--model", args.model] if args.model else [])]
+        joins: list = []
         try:
             served, extra["serve_log"] = run_serve(
                 flags, list(configs), prompt, settings["lengths"], args.concurrency, settings["steps"],
                 warmup=settings["warmup"], threads=args.threads, omp_wait=args.omp_wait, log=log,
+                join=tokens(model, args.join, args.seed + 1)[0].tolist() if args.join else None, joins=joins,
             )
         except RuntimeError as e:  # the server did not start: its log's last line says why
             lines = [x for x in str(e).splitlines() if x.strip()]
             raise UserError(f"--serve: {lines[0]} {lines[-1] if len(lines) > 1 else ''}".strip()) from None
         rows += served
+        if joins:
+            from ..bench.join import render_join
+
+            print(render_join(joins))
+            extra["serve_join"] = [j.to_dict() for j in joins]
     if args.peers is not None:
         from ..bench.concurrency_peers import run_peers
 
