@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
-from .serve import REQUEST_TIMEOUT, _failures, _phase, pct_ms
+from .serve import REQUEST_TIMEOUT, _failures, _phase, delete_sessions, pct_ms
 from .timing import quiet
 
 
@@ -91,8 +91,6 @@ def measure_join(
 ) -> JoinRow:
     """One join row (module docstring) through ``server`` (a started :class:`~kvslim.bench.server.Server` whose
     ``--prefill-chunk`` is ``chunk``)."""
-    import httpx
-
     log = log or quiet
     c, length = len(prompts), len(prompts[0])
     chunks = math.ceil(len(join_ids) / chunk)
@@ -128,12 +126,19 @@ def measure_join(
             row.note = "a stream ended before the join's first token: its gaps during the join are missing"
         return summarize(row, *split_gaps(times, start, sent, got))
     finally:
-        with httpx.Client(base_url=server.url, headers=server.headers, timeout=30.0) as client:
-            for s in sessions:
-                try:
-                    client.delete(f"/v1/sessions/{s}")
-                except httpx.HTTPError:
-                    break
+        delete_sessions(server, sessions)
+
+
+def join_after(join_ids: Sequence[int], steps: int, warmup: int, rows: list, log=None) -> Callable:
+    """The ``after`` of :func:`kvslim.bench.serve.run_serve` that measures ``join_ids`` joining each spec's
+    streams (the server's default ``--prefill-chunk``), appending a :class:`JoinRow` to ``rows``."""
+    from ..serve.defaults import DEFAULT_PREFILL_CHUNK
+
+    def after(server, spec: str, prompts, tag: str) -> None:
+        rows.append(measure_join(server, spec, prompts, join_ids, steps, chunk=DEFAULT_PREFILL_CHUNK, warmup=warmup,
+                                 tag=tag, log=log))
+
+    return after
 
 
 async def _with_join(server, bodies: list[dict], join: dict, after: int, timeout: float) -> tuple[list[dict], dict]:

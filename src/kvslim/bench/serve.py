@@ -108,7 +108,6 @@ def measure_serve(
 ) -> ConcurrencyRow:
     """One row: ``len(prompts)`` streams of cache ``spec`` through ``server`` (a started
     :class:`~kvslim.bench.server.Server`), prefilled then decoded ``warmup + steps + 1`` tokens each."""
-    import httpx
 
     from .server import read_metrics
 
@@ -166,12 +165,19 @@ def measure_serve(
                     f"{sum(1 for x in cached if x)}/{c}")
         return row
     finally:
-        with httpx.Client(base_url=server.url, headers=server.headers, timeout=30.0) as client:
-            for s in sessions:
-                try:
-                    client.delete(f"/v1/sessions/{s}")
-                except httpx.HTTPError:
-                    break
+        delete_sessions(server, sessions)
+
+
+def delete_sessions(server, sessions: Sequence[str]) -> None:
+    """Delete a measurement's sessions from ``server`` (stop at the first that fails: the server is gone)."""
+    import httpx
+
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=30.0) as client:
+        for s in sessions:
+            try:
+                client.delete(f"/v1/sessions/{s}")
+            except httpx.HTTPError:
+                break
 
 
 def run_serve(
@@ -187,20 +193,19 @@ def run_serve(
     omp_wait: str = "auto",
     log: Callable[[str], None] | None = None,
     log_dir: str | None = None,
-    join: Sequence[int] | None = None,
-    joins: list | None = None,
+    after: Callable | None = None,
 ) -> tuple[list[ConcurrencyRow], str]:
     """Every spec at every length and concurrency through one ``kvslim serve`` child (started with room for
-    the largest concurrency and one joining request, stopped at the end). prompts_of(L): the L token ids every
-    stream sends (the engine rows' prompt). join: a prompt that joins each measurement's decoding streams after
-    it (:mod:`.join`), its :class:`~kvslim.bench.join.JoinRow` appended to ``joins``. Returns the rows and the
-    server log's path (kept in ``log_dir``, else a temporary directory)."""
+    the largest concurrency, and one more request with ``after``, stopped at the end). prompts_of(L): the L
+    token ids every stream sends (the engine rows' prompt). after(server, spec, prompts, tag): a measurement run
+    after each (:func:`kvslim.bench.join.join_after`). Returns the rows and the server log's path (kept in
+    ``log_dir``, else a temporary directory)."""
     from .server import Server
 
     log = log or quiet
     log_dir = log_dir or tempfile.mkdtemp(prefix="kvslim-bench-serve-")
     log_path = os.path.join(log_dir, "serve.log")
-    room = max(concurrencies) + (1 if join else 0)
+    room = max(concurrencies) + (1 if after else 0)
     server = Server(kvslim_command(), server_flags(model_flags, room, threads=threads, omp_wait=omp_wait), None,
                     log_path)
     took = server.start()
@@ -214,12 +219,8 @@ def run_serve(
                 for spec in specs:
                     k += 1
                     rows.append(measure_serve(server, spec, [ids] * c, steps, warmup=warmup, tag=f"bench{k}", log=log))
-                    if join:
-                        from ..serve.defaults import DEFAULT_PREFILL_CHUNK
-                        from .join import measure_join
-
-                        joins.append(measure_join(server, spec, [ids] * c, join, steps, chunk=DEFAULT_PREFILL_CHUNK,
-                                                  warmup=warmup, tag=f"join{k}", log=log))
+                    if after:
+                        after(server, spec, [ids] * c, f"after{k}")
     finally:
         stopped = server.stop()
         if stopped.get("exit_code") not in (0, None) or stopped.get("killed"):

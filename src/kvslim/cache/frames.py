@@ -11,7 +11,7 @@ presented at the rotation its ``positions`` mode asks for (docs/streaming.md):
 - ``cache`` (StreamingLLM's in-cache positions): window keys at their true positions and sink ``j`` right
   before the window's first key, as if the kept tokens were one contiguous sequence.
 
-Only the full-precision sinks are ever re-rotated (:meth:`Frames.sink_keys`); a stream run whose base differs
+Only the full-precision sinks are ever re-rotated (:meth:`Frames.sink_delta`); a stream run whose base differs
 from the current one is moved at read time (:meth:`Frames.run_deltas`), never re-encoded. With ``pre_rope``
 the stream's keys carry no rotation at all: each is rotated on read to its true position in the current
 frame (:meth:`Frames.read_positions`), so runs never need moving.
@@ -82,20 +82,6 @@ class Frames:
                 runs.pop(-1 if from_back else 0)
 
     # -- reads -----------------------------------------------------------------------------
-    def sink_keys(
-        self,
-        sink_k: torch.Tensor | None,
-        *,
-        first_stream_slot: int,
-        pads: torch.Tensor,
-        sink_start: torch.Tensor,
-    ) -> torch.Tensor | None:
-        """The sink keys ``sink_k`` (B, H, S, D) as the current forward must see them: moved to the rotation
-        their ``positions`` mode asks for, in the frame of the current base; untouched where no move is due.
-        first_stream_slot: the slot of the stream's oldest key; pads, sink_start: (B,) per row."""
-        delta = self.sink_delta(sink_k, first_stream_slot=first_stream_slot, pads=pads, sink_start=sink_start)
-        return sink_k if delta is None else self.rotary.move(sink_k, delta)
-
     def sink_delta(
         self,
         sink_k: torch.Tensor | None,
@@ -104,9 +90,11 @@ class Frames:
         pads: torch.Tensor,
         sink_start: torch.Tensor,
     ) -> torch.Tensor | None:
-        """The move :meth:`sink_keys` applies: (B, S) int64 distances for :meth:`Rotary.move`, or None where
-        no key moves. A ragged step moves the sinks of all its rows in one call with these
-        (:mod:`kvslim.cache.ragged`): the move is elementwise, so a row's keys get the same bits either way."""
+        """How far the sink keys ``sink_k`` (B, H, S, D) must move to sit where the current forward must see
+        them (at the rotation their ``positions`` mode asks for, in the frame of the current base): (B, S) int64
+        distances for :meth:`Rotary.move`, or None where no key moves. first_stream_slot: the slot of the
+        stream's oldest key; pads, sink_start: (B,) per row. A ragged step moves the sinks of all its rows in
+        one call (:mod:`kvslim.cache.ragged`): the move is elementwise, so a row's keys get the same bits."""
         if sink_k is None or self.rotary is None:
             return None
         s = sink_k.shape[2]

@@ -258,8 +258,7 @@ class SlimLayer:
         # inf), one host sync where there were three. On failure the full checks raise their own errors.
         halves = None
         if (
-            not finite_checked
-            and n_new == 1
+            n_new == 1
             and not self.pre_rope
             and self.policy.n_to_sinks(self.sink_len, n_new) == 0
             and self.k.half_residual(keys)
@@ -335,11 +334,12 @@ class SlimLayer:
     def segments(self, *, defer_sinks: bool = False):
         """A frozen view of what is stored now (valid until the next update). defer_sinks: ``(view, delta)``,
         the sinks as stored and the move they are due (:meth:`Frames.sink_delta`), for the caller to apply."""
-        where = dict(first_stream_slot=self.seen - len(self.k), pads=self.pads, sink_start=self.sink_start)
+        delta = self.frames.sink_delta(
+            self.sink_k, first_stream_slot=self.seen - len(self.k), pads=self.pads, sink_start=self.sink_start
+        )
         if defer_sinks:
-            delta = self.frames.sink_delta(self.sink_k, **where)
             return self._view(self.sink_k), delta
-        return self._view(self.frames.sink_keys(self.sink_k, **where))
+        return self._view(self.sink_k if delta is None else self.rotary.move(self.sink_k, delta))
 
     def _view(self, k_sink: torch.Tensor | None) -> Segments:
         return Segments(

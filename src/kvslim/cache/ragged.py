@@ -86,7 +86,7 @@ def _move_sinks(rows: list, moves: list) -> None:
     :meth:`~kvslim.cache.frames.Frames.sink_delta`) and put them in their views, one
     :meth:`~kvslim.cache.rotary.Rotary.move` per group of rows with the same rotary and sink shape instead of one per
     row (a step of many windowed rows spent most of its Python time there). The move is elementwise, so each row's
-    keys are bit for bit what its own :meth:`~kvslim.cache.frames.Frames.sink_keys` gives."""
+    keys are bit for bit what its own :meth:`~kvslim.cache.layer.SlimLayer.segments` gives."""
     items = []
     for b, delta in moves:
         k = rows[b].k_sink

@@ -308,23 +308,22 @@ def _run_concurrency(args, model, configs, settings, policy) -> int:
         return tokens(model, length, args.seed)[0].tolist()
 
     if args.serve:
+        from ..bench.join import join_after, render_join
         from ..bench.serve import run_serve
 
         flags = ["--dtype", args.dtype, "--device", args.device, *(["--model", args.model] if args.model else [])]
-        joins: list = []
+        joins: list = []  # a prompt of --join tokens joins each spec's streams (kvslim.bench.join)
+        join = args.join and tokens(model, args.join, args.seed + 1)[0].tolist()
         try:
             served, extra["serve_log"] = run_serve(
                 flags, list(configs), prompt, settings["lengths"], args.concurrency, settings["steps"],
                 warmup=settings["warmup"], threads=args.threads, omp_wait=args.omp_wait, log=log,
-                join=tokens(model, args.join, args.seed + 1)[0].tolist() if args.join else None, joins=joins,
-            )
+                after=join and join_after(join, settings["steps"], settings["warmup"], joins, log))
         except RuntimeError as e:  # the server did not start: its log's last line says why
             lines = [x for x in str(e).splitlines() if x.strip()]
             raise UserError(f"--serve: {lines[0]} {lines[-1] if len(lines) > 1 else ''}".strip()) from None
         rows += served
         if joins:
-            from ..bench.join import render_join
-
             print(render_join(joins))
             extra["serve_join"] = [j.to_dict() for j in joins]
     if args.peers is not None:
