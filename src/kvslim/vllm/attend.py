@@ -240,7 +240,9 @@ def attend(
                 f"kvslim paged attention: the staging pool has shape {tuple(pool.shape)} {pool.dtype}, expected "
                 f"uint8 (slots, {h_kv}, {t}, row bytes)"
             )
-        smap = smap if smap.dtype == torch.int32 and smap.is_contiguous() else smap.to(torch.int32).contiguous()
+        smap = (
+            smap if smap.dtype == torch.int32 and smap.is_contiguous() else smap.to(torch.int32).contiguous()
+        )
         sb = pool.element_size()
         head += [
             pool.data_ptr(),

@@ -271,7 +271,12 @@ class KvslimCPUImpl(AttentionImpl):
         staged = None
         if raw and attn_metadata.stage_map is not None:  # this step's tokens into their staging slots first
             if self.staged is None:
-                shape = (attn_metadata.stage_slots, kv_cache.shape[1], kv_cache.shape[2], self.stage_layout.row_bytes)
+                shape = (
+                    attn_metadata.stage_slots,
+                    kv_cache.shape[1],
+                    kv_cache.shape[2],
+                    self.stage_layout.row_bytes,
+                )
                 self.staged = torch.empty(shape, dtype=torch.uint8)  # a row is read only once written
             write(self.stage_layout, self.staged, key[:n], value[:n], attn_metadata.stage_dest)
             staged = paged.Staged(self.staged, self.stage_layout, attn_metadata.stage_map)

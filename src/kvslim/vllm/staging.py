@@ -52,7 +52,9 @@ def slots_from_env(default: int, environ=None) -> int:
     if not text:
         return default
     if not text.isdigit():
-        raise ValueError(f"kvslim: ${SLOTS_ENV} must be a whole number of slots (0: no staging), got {text!r}")
+        raise ValueError(
+            f"kvslim: ${SLOTS_ENV} must be a whole number of slots (0: no staging), got {text!r}"
+        )
     return int(text)
 
 
@@ -140,7 +142,9 @@ class Stager:
         return dest
 
 
-def overlay(kv: tuple[torch.Tensor, torch.Tensor], staged_kv, smap: torch.Tensor, blocks: torch.Tensor, length: int):
+def overlay(
+    kv: tuple[torch.Tensor, torch.Tensor], staged_kv, smap: torch.Tensor, blocks: torch.Tensor, length: int
+):
     """The torch reference's view of staging: ``kv`` (K, V) fp32 (H, length, D), a row's first ``length`` tokens
     decoded from its pages, with each staged page's tokens replaced by its slot's.
 
