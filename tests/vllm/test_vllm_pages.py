@@ -43,16 +43,42 @@ def test_ggml_rows_are_kvslims_and_gguf_blocks(fmt):
     assert np.array_equal(rows[..., : layout.k.nbytes].numpy(), ref)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("fmt", ["int4", "int3", "int2"])
 def test_affine_v_rows_are_kvslims_v_codec(fmt):
     k, v = _kv(33)
-    layout = PageLayout.of("int8", fmt, D, torch.float32)
+    layout = PageLayout.of("int4", fmt, D, torch.float32)
     rows = layout.encode(k, v)[..., layout.v.offset :]  # (N, H, Vbytes)
     enc = make_codec(fmt, "v").encode(v.transpose(0, 1)[None]).token  # whole-head groups, fp16 scale/zero
     n = layout.v.nbytes - 4
     assert torch.equal(rows[..., :n], enc["codes"][0].transpose(0, 1))
     assert torch.equal(rows[..., n : n + 2].contiguous().view(torch.float16), enc["scale"][0].transpose(0, 1))
     assert torch.equal(rows[..., n + 2 :].contiguous().view(torch.float16), enc["zero"][0].transpose(0, 1))
+
+
+def test_int8_rows_are_symmetric_per_token_with_one_fp16_scale():
+    """int8 pages: an fp16 scale (max |x| / 127), then D int8 codes; checked against a float64 reference."""
+    k, v = _kv(33)
+    k[3, 1] = 0  # an all-zero head-token: scale 0, codes 0
+    layout = PageLayout.of("int8", "int8", D, torch.float32)
+    assert layout.k.family == layout.v.family == "sym" and layout.row_bytes == 2 * (D + 2)
+    rows = layout.encode(k, v)
+    for x, part in ((k, layout.k), (v, layout.v)):
+        b = rows[..., part.offset : part.offset + part.nbytes]
+        scale = b[..., :2].contiguous().view(torch.float16).double()  # (N, H, 1)
+        want = (x.double().abs().amax(-1, keepdim=True) / 127).half().double()
+        assert torch.equal(scale, want)
+        codes = b[..., 2:].contiguous().view(torch.int8).double()
+        ref = torch.where(want > 0, x.double() / want.clamp_min(1e-30), 0).round().clamp(-127, 127)
+        assert (codes - ref).abs().max() <= 1  # round-half ties in fp32 may differ by one
+        assert (codes - ref).abs().sum() <= 4
+    dk, dv = layout.decode(rows)
+    assert ((dk - k).abs() <= _scale_of(k) / 2 + 1e-6).all() and (dk[3, 1] == 0).all()
+    assert ((dv - v).abs() <= _scale_of(v) / 2 + 1e-6).all()
+
+
+def _scale_of(x):
+    """The int8 page scale of x (N, H, D), fp32 (N, H, 1), with a margin of one fp16 rounding."""
+    return (x.abs().amax(-1, keepdim=True) / 127).half().float() * 1.001
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -68,7 +94,7 @@ def test_layout_sizes():
     # bytes per token and KV head (K + V), D = 64: what vLLM's capacity is counted in
     assert PageLayout.of("q4_0", "q4_0", D, torch.bfloat16).row_bytes == 2 * 2 * 18
     assert PageLayout.of("q8_0", "q8_0", D, torch.bfloat16).row_bytes == 2 * 2 * 34
-    assert PageLayout.of("int8", "int8", D, torch.bfloat16).row_bytes == 2 * (64 + 4)
+    assert PageLayout.of("int8", "int8", D, torch.bfloat16).row_bytes == 2 * (64 + 2)  # symmetric: 1.94x bf16
     assert PageLayout.of("int4", "int2", D, torch.bfloat16).row_bytes == (32 + 4) + (16 + 4)
     assert PageLayout.of("none", "none", D, torch.bfloat16).row_bytes == 2 * 64 * 2
 

@@ -8,11 +8,14 @@ prefill continuing a cached prefix, and mixed batches, in one call.
 
 Given the step's raw K/V (``key``, ``value``: the tokens vLLM hands the layer, packed like the queries), a row's
 ``q_len`` new keys are read from them, exactly, and only its ``kv_len - q_len`` cached keys from the pages' codes:
-a step's tokens attend on each other at full precision and on the history's codes (kvslim's own cache, with its
-default group of 32, keeps even more at full precision: a partly filled group of up to 31 newest tokens). Attending a prefill on its own just-quantized
-codes instead, as a backend that writes before it attends does, compounds the error through the layers: q4_0's
-KL divergence through vLLM was 0.119 that way, 0.061 this way (docs/vllm.md). Without them
-every key is read from the pages (the step's tokens written first).
+a step's tokens attend on each other at full precision and on the history's codes. Attending a prefill on its own
+just-quantized codes instead, as a backend that writes before it attends does, compounds the error through the
+layers: q4_0's KL divergence through vLLM was 0.119 that way, 0.061 this way (docs/vllm.md). Without them every key
+is read from the pages (the step's tokens written first).
+
+With a :class:`Staged` pool, a page that has a staging slot (the partly filled last page of a sequence:
+:mod:`.staging`) is read from the slot, at full precision, instead of its codes: kvslim's own cache keeps a partly
+filled group of 32 unencoded the same way (q4_0 through vLLM: 0.061 -> 0.0148, docs/vllm.md).
 
 The C entry point ``kvp_attend`` takes a row table whose records each carry a *pointer* to their block table:
 vLLM's rows point into its 2-D block table; kvslim's engine can point each row at a list of its own (the
@@ -94,7 +97,7 @@ _state: dict = {}
 
 def _part_code(lib, part: Part) -> int:
     """C's format code for ``part``, its block checked against the format registry."""
-    name = CAST_NAMES[part.dtype] if part.family == "cast" else part.name
+    name = CAST_NAMES[part.dtype] if part.family == "cast" else "sym8" if part.family == "sym" else part.name
     elements, nbytes = ctypes.c_int32(), ctypes.c_int32()
     code = lib.kvp_format(name.encode(), ctypes.byref(elements), ctypes.byref(nbytes))
     if code < 0:

@@ -54,7 +54,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 from . import attend as paged
 from .pages import PAGE_TOKENS, PageLayout, write
 from .spec import from_sources, given
-from .staging import Stager, slots_from_env
+from .staging import Stager, pool_bytes, slots_from_env
 
 logger = init_logger("vllm.kvslim")  # under vLLM's configured "vllm" logger, so its INFO lines show
 
@@ -180,7 +180,7 @@ class KvslimMetadataBuilder(AttentionMetadataBuilder[KvslimMetadata]):
         self.stager = Stager(slots) if lossy and slots > 0 else None
         if self.stager is not None:
             size = vllm_config.model_config.dtype.itemsize
-            per_layer = slots * kv_cache_spec.num_kv_heads * PAGE_TOKENS * 2 * kv_cache_spec.head_size * size
+            per_layer = pool_bytes(slots, 1, kv_cache_spec.num_kv_heads, kv_cache_spec.head_size, size)
             logger.info_once(
                 "kvslim staging: %d slots of a partly filled page per layer, %d bytes per layer outside the KV "
                 "space (%d layers: %.1f MiB)",

@@ -58,6 +58,11 @@ def slots_from_env(default: int, environ=None) -> int:
     return int(text)
 
 
+def pool_bytes(slots: int, layers: int, kv_heads: int, head_dim: int, dtype_size: int) -> int:
+    """Bytes of an engine's staging pools: slots x layers x H_kv x 32 tokens x (K and V) x D x dtype size."""
+    return slots * layers * kv_heads * PAGE_TOKENS * 2 * head_dim * dtype_size
+
+
 class Stager:
     """The page-to-slot map of one engine and its plan for each step (module docstring).
 

@@ -7,7 +7,8 @@
  * holding K at k_offset and V at v_offset, each in a row format (kvp_format): f32/f16/bf16 values, GGML
  * q8_0/q4_0/q4_1/q5_0/q5_1 blocks of 32 (ggml-common.h's byte layout, checked against kvslim's format
  * registry by the Python side), or kvslim's per-token affine int8/int4/int3/int2 (packed codes as
- * formats/affine.py, then fp16 scale and fp16 zero; value = code * scale + zero).
+ * formats/affine.py, then fp16 scale and fp16 zero; value = code * scale + zero), or sym8 (the plugin's 8-bit
+ * pages: an fp16 scale, then D int8 codes; value = code * scale: q8_0's block spanning the whole head).
  *
  * A row r (a request in vLLM, a conversation in kvslim's engine) has q_len queries at q[q_start ..] and
  * kv_len keys, the last q_len of which are its queries' own tokens: query i sits at position
@@ -73,6 +74,7 @@ enum {
     KVP_A4,
     KVP_A3,
     KVP_A2,
+    KVP_S8,
 };
 
 /* name -> code, and the (elements, bytes) of one block (GGML) or packing unit (affine); values: (1, size). */
@@ -83,6 +85,7 @@ static const struct {
     {"f32", KVP_F32, 1, 4},    {"f16", KVP_F16, 1, 2},    {"bf16", KVP_BF16, 1, 2},  {"q8_0", KVP_Q8_0, 32, 34},
     {"q4_0", KVP_Q4_0, 32, 18}, {"q4_1", KVP_Q4_1, 32, 20}, {"q5_0", KVP_Q5_0, 32, 22}, {"q5_1", KVP_Q5_1, 32, 24},
     {"int8", KVP_A8, 1, 1},    {"int4", KVP_A4, 2, 1},    {"int3", KVP_A3, 8, 3},    {"int2", KVP_A2, 4, 1},
+    {"sym8", KVP_S8, 1, 1},
 };
 #define KVP_NFORMATS ((int)(sizeof(KVP_FORMATS) / sizeof(KVP_FORMATS[0])))
 
@@ -207,6 +210,12 @@ static void kvp_decode_row(int fmt, const uint8_t *restrict src, int D, float *r
             for (int j = 0; j < nb; j++)
                 for (int i = 0; i < per; i++) dst[per * j + i] = (float)((src[j] >> (bits * i)) & mask) * s + z;
         }
+        return;
+    }
+    case KVP_S8: {
+        float d = kvp_h2f(src);
+        const int8_t *q = (const int8_t *)(src + 2);
+        for (int i = 0; i < D; i++) dst[i] = d * (float)q[i];
         return;
     }
     default:
