@@ -204,9 +204,22 @@ def test_kl_through_vllm_is_kvslims_own_on_the_same_codes(engines, stock, refere
         f"{int8:.5f}, kvslim's own q8_0 group 1 {reference['own_kl']['q8_0'].mean().item():.5f}, kvslim's own "
         f"q4_0 group 1 (every token encoded as it arrives) {reference['own_kl']['q4_0'].mean().item():.4f}"
     )
+    # per forced token (rows: segments): the forced token i is read at position PREFILL - 1 + i
+    per_vllm = _kl(ref, engines["q4_0"]["logits"]).view(-1, FORCED)
+    per_own = reference["own_kl"]["q4_0,g32"].view(-1, FORCED)
+    for name, per in (("kvslim-in-vLLM q4_0", per_vllm), ("kvslim's own q4_0", per_own)):
+        print(
+            f"{name} per forced token:\n"
+            + "\n".join(" ".join(f"{x:.3f}" for x in row) for row in per.tolist())
+        )
     assert stock_kl < 0.1 * own
     assert q4 <= 1.10 * own, (q4, own)
     assert int8 < q4
+    # every key at full precision until the first page fills (the prompt's 24 tokens and the next ones, staged),
+    # including the step of its 32nd token (position 31, forced token 8): as exact as stock vLLM; then its codes
+    full = 32 - PREFILL + 1
+    assert per_vllm[:, :full].max() < 1e-6, per_vllm[:, :full]
+    assert (per_vllm[:, full:].mean(1) > 1e-3).all()
 
 
 def test_capacity_is_vllms_own_count(engines, stock):

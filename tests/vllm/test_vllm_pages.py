@@ -12,7 +12,7 @@ import torch
 from kvslim.formats import make_codec
 from kvslim.vllm import attend as paged
 from kvslim.vllm.pages import PAGE_TOKENS, PageLayout, gather, write
-from kvslim.vllm.staging import Stager
+from kvslim.vllm.staging import Stager, pool_bytes, slots_from_env
 
 D = 64
 
@@ -398,3 +398,13 @@ def test_kernel_refuses_a_staging_slot_outside_the_pool():
     staged.map[7] = staged.pool.shape[0]  # row 0's last page
     with pytest.raises(RuntimeError, match="bad arguments"):
         paged.attend(layout, pages, query, torch.zeros(query.shape), rows, 0.125, 0, True, key, value, staged)
+
+
+def test_the_staging_pool_is_sized_by_max_num_seqs_or_the_environment():
+    assert slots_from_env(64, {}) == 64
+    assert slots_from_env(64, {"KVSLIM_VLLM_STAGED_SLOTS": "16"}) == 16
+    assert slots_from_env(64, {"KVSLIM_VLLM_STAGED_SLOTS": "0"}) == 0  # no staging
+    with pytest.raises(ValueError, match="must be a whole number of slots"):
+        slots_from_env(64, {"KVSLIM_VLLM_STAGED_SLOTS": "-3"})
+    # bf16, SmolLM2-135M (30 layers, 3 KV heads, D 64), 64 slots: 45 MiB (docs/vllm.md)
+    assert pool_bytes(64, 30, 3, 64, 2) == 45 * 2**20

@@ -144,6 +144,13 @@ def capacity(llm) -> int:
     return cache.num_gpu_blocks * cache.block_size
 
 
+def staging_slots(llm) -> int:
+    """Staging slots per layer of this engine's kvslim backend (max_num_seqs unless $KVSLIM_VLLM_STAGED_SLOTS)."""
+    from kvslim.vllm.staging import slots_from_env
+
+    return slots_from_env(llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
+
+
 def staged_capacity(llm) -> int:
     """:func:`capacity` with kvslim's staging pools counted (kvslim.vllm.staging): vLLM's count less the blocks
     that the pools' bytes would fill in kvslim's pages (the pools live outside vLLM's KV space). Lossless pages
@@ -152,7 +159,7 @@ def staged_capacity(llm) -> int:
 
     from kvslim.vllm.pages import PageLayout
     from kvslim.vllm.spec import from_sources, given
-    from kvslim.vllm.staging import pool_bytes, slots_from_env
+    from kvslim.vllm.staging import pool_bytes
 
     vc = llm.llm_engine.vllm_config
     if not given(vc.additional_config):
@@ -165,7 +172,7 @@ def staged_capacity(llm) -> int:
         mc.get_head_size(),
     )
     layout = PageLayout.of(cfg.k_format, cfg.v_format, d, mc.dtype)
-    slots = slots_from_env(vc.scheduler_config.max_num_seqs)
+    slots = staging_slots(llm)
     if layout.k.family == "cast" and layout.v.family == "cast" or slots == 0:
         return capacity(llm)
     pool = pool_bytes(slots, layers, heads, d, torch.empty(0, dtype=mc.dtype).element_size())
@@ -226,7 +233,7 @@ def main(argv: list[str]) -> None:
             llm = start(None if spec == "stock" else spec, argv[1])
             print(
                 f"capacity {spec} {argv[1]}: {capacity(llm)} tokens; with kvslim's staging pools counted "
-                f"(max_num_seqs {llm.llm_engine.vllm_config.scheduler_config.max_num_seqs}): {staged_capacity(llm)}",
+                f"({staging_slots(llm)} slots): {staged_capacity(llm)}",
                 flush=True,
             )
             stop(llm)
