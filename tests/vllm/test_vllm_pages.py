@@ -299,7 +299,7 @@ def test_the_stager_evicts_the_least_recently_written_slot():
     assert (dest >= 0).sum() == 2 and int(st.map[14]) == -1
 
 
-def _staged_steps(fmt, h_q=6, h_kv=2, slots=8, seed=7):
+def _staged_steps(fmt, h_q=6, h_kv=2, slots=8, seed=7, stage_dtype=torch.float32):
     """Requests written step by step as the backend writes them (codes through the slot mapping; the raw K/V
     into their staging slots as planned by a :class:`Stager`), then one mixed step to attend.
 
@@ -312,10 +312,13 @@ def _staged_steps(fmt, h_q=6, h_kv=2, slots=8, seed=7):
     t = PAGE_TOKENS
     g = torch.Generator().manual_seed(seed)
     layout = PageLayout.of(fmt, fmt, D, torch.float32)
-    stage_layout = PageLayout.of("none", "none", D, torch.float32)
+    stage_layout = PageLayout.of("none", "none", D, stage_dtype)  # the model's dtype
     kv_lens, q_lens = [75, 40, 70, 9, 41], [1, 40, 20, 0, 1]
     pages = torch.zeros(20, h_kv, t, layout.row_bytes, dtype=torch.uint8)
-    pool = torch.randint(0, 256, (slots, h_kv, t, stage_layout.row_bytes), dtype=torch.uint8, generator=g)
+    junk = torch.Generator().manual_seed(
+        seed + 1000
+    )  # its own stream: the query does not depend on the pool's size
+    pool = torch.randint(0, 256, (slots, h_kv, t, stage_layout.row_bytes), dtype=torch.uint8, generator=junk)
     table = torch.tensor(
         [[11, 2, 7, -1], [5, 9, -1, -1], [0, 14, 3, -1], [8, -1, -1, -1], [12, 6, -1, -1]], dtype=torch.int32
     )
@@ -377,6 +380,22 @@ def test_staged_pages_are_attended_at_full_precision_and_full_pages_on_their_cod
             torch.testing.assert_close(out[q0:q1], want, atol=1e-5, rtol=1e-5, msg=f"{fn.__name__} row {r}")
     if len(outs) == 2:
         torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("stage_dtype", [torch.bfloat16, torch.float16])
+def test_kernel_reads_a_staging_pool_in_the_models_half_dtype_as_the_reference(stage_dtype):
+    if paged.library() is None:
+        pytest.skip(f"C kernels unavailable: {paged.status()}")
+    layout, pages, query, rows, key, value, staged, _ = _staged_steps("q4_0", stage_dtype=stage_dtype)
+    ref, out = torch.zeros(query.shape), torch.zeros(query.shape)
+    paged.attend_reference(layout, pages, query, ref, rows, D**-0.5, 0, True, key, value, staged)
+    paged.attend(layout, pages, query, out, rows, D**-0.5, 0, True, key, value, staged)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    f_layout, f_pages, f_query, f_rows, f_key, f_value, f_staged, _ = _staged_steps("q4_0")  # fp32 staging
+    full = torch.zeros(query.shape)
+    paged.attend(f_layout, f_pages, f_query, full, f_rows, D**-0.5, 0, True, f_key, f_value, f_staged)
+    assert (out - full).abs().max() > 1e-4  # the half-precision staged rows were read (not the fp32 ones)
+    torch.testing.assert_close(out, full, atol=2e-2, rtol=0)  # ... and are those rows, rounded
 
 
 def test_without_staging_the_same_steps_read_every_cached_key_from_its_codes():
