@@ -115,6 +115,7 @@ class _Engines(dict):
         try:
             result = helpers.run(llm, self.segments, PREFILL)
             result["capacity"] = helpers.capacity(llm)
+            result["staged_capacity"] = helpers.staged_capacity(llm)
         finally:
             helpers.stop(llm)
         self[spec] = result
@@ -144,11 +145,39 @@ def test_without_a_spec_the_plugin_leaves_vllms_own_backend(engines, stock):
 
 
 def test_prefix_cache_and_chunked_prefill_continue_over_kvslim_pages(engines):
-    # the long prompt (> MAX_BATCHED_TOKENS) was prefilled in chunks; its rerun found its pages cached
+    """The long prompt (> MAX_BATCHED_TOKENS) was prefilled in chunks; its rerun found its first pages cached.
+
+    Lossless pages give the same tokens again. Lossy pages need not: which of a prompt's tokens a later token saw at
+    full precision (its own chunk, a staged partly filled page) or on codes depends on where the chunks fell, and
+    the rerun's chunks fall elsewhere (it starts at the cached 128 tokens, alone); so the rerun starts like the
+    first run (here 5 of 8 greedy tokens agree for q4_0) rather than equal it token for token."""
     for spec in ("none", "q4_0", "int8"):
         r = engines[spec]
-        assert r["rerun"] == r["tokens"][-1], spec
         assert r["rerun_cached"] >= 128, (spec, r["rerun_cached"])
+        if spec == "none":
+            assert r["rerun"] == r["tokens"][-1], spec
+        else:
+            assert r["rerun"][:4] == r["tokens"][-1][:4], (spec, r["rerun"], r["tokens"][-1])
+
+
+def test_a_request_on_reused_page_ids_gives_the_same_logits_bit_for_bit(reference):
+    """vLLM reuses freed block ids; a freed partly filled page keeps its staging slot until its id starts a page
+    again. q4_0 on a KV pool of 3 usable blocks (override 4: block 0 is vLLM's null block) with prefix caching off:
+    a 64-token prompt (two whole pages filled in its one prefill step) teacher-forced for 16 tokens; then the three
+    short greedy prompts, which take all three blocks and leave each block's first page partly filled and staged;
+    then the 64-token prompt again, whose block is now one of those: its prefill fills the stale staged page in one
+    step. The same logits bit for bit, so no stale staged copy was read."""
+    from vllm import SamplingParams
+
+    ids = [t for s in reference["segments"] for t in s][: 64 + FORCED]
+    llm = helpers.start("q4_0", num_gpu_blocks_override=4, max_model_len=128, enable_prefix_caching=False)
+    try:
+        first = helpers.run(llm, [ids], 64, greedy=False)["logits"]
+        llm.generate(list(helpers.PROMPTS[:3]), SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+        again = helpers.run(llm, [ids], 64, greedy=False)["logits"]
+    finally:
+        helpers.stop(llm)
+    assert first.shape[0] == FORCED and torch.equal(again, first)
 
 
 def test_lossy_pages_give_coherent_text(engines, stock):
@@ -161,35 +190,55 @@ def test_lossy_pages_give_coherent_text(engines, stock):
 
 
 def test_kl_through_vllm_is_kvslims_own_on_the_same_codes(engines, stock, reference):
-    """q4_0 through vLLM within 10% of kvslim's own q4_0 with every token encoded as it arrives (group 1), or
-    better: the backend attends a step's own tokens on their raw K/V, which halves the KL (docs/vllm.md)."""
+    """q4_0 through vLLM within 10% of kvslim's own default q4_0 (group 32: a partly filled group of up to 31
+    newest tokens unencoded): the backend keeps a partly filled page staged at full precision (kvslim.vllm.staging)
+    and attends a step's own tokens on their raw K/V (docs/vllm.md)."""
     ref = reference["logits"]
     stock_kl = _kl(ref, stock["logits"]).mean().item()  # vLLM's model against transformers', no quantization
     q4 = _kl(ref, engines["q4_0"]["logits"]).mean().item()
-    own = reference["own_kl"]["q4_0"].mean().item()
+    own = reference["own_kl"]["q4_0,g32"].mean().item()
     int8 = _kl(ref, engines["int8"]["logits"]).mean().item()
     print(
         f"\nKL vs transformers (mean over {ref.shape[0]} forced tokens): stock vLLM {stock_kl:.2e}, "
-        f"kvslim-in-vLLM q4_0 {q4:.4f}, kvslim's own q4_0 {own:.4f}, kvslim-in-vLLM int8 {int8:.5f}, "
-        f"kvslim's own q8_0 {reference['own_kl']['q8_0'].mean().item():.5f}, kvslim's own q4_0 with its default "
-        f"group 32 {reference['own_kl']['q4_0,g32'].mean().item():.4f}"
+        f"kvslim-in-vLLM q4_0 {q4:.4f}, kvslim's own q4_0 (default group 32) {own:.4f}, kvslim-in-vLLM int8 "
+        f"{int8:.5f}, kvslim's own q8_0 group 1 {reference['own_kl']['q8_0'].mean().item():.5f}, kvslim's own "
+        f"q4_0 group 1 (every token encoded as it arrives) {reference['own_kl']['q4_0'].mean().item():.4f}"
     )
+    # per forced token (rows: segments): the forced token i is read at position PREFILL - 1 + i
+    per_vllm = _kl(ref, engines["q4_0"]["logits"]).view(-1, FORCED)
+    per_own = reference["own_kl"]["q4_0,g32"].view(-1, FORCED)
+    for name, per in (("kvslim-in-vLLM q4_0", per_vllm), ("kvslim's own q4_0", per_own)):
+        print(
+            f"{name} per forced token:\n"
+            + "\n".join(" ".join(f"{x:.3f}" for x in row) for row in per.tolist())
+        )
     assert stock_kl < 0.1 * own
     assert q4 <= 1.10 * own, (q4, own)
     assert int8 < q4
+    # every key at full precision until the first page fills (the prompt's 24 tokens and the next ones, staged),
+    # including the step of its 32nd token (position 31, forced token 8): as exact as stock vLLM; then its codes
+    full = 32 - PREFILL + 1
+    assert per_vllm[:, :full].max() < 1e-6, per_vllm[:, :full]
+    assert (per_vllm[:, full:].mean(1) > 1e-3).all()
 
 
 def test_capacity_is_vllms_own_count(engines, stock):
     fp32 = stock["capacity"]
     assert engines["none"]["capacity"] == fp32  # same bytes per token, same count
     bf16 = 2 * fp32  # stock bf16 pages are half its fp32 pages (docs/vllm.md has vLLM's own bf16 count)
+    q4, int8 = engines["q4_0"], engines["int8"]
     print(
-        f"\ncapacity (tokens) in 1 GiB: stock fp32 {fp32}, q4_0 {engines['q4_0']['capacity']} "
-        f"({engines['q4_0']['capacity'] / bf16:.2f}x bf16), int8 {engines['int8']['capacity']} "
-        f"({engines['int8']['capacity'] / bf16:.2f}x bf16)"
+        f"\ncapacity (tokens) in 1 GiB: stock fp32 {fp32}, q4_0 {q4['capacity']} ({q4['capacity'] / bf16:.2f}x bf16; "
+        f"{q4['staged_capacity'] / bf16:.2f}x with the staging pools counted), int8 {int8['capacity']} "
+        f"({int8['capacity'] / bf16:.2f}x bf16; {int8['staged_capacity'] / bf16:.2f}x with the pools counted)"
     )
-    assert engines["q4_0"]["capacity"] >= 3.5 * bf16
-    assert engines["int8"]["capacity"] >= 1.85 * bf16
+    assert engines["none"]["staged_capacity"] == fp32  # lossless pages: no staging pool
+    assert q4["capacity"] >= 3.5 * bf16
+    assert int8["capacity"] >= 1.9 * bf16  # symmetric int8 pages: 66 bytes per role at D = 64
+    # the pools (64 slots: max_num_seqs here) cost whole blocks of pages: fp32 K+V of 64 x 32 tokens per layer/head
+    for r, row in ((q4, 72), (int8, 132)):
+        pool_tokens = 64 * 32 * 2 * 64 * 4 // row
+        assert r["capacity"] - pool_tokens - 128 < r["staged_capacity"] <= r["capacity"] - pool_tokens
 
 
 def test_a_bad_spec_fails_at_engine_start_in_one_line(engines):

@@ -12,6 +12,7 @@ import torch
 from kvslim.formats import make_codec
 from kvslim.vllm import attend as paged
 from kvslim.vllm.pages import PAGE_TOKENS, PageLayout, gather, write
+from kvslim.vllm.staging import Stager, pool_bytes, slots_from_env
 
 D = 64
 
@@ -42,16 +43,42 @@ def test_ggml_rows_are_kvslims_and_gguf_blocks(fmt):
     assert np.array_equal(rows[..., : layout.k.nbytes].numpy(), ref)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("fmt", ["int4", "int3", "int2"])
 def test_affine_v_rows_are_kvslims_v_codec(fmt):
     k, v = _kv(33)
-    layout = PageLayout.of("int8", fmt, D, torch.float32)
+    layout = PageLayout.of("int4", fmt, D, torch.float32)
     rows = layout.encode(k, v)[..., layout.v.offset :]  # (N, H, Vbytes)
     enc = make_codec(fmt, "v").encode(v.transpose(0, 1)[None]).token  # whole-head groups, fp16 scale/zero
     n = layout.v.nbytes - 4
     assert torch.equal(rows[..., :n], enc["codes"][0].transpose(0, 1))
     assert torch.equal(rows[..., n : n + 2].contiguous().view(torch.float16), enc["scale"][0].transpose(0, 1))
     assert torch.equal(rows[..., n + 2 :].contiguous().view(torch.float16), enc["zero"][0].transpose(0, 1))
+
+
+def test_int8_rows_are_symmetric_per_token_with_one_fp16_scale():
+    """int8 pages: an fp16 scale (max |x| / 127), then D int8 codes; checked against a float64 reference."""
+    k, v = _kv(33)
+    k[3, 1] = 0  # an all-zero head-token: scale 0, codes 0
+    layout = PageLayout.of("int8", "int8", D, torch.float32)
+    assert layout.k.family == layout.v.family == "sym" and layout.row_bytes == 2 * (D + 2)
+    rows = layout.encode(k, v)
+    for x, part in ((k, layout.k), (v, layout.v)):
+        b = rows[..., part.offset : part.offset + part.nbytes]
+        scale = b[..., :2].contiguous().view(torch.float16).double()  # (N, H, 1)
+        want = (x.double().abs().amax(-1, keepdim=True) / 127).half().double()
+        assert torch.equal(scale, want)
+        codes = b[..., 2:].contiguous().view(torch.int8).double()
+        ref = torch.where(want > 0, x.double() / want.clamp_min(1e-30), 0).round().clamp(-127, 127)
+        assert (codes - ref).abs().max() <= 1  # round-half ties in fp32 may differ by one
+        assert (codes - ref).abs().sum() <= 4
+    dk, dv = layout.decode(rows)
+    assert ((dk - k).abs() <= _scale_of(k) / 2 + 1e-6).all() and (dk[3, 1] == 0).all()
+    assert ((dv - v).abs() <= _scale_of(v) / 2 + 1e-6).all()
+
+
+def _scale_of(x):
+    """The int8 page scale of x (N, H, D), fp32 (N, H, 1), with a margin of one fp16 rounding."""
+    return (x.abs().amax(-1, keepdim=True) / 127).half().float() * 1.001
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -67,7 +94,7 @@ def test_layout_sizes():
     # bytes per token and KV head (K + V), D = 64: what vLLM's capacity is counted in
     assert PageLayout.of("q4_0", "q4_0", D, torch.bfloat16).row_bytes == 2 * 2 * 18
     assert PageLayout.of("q8_0", "q8_0", D, torch.bfloat16).row_bytes == 2 * 2 * 34
-    assert PageLayout.of("int8", "int8", D, torch.bfloat16).row_bytes == 2 * (64 + 4)
+    assert PageLayout.of("int8", "int8", D, torch.bfloat16).row_bytes == 2 * (64 + 2)  # symmetric: 1.94x bf16
     assert PageLayout.of("int4", "int2", D, torch.bfloat16).row_bytes == (32 + 4) + (16 + 4)
     assert PageLayout.of("none", "none", D, torch.bfloat16).row_bytes == 2 * 64 * 2
 
@@ -223,3 +250,180 @@ def test_kernel_refuses_a_page_outside_the_pool():
     rows.block_table[0, 0] = pages.shape[0] + 5
     with pytest.raises(RuntimeError, match="bad arguments"):
         paged.attend(layout, pages, query, torch.zeros(query.shape), rows, 0.125)
+
+
+# ------------------------------------------------------------------------------------- staged partial pages
+
+
+def test_the_stager_stages_a_page_from_its_first_write_until_its_32nd():
+    t = PAGE_TOKENS
+    st = Stager(4)
+    # a 40-token prefill: page 5 filled in this one step (never staged), page 7 started (8 tokens); padding -1
+    dest = st.plan(torch.cat([5 * t + torch.arange(32), 7 * t + torch.arange(8), torch.tensor([-1])]))
+    s7 = int(st.map[7])
+    assert int(st.map[5]) == -1 and (dest[:32] == -1).all() and dest[-1] == -1
+    assert s7 >= 0 and dest[32:40].tolist() == [s7 * t + i for i in range(8)]
+    for off in range(8, 32):  # decode steps: each token into the page's slot, until (and including) the 32nd
+        assert st.plan(torch.tensor([7 * t + off])).tolist() == [s7 * t + off]
+        assert int(st.map[7]) == s7  # the step that fills the page still reads it staged
+    st.plan(torch.tensor([9 * t]))  # the next step: page 7, full, is read from its codes; page 9 starts
+    assert int(st.map[7]) == -1 and int(st.map[9]) >= 0
+    # a page written at an offset > 0 without a slot (its slot evicted, or begun before staging) stays on codes
+    assert st.plan(torch.tensor([11 * t + 3])).tolist() == [-1] and int(st.map[11]) == -1
+
+
+def test_a_reused_page_id_never_reads_a_stale_staged_copy():
+    t = PAGE_TOKENS
+    st = Stager(4)
+    st.plan(3 * t + torch.arange(20))  # request A: page 3 partly filled, then A finishes (vLLM frees page 3)
+    slot = int(st.map[3])
+    assert slot >= 0
+    # request B gets page 3 again and starts it at offset 0 with 5 tokens: the same slot, written from 0 anew
+    assert st.plan(3 * t + torch.arange(5)).tolist() == [slot * t + i for i in range(5)]
+    st.plan(4 * t + torch.arange(20))
+    # request C gets page 4 again and fills it in one step (a prefill): the stale slot is dropped at once
+    st.plan(torch.cat([4 * t + torch.arange(32), 6 * t + torch.arange(3)]))
+    assert int(st.map[4]) == -1 and int(st.map[6]) >= 0
+
+
+def test_the_stager_evicts_the_least_recently_written_slot():
+    t = PAGE_TOKENS
+    st = Stager(2)
+    st.plan(torch.tensor([1 * t, 2 * t]))  # pages 1 and 2 start
+    st.plan(torch.tensor([2 * t + 1]))  # page 2 written again; page 1 not
+    st.plan(torch.tensor([8 * t]))  # page 8 starts: page 1's slot (least recently written) is taken
+    assert int(st.map[1]) == -1 and int(st.map[2]) >= 0 and int(st.map[8]) >= 0
+    assert st.plan(torch.tensor([1 * t + 1])).tolist() == [-1]  # page 1 now reads its codes
+    # more pages started in one step than slots: the rest are not staged
+    dest = st.plan(torch.tensor([12 * t, 13 * t, 14 * t]))
+    assert (dest >= 0).sum() == 2 and int(st.map[14]) == -1
+
+
+def _staged_steps(fmt, h_q=6, h_kv=2, slots=8, seed=7, stage_dtype=torch.float32):
+    """Requests written step by step as the backend writes them (codes through the slot mapping; the raw K/V
+    into their staging slots as planned by a :class:`Stager`), then one mixed step to attend.
+
+    Rows (kv_len, q_len, history written as): 0: (75, 1) a 50-token prefill then 24 decode steps (its last page
+    staged from a decode step); 1: (40, 40) a prefill; 2: (70, 20) a 50-token prefill (page 1 staged from the
+    prefill), 20 new tokens that fill page 1 in this step; 3: (9, 0) idle; 4: (41, 1) a 40-token prefill whose
+    first page id is reused from a finished request that left it partly filled and staged (row 4 fills it in
+    one step: the stale copy must not be read). Returns layout, pages, query, rows, key, value, Staged, the raw
+    K/V of every row."""
+    t = PAGE_TOKENS
+    g = torch.Generator().manual_seed(seed)
+    layout = PageLayout.of(fmt, fmt, D, torch.float32)
+    stage_layout = PageLayout.of("none", "none", D, stage_dtype)  # the model's dtype
+    kv_lens, q_lens = [75, 40, 70, 9, 41], [1, 40, 20, 0, 1]
+    pages = torch.zeros(20, h_kv, t, layout.row_bytes, dtype=torch.uint8)
+    junk = torch.Generator().manual_seed(
+        seed + 1000
+    )  # its own stream: the query does not depend on the pool's size
+    pool = torch.randint(0, 256, (slots, h_kv, t, stage_layout.row_bytes), dtype=torch.uint8, generator=junk)
+    table = torch.tensor(
+        [[11, 2, 7, -1], [5, 9, -1, -1], [0, 14, 3, -1], [8, -1, -1, -1], [12, 6, -1, -1]], dtype=torch.int32
+    )
+    st = Stager(slots)
+    raw = [_kv(n, h_kv, seed=seed + r + 1) for r, n in enumerate(kv_lens)]
+
+    def step(items):
+        """items: (row, first position, count) written in one step (the K/V of the row, or given (k, v))."""
+        slot_list, ks, vs = [], [], []
+        for r, p0, n, *given in items:
+            pos = torch.arange(p0, p0 + n)
+            slot_list.append(table[r, pos // t].long() * t + pos % t)
+            k, v = given[0] if given else raw[r]
+            ks.append(k[p0 : p0 + n])
+            vs.append(v[p0 : p0 + n])
+        slots_ = torch.cat(slot_list)
+        k, v = torch.cat(ks), torch.cat(vs)
+        dest = st.plan(slots_)
+        write(layout, pages, k, v, slots_)
+        write(stage_layout, pool, k, v, dest)
+
+    # a finished request A on row 4's first page id: 20 tokens, staged; row 4's prefill then fills that page id in
+    # one step (so its stale copy must be dropped, not read)
+    step([(4, 0, 20, _kv(20, h_kv, seed=seed + 99))])
+    step([(0, 0, 50), (2, 0, 50), (3, 0, 9), (4, 0, 40)])
+    for p in range(50, 74):
+        step([(0, p, 1)])
+    # this step: every row's new tokens written first (as do_kv_cache_update and forward do), then attended
+    step([(r, kv_lens[r] - q_lens[r], q_lens[r]) for r in range(5) if q_lens[r]])
+    starts = torch.tensor([0, *np.cumsum(q_lens)], dtype=torch.int32)
+    query = torch.randn(int(starts[-1]), h_q, D, generator=g)
+    rows = paged.Rows.of(starts, torch.tensor(kv_lens, dtype=torch.int32), table)
+    key = torch.cat([k[n - q :] for (k, _), n, q in zip(raw, kv_lens, q_lens)])
+    value = torch.cat([v[n - q :] for (_, v), n, q in zip(raw, kv_lens, q_lens)])
+    return layout, pages, query, rows, key, value, paged.Staged(pool, stage_layout, st.map), raw
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "int4", "q8_0"])
+@pytest.mark.parametrize("window", [0, 17])
+def test_staged_pages_are_attended_at_full_precision_and_full_pages_on_their_codes(fmt, window):
+    """Against plain attention: a row's keys in pages that were full before this step on their codes (decoded),
+    the rest (the partly filled page, staged, and the step's own tokens) on their raw K/V — kvslim's own cache
+    with group 32 (its partly filled group unencoded). The kernel equals the reference."""
+    layout, pages, query, rows, key, value, staged, raw = _staged_steps(fmt)
+    fns = [paged.attend_reference] + ([paged.attend] if paged.library() is not None else [])
+    outs = []
+    for fn in fns:
+        out = torch.zeros(query.shape)
+        fn(layout, pages, query, out, rows, D**-0.5, window, True, key, value, staged)
+        outs.append(out)
+        for r, n in enumerate(rows.kv_lens):
+            q0, q1 = rows.starts[r], rows.starts[r + 1]
+            if q0 == q1:
+                continue
+            k, v = raw[r]
+            full = (n - (q1 - q0)) // PAGE_TOKENS * PAGE_TOKENS  # keys in pages full before this step
+            dk, dv = layout.decode(layout.encode(k[:full], v[:full]))
+            want = _plain(query[q0:q1], torch.cat([dk, k[full:]]), torch.cat([dv, v[full:]]), n, 6, window)
+            torch.testing.assert_close(out[q0:q1], want, atol=1e-5, rtol=1e-5, msg=f"{fn.__name__} row {r}")
+    if len(outs) == 2:
+        torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("stage_dtype", [torch.bfloat16, torch.float16])
+def test_kernel_reads_a_staging_pool_in_the_models_half_dtype_as_the_reference(stage_dtype):
+    if paged.library() is None:
+        pytest.skip(f"C kernels unavailable: {paged.status()}")
+    layout, pages, query, rows, key, value, staged, _ = _staged_steps("q4_0", stage_dtype=stage_dtype)
+    ref, out = torch.zeros(query.shape), torch.zeros(query.shape)
+    paged.attend_reference(layout, pages, query, ref, rows, D**-0.5, 0, True, key, value, staged)
+    paged.attend(layout, pages, query, out, rows, D**-0.5, 0, True, key, value, staged)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    f_layout, f_pages, f_query, f_rows, f_key, f_value, f_staged, _ = _staged_steps("q4_0")  # fp32 staging
+    full = torch.zeros(query.shape)
+    paged.attend(f_layout, f_pages, f_query, full, f_rows, D**-0.5, 0, True, f_key, f_value, f_staged)
+    assert (out - full).abs().max() > 1e-4  # the half-precision staged rows were read (not the fp32 ones)
+    torch.testing.assert_close(out, full, atol=2e-2, rtol=0)  # ... and are those rows, rounded
+
+
+def test_without_staging_the_same_steps_read_every_cached_key_from_its_codes():
+    """The staging matters (the test above would catch a kernel that ignores it): without the pool, row 0's
+    partly filled page is read from its codes and the result moves away from the staged one."""
+    layout, pages, query, rows, key, value, staged, raw = _staged_steps("q4_0")
+    with_stage, without = torch.zeros(query.shape), torch.zeros(query.shape)
+    for fn in [paged.attend_reference] + ([paged.attend] if paged.library() is not None else []):
+        fn(layout, pages, query, with_stage, rows, D**-0.5, 0, True, key, value, staged)
+        fn(layout, pages, query, without, rows, D**-0.5, 0, True, key, value)
+        assert (with_stage[0] - without[0]).abs().max() > 1e-3, fn.__name__
+        torch.testing.assert_close(with_stage[1:41], without[1:41])  # row 1: a prefill, no cached key
+
+
+def test_kernel_refuses_a_staging_slot_outside_the_pool():
+    if paged.library() is None:
+        pytest.skip(f"C kernels unavailable: {paged.status()}")
+    layout, pages, query, rows, key, value, staged, _ = _staged_steps("q4_0")
+    staged.map[7] = staged.pool.shape[0]  # row 0's last page
+    with pytest.raises(RuntimeError, match="bad arguments"):
+        paged.attend(layout, pages, query, torch.zeros(query.shape), rows, 0.125, 0, True, key, value, staged)
+
+
+def test_the_staging_pool_is_sized_by_max_num_seqs_or_the_environment():
+    assert slots_from_env(64, {}) == 64
+    assert slots_from_env(64, {"KVSLIM_VLLM_STAGED_SLOTS": "16"}) == 16
+    assert slots_from_env(64, {"KVSLIM_VLLM_STAGED_SLOTS": "0"}) == 0  # no staging
+    with pytest.raises(ValueError, match="must be a whole number of slots"):
+        slots_from_env(64, {"KVSLIM_VLLM_STAGED_SLOTS": "-3"})
+    # bf16, SmolLM2-135M (30 layers, 3 KV heads, D 64), 64 slots: 45 MiB (docs/vllm.md)
+    assert pool_bytes(64, 30, 3, 64, 2) == 45 * 2**20

@@ -86,6 +86,8 @@ def test_vllm_serve_with_the_plugin_answers_the_openai_client(tmp_path):
         # 1 GiB of q4_0 pages (72 bytes per token and KV head) is ~3.56x the stock bf16 count
         assert int(tokens.group(1).replace(",", "")) > 160_000, tokens.group(0)
         assert "kvslim pages: K q4_0, V q4_0" in text
+        # the worker's staging pool: the API server's max_num_seqs (128 on CPU) slots per layer (kvslim.vllm.staging)
+        assert "kvslim staging: 128 slots" in text, text[-3000:]
     finally:
         proc.terminate()
         try:

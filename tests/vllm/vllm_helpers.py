@@ -107,24 +107,25 @@ def converted_model_dir() -> str:
     return str(path)
 
 
-def start(spec: str | None, dtype: str = "float32"):
+def start(spec: str | None, dtype: str = "float32", **overrides):
     """An in-process engine on the embedded model; spec None: no kvslim spec (vLLM's own backend runs, the plugin
-    loaded or not)."""
+    loaded or not); overrides: more of vLLM's engine arguments."""
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
     from vllm import LLM
 
     extra = {} if spec is None else {"additional_config": {"kvslim": spec}}
-    return LLM(
-        model=converted_model_dir(),
-        enforce_eager=True,
-        dtype=dtype,
-        max_model_len=MAX_MODEL_LEN,
-        max_num_batched_tokens=MAX_BATCHED_TOKENS,
-        seed=0,
-        logits_processors=[make_force_tokens()],
+    args = {
+        "enforce_eager": True,
+        "dtype": dtype,
+        "max_model_len": MAX_MODEL_LEN,
+        "max_num_batched_tokens": MAX_BATCHED_TOKENS,
+        "seed": 0,
+        "logits_processors": [make_force_tokens()],
         **extra,
-    )
+        **overrides,
+    }
+    return LLM(model=converted_model_dir(), **args)
 
 
 def stop(llm) -> None:
@@ -143,7 +144,44 @@ def capacity(llm) -> int:
     return cache.num_gpu_blocks * cache.block_size
 
 
-def run(llm, segments: list[list[int]], prefill: int) -> dict:
+def staging_slots(llm) -> int:
+    """Staging slots per layer of this engine's kvslim backend (max_num_seqs unless $KVSLIM_VLLM_STAGED_SLOTS)."""
+    from kvslim.vllm.staging import slots_from_env
+
+    return slots_from_env(llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
+
+
+def staged_capacity(llm) -> int:
+    """:func:`capacity` with kvslim's staging pools counted (kvslim.vllm.staging): vLLM's count less the blocks
+    that the pools' bytes would fill in kvslim's pages (the pools live outside vLLM's KV space). Lossless pages
+    (no staging) and stock vLLM: :func:`capacity`."""
+    import torch
+
+    from kvslim.vllm.pages import PageLayout
+    from kvslim.vllm.spec import from_sources, given
+    from kvslim.vllm.staging import pool_bytes
+
+    vc = llm.llm_engine.vllm_config
+    if not given(vc.additional_config):
+        return capacity(llm)
+    mc = vc.model_config
+    cfg = from_sources(vc.additional_config)
+    layers, heads, d = (
+        mc.get_num_layers(vc.parallel_config),
+        mc.get_num_kv_heads(vc.parallel_config),
+        mc.get_head_size(),
+    )
+    layout = PageLayout.of(cfg.k_format, cfg.v_format, d, mc.dtype)
+    slots = staging_slots(llm)
+    if layout.k.family == "cast" and layout.v.family == "cast" or slots == 0:
+        return capacity(llm)
+    pool = pool_bytes(slots, layers, heads, d, torch.empty(0, dtype=mc.dtype).element_size())
+    block = vc.cache_config.block_size
+    lost = -(-pool // (layers * heads * layout.row_bytes * block)) * block
+    return capacity(llm) - lost
+
+
+def run(llm, segments: list[list[int]], prefill: int, greedy: bool = True) -> dict:
     """Teacher forcing of ``segments``, one at a time (prefill ``prefill`` tokens in one step, then their tokens
     forced one a step: as ``kvslim eval`` scores kvslim's cache; in a batch with the long prompt, vLLM's scheduler
     could split a segment's prefill into chunks, and a later chunk attends on the earlier ones' codes, which
@@ -165,15 +203,20 @@ def run(llm, segments: list[list[int]], prefill: int) -> dict:
             max_tokens=len(seg) - prefill, temperature=0, ignore_eos=True, extra_args=force
         )
         llm.generate([TokensPrompt(prompt_token_ids=seg[:prefill])], [forced], use_tqdm=False)
+    logits = (
+        torch.cat([torch.stack(RECORDED.pop(f"seg{j}")) for j in range(len(segments))])
+        if segments
+        else torch.empty(0)
+    )
+    if not greedy:
+        return {"logits": logits}
     params = [SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0)] * len(PROMPTS)
     outs = llm.generate(list(PROMPTS), params, use_tqdm=False)
     again = llm.generate(PROMPTS[-1:], params[:1], use_tqdm=False)[0]
     return {
         "tokens": [list(o.outputs[0].token_ids) for o in outs[: len(PROMPTS)]],
         "texts": [o.outputs[0].text for o in outs[: len(PROMPTS)]],
-        "logits": torch.cat([torch.stack(RECORDED.pop(f"seg{j}")) for j in range(len(segments))])
-        if segments
-        else torch.empty(0),
+        "logits": logits,
         "rerun": list(again.outputs[0].token_ids),
         "rerun_cached": again.num_cached_tokens or 0,
     }
@@ -188,7 +231,11 @@ def main(argv: list[str]) -> None:
     if argv[0] == "capacity":
         for spec in argv[2:]:
             llm = start(None if spec == "stock" else spec, argv[1])
-            print(f"capacity {spec} {argv[1]}: {capacity(llm)} tokens", flush=True)
+            print(
+                f"capacity {spec} {argv[1]}: {capacity(llm)} tokens; with kvslim's staging pools counted "
+                f"({staging_slots(llm)} slots): {staged_capacity(llm)}",
+                flush=True,
+            )
             stop(llm)
         return
     spec = None if argv[0] == "stock" else argv[0]

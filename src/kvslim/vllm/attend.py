@@ -8,11 +8,14 @@ prefill continuing a cached prefix, and mixed batches, in one call.
 
 Given the step's raw K/V (``key``, ``value``: the tokens vLLM hands the layer, packed like the queries), a row's
 ``q_len`` new keys are read from them, exactly, and only its ``kv_len - q_len`` cached keys from the pages' codes:
-a step's tokens attend on each other at full precision and on the history's codes (kvslim's own cache, with its
-default group of 32, keeps even more at full precision: a partly filled group of up to 31 newest tokens). Attending a prefill on its own just-quantized
-codes instead, as a backend that writes before it attends does, compounds the error through the layers: q4_0's
-KL divergence through vLLM was 0.119 that way, 0.061 this way (docs/vllm.md). Without them
-every key is read from the pages (the step's tokens written first).
+a step's tokens attend on each other at full precision and on the history's codes. Attending a prefill on its own
+just-quantized codes instead, as a backend that writes before it attends does, compounds the error through the
+layers: q4_0's KL divergence through vLLM was 0.119 that way, 0.061 this way (docs/vllm.md). Without them every key
+is read from the pages (the step's tokens written first).
+
+With a :class:`Staged` pool, a page that has a staging slot (the partly filled last page of a sequence:
+:mod:`.staging`) is read from the slot, at full precision, instead of its codes: kvslim's own cache keeps a partly
+filled group of 32 unencoded the same way (q4_0 through vLLM: 0.061 -> 0.0148, docs/vllm.md).
 
 The C entry point ``kvp_attend`` takes a row table whose records each carry a *pointer* to their block table:
 vLLM's rows point into its 2-D block table; kvslim's engine can point each row at a list of its own (the
@@ -36,15 +39,26 @@ import torch
 
 from ..formats import get_format
 from .pages import PageLayout, Part, gather
+from .staging import overlay
 
 #: ``$KVSLIM_VLLM_KERNEL``: ``c`` (default: the C kernel when it builds) or ``reference``.
 KERNEL_ENV = "KVSLIM_VLLM_KERNEL"
 #: kvp_attend's ABI and table widths (csrc/kvslim_paged.c: H_FIELDS, R_FIELDS), checked when the library loads.
-ABI = 2
-HEAD_FIELDS = 27
+ABI = 3
+HEAD_FIELDS = 36
 ROW_FIELDS = 5
 #: C's row decoders of the cast dtypes.
 CAST_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
+@dataclass
+class Staged:
+    """A layer's staging pool and the engine's page-to-slot map (:mod:`.staging`): pool uint8 (slots, H_kv, T, C)
+    in ``layout`` (a cast layout: the model's dtype, K then V); map int32 page id -> slot or -1."""
+
+    pool: torch.Tensor
+    layout: PageLayout
+    map: torch.Tensor
 
 
 @dataclass
@@ -83,7 +97,7 @@ _state: dict = {}
 
 def _part_code(lib, part: Part) -> int:
     """C's format code for ``part``, its block checked against the format registry."""
-    name = CAST_NAMES[part.dtype] if part.family == "cast" else part.name
+    name = CAST_NAMES[part.dtype] if part.family == "cast" else "sym8" if part.family == "sym" else part.name
     elements, nbytes = ctypes.c_int32(), ctypes.c_int32()
     code = lib.kvp_format(name.encode(), ctypes.byref(elements), ctypes.byref(nbytes))
     if code < 0:
@@ -158,12 +172,14 @@ def attend(
     causal: bool = True,
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
+    staged: Staged | None = None,
 ) -> None:
     """Attention of every row's queries on its pages, written into ``out``.
 
     kv_cache: uint8 (num_pages, H_kv, T, row_bytes); query, out: (N, H_q, D) (out in any float dtype);
     window: keys a query sees counting itself (0: all); key, value: (N, H_kv, D), the step's raw K/V packed like
-    the queries: each row's new keys are read from them (module docstring); None: every key from the pages."""
+    the queries: each row's new keys are read from them (module docstring); None: every key from the pages;
+    staged: pages with a staging slot are read from it instead of their codes (:mod:`.staging`)."""
     if (key is None) != (value is None):
         raise ValueError("kvslim paged attention: give both the step's raw key and value, or neither")
     if key is not None:
@@ -176,7 +192,7 @@ def attend(
                 )
     lib = None if _reference_asked() else library()
     if lib is None:
-        attend_reference(layout, kv_cache, query, out, rows, scale, window, causal, key, value)
+        attend_reference(layout, kv_cache, query, out, rows, scale, window, causal, key, value, staged)
         return
     codes = _state.setdefault("codes", {})
     parts = (layout.k, layout.v)
@@ -220,6 +236,30 @@ def attend(
         head += [k.data_ptr(), v.data_ptr(), k.stride(0)]
     else:
         head += [0, 0, 0]
+    if staged is not None:
+        pool, smap = staged.pool, staged.map
+        if pool.dtype != torch.uint8 or pool.dim() != 4 or tuple(pool.shape[1:3]) != (h_kv, t):
+            raise ValueError(
+                f"kvslim paged attention: the staging pool has shape {tuple(pool.shape)} {pool.dtype}, expected "
+                f"uint8 (slots, {h_kv}, {t}, row bytes)"
+            )
+        smap = (
+            smap if smap.dtype == torch.int32 and smap.is_contiguous() else smap.to(torch.int32).contiguous()
+        )
+        sb = pool.element_size()
+        head += [
+            pool.data_ptr(),
+            pool.shape[0],
+            pool.stride(0) * sb,
+            pool.stride(1) * sb,
+            pool.stride(2) * sb,
+            _part_code(lib, staged.layout.k),
+            staged.layout.v.offset,
+            smap.data_ptr(),
+            smap.shape[0],
+        ]
+    else:
+        head += [0] * 9
     args = torch.tensor(head, dtype=torch.int64)
     rc = lib.kvp_attend(args.data_ptr())
     if rc:
@@ -248,10 +288,14 @@ def attend_reference(
     causal: bool = True,
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
+    staged: Staged | None = None,
 ) -> None:
     """:func:`attend` in torch: each row's cached keys decoded from its pages to fp32 (with ``key``/``value``,
     its new keys taken from them), a masked softmax. The oracle of the C kernel."""
     h_q = query.shape[1]
+    staged_kv = None
+    if staged is not None:
+        staged_kv = staged.layout.decode(staged.pool)  # (K, V) fp32 (slots, H, T, D)
     for r, kv_len in enumerate(rows.kv_lens):
         q0, q1 = rows.starts[r], rows.starts[r + 1]
         n = q1 - q0
@@ -260,6 +304,8 @@ def attend_reference(
         cached = kv_len if key is None else kv_len - n  # keys read from the pages' codes
         if cached:
             kv = gather(layout, kv_cache, rows.block_table[r], cached)  # K, V: (H_kv, cached, D) fp32
+            if staged_kv is not None:
+                kv = overlay(kv, staged_kv, staged.map, rows.block_table[r], cached)
         else:
             kv = (torch.empty(kv_cache.shape[1], 0, layout.head_dim),) * 2
         if key is not None:  # the row's new keys, raw

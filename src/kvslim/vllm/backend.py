@@ -11,6 +11,10 @@ so :func:`kvslim.vllm.register` points ``CPU_ATTN`` at :class:`KvslimCPUBackend`
 - :meth:`KvslimCPUImpl.do_kv_cache_update` encodes each step's new tokens and writes them through the slot
   mapping; :meth:`KvslimCPUImpl.forward` attends on the codes of each request's history and on the raw K/V of
   the step's own tokens (:func:`kvslim.vllm.attend.attend`).
+- staged partial pages (lossy formats): the metadata builder plans, once per step, which pages are being filled
+  and where their tokens go in a staging pool (:class:`~kvslim.vllm.staging.Stager`, one per engine); each layer
+  copies its step's raw K/V there (:meth:`KvslimCPUImpl.forward`, its own pool) and the kernel reads a partly
+  filled page from its slot at full precision instead of its codes.
 
 Opt-in: an engine that gives no kvslim spec (:func:`kvslim.vllm.spec.given`) gets vLLM's own CPU backend, its
 implementation, builder, block sizes and spec untouched (:func:`active` decides, per engine, when vLLM builds the
@@ -50,6 +54,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 from . import attend as paged
 from .pages import PAGE_TOKENS, PageLayout, write
 from .spec import from_sources, given
+from .staging import Stager, pool_bytes, slots_from_env
 
 logger = init_logger("vllm.kvslim")  # under vLLM's configured "vllm" logger, so its INFO lines show
 
@@ -159,11 +164,31 @@ class KvslimMetadata:
     rows: paged.Rows
     slot_mapping: torch.Tensor
     causal: bool = True
+    #: staged partial pages (None: none): the engine's page -> slot map, this step's tokens' rows in the pools
+    stage_map: torch.Tensor | None = None
+    stage_dest: torch.Tensor | None = None
+    stage_slots: int = 0
 
 
 class KvslimMetadataBuilder(AttentionMetadataBuilder[KvslimMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        # one Stager per engine (this builder's layers share it); lossless pages need no staging
+        layout = layout_for(vllm_config, kv_cache_spec.head_size)
+        slots = slots_from_env(vllm_config.scheduler_config.max_num_seqs)
+        lossy = layout.k.family != "cast" or layout.v.family != "cast"
+        self.stager = Stager(slots) if lossy and slots > 0 else None
+        if self.stager is not None:
+            size = vllm_config.model_config.dtype.itemsize
+            per_layer = pool_bytes(slots, 1, kv_cache_spec.num_kv_heads, kv_cache_spec.head_size, size)
+            logger.info_once(
+                "kvslim staging: %d slots of a partly filled page per layer, %d bytes per layer outside the KV "
+                "space (%d layers: %.1f MiB)",
+                slots,
+                per_layer,
+                len(layer_names),
+                per_layer * len(layer_names) / 2**20,
+            )
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -172,7 +197,11 @@ class KvslimMetadataBuilder(AttentionMetadataBuilder[KvslimMetadata]):
         if isinstance(m.causal, torch.Tensor):
             raise NotImplementedError("kvslim: per-token causal masks (prefix-LM models) are not supported")
         rows = paged.Rows.of(m.query_start_loc_cpu, m.seq_lens.cpu(), m.block_table_tensor)
-        return KvslimMetadata(m.num_actual_tokens, rows, m.slot_mapping, bool(m.causal))
+        meta = KvslimMetadata(m.num_actual_tokens, rows, m.slot_mapping, bool(m.causal))
+        if self.stager is not None:
+            meta.stage_dest = self.stager.plan(m.slot_mapping[: m.num_actual_tokens])
+            meta.stage_map, meta.stage_slots = self.stager.map, self.stager.slots
+        return meta
 
 
 class KvslimCPUImpl(AttentionImpl):
@@ -213,7 +242,10 @@ class KvslimCPUImpl(AttentionImpl):
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
-        self.layout = layout_for(get_current_vllm_config(), head_size)
+        config = get_current_vllm_config()
+        self.layout = layout_for(config, head_size)
+        self.stage_layout = PageLayout.of("none", "none", head_size, config.model_config.dtype)
+        self.staged: torch.Tensor | None = None  # this layer's staging pool, made on first use
 
     def forward(
         self,
@@ -236,6 +268,18 @@ class KvslimCPUImpl(AttentionImpl):
         # The step's own tokens are attended on their raw K/V, the history on the pages' codes (kvslim.vllm.attend);
         # a layer sharing another's KV cache has no K/V of its own: everything from the pages.
         raw = key is not None and value is not None and self.kv_sharing_target_layer_name is None
+        staged = None
+        if raw and attn_metadata.stage_map is not None:  # this step's tokens into their staging slots first
+            if self.staged is None:
+                shape = (
+                    attn_metadata.stage_slots,
+                    kv_cache.shape[1],
+                    kv_cache.shape[2],
+                    self.stage_layout.row_bytes,
+                )
+                self.staged = torch.empty(shape, dtype=torch.uint8)  # a row is read only once written
+            write(self.stage_layout, self.staged, key[:n], value[:n], attn_metadata.stage_dest)
+            staged = paged.Staged(self.staged, self.stage_layout, attn_metadata.stage_map)
         paged.attend(
             self.layout,
             kv_cache,
@@ -247,6 +291,7 @@ class KvslimCPUImpl(AttentionImpl):
             attn_metadata.causal,
             key[:n] if raw else None,
             value[:n] if raw else None,
+            staged,
         )
         return output
 

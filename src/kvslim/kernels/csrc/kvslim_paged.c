@@ -7,7 +7,8 @@
  * holding K at k_offset and V at v_offset, each in a row format (kvp_format): f32/f16/bf16 values, GGML
  * q8_0/q4_0/q4_1/q5_0/q5_1 blocks of 32 (ggml-common.h's byte layout, checked against kvslim's format
  * registry by the Python side), or kvslim's per-token affine int8/int4/int3/int2 (packed codes as
- * formats/affine.py, then fp16 scale and fp16 zero; value = code * scale + zero).
+ * formats/affine.py, then fp16 scale and fp16 zero; value = code * scale + zero), or sym8 (the plugin's 8-bit
+ * pages: an fp16 scale, then D int8 codes; value = code * scale: q8_0's block spanning the whole head).
  *
  * A row r (a request in vLLM, a conversation in kvslim's engine) has q_len queries at q[q_start ..] and
  * kv_len keys, the last q_len of which are its queries' own tokens: query i sits at position
@@ -23,6 +24,13 @@
  * vLLM: KL 0.119 -> 0.061, docs/vllm.md). A prefill over no cached prefix
  * then reads no page at all. Without them (H_KNEW 0) every key is read from pages: the step's tokens must
  * have been written first.
+ *
+ * Staged pages. With a staging pool (H_STAGE), a page whose id maps to a staging slot (H_SMAP[page] >= 0) is
+ * read from that slot instead of its codes: the partly filled last page of a sequence kept at full precision
+ * (the model's dtype, rows in the cast layout: K values then V values) until its 32nd token arrives, as
+ * kvslim's own cache keeps a partly filled group unencoded. The slot is laid out like a page (slot stride, head
+ * stride, token stride) and holds the page's tokens from offset 0 up to the last one written; the caller keeps
+ * the map exact (a slot is dropped when its page fills or its page id is reused; kvslim/vllm/staging.py).
  *
  * Per (row, KV head, chunk of up to QC queries) task: each page's K rows are decoded once into an fp32
  * tile (T x D, in L1), scored against every query of the chunk, then its V rows decoded and summed with an
@@ -46,7 +54,7 @@
 #include <immintrin.h>
 #endif
 
-#define KVP_ABI_VERSION 2
+#define KVP_ABI_VERSION 3
 /* Queries per task (a prefill row is split into chunks of QC queries). */
 #define KVP_QC 16
 /* Largest page (tokens) and head dim the scratch is sized for. */
@@ -66,6 +74,7 @@ enum {
     KVP_A4,
     KVP_A3,
     KVP_A2,
+    KVP_S8,
 };
 
 /* name -> code, and the (elements, bytes) of one block (GGML) or packing unit (affine); values: (1, size). */
@@ -76,6 +85,7 @@ static const struct {
     {"f32", KVP_F32, 1, 4},    {"f16", KVP_F16, 1, 2},    {"bf16", KVP_BF16, 1, 2},  {"q8_0", KVP_Q8_0, 32, 34},
     {"q4_0", KVP_Q4_0, 32, 18}, {"q4_1", KVP_Q4_1, 32, 20}, {"q5_0", KVP_Q5_0, 32, 22}, {"q5_1", KVP_Q5_1, 32, 24},
     {"int8", KVP_A8, 1, 1},    {"int4", KVP_A4, 2, 1},    {"int3", KVP_A3, 8, 3},    {"int2", KVP_A2, 4, 1},
+    {"sym8", KVP_S8, 1, 1},
 };
 #define KVP_NFORMATS ((int)(sizeof(KVP_FORMATS) / sizeof(KVP_FORMATS[0])))
 
@@ -202,6 +212,12 @@ static void kvp_decode_row(int fmt, const uint8_t *restrict src, int D, float *r
         }
         return;
     }
+    case KVP_S8: {
+        float d = kvp_h2f(src);
+        const int8_t *q = (const int8_t *)(src + 2);
+        for (int i = 0; i < D; i++) dst[i] = d * (float)q[i];
+        return;
+    }
     default:
         return;
     }
@@ -238,6 +254,15 @@ enum {
     H_KNEW,      /* fp32 raw K of the step's tokens (N, Hkv, D), packed like the queries; 0: keys from pages */
     H_VNEW,      /* fp32 raw V, same shape and strides */
     H_NEWS,      /* their token stride in floats (heads D apart, values contiguous) */
+    H_STAGE,     /* uint8 staging pool (slots laid out like pages); 0: none */
+    H_SNSLOTS,   /* slots in the pool (bounds check) */
+    H_SSLOT_STRIDE,
+    H_SHEAD_STRIDE,
+    H_STOKEN_STRIDE,
+    H_SFMT,      /* a cast format: f32 / f16 / bf16 */
+    H_SVOFF,     /* V's byte offset in a staged token row (K at 0) */
+    H_SMAP,      /* int32 page id -> staging slot or -1 */
+    H_SMAP_LEN,  /* entries of H_SMAP (a page beyond it has no slot) */
     H_FIELDS
 };
 /* A row: its first query, its number of queries, its number of keys, its block table (int32 page ids) and
@@ -257,11 +282,11 @@ typedef struct {
 } kvp_call;
 
 /* Tile rows [ta, tb) of one role (K or V) of the page starting at key position t0: [ta, tc) decoded from the
- * page (format fmt at byte offset off of each token row at base), [tc, tb) copied from the step's raw fp32
- * rows, tile row t's at raw[raw0 + (t0 + t) * H_NEWS]. */
-static void kvp_fill(const int64_t *a, int fmt, int64_t off, const uint8_t *base, const float *raw, int64_t raw0,
-                     int64_t t0, int ta, int tc, int tb, int D, float *tile) {
-    for (int t = ta; t < tc; t++) kvp_decode_row(fmt, base + t * a[H_TOKEN_STRIDE] + off, D, tile + (size_t)t * D);
+ * page or its staging slot (format fmt at byte offset off of each token row at base, rows ts bytes apart),
+ * [tc, tb) copied from the step's raw fp32 rows, tile row t's at raw[raw0 + (t0 + t) * H_NEWS]. */
+static void kvp_fill(const int64_t *a, int fmt, int64_t off, const uint8_t *base, int64_t ts, const float *raw,
+                     int64_t raw0, int64_t t0, int ta, int tc, int tb, int D, float *tile) {
+    for (int t = ta; t < tc; t++) kvp_decode_row(fmt, base + t * ts + off, D, tile + (size_t)t * D);
     for (int t = tc; t < tb; t++)
         memcpy(tile + (size_t)t * D, raw + raw0 + (t0 + t) * a[H_NEWS], sizeof(float) * (size_t)D);
 }
@@ -279,6 +304,8 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, float *scratch) {
     float *out = (float *)(intptr_t)a[H_OUT];
     const uint8_t *pool = (const uint8_t *)(intptr_t)a[H_PAGES];
     const float *knew = (const float *)(intptr_t)a[H_KNEW], *vnew = (const float *)(intptr_t)a[H_VNEW];
+    const uint8_t *stage = (const uint8_t *)(intptr_t)a[H_STAGE];
+    const int32_t *smap = (const int32_t *)(intptr_t)a[H_SMAP];
     /* keys [0, cached) from pages, [cached, kvlen) from the raw K/V: new token pos - cached */
     const int64_t cached = knew ? kvlen - qlen : kvlen;
     /* the raw row of key position k (>= cached): (row[R_QSTART] + k - cached) * H_NEWS + h * D */
@@ -307,13 +334,24 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, float *scratch) {
         /* tile tokens [ta, tc) from the page, [tc, tb) from the raw K/V */
         int tc = (int)(cached - t0 < ta ? ta : cached - t0 < tb ? cached - t0 : tb);
         const uint8_t *base = NULL;
+        int kfmt = (int)a[H_KFMT], vfmt = (int)a[H_VFMT];
+        int64_t koff = a[H_KOFF], voff = a[H_VOFF], ts = a[H_TOKEN_STRIDE];
         if (tc > ta) {
             if (p >= tlen) return 2;
             int64_t blk = table[p];
             if (blk < 0 || blk >= a[H_NPAGES]) return 2;
             base = pool + blk * a[H_PAGE_STRIDE] + (int64_t)h * a[H_HEAD_STRIDE];
+            int64_t slot = stage && blk < a[H_SMAP_LEN] ? smap[blk] : -1;
+            if (slot >= a[H_SNSLOTS]) return 2;
+            if (slot >= 0) { /* a partly filled page, staged at full precision */
+                base = stage + slot * a[H_SSLOT_STRIDE] + (int64_t)h * a[H_SHEAD_STRIDE];
+                kfmt = vfmt = (int)a[H_SFMT];
+                koff = 0;
+                voff = a[H_SVOFF];
+                ts = a[H_STOKEN_STRIDE];
+            }
         }
-        kvp_fill(a, (int)a[H_KFMT], a[H_KOFF], base, knew, raw0, t0, ta, tc, tb, D, kt);
+        kvp_fill(a, kfmt, koff, base, ts, knew, raw0, t0, ta, tc, tb, D, kt);
         int v_done = 0;
         for (int m = 0; m < M; m++) {
             int64_t qp = pos0 + m;
@@ -321,7 +359,7 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, float *scratch) {
             int u0 = (int)(ka > t0 + ta ? ka - t0 : ta), u1 = (int)(kb < t0 + tb ? kb - t0 : tb);
             if (u0 >= u1) continue;
             if (!v_done) {
-                kvp_fill(a, (int)a[H_VFMT], a[H_VOFF], base, vnew, raw0, t0, ta, tc, tb, D, vt);
+                kvp_fill(a, vfmt, voff, base, ts, vnew, raw0, t0, ta, tc, tb, D, vt);
                 v_done = 1;
             }
             for (int g = 0; g < G; g++) {
@@ -376,6 +414,7 @@ int kvp_attend(const int64_t *a) {
     if (c.Hkv <= 0 || c.Hq % c.Hkv || c.D <= 0 || c.D > KVP_MAX_D || c.T <= 0 || c.T > KVP_MAX_T) return 2;
     if (a[H_KFMT] < 0 || a[H_KFMT] >= KVP_NFORMATS || a[H_VFMT] < 0 || a[H_VFMT] >= KVP_NFORMATS) return 2;
     if (!a[H_KNEW] != !a[H_VNEW] || (a[H_KNEW] && a[H_NEWS] < (int64_t)c.Hkv * c.D)) return 2;
+    if (a[H_STAGE] && (!a[H_SMAP] || a[H_SFMT] < KVP_F32 || a[H_SFMT] > KVP_BF16)) return 2;
     c.G = c.Hq / c.Hkv;
     const int64_t nrows = a[H_NROWS];
     int64_t ntasks = 0;
