@@ -3,7 +3,7 @@
 The spec syntax is the same everywhere in the CLI (``eval --config``, ``bench --config``):
 ``FORMAT[,key=value...]`` with keys ``k``, ``v`` (per-tensor formats), ``sink``, ``window``,
 ``group``, ``residual``, ``v_group``, ``mean_center`` (a bias file), ``positions``, ``residual_dtype``,
-``rotate``, ``pre_rope``, ``varnorm``, ``keep_layers`` and ``keep_format`` (per-layer precision). Examples::
+``rotate``, ``pre_rope``, ``varnorm``, ``clip``, ``keep_layers`` and ``keep_format`` (per-layer precision). Examples::
 
     int4
     q4_0,mean_center=bias.gguf
@@ -72,6 +72,10 @@ DEFAULT_PRE_ROPE = "auto"
 #: format by the cache (kvslim.formats.varnorm.AUTO, from docs/quality.md's "Variance normalization").
 VARNORM = ("auto", "off", "on")
 DEFAULT_VARNORM = "auto"
+#: Range clipping of the affine formats' encoded slices (kvslim.formats.clip): which streams clip; "auto" as
+#: measured (kvslim.formats.clip.AUTO, docs/quality.md's "Range clipping").
+CLIP = ("auto", "off", "v", "k", "kv")
+DEFAULT_CLIP = "auto"
 
 
 #: the full-precision residual of an unbounded cache (and the most ``residual="auto"`` keeps with a window)
@@ -127,6 +131,9 @@ class CacheConfig:
     varnorm: variance normalization of the affine formats' encoded groups (:mod:`kvslim.formats.varnorm`, KVarN's
         two-axis balance): ``on`` for every affine K/V stream, ``off``, or ``auto`` (default: per format, as
         measured in docs/quality.md).
+    clip: range clipping of the affine formats' encoded slices (:mod:`kvslim.formats.clip`: each slice's range
+        shrunk to the one of least squared error at encode time): ``v``, ``k``, ``kv``, ``off``, or ``auto``
+        (default: where docs/quality.md measured it helps, 2-bit V).
     keep_layers: model layers kept at ``keep_format`` instead of the cache's formats (per-layer precision:
         the first and last layers are the sensitive ones in practitioners' measurements, KVTuner): a tuple of
         indices, negative ones from the end (``(0, -1)``; a string ``"first,last"`` is parsed); default none.
@@ -244,6 +251,16 @@ class CacheConfig:
         flag_help="balance each encoded group's variance along tokens and channels before rounding (KVarN's idea; "
         f"affine formats only); auto: where docs/quality.md measured it helps (default: {DEFAULT_VARNORM})",
     )
+    clip: str = option(
+        DEFAULT_CLIP,
+        "choice",
+        "clip",
+        choices=CLIP,
+        what="range clipping of the affine formats",
+        flag="--kv-clip",
+        flag_help="encode each affine slice over the range of least squared error instead of its min-max (v, k, "
+        f"kv or off); auto: where docs/quality.md measured it helps, 2-bit V (default: {DEFAULT_CLIP})",
+    )
     keep_layers: tuple[int, ...] = option(
         (),
         "layers",
@@ -278,6 +295,20 @@ class CacheConfig:
             raise ValueError(
                 f"varnorm=on applies to the affine formats (int8, int4, int3, int2), and this cache stores K as "
                 f"{self.k_format} and V as {self.v_format}: pick an affine format or leave varnorm at auto/off"
+            )
+        if self.clip not in ("off", "auto") and self.varnorm == "on":
+            raise ValueError(
+                f"clip={self.clip} and varnorm=on do not combine (a variance-normalized stream encodes its own "
+                f"way): leave one of them at auto/off"
+            )
+        if self.clip not in ("off", "auto") and not any(
+            getattr(get_format(f), "pack", None) is not None
+            for r, f in (("k", self.k_format), ("v", self.v_format))
+            if r in self.clip
+        ):
+            raise ValueError(
+                f"clip={self.clip} applies to the affine formats (int8, int4, int3, int2), and this cache stores K "
+                f"as {self.k_format} and V as {self.v_format}: pick an affine format or leave clip at auto/off"
             )
         if self.residual != "auto" and self.residual % self.group_size:
             raise ValueError(

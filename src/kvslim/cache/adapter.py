@@ -45,6 +45,7 @@ from transformers.cache_utils import Cache
 
 from .. import attention
 from ..config import (
+    DEFAULT_CLIP,
     DEFAULT_GROUP_SIZE,
     DEFAULT_KEEP_FORMAT,
     DEFAULT_POSITIONS,
@@ -104,6 +105,8 @@ class SlimCache(CacheAccounting, Cache):
         varnorm: variance normalization of the affine formats' encoded groups (:mod:`kvslim.formats.varnorm`):
             ``on``, ``off`` or ``auto`` (default: per format, as measured in docs/quality.md). ``report()["varnorm"]``
             says which streams it normalizes.
+        clip: range clipping of the affine formats' slices (:mod:`kvslim.formats.clip`): ``v``, ``k``, ``kv``,
+            ``off`` or ``auto`` (default: where docs/quality.md measured it helps); ``report()["clip"]`` says which.
         keep_layers, keep_format: per-layer precision. The model layers ``keep_layers`` names (indices, negative
             from the end: ``(0, -1)`` or ``"first,last"``; default none) store K and V in ``keep_format`` (a format
             or preset; default ``none``, lossless) instead. Needs ``config``; an index out of range is a
@@ -151,6 +154,7 @@ class SlimCache(CacheAccounting, Cache):
         rotate: str = DEFAULT_ROTATE,
         pre_rope: bool | str = DEFAULT_PRE_ROPE,
         varnorm: str = DEFAULT_VARNORM,
+        clip: str = DEFAULT_CLIP,
         keep_layers: tuple[int, ...] = (),
         keep_format: str = DEFAULT_KEEP_FORMAT,
         config=None,
@@ -181,6 +185,7 @@ class SlimCache(CacheAccounting, Cache):
             rotate=rotate,
             pre_rope=pre_rope,
             varnorm=varnorm,
+            clip=clip,
             keep_layers=keep_layers,
             keep_format=keep_format,
         )

@@ -55,6 +55,7 @@ import torch
 
 from ..checks import check_int
 from .base import FORMATS, Block, Codec, Encoded, Format, check_finite, tracing
+from .clip import clipped_range
 
 EPS = 1e-5
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -187,17 +188,19 @@ def _round_to(t: torch.Tensor, dtype: torch.dtype, direction: float) -> torch.Te
 
 
 def _affine_params(
-    xf: torch.Tensor, dim: int, bits: int, scale_dtype: torch.dtype, what: str
+    xf: torch.Tensor, dim: int, bits: int, scale_dtype: torch.dtype, what: str, clip: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stored (scale, zero) in ``scale_dtype`` of the fp32 slices of ``xf`` along ``dim`` (kept as a
-    size-1 dim); raises on non-finite input or on a range the storage dtype cannot hold."""
+    size-1 dim); raises on non-finite input or on a range the storage dtype cannot hold. clip: span the range
+    of least squared error (:mod:`.clip`) instead of each slice's min-max."""
     levels = (1 << bits) - 1
     # amin + amax: on CPU each is an order of magnitude faster than aminmax. Both propagate NaN,
     # and +-inf lands in one of them: checking the (small) scale and zero covers the input too,
     # without a full isfinite pass over it.
     mn, mx = xf.amin(dim, keepdim=True), xf.amax(dim, keepdim=True)
-    zero = _round_to(mn, scale_dtype, -math.inf)
-    scale = _round_to(torch.clamp((mx - zero.float()) / levels, min=EPS), scale_dtype, math.inf)
+    lo, hi = clipped_range(xf, dim, bits, mn, mx, EPS) if clip else (mn, mx)
+    zero = _round_to(lo, scale_dtype, -math.inf)
+    scale = _round_to(torch.clamp((hi - zero.float()) / levels, min=EPS), scale_dtype, math.inf)
     # One host sync for both checks; diagnose only on failure.
     if not tracing() and not bool(
         torch.isfinite(scale).all() & torch.isfinite(zero).all() & torch.isfinite(mx).all()
@@ -220,9 +223,10 @@ def _codes(xf: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int)
 
 
 def quantize_per_channel(
-    x: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype = torch.float16
+    x: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype = torch.float16, clip: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """KIVI's K quantization: one scale/zero per channel for each group of ``group_size`` tokens.
+    """KIVI's K quantization: one scale/zero per channel for each group of ``group_size`` tokens (clip: each
+    range of least squared error, :mod:`.clip`).
 
     x: (..., T, D) floating point, T a multiple of ``group_size`` G.
     Returns (packed codes uint8 (..., T, D * bits // 8), scale (..., T // G, D), zero (..., T // G, D)),
@@ -238,16 +242,21 @@ def quantize_per_channel(
     _check_packing(bits, d)
     xg = x.float().reshape(*lead, t // g, g, d)  # (..., T/G, G, D)
     scale, zero = _affine_params(
-        xg, -2, bits, scale_dtype, "per-channel quantization input"
+        xg, -2, bits, scale_dtype, "per-channel quantization input", clip
     )  # (..., T/G, 1, D)
     codes = _codes(xg, scale, zero, bits).reshape(*lead, t, d)
     return _pack(codes, bits), scale.squeeze(-2), zero.squeeze(-2)
 
 
 def quantize_per_token(
-    x: torch.Tensor, bits: int, group_size: int | None = None, scale_dtype: torch.dtype = torch.float16
+    x: torch.Tensor,
+    bits: int,
+    group_size: int | None = None,
+    scale_dtype: torch.dtype = torch.float16,
+    clip: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """KIVI's V quantization: one scale/zero per token for each group of ``group_size`` channels.
+    """KIVI's V quantization: one scale/zero per token for each group of ``group_size`` channels (clip: each
+    range of least squared error, :mod:`.clip`).
 
     x: (..., T, D) floating point; ``group_size`` g divides D (None: g = D).
     Returns (packed codes uint8 (..., T, D * bits // 8), scale (..., T, D // g), zero (..., T, D // g)).
@@ -262,7 +271,7 @@ def quantize_per_token(
     _check_packing(bits, d)
     xg = x.float().reshape(*lead, t, d // g, g)  # (..., T, D/g, g)
     scale, zero = _affine_params(
-        xg, -1, bits, scale_dtype, "per-token quantization input"
+        xg, -1, bits, scale_dtype, "per-token quantization input", clip
     )  # (..., T, D/g, 1)
     codes = _codes(xg, scale, zero, bits).reshape(*lead, t, d)
     return _pack(codes, bits), scale.squeeze(-1), zero.squeeze(-1)
@@ -340,15 +349,17 @@ def dequantize_per_token(
 
 
 class _AffineKCodec(Codec):
-    """Per-channel K: ``token`` = {"codes"}, ``group`` = {"scale", "zero"} per ``group_size`` tokens."""
+    """Per-channel K: ``token`` = {"codes"}, ``group`` = {"scale", "zero"} per ``group_size`` tokens. ``clip``:
+    encode each range of least squared error (:mod:`.clip`; set by the cache's ``clip``)."""
 
     def __init__(self, fmt: Format, group_size: int, scale_dtype: torch.dtype = torch.float16):
         super().__init__(fmt, "k")
         self.token_group = _check_group(group_size, "group_size")
         self.scale_dtype = scale_dtype
+        self.clip = False
 
     def encode(self, x: torch.Tensor) -> Encoded:
-        codes, scale, zero = quantize_per_channel(x, self.bits, self.token_group, self.scale_dtype)
+        codes, scale, zero = quantize_per_channel(x, self.bits, self.token_group, self.scale_dtype, self.clip)
         return Encoded(token={"codes": codes}, group={"scale": scale, "zero": zero})
 
     def decode(self, enc: Encoded, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
@@ -382,18 +393,20 @@ class _AffineKCodec(Codec):
 
 
 class _AffineVCodec(Codec):
-    """Per-token V: ``token`` = {"codes", "scale", "zero"}, one scale/zero per ``group_size`` channels."""
+    """Per-token V: ``token`` = {"codes", "scale", "zero"}, one scale/zero per ``group_size`` channels. ``clip``:
+    as the K codec's."""
 
     def __init__(self, fmt: Format, group_size: int | None, scale_dtype: torch.dtype = torch.float16):
         super().__init__(fmt, "v")
         self.group_size = None if group_size is None else _check_group(group_size, "v_group_size")
         self.scale_dtype = scale_dtype
+        self.clip = False
 
     def _group(self, head_dim: int) -> int:
         return head_dim if self.group_size is None else self.group_size
 
     def encode(self, x: torch.Tensor) -> Encoded:
-        codes, scale, zero = quantize_per_token(x, self.bits, self.group_size, self.scale_dtype)
+        codes, scale, zero = quantize_per_token(x, self.bits, self.group_size, self.scale_dtype, self.clip)
         return Encoded(token={"codes": codes, "scale": scale, "zero": zero})
 
     def decode(self, enc: Encoded, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:

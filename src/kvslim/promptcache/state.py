@@ -143,6 +143,7 @@ def to_state(
             "residual": cache.cache_config.residual_tokens,
             "residual_stored_as": fp_dtypes,
             "varnorm": cache.report()["varnorm"],
+            "clip": cache.report()["clip"],
         },
         "mean_center": _bias_identity(cache),
         "model": {
@@ -257,10 +258,12 @@ def from_state(
         "positions": cache.positions,
         "residual": cache.cache_config.residual_tokens,
         "varnorm": cache.report()["varnorm"],
+        "clip": cache.report()["clip"],
     }
     for key, value in mine.items():
-        # (a file written before varnorm was recorded: its parts are checked against the codec below)
-        saved = levers.get(key, value if key == "varnorm" else None)
+        # (a file written before varnorm was recorded: its parts are checked against the codec below; one
+        # written before clip was: clipping changes only how later tokens are encoded, not how these read)
+        saved = levers.get(key, value if key in ("varnorm", "clip") else None)
         if saved != value:
             raise fail(
                 f"saved with {key}={saved!r}, but its settings resolve to {key}={value!r} for this model "
