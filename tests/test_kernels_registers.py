@@ -3,9 +3,10 @@ codes widened and converted in registers, up to 3 queries a pass, no fp32 tile):
 in for (kv_run's test switch, param 7), and within the kernels' tolerance of a float64 decode + matmul written from
 the layout (tests/test_kernels.py's decode64), for K and V, M = 1..8 (1, 2 and 3 queries a pass, and several passes),
 D = 64 and 128 (and 32, 96: a 32-channel V block spanning planes), token counts off the 4- and 8-token steps, K groups
-cut by the body's ends, V channel groups of the whole head, 16 and 32; int3 (which keeps the tiles) alongside. The
-fused call (kv_attend) against a float64 attention; and a build without AVX (``CC="cc -mno-avx"``: the portable
-loops, no F16C) against the same references."""
+cut by the body's ends, V channel groups of the whole head, 16 and 32; int3 (which keeps the tiles) alongside; GGML
+q8_0 / q4_0 rows (read in registers too) against their tiles and gguf-py's decode. The fused call (kv_attend)
+against a float64 attention; and a build without AVX (``CC="cc -mno-avx"``: the portable loops, no F16C) against
+the same references."""
 
 from __future__ import annotations
 
@@ -53,6 +54,35 @@ def _v_sums(p, codec, enc, tiles):
     params = (codec.bits, lay.group, codec.token_group, 0, 0, 0, 0, int(tiles))
     cpu._run(cpu._OP_V_AFFINE, "v_affine", (b, h, m, t, lay.d), params, (p, lay.x, lay.scale, lay.zero, out, None))
     return out
+
+
+def _rows_call(op, x, codec, enc, tiles):
+    """kv_run's OP_K_ROWS (x: q) or OP_V_ROWS (x: p) as cpu.k_rows / cpu.v_rows call it, param 7 = tiles."""
+    b, h, m = x.shape[:3]
+    t = enc.token["blocks"].shape[2]
+    fmt, rows, xs, d = cpu._row_parts(codec, enc, b, h, t, None)
+    out = torch.empty((b, h, m, t if op == cpu._OP_K_ROWS else d), dtype=torch.float32)
+    cpu._run(op, "rows", (b, h, m, t, d), (fmt, 0, 0, 0, 0, 0, 0, int(tiles)), (x, rows, xs, out))
+    return out
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("d", [32, 64, 128])
+def test_ggml_register_path_is_the_tile_path_and_the_reference(name, d):
+    gen = torch.Generator().manual_seed(d + len(name))
+    for m in (1, 2, 3, 5, 8):
+        for t in (1, 6, 37):
+            codec = make_codec(name, "k")
+            enc = encoded_view(codec, 2, 3, t, 0, gen, d=d)
+            full = decode64(codec, enc, 0)
+            q, p = queries(2, 3, m, gen, d), probs(2, 3, m, t, gen)
+            what = f"{name} D={d} M={m} T={t}"
+            reg, tiles = _rows_call(cpu._OP_K_ROWS, q, codec, enc, False), _rows_call(cpu._OP_K_ROWS, q, codec, enc, True)
+            assert torch.equal(reg, tiles), what
+            assert_scaled_close(reg, (q.double() @ full.mT).float(), q.abs() @ full.abs().mT.float(), what)
+            reg, tiles = _rows_call(cpu._OP_V_ROWS, p, codec, enc, False), _rows_call(cpu._OP_V_ROWS, p, codec, enc, True)
+            assert torch.equal(reg, tiles), what
+            assert_scaled_close(reg, (p.double() @ full).float(), p.abs() @ full.abs().float(), what)
 
 
 def _cases():

@@ -11,9 +11,11 @@
  * K/V are never written out in fp32: the codes of 16 tokens at a time are read once and decoded into
  * a small fp32 tile that stays in L1 (4 KB for D = 64), used by all M queries, and overwritten by the
  * next 16. Accumulation is fp32. With AVX2 + FMA (x86-64-v3 and later, at -march=native) the tile
- * products are hand-vectorized (4 K dot products share one horizontal-add tree; V sums keep 32-float
- * slices of the output in registers across the tile); elsewhere the same loops are left to the
- * compiler's vectorizer.
+ * products are hand-vectorized (4 or 8 K dot products share horizontal-add trees; V sums keep 64- or
+ * 32-float slices of the output in registers across the tile), and KIVI int8/int4/int2 and GGML q8_0/q4_0
+ * bodies skip the tile altogether: their codes are converted in registers and used there, with the same
+ * operations in the same order ("codes in registers" below), so the results are the tile path's bits.
+ * Elsewhere the same loops are left to the compiler's vectorizer.
  *
  * Formats:
  *   - KIVI per-channel K (int8/int4/int3/int2, one scale/zero per channel and token group of G): folded into
@@ -640,47 +642,15 @@ static void transform_rows(const kv_tr *tr, float *restrict rows, int n, int D, 
     }
 }
 
-/* --------------------------------------------------------------------------------- per-token tasks */
-
-KV_INLINE void decode_tile(int fmt, const kv_part *x, const kv_part *xs, int D, int b, int h, int t, int n,
-                           float *restrict rows) {
-    for (int j = 0; j < n; j++) {
-        const float sc = fmt == R_FP8 ? *(const float *)at(xs, b, h, t + j) : 1.0f;
-        decode_row(fmt, at(x, b, h, t + j), sc, rows + (int64_t)j * D, D);
-    }
-}
-
-KV_INLINE void k_rows_task(int fmt, const kv_part *q, const kv_part *x, const kv_part *xs, const kv_part *out,
-                           int M, int D, int b, int h, int t0, int t1, float *restrict rows, const kv_tr *tr) {
-    const float *qb = (const float *)at(q, b, h, 0);
-    float *ob = (float *)at(out, b, h, 0);
-    for (int t = t0; t < t1; t += TILE) {
-        const int n = t1 - t < TILE ? t1 - t : TILE;
-        decode_tile(fmt, x, xs, D, b, h, t, n, rows);
-        if (tr) transform_rows(tr, rows, n, D, b, h, t, rows + (int64_t)TILE * D);
-        k_tile(qb, q->s2, NULL, M, D, rows, n, ob, out->s2, t);
-    }
-}
-
-/* acc (M, D) += p[:, t0:t1] @ rows over one token chunk. */
-KV_INLINE void v_rows_task(int fmt, const kv_part *p, const kv_part *x, const kv_part *xs, int M, int D, int b,
-                           int h, int t0, int t1, float *restrict rows, float *restrict acc) {
-    const float *pb = (const float *)at(p, b, h, 0);
-    for (int t = t0; t < t1; t += TILE) {
-        const int n = t1 - t < TILE ? t1 - t : TILE;
-        decode_tile(fmt, x, xs, D, b, h, t, n, rows);
-        v_tile(pb + t, p->s2, M, D, rows, n, acc);
-    }
-}
-
-/* --------------------------------------------------------------------------------- KIVI, codes in registers
+/* --------------------------------------------------------------------------------- codes in registers
  *
- * With AVX2 + FMA, KIVI bodies of whole-byte packing (int8/int4/int2, np % 8 == 0) skip the tile: each 8 codes of
- * a plane are widened, masked and converted in a register and used there, by up to 3 queries at once (K: 4 tokens x
- * 3 queries, or 8 tokens x 1 query, in 12 or 8 accumulators; V: 32 channels x 3 queries in 12 accumulators), so
- * nothing is written to memory between the codes and the products. The arithmetic is the tile path's, operation
- * for operation (the same conversions, the same FMAs in the same order for every output): results are bit for bit
- * the tile path's. More than 3 queries take several passes over the codes. */
+ * With AVX2 + FMA, KIVI bodies of whole-byte packing (int8/int4/int2, np % 8 == 0) and GGML q8_0/q4_0 rows skip the
+ * tile: each 8 codes are widened, masked and converted (GGML: times the block's scale) in a register and used there,
+ * by up to 3 queries at once (K: 4 tokens x 3 queries, or 8 tokens x 1 query, in 12 or 8 accumulators; V: 32
+ * channels x 3 queries in 12 accumulators), so nothing is written to memory between the codes and the products. The
+ * arithmetic is the tile path's, operation for operation (the same conversions, the same FMAs in the same order for
+ * every output): results are bit for bit the tile path's (kv_run's test switch compares them). More than 3 queries
+ * take several passes over the codes. */
 
 #if defined(__AVX2__) && defined(__FMA__)
 /* Units u .. u + 7 of a token's packed codes c, the plane of shift sh: 8 codes as floats. */
@@ -787,7 +757,139 @@ KV_INLINE void v_direct(int bits, int NM, const float *restrict pb, int64_t ps, 
             for (int x = 0; x < 4; x++) _mm256_storeu_ps(acc + (int64_t)m * D + kb + 8 * x, a[m][x]);
     }
 }
+
+/* Elements 8e .. 8e + 7 of a q8_0 / q4_0 token row (natural order), as decode_row gives them: d * (code [- 8]). */
+KV_INLINE __m256 ggml8(int fmt, const uint8_t *restrict src, int e) {
+    const int blk = e >> 2, w = e & 3; /* a block of QK = 32 elements: 4 runs of 8 */
+    if (fmt == R_Q8_0) {
+        const uint8_t *p = src + Q8_0_BYTES * blk;
+        const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 2 + 8 * w)));
+        return _mm256_mul_ps(_mm256_set1_ps(h2f(ld_u16(p))), _mm256_cvtepi32_ps(v));
+    }
+    const uint8_t *p = src + Q4_0_BYTES * blk; /* elements j < 16: low nibbles of qs[j]; 16 + j: high nibbles */
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 2 + 8 * (w & 1))));
+    const __m256i c = w < 2 ? _mm256_and_si256(v, _mm256_set1_epi32(15)) : _mm256_srli_epi32(v, 4);
+    return _mm256_mul_ps(_mm256_set1_ps(h2f(ld_u16(p))), _mm256_cvtepi32_ps(_mm256_sub_epi32(c, _mm256_set1_epi32(8))));
+}
+
+/* k_direct for q8_0 / q4_0 rows: scores o[m * os + j] = q[m] . row(j) for NM queries (rows of stride qs, natural
+ * order) and the n tokens at x0 (byte stride xs). */
+KV_INLINE void k_ggml(int fmt, int NM, int TB, const float *restrict qq, int64_t qs, int D, const uint8_t *x0,
+                      int64_t xs, int n, float *restrict o, int64_t os) {
+    for (int j = 0; j < n; j += TB) {
+        const uint8_t *cp[8];
+        for (int x = 0; x < TB; x++) cp[x] = x0 + xs * (j + x < n ? j + x : n - 1);
+        __m256 a[3][8];
+        for (int m = 0; m < NM; m++)
+            for (int x = 0; x < TB; x++) a[m][x] = _mm256_setzero_ps();
+        for (int e = 0; e < D / 8; e++)
+            for (int x = 0; x < TB; x++) {
+                const __m256 f = ggml8(fmt, cp[x], e);
+                for (int m = 0; m < NM; m++) a[m][x] = _mm256_fmadd_ps(_mm256_loadu_ps(qq + m * qs + 8 * e), f, a[m][x]);
+            }
+        for (int m = 0; m < NM; m++)
+            for (int x = 0; x < TB; x += 4) {
+                const __m128 sv = hsum4(a[m][x], a[m][x + 1], a[m][x + 2], a[m][x + 3], _mm_set1_ps(0.0f));
+                float *dst = o + m * os + j + x;
+                const int left = n - j - x;
+                if (left >= 4) {
+                    _mm_storeu_ps(dst, sv);
+                } else if (left > 0) {
+                    float tmp[4];
+                    _mm_storeu_ps(tmp, sv);
+                    for (int i = 0; i < left; i++) dst[i] = tmp[i];
+                }
+            }
+    }
+}
+
+/* v_direct for q8_0 / q4_0 rows: acc[m] += p[m, t] * row(t) for NM queries over tokens t0 .. t1 (rows at x0 + xs * t),
+ * 32 channels (a block) at a time in registers; v_tile's FMAs in its order. */
+KV_INLINE void v_ggml(int fmt, int NM, const float *restrict pb, int64_t ps, const uint8_t *x0, int64_t xs, int t0,
+                      int t1, int D, float *restrict acc) {
+    for (int kb = 0; kb < D; kb += 32) {
+        __m256 a[3][4];
+        for (int m = 0; m < NM; m++)
+            for (int x = 0; x < 4; x++) a[m][x] = _mm256_loadu_ps(acc + (int64_t)m * D + kb + 8 * x);
+        for (int t = t0; t < t1; t++) {
+            const uint8_t *c = x0 + xs * t;
+            __m256 w[3];
+            for (int m = 0; m < NM; m++) w[m] = _mm256_broadcast_ss(pb + m * ps + t);
+            for (int x = 0; x < 4; x++) {
+                const __m256 f = ggml8(fmt, c, kb / 8 + x);
+                for (int m = 0; m < NM; m++) a[m][x] = _mm256_fmadd_ps(w[m], f, a[m][x]);
+            }
+        }
+        for (int m = 0; m < NM; m++)
+            for (int x = 0; x < 4; x++) _mm256_storeu_ps(acc + (int64_t)m * D + kb + 8 * x, a[m][x]);
+    }
+}
 #endif
+
+/* --------------------------------------------------------------------------------- per-token tasks */
+
+KV_INLINE void decode_tile(int fmt, const kv_part *x, const kv_part *xs, int D, int b, int h, int t, int n,
+                           float *restrict rows) {
+    for (int j = 0; j < n; j++) {
+        const float sc = fmt == R_FP8 ? *(const float *)at(xs, b, h, t + j) : 1.0f;
+        decode_row(fmt, at(x, b, h, t + j), sc, rows + (int64_t)j * D, D);
+    }
+}
+
+KV_INLINE void k_rows_task(int fmt, const kv_part *q, const kv_part *x, const kv_part *xs, const kv_part *out,
+                           int M, int D, int b, int h, int t0, int t1, float *restrict rows, const kv_tr *tr, int tiles) {
+    (void)tiles; /* read with AVX2 only */
+    const float *qb = (const float *)at(q, b, h, 0);
+    float *ob = (float *)at(out, b, h, 0);
+#if defined(__AVX2__) && defined(__FMA__)
+    if ((fmt == R_Q8_0 || fmt == R_Q4_0) && !tr && !tiles && D % 32 == 0 && t1 > t0) { /* in registers, same bits */
+        const uint8_t *x0 = at(x, b, h, t0);
+        for (int m = 0; m < M; m += 3) {
+            const float *qm = qb + m * q->s2;
+            float *om = ob + m * out->s2 + t0;
+            switch (M - m) {
+            case 1: k_ggml(fmt, 1, 8, qm, q->s2, D, x0, x->s2, t1 - t0, om, out->s2); break;
+            case 2: k_ggml(fmt, 2, 4, qm, q->s2, D, x0, x->s2, t1 - t0, om, out->s2); break;
+            default: k_ggml(fmt, 3, 4, qm, q->s2, D, x0, x->s2, t1 - t0, om, out->s2); break;
+            }
+        }
+        return;
+    }
+#endif
+    for (int t = t0; t < t1; t += TILE) {
+        const int n = t1 - t < TILE ? t1 - t : TILE;
+        decode_tile(fmt, x, xs, D, b, h, t, n, rows);
+        if (tr) transform_rows(tr, rows, n, D, b, h, t, rows + (int64_t)TILE * D);
+        k_tile(qb, q->s2, NULL, M, D, rows, n, ob, out->s2, t);
+    }
+}
+
+/* acc (M, D) += p[:, t0:t1] @ rows over one token chunk. */
+KV_INLINE void v_rows_task(int fmt, const kv_part *p, const kv_part *x, const kv_part *xs, int M, int D, int b,
+                           int h, int t0, int t1, float *restrict rows, float *restrict acc, int tiles) {
+    (void)tiles; /* read with AVX2 only */
+    const float *pb = (const float *)at(p, b, h, 0);
+#if defined(__AVX2__) && defined(__FMA__)
+    if ((fmt == R_Q8_0 || fmt == R_Q4_0) && !tiles && D % 32 == 0) { /* in registers, same bits */
+        const uint8_t *x0 = at(x, b, h, 0);
+        for (int m = 0; m < M; m += 3) {
+            const float *pm = pb + (int64_t)m * p->s2;
+            float *am = acc + (int64_t)m * D;
+            switch (M - m) {
+            case 1: v_ggml(fmt, 1, pm, p->s2, x0, x->s2, t0, t1, D, am); break;
+            case 2: v_ggml(fmt, 2, pm, p->s2, x0, x->s2, t0, t1, D, am); break;
+            default: v_ggml(fmt, 3, pm, p->s2, x0, x->s2, t0, t1, D, am); break;
+            }
+        }
+        return;
+    }
+#endif
+    for (int t = t0; t < t1; t += TILE) {
+        const int n = t1 - t < TILE ? t1 - t : TILE;
+        decode_tile(fmt, x, xs, D, b, h, t, n, rows);
+        v_tile(pb + t, p->s2, M, D, rows, n, acc);
+    }
+}
 
 /* --------------------------------------------------------------------------------- KIVI K */
 
@@ -827,6 +929,7 @@ KV_INLINE void fold_group(const kv_part *q, const kv_part *sc, const kv_part *zr
 KV_INLINE void k_affine_task(int bits, const kv_part *q, const kv_part *codes, const kv_part *sc, const kv_part *zr,
                              const kv_part *out, int M, int D, int G, int offset, int b, int h, int t0, int t1,
                              float *restrict scratch, const kv_part *vn, int tiles) {
+    (void)tiles; /* read with AVX2 only */
     const int per = codes_per_unit(bits), np = D / per;
     float *rows = scratch, *qq = rows + TILE * D, *tmp = qq + M * D, *cst = tmp + 3 * D, *hs = cst + M, *qp = hs + M;
     const float half = 0.5f * (float)((1 << bits) - 1);
@@ -928,6 +1031,7 @@ KV_INLINE void k_affine_t_task(int bits, const kv_part *q, const kv_part *codes,
 KV_INLINE void v_affine_task(int bits, const kv_part *p, const kv_part *codes, const kv_part *sc, const kv_part *zr,
                              int M, int D, int g, int b, int h, int t0, int t1, float *restrict scratch,
                              float *restrict acc, const kv_part *vn, int G, int offset, int tiles) {
+    (void)tiles; /* read with AVX2 only */
     const int per = codes_per_unit(bits), np = D / per, ng = D / g, run = g / per;
     float *rows = scratch, *s = rows + TILE * D, *z = s + ng, *cf = z + ng;
     int cg = -1; /* the token group whose channel factors cf holds (plane order) */
@@ -985,7 +1089,7 @@ typedef struct {
     const kv_part *vn; /* variance-normalized affine bodies: K token factors (B,H,T,1) / V channel factors
                           (B,H,n,D) uint8, else NULL (formats/varnorm.py) */
     int vgroup, voffset; /* V with vn: tokens per channel-factor row, tokens evicted from the first group */
-    int tiles;           /* KIVI K/V: decode through the tiles, never in registers (kv_run's test switch) */
+    int tiles;           /* decode through the tiles, never in registers (kv_run's test switch) */
 } kv_call;
 
 static void run_task(const kv_call *k, int64_t task, float *scratch);
@@ -1026,9 +1130,9 @@ static KV_NOINLINE void run_range(const kv_call *k, int b, int h, int t0, int t1
 #define KV_ROWS(FMT)                                                                                            \
     case FMT:                                                                                                   \
         if (k->op == OP_K_ROWS || k->op == OP_K_ROWS_T)                                                         \
-            k_rows_task(FMT, k->x, k->p1, k->p2, k->out, M, D, b, h, t0, t1, scratch, k->tr);                   \
+            k_rows_task(FMT, k->x, k->p1, k->p2, k->out, M, D, b, h, t0, t1, scratch, k->tr, k->tiles);         \
         else                                                                                                    \
-            v_rows_task(FMT, k->x, k->p1, k->p2, M, D, b, h, t0, t1, scratch, acc);                             \
+            v_rows_task(FMT, k->x, k->p1, k->p2, M, D, b, h, t0, t1, scratch, acc, k->tiles);                   \
         return;
 #define KV_AFFINE(BITS)                                                                                         \
     case BITS:                                                                                                  \
@@ -1231,21 +1335,34 @@ KV_INLINE __m256d exp_pd(__m256d x) {
 }
 #endif
 
-/* One row of T scores -> probabilities, in place: e^(x - max) summed in order, then scaled. With AVX2 the
- * exponentials are exp_pd's, 8 at a time (libm's expf elsewhere); the sum is the same running sum either way. */
+/* One row of T scores -> probabilities, in place: e^(x - max) summed in order, then scaled. With AVX2 the maximum
+ * is taken 8 lanes at a time (the same value: max is exact) and the exponentials are exp_pd's, 8 at a time; libm's
+ * expf elsewhere. The sum stays one running sum: summed in lanes, the probabilities move by a few ulps, and
+ * tests/test_attention.py's fused-against-op-by-op check at int4 with residual 0 (every token quantized as it
+ * arrives, so an ulp can flip a code downstream) then fails its 2e-4 tolerance. */
 static KV_NOINLINE void softmax_row(float *restrict x, int T) {
     float mx = x[0], sum = 0.0f;
-    for (int t = 1; t < T; t++) mx = x[t] > mx ? x[t] : mx;
     int t = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-    for (; t + 8 <= T; t += 8) {
-        /* x - mx rounded to float first, as expf(x[t] - mx) takes it */
-        const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(x + t), _mm256_set1_ps(mx));
-        const __m128 lo = _mm256_cvtpd_ps(exp_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(d))));
-        const __m128 hi = _mm256_cvtpd_ps(exp_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(d, 1))));
-        _mm_storeu_ps(x + t, lo);
-        _mm_storeu_ps(x + t + 4, hi);
-        for (int i = 0; i < 8; i++) sum += x[t + i];
+    if (T >= 8) {
+        __m256 vm = _mm256_set1_ps(mx);
+        for (; t + 8 <= T; t += 8) vm = _mm256_max_ps(_mm256_loadu_ps(x + t), vm); /* x > m ? x : m, as below */
+        float lanes[8];
+        _mm256_storeu_ps(lanes, vm);
+        for (int i = 0; i < 8; i++) mx = lanes[i] > mx ? lanes[i] : mx;
+    }
+#endif
+    for (; t < T; t++) mx = x[t] > mx ? x[t] : mx;
+    t = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (T >= 8) {
+        for (; t + 8 <= T; t += 8) {
+            /* x - mx rounded to float first, as expf(x[t] - mx) takes it */
+            const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(x + t), _mm256_set1_ps(mx));
+            _mm_storeu_ps(x + t, _mm256_cvtpd_ps(exp_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(d)))));
+            _mm_storeu_ps(x + t + 4, _mm256_cvtpd_ps(exp_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(d, 1)))));
+            for (int i = 0; i < 8; i++) sum += x[t + i];
+        }
     }
 #endif
     for (; t < T; t++) sum += (x[t] = expf(x[t] - mx));
@@ -1734,9 +1851,9 @@ void kv_test_half_to_float(const uint16_t *src, float *dst, int64_t n, int porta
  *   OP_K_AFFINE_T: params bits, G, offset, hblock, rhalf, roff, has_bias, has_flags;  parts q, codes, scale,
  *                  zero, out, bias, cos, sin, flags, mat, vn
  * (bias: (1, H, 1, D) fp32; cos/sin: (B or stride 0, 1, T, rhalf) fp32; flags (B, H, T, 1) uint8; mat: a fitted
- * rotation (1, H, D, D) fp32, data 0: none; unused parts may repeat q.) OP_K_AFFINE and OP_V_AFFINE read param 7:
- * nonzero decodes through the tiles where the codes would be read in registers (the tests' check that both give
- * the same bits; 0 otherwise). */
+ * rotation (1, H, D, D) fp32, data 0: none; unused parts may repeat q.) OP_K_ROWS, OP_V_ROWS, OP_K_AFFINE and
+ * OP_V_AFFINE read param 7: nonzero decodes through the tiles where the codes would be read in registers (the
+ * tests' check that both give the same bits; 0 otherwise). */
 int kv_run(int op, const int64_t *args) {
     if (op < OP_K_ROWS || op > OP_K_AFFINE_T) return KV_EARG;
     kv_dims dm = {(int32_t)args[0], (int32_t)args[1], (int32_t)args[2], (int32_t)args[3], (int32_t)args[4],
@@ -1768,6 +1885,7 @@ int kv_run(int op, const int64_t *args) {
     if (op == OP_K_ROWS || op == OP_V_ROWS || op == OP_K_ROWS_T) {
         k.fmt = (int)prm[0];
         k.out = &pt[3];
+        if (op != OP_K_ROWS_T) k.tiles = prm[7] != 0;
     } else {
         k.bits = (int)prm[0];
         k.group = (int)prm[1];
