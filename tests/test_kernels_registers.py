@@ -183,3 +183,23 @@ def test_portable_build_against_the_references(monkeypatch, tmp_path):
         torch.testing.assert_close(out, ref.float(), rtol=0, atol=float(2e-5 * vmax))
     finally:
         clib._reset_for_tests()  # the next use loads the real build again
+
+
+def test_rows_bench_against_a_baseline_revision(capsys):
+    """python -m kvslim.kernels.bench --rows --baseline REV: the rows call against the same call into REV's kernels
+    (built from git, here HEAD's), in one process: both modes, the body bytes, the largest output difference."""
+    import json
+
+    from kvslim.kernels import bench
+
+    try:
+        code = bench.main(["--rows", "2", "--lengths", "70", "--formats", "int4", "--residual", "8", "--layers", "1",
+                           "--repeats", "1", "--baseline", "HEAD"])
+    except SystemExit as e:  # not a git checkout (an installed package), or no git: argparse's one-line error
+        pytest.skip(f"no git revision to build ({e})")
+    assert code == 0
+    out = capsys.readouterr().out
+    rows = json.loads(out.strip().splitlines()[-1])
+    assert [r["mode"] for r in rows] == ["one-call", "one-call@HEAD"] and "GB/s" in out
+    assert all(r["body_bytes"] > 2 * 62 * 3 * 32 for r in rows)  # 2 rows x 62 body tokens x 3 heads x 32 K code bytes
+    assert rows[1]["max_diff"] < 1e-5  # HEAD's kernels: the same arithmetic up to what this tree changed since

@@ -424,9 +424,16 @@ def main(argv=None) -> int:
     lengths = [int(x) for x in args.lengths.split(",")]
     shape = dict(heads=args.heads, queries=args.queries, head_dim=args.head_dim, layers=args.layers,
                  repeats=args.repeats, clock=args.clock)
+    if args.baseline and not args.rows:
+        ap.error("--baseline needs --rows (it times the rows call)")
     if args.rows:
-        rows = bench_rows(formats=formats, rows=[int(x) for x in args.rows.split(",")], lengths=lengths,
-                          ragged=args.ragged, residual=args.residual, baseline=args.baseline, **shape)
+        try:
+            rows = bench_rows(formats=formats, rows=[int(x) for x in args.rows.split(",")], lengths=lengths,
+                              ragged=args.ragged, residual=args.residual, baseline=args.baseline, **shape)
+        except ValueError as e:
+            if not args.baseline or "--baseline" not in str(e):
+                raise
+            ap.error(str(e))
         what = "a ragged step's attention"
         layout = f"H_kv={args.heads} M={args.queries} D={args.head_dim} residual={args.residual}"
         layout += " ragged lengths" if args.ragged else ""
