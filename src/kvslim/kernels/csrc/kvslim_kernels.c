@@ -914,8 +914,18 @@ KV_INLINE void fold_group(const kv_part *q, const kv_part *sc, const kv_part *zr
     const int np = D / per;
     load_floats(at(sc, b, h, g), sc->dtype, s, D);
     load_floats(at(zr, b, h, g), zr->dtype, z, D);
+    int j0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (per == 2) /* int4: evens to plane 0, odds to plane 1, 16 at a time */
+        for (; j0 + 8 <= np; j0 += 8) {
+            const __m256 a = _mm256_loadu_ps(s + 2 * j0), c = _mm256_loadu_ps(s + 2 * j0 + 8);
+            const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+            _mm256_storeu_ps(sp + j0, _mm256_permutevar8x32_ps(_mm256_shuffle_ps(a, c, 0x88), order));
+            _mm256_storeu_ps(sp + np + j0, _mm256_permutevar8x32_ps(_mm256_shuffle_ps(a, c, 0xDD), order));
+        }
+#endif
     for (int i = 0; i < per; i++)
-        for (int j = 0; j < np; j++) sp[i * np + j] = s[per * j + i];
+        for (int j = j0; j < np; j++) sp[i * np + j] = s[per * j + i];
     const float *qb = (const float *)at(q, b, h, 0);
     for (int m = 0; m < M; m++) {
         const float *restrict a = qp + m * D;
