@@ -26,19 +26,33 @@ an encoded K and V body in a Hadamard basis, a float16 residual of ``--residual`
 
 whose outputs are bit-identical (checked before timing). Microseconds per layer, over ``--layers`` distinct
 layers cycled, modes interleaved, median of ``--repeats``.
+
+``--baseline REV`` (with ``--rows``): the same ``one-call`` against ``one-call@REV``, the C sources of git revision
+REV built with the same compiler and flags (:func:`baseline_library`) and called with the same row table, in one
+process, interleaved (the per-row mode is left out), with the body bytes each layer reads (codes, scales and
+zeros of K and V) per second. The two outputs are compared (largest difference printed), not required equal: a
+change of the arithmetic is what such a comparison is for. E.g. the engine's decode step at 16 rows x 4,096
+tokens, int4, SmolLM2-135M's 3 KV heads x 3 queries x 64::
+
+    python -m kvslim.kernels.bench --rows 16 --lengths 4096 --formats int4 --baseline main --layers 8
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import shutil
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from ..formats import Encoded, make_codec
-from . import cpu, reference
+from . import clib, cpu, reference
 
 FORMATS = ("int8", "int4", "int2", "q8_0", "q4_0")
 
@@ -205,6 +219,47 @@ def _row_layers(
     return out
 
 
+def baseline_library(rev: str) -> ctypes.CDLL:
+    """The C kernels of git revision ``rev`` (``src/kvslim/kernels/csrc/*.c`` there, read with ``git show`` from the
+    repository this package sits in), built with the current build's compiler and flags into a temporary directory
+    (removed once loaded). Refused unless its ABI and row table match this tree's (the same arguments mean the
+    same thing to both)."""
+    repo = Path(__file__).resolve().parents[3]
+    csrc = "src/kvslim/kernels/csrc"
+    git = ["git", "-C", str(repo)]
+    names = subprocess.run([*git, "ls-tree", "--name-only", f"{rev}:{csrc}"], capture_output=True, text=True)
+    if names.returncode:
+        raise ValueError(f"--baseline {rev!r}: no {csrc} at that revision ({names.stderr.strip()})")
+    ok, why = cpu.status()
+    compiler = clib.find_compiler()
+    if not ok or compiler is None:
+        raise RuntimeError(f"the C kernels are unavailable: {why}")
+    tmp = Path(tempfile.mkdtemp(prefix="kvslim-baseline-"))
+    try:
+        sources = []
+        for name in names.stdout.split():
+            if name.endswith(".c"):
+                src = subprocess.run([*git, "show", f"{rev}:{csrc}/{name}"], capture_output=True, check=True)
+                (tmp / name).write_bytes(src.stdout)
+                sources.append(str(tmp / name))
+        flags = clib._state["flags"].split()
+        res = subprocess.run([*compiler, *flags, "-o", str(tmp / "base.so"), *sources], capture_output=True, text=True)
+        if res.returncode:
+            raise RuntimeError(f"building {rev}'s kernels failed: {res.stderr.strip()[-400:]}")
+        lib = ctypes.CDLL(str(tmp / "base.so"))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    clib._declare(lib)
+    if lib.kv_abi_version() != clib.ABI_VERSION or clib.rows_layout(lib) != clib.ROWS_LAYOUT:
+        raise ValueError(f"--baseline {rev!r}: its kernels' ABI or row table differ from this tree's")
+    return lib
+
+
+def _body_bytes(rows) -> int:
+    """Bytes of the encoded K and V bodies of ``rows`` (AttendRow): codes, scales, zeros."""
+    return sum(piece[1].nbytes() for r in rows for piece in (*r.k_body, *r.v_body))
+
+
 def bench_rows(
     formats=("int4", "q4_0"),
     rows=(1, 4, 16),
@@ -219,9 +274,12 @@ def bench_rows(
     group_size: int = 32,
     clock: str = "wall",
     seed: int = 0,
+    baseline: str | None = None,
 ) -> list[dict]:
-    """Rows {format, rows, tokens (the longest row's), total_tokens, mode, us_per_layer (median), spread}: one
-    ragged step's attention per layer, a call per row (``per-row``) against one call (``one-call``)."""
+    """Rows {format, rows, tokens (the longest row's), total_tokens, mode, us_per_layer (median), spread,
+    body_bytes (per layer), max_diff (against one-call)}: one ragged step's attention per layer, a call per row
+    (``per-row``) against one call (``one-call``), or with ``baseline`` (a git revision) one call against the
+    same call into that revision's kernels (``one-call@REV``, :func:`baseline_library`)."""
     ok, why = cpu.status()
     if not ok:
         raise RuntimeError(f"the C kernels are unavailable: {why}")
@@ -229,6 +287,7 @@ def bench_rows(
         raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {clock!r}")
     tick = CLOCKS[clock]
     gen = torch.Generator().manual_seed(seed)
+    base = baseline_library(baseline) if baseline else None
     out_rows = []
     for name in formats:
         for n_rows in rows:
@@ -251,12 +310,25 @@ def bench_rows(
                     if cpu.attend_rows(q, rs[i], o[i]):
                         raise RuntimeError("attend_rows left rows")
 
-                per_row(0)
-                ref = outs[0].clone()
-                one_call(0)
-                if not torch.equal(ref, outs[0]):
-                    raise RuntimeError(f"{name}: one call and per-row calls differ")  # the kernel's contract
-                modes = {"per-row": per_row, "one-call": one_call}
+                diffs = {}
+                if base is None:
+                    per_row(0)
+                    ref = outs[0].clone()
+                    one_call(0)
+                    if not torch.equal(ref, outs[0]):
+                        raise RuntimeError(f"{name}: one call and per-row calls differ")  # the kernel's contract
+                    modes = {"per-row": per_row, "one-call": one_call}
+                else:
+                    bouts = [torch.zeros_like(q) for _ in range(layers)]
+
+                    def base_call(i, rs=per_layer, o=bouts, q=q):
+                        if cpu.attend_rows(q, rs[i], o[i], lib=base):
+                            raise RuntimeError("attend_rows left rows")
+
+                    one_call(0)
+                    base_call(0)
+                    diffs[f"one-call@{baseline}"] = (outs[0] - bouts[0]).abs().max().item()
+                    modes = {"one-call": one_call, f"one-call@{baseline}": base_call}
                 for fn in modes.values():  # warm-up
                     _time(fn, min(2, layers), tick)
                 times = {m: [] for m in modes}
@@ -273,13 +345,33 @@ def bench_rows(
                             "mode": mode,
                             "us_per_layer": statistics.median(ts),
                             "spread": (min(ts), max(ts)),
+                            "body_bytes": _body_bytes(per_layer[0]),
+                            "max_diff": diffs.get(mode, 0.0),
                         }
                     )
     return out_rows
 
 
+def format_baseline_table(rows: list[dict]) -> str:
+    """One line per (format, rows, tokens, mode): ms per layer, body GB/s, the speedup over the baseline's mode,
+    the largest output difference from one-call."""
+    lines = [f"{'format':7} {'rows':>4} {'tokens':>6} {'mode':>24} {'ms/layer':>8} {'body MB':>7} {'GB/s':>6} "
+             f"{'speedup':>7} {'max diff':>9}"]
+    base = {(r["format"], r["rows"], r["tokens"]): r["us_per_layer"] for r in rows if "@" in r["mode"]}
+    for r in rows:
+        us, key = r["us_per_layer"], (r["format"], r["rows"], r["tokens"])
+        lines.append(
+            f"{r['format']:7} {r['rows']:4d} {r['tokens']:6d} {r['mode']:>24} {us / 1e3:8.2f} "
+            f"{r['body_bytes'] / 1e6:7.1f} {r['body_bytes'] / us / 1e3:6.2f} {base.get(key, us) / us:7.2f} "
+            f"{r['max_diff']:9.2g}"
+        )
+    return "\n".join(lines)
+
+
 def format_rows_table(rows: list[dict]) -> str:
     """One line per (format, rows, tokens): both modes, their ratio, and tokens read per microsecond."""
+    if any("@" in r["mode"] for r in rows):
+        return format_baseline_table(rows)
     by = {}
     for r in rows:
         by.setdefault((r["format"], r["rows"], r["tokens"]), {})[r["mode"]] = r
@@ -319,6 +411,12 @@ def main(argv=None) -> int:
         "--ragged", action="store_true", help="with --rows: row r of R holds (r + 1) / R of the length"
     )
     ap.add_argument("--residual", type=int, default=64, help="with --rows: float16 residual tokens per row")
+    ap.add_argument(
+        "--baseline",
+        default=None,
+        metavar="REV",
+        help="with --rows: time one call against the same call into git revision REV's C kernels (e.g. main)",
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -326,9 +424,16 @@ def main(argv=None) -> int:
     lengths = [int(x) for x in args.lengths.split(",")]
     shape = dict(heads=args.heads, queries=args.queries, head_dim=args.head_dim, layers=args.layers,
                  repeats=args.repeats, clock=args.clock)
+    if args.baseline and not args.rows:
+        ap.error("--baseline needs --rows (it times the rows call)")
     if args.rows:
-        rows = bench_rows(formats=formats, rows=[int(x) for x in args.rows.split(",")], lengths=lengths,
-                          ragged=args.ragged, residual=args.residual, **shape)
+        try:
+            rows = bench_rows(formats=formats, rows=[int(x) for x in args.rows.split(",")], lengths=lengths,
+                              ragged=args.ragged, residual=args.residual, baseline=args.baseline, **shape)
+        except ValueError as e:
+            if not args.baseline or "--baseline" not in str(e):
+                raise
+            ap.error(str(e))
         what = "a ragged step's attention"
         layout = f"H_kv={args.heads} M={args.queries} D={args.head_dim} residual={args.residual}"
         layout += " ragged lengths" if args.ragged else ""

@@ -408,7 +408,7 @@ def _row_pieces(pieces, h: int, m: int, d: int, role: str, vals: list) -> tuple[
     return len(pieces), tokens
 
 
-def attend_rows(q: torch.Tensor, rows, out: torch.Tensor) -> list[int]:
+def attend_rows(q: torch.Tensor, rows, out: torch.Tensor, lib=None) -> list[int]:
     """The decode attention of many rows in one C call (``kv_attend_rows``, one OpenMP region): row ``r`` of
     ``rows`` (:class:`AttendRow`) writes ``out[r.qrow]`` exactly as :func:`attend` would compute it for that row
     alone (bit for bit, at the same thread count), each row with its own length, formats, sinks, residual and
@@ -418,7 +418,8 @@ def attend_rows(q: torch.Tensor, rows, out: torch.Tensor) -> list[int]:
     Returns the indices (into ``rows``) of the rows not computed, their ``out`` rows not to be trusted: a row
     whose arguments do not fit (the reason is what :func:`attend` raises for it), a row the C side refused, or
     every row when the call failed (out of memory). The caller computes them its own way, one by one, so that a
-    failure stays with its row."""
+    failure stays with its row. ``lib``: the library to call (None: :func:`library`'s; the kernel bench passes a
+    build of older sources, :func:`kvslim.kernels.bench.baseline_library`)."""
     if q.dim() != 4 or q.dtype != torch.float32 or not q.is_cpu:
         raise ValueError(
             f"attention rows: q must be a CPU (N, H, M, D) float32 tensor, got {tuple(q.shape)} {q.dtype}"
@@ -464,7 +465,7 @@ def attend_rows(q: torch.Tensor, rows, out: torch.Tensor) -> list[int]:
         return left
     head = [len(sent), nq, h, m, d, torch.get_num_threads(), len(pieces) // _PIECE, 0, *dummy, *_part(out)]
     args = array.array("q", head + recs + pieces)  # held until the call returns; C writes each row's status
-    rc = library().kv_attend_rows(args.buffer_info()[0])
+    rc = (lib or library()).kv_attend_rows(args.buffer_info()[0])
     if rc == 0:
         return left
     if rc == 2:  # some rows refused: their status says which

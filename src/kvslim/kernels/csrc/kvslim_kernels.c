@@ -11,9 +11,11 @@
  * K/V are never written out in fp32: the codes of 16 tokens at a time are read once and decoded into
  * a small fp32 tile that stays in L1 (4 KB for D = 64), used by all M queries, and overwritten by the
  * next 16. Accumulation is fp32. With AVX2 + FMA (x86-64-v3 and later, at -march=native) the tile
- * products are hand-vectorized (4 K dot products share one horizontal-add tree; V sums keep 32-float
- * slices of the output in registers across the tile); elsewhere the same loops are left to the
- * compiler's vectorizer.
+ * products are hand-vectorized (4 or 8 K dot products share horizontal-add trees; V sums keep 64- or
+ * 32-float slices of the output in registers across the tile), and KIVI int8/int4/int2 and GGML q8_0/q4_0
+ * bodies skip the tile altogether: their codes are converted in registers and used there, with the same
+ * operations in the same order ("codes in registers" below), so the results are the tile path's bits.
+ * Elsewhere the same loops are left to the compiler's vectorizer.
  *
  * Formats:
  *   - KIVI per-channel K (int8/int4/int3/int2, one scale/zero per channel and token group of G): folded into
@@ -419,6 +421,15 @@ KV_INLINE void decode_row(int fmt, const uint8_t *restrict src, float xscale, fl
 
 #define TILE 16
 
+/* The 4 dot products a0..a3 (8 lanes each) summed: lane pairs (hadd), the pairs' pairs (hadd), the two 128-bit
+ * halves; plus c. One order for every token, whichever group of 4 or 8 it is reduced in. */
+#if defined(__AVX2__) && defined(__FMA__)
+KV_INLINE __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m128 c) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), c);
+}
+#endif
+
 /* K: rows (n <= TILE, rows beyond n are readable garbage), qq (M, D) with row stride qs; cst may be NULL. */
 static void k_tile(const float *restrict qq, int64_t qs, const float *restrict cst, int M, int D,
                    const float *restrict rows, int n, float *restrict ob, int64_t os, int t) {
@@ -428,7 +439,27 @@ static void k_tile(const float *restrict qq, int64_t qs, const float *restrict c
             const float *qm = qq + m * qs;
             const __m128 c = _mm_set1_ps(cst ? cst[m] : 0.0f);
             float *o = ob + m * os + t;
-            for (int j = 0; j < n; j += 4) {
+            int j = 0;
+            /* 8 tokens at a time: 8 independent FMA chains keep both FMA pipes busy (4 chains wait on the
+             * FMA latency) */
+            for (; j + 8 <= n; j += 8) {
+                const float *r0 = rows + (int64_t)j * D;
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+                for (int k = 0; k < D; k += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qm + k);
+                    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r0 + k), a0);
+                    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r0 + D + k), a1);
+                    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r0 + 2 * D + k), a2);
+                    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r0 + 3 * D + k), a3);
+                    a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r0 + 4 * D + k), a4);
+                    a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r0 + 5 * D + k), a5);
+                    a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r0 + 6 * D + k), a6);
+                    a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r0 + 7 * D + k), a7);
+                }
+                _mm_storeu_ps(o + j, hsum4(a0, a1, a2, a3, c));
+                _mm_storeu_ps(o + j + 4, hsum4(a4, a5, a6, a7, c));
+            }
+            for (; j < n; j += 4) {
                 const float *r0 = rows + (int64_t)j * D, *r1 = r0 + D, *r2 = r1 + D, *r3 = r2 + D;
                 __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
                 for (int k = 0; k < D; k += 8) {
@@ -438,9 +469,7 @@ static void k_tile(const float *restrict qq, int64_t qs, const float *restrict c
                     a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r2 + k), a2);
                     a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r3 + k), a3);
                 }
-                /* [a0 a1 a2 a3] lane sums: hadd pairs, then add the two 128-bit halves. */
-                const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-                const __m128 s = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), c);
+                const __m128 s = hsum4(a0, a1, a2, a3, c);
                 if (j + 4 <= n) {
                     _mm_storeu_ps(o + j, s);
                 } else {
@@ -459,14 +488,43 @@ static void k_tile(const float *restrict qq, int64_t qs, const float *restrict c
     }
 }
 
-/* V: acc[m, :] += sum_{j < n} p[m, j] * rows[j, :]; p rows have stride ps. */
+/* V: acc[m, :] += sum_{j < n} p[m, j] * rows[j, :]; p rows have stride ps. Every channel sums its tokens in
+ * token order, one FMA each, whatever the tile: the AVX2 loops keep 64 (or 32) channels of acc[m] in registers
+ * across the tile (8 independent FMA chains for 64). */
 static void v_tile(const float *restrict p, int64_t ps, int M, int D, const float *restrict rows, int n,
                    float *restrict acc) {
 #if defined(__AVX2__) && defined(__FMA__)
     if (D % 32 == 0) {
         for (int m = 0; m < M; m++) {
             const float *pm = p + m * ps;
-            for (int k = 0; k < D; k += 32) {
+            int k = 0;
+            for (; k + 64 <= D; k += 64) {
+                float *a = acc + m * D + k;
+                __m256 a0 = _mm256_loadu_ps(a), a1 = _mm256_loadu_ps(a + 8), a2 = _mm256_loadu_ps(a + 16),
+                       a3 = _mm256_loadu_ps(a + 24), a4 = _mm256_loadu_ps(a + 32), a5 = _mm256_loadu_ps(a + 40),
+                       a6 = _mm256_loadu_ps(a + 48), a7 = _mm256_loadu_ps(a + 56);
+                for (int j = 0; j < n; j++) {
+                    const __m256 w = _mm256_broadcast_ss(pm + j);
+                    const float *r = rows + (int64_t)j * D + k;
+                    a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r), a0);
+                    a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 8), a1);
+                    a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 16), a2);
+                    a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 24), a3);
+                    a4 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 32), a4);
+                    a5 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 40), a5);
+                    a6 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 48), a6);
+                    a7 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 56), a7);
+                }
+                _mm256_storeu_ps(a, a0);
+                _mm256_storeu_ps(a + 8, a1);
+                _mm256_storeu_ps(a + 16, a2);
+                _mm256_storeu_ps(a + 24, a3);
+                _mm256_storeu_ps(a + 32, a4);
+                _mm256_storeu_ps(a + 40, a5);
+                _mm256_storeu_ps(a + 48, a6);
+                _mm256_storeu_ps(a + 56, a7);
+            }
+            for (; k < D; k += 32) {
                 float *a = acc + m * D + k;
                 __m256 a0 = _mm256_loadu_ps(a), a1 = _mm256_loadu_ps(a + 8), a2 = _mm256_loadu_ps(a + 16),
                        a3 = _mm256_loadu_ps(a + 24);
@@ -584,6 +642,190 @@ static void transform_rows(const kv_tr *tr, float *restrict rows, int n, int D, 
     }
 }
 
+/* --------------------------------------------------------------------------------- codes in registers
+ *
+ * With AVX2 + FMA, KIVI bodies of whole-byte packing (int8/int4/int2, np % 8 == 0) and GGML q8_0/q4_0 rows skip the
+ * tile: each 8 codes are widened, masked and converted (GGML: times the block's scale) in a register and used there,
+ * by up to 3 queries at once (K: 4 tokens x 3 queries, or 8 tokens x 1 query, in 12 or 8 accumulators; V: 32
+ * channels x 3 queries in 12 accumulators), so nothing is written to memory between the codes and the products. The
+ * arithmetic is the tile path's, operation for operation (the same conversions, the same FMAs in the same order for
+ * every output): results are bit for bit the tile path's (kv_run's test switch compares them). More than 3 queries
+ * take several passes over the codes. */
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* Units u .. u + 7 of a token's packed codes c, the plane of shift sh: 8 codes as floats. */
+KV_INLINE __m256 codes8(const uint8_t *restrict c, int u, int sh, int bits) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + u)));
+    if (bits == 8) return _mm256_cvtepi32_ps(v);
+    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(v, _mm_cvtsi32_si128(sh)),
+                                               _mm256_set1_epi32((1 << bits) - 1)));
+}
+
+/* K scores o[m * os + j] = qq[m] . codes(j) + cst[m] (cst NULL: 0) for NM queries qq (plane order, rows of D) and
+ * the n tokens at c0 (byte stride cs), TB tokens at a time (4 or 8); the last group's missing tokens re-read token
+ * n - 1 and are not written. k_tile's sums: lanes over k in order, then hsum4. */
+KV_INLINE void k_direct(int bits, int NM, int TB, const float *restrict qq, int D, const float *restrict cst,
+                        const uint8_t *c0, int64_t cs, int np, int n, float *restrict o, int64_t os) {
+    const int per = codes_per_unit(bits);
+    for (int j = 0; j < n; j += TB) {
+        const uint8_t *cp[8];
+        for (int x = 0; x < TB; x++) cp[x] = c0 + cs * (j + x < n ? j + x : n - 1);
+        __m256 a[3][8];
+        for (int m = 0; m < NM; m++)
+            for (int x = 0; x < TB; x++) a[m][x] = _mm256_setzero_ps();
+        for (int i = 0; i < per; i++)
+            for (int u = 0; u < np; u += 8) {
+                const float *qk = qq + i * np + u;
+                for (int x = 0; x < TB; x++) {
+                    const __m256 f = codes8(cp[x], u, bits * i, bits);
+                    for (int m = 0; m < NM; m++) a[m][x] = _mm256_fmadd_ps(_mm256_loadu_ps(qk + m * D), f, a[m][x]);
+                }
+            }
+        for (int m = 0; m < NM; m++)
+            for (int x = 0; x < TB; x += 4) {
+                const __m128 sv = hsum4(a[m][x], a[m][x + 1], a[m][x + 2], a[m][x + 3], _mm_set1_ps(cst ? cst[m] : 0.0f));
+                float *dst = o + m * os + j + x;
+                const int left = n - j - x;
+                if (left >= 4) {
+                    _mm_storeu_ps(dst, sv);
+                } else if (left > 0) {
+                    float tmp[4];
+                    _mm_storeu_ps(tmp, sv);
+                    for (int e = 0; e < left; e++) dst[e] = tmp[e];
+                }
+            }
+    }
+}
+
+/* k_direct for M queries: 3 at a time (1 query: 8 tokens at a time, enough FMA chains for both pipes). */
+KV_INLINE void k_direct_all(int bits, int M, const float *restrict qq, int D, const float *restrict cst,
+                            const uint8_t *c0, int64_t cs, int np, int n, float *restrict o, int64_t os) {
+    for (int m = 0; m < M; m += 3) {
+        const float *c = cst ? cst + m : NULL;
+        switch (M - m) {
+        case 1: k_direct(bits, 1, 8, qq + (int64_t)m * D, D, c, c0, cs, np, n, o + m * os, os); break;
+        case 2: k_direct(bits, 2, 4, qq + (int64_t)m * D, D, c, c0, cs, np, n, o + m * os, os); break;
+        default: k_direct(bits, 3, 4, qq + (int64_t)m * D, D, c, c0, cs, np, n, o + m * os, os); break;
+        }
+    }
+}
+
+/* V sums acc[m] (plane order) += p[m, t] * (code * scale + zero) for NM queries (p rows pb, stride ps) over tokens
+ * t0 .. t1 (codes at c0 + cs * t), 32 channels at a time in registers, channel groups of run plane elements (a
+ * multiple of 8). v_affine_task's arithmetic: each code converted, fma(code, scale, zero), then one FMA per query,
+ * token by token. */
+KV_INLINE void v_direct(int bits, int NM, const float *restrict pb, int64_t ps, const uint8_t *c0, int64_t cs,
+                        const kv_part *sc, const kv_part *zr, int b, int h, int t0, int t1, int np, int run, int D,
+                        float *restrict acc) {
+    const int sdt = sc->dtype, zdt = zr->dtype;
+    const uint8_t *s0 = at(sc, b, h, 0), *z0 = at(zr, b, h, 0);
+    const int64_t ss = sc->s2 * dtype_size(sdt), zs = zr->s2 * dtype_size(zdt);
+    for (int kb = 0; kb < D; kb += 32) {
+        int sh[4], uu[4], gg[4];
+        for (int x = 0; x < 4; x++) {
+            const int k = kb + 8 * x, i = k / np;
+            sh[x] = bits * i, uu[x] = k - i * np, gg[x] = uu[x] / run;
+        }
+        __m256 a[3][4];
+        for (int m = 0; m < NM; m++)
+            for (int x = 0; x < 4; x++) a[m][x] = _mm256_loadu_ps(acc + (int64_t)m * D + kb + 8 * x);
+        if (gg[0] == gg[1] && gg[1] == gg[2] && gg[2] == gg[3]) { /* one scale and zero for the 32 channels */
+            const int g0 = gg[0];
+            for (int t = t0; t < t1; t++) {
+                const uint8_t *c = c0 + cs * t;
+                const __m256 sv = _mm256_set1_ps(ldf(s0 + ss * t, g0, sdt)), zv = _mm256_set1_ps(ldf(z0 + zs * t, g0, zdt));
+                __m256 w[3];
+                for (int m = 0; m < NM; m++) w[m] = _mm256_broadcast_ss(pb + m * ps + t);
+                for (int x = 0; x < 4; x++) {
+                    const __m256 f = _mm256_fmadd_ps(codes8(c, uu[x], sh[x], bits), sv, zv);
+                    for (int m = 0; m < NM; m++) a[m][x] = _mm256_fmadd_ps(w[m], f, a[m][x]);
+                }
+            }
+        } else {
+            for (int t = t0; t < t1; t++) {
+                const uint8_t *c = c0 + cs * t;
+                __m256 w[3];
+                for (int m = 0; m < NM; m++) w[m] = _mm256_broadcast_ss(pb + m * ps + t);
+                for (int x = 0; x < 4; x++) {
+                    const __m256 f = _mm256_fmadd_ps(codes8(c, uu[x], sh[x], bits), _mm256_set1_ps(ldf(s0 + ss * t, gg[x], sdt)),
+                                                     _mm256_set1_ps(ldf(z0 + zs * t, gg[x], zdt)));
+                    for (int m = 0; m < NM; m++) a[m][x] = _mm256_fmadd_ps(w[m], f, a[m][x]);
+                }
+            }
+        }
+        for (int m = 0; m < NM; m++)
+            for (int x = 0; x < 4; x++) _mm256_storeu_ps(acc + (int64_t)m * D + kb + 8 * x, a[m][x]);
+    }
+}
+
+/* Elements 8e .. 8e + 7 of a q8_0 / q4_0 token row (natural order), as decode_row gives them: d * (code [- 8]). */
+KV_INLINE __m256 ggml8(int fmt, const uint8_t *restrict src, int e) {
+    const int blk = e >> 2, w = e & 3; /* a block of QK = 32 elements: 4 runs of 8 */
+    if (fmt == R_Q8_0) {
+        const uint8_t *p = src + Q8_0_BYTES * blk;
+        const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 2 + 8 * w)));
+        return _mm256_mul_ps(_mm256_set1_ps(h2f(ld_u16(p))), _mm256_cvtepi32_ps(v));
+    }
+    const uint8_t *p = src + Q4_0_BYTES * blk; /* elements j < 16: low nibbles of qs[j]; 16 + j: high nibbles */
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 2 + 8 * (w & 1))));
+    const __m256i c = w < 2 ? _mm256_and_si256(v, _mm256_set1_epi32(15)) : _mm256_srli_epi32(v, 4);
+    return _mm256_mul_ps(_mm256_set1_ps(h2f(ld_u16(p))), _mm256_cvtepi32_ps(_mm256_sub_epi32(c, _mm256_set1_epi32(8))));
+}
+
+/* k_direct for q8_0 / q4_0 rows: scores o[m * os + j] = q[m] . row(j) for NM queries (rows of stride qs, natural
+ * order) and the n tokens at x0 (byte stride xs). */
+KV_INLINE void k_ggml(int fmt, int NM, int TB, const float *restrict qq, int64_t qs, int D, const uint8_t *x0,
+                      int64_t xs, int n, float *restrict o, int64_t os) {
+    for (int j = 0; j < n; j += TB) {
+        const uint8_t *cp[8];
+        for (int x = 0; x < TB; x++) cp[x] = x0 + xs * (j + x < n ? j + x : n - 1);
+        __m256 a[3][8];
+        for (int m = 0; m < NM; m++)
+            for (int x = 0; x < TB; x++) a[m][x] = _mm256_setzero_ps();
+        for (int e = 0; e < D / 8; e++)
+            for (int x = 0; x < TB; x++) {
+                const __m256 f = ggml8(fmt, cp[x], e);
+                for (int m = 0; m < NM; m++) a[m][x] = _mm256_fmadd_ps(_mm256_loadu_ps(qq + m * qs + 8 * e), f, a[m][x]);
+            }
+        for (int m = 0; m < NM; m++)
+            for (int x = 0; x < TB; x += 4) {
+                const __m128 sv = hsum4(a[m][x], a[m][x + 1], a[m][x + 2], a[m][x + 3], _mm_set1_ps(0.0f));
+                float *dst = o + m * os + j + x;
+                const int left = n - j - x;
+                if (left >= 4) {
+                    _mm_storeu_ps(dst, sv);
+                } else if (left > 0) {
+                    float tmp[4];
+                    _mm_storeu_ps(tmp, sv);
+                    for (int i = 0; i < left; i++) dst[i] = tmp[i];
+                }
+            }
+    }
+}
+
+/* v_direct for q8_0 / q4_0 rows: acc[m] += p[m, t] * row(t) for NM queries over tokens t0 .. t1 (rows at x0 + xs * t),
+ * 32 channels (a block) at a time in registers; v_tile's FMAs in its order. */
+KV_INLINE void v_ggml(int fmt, int NM, const float *restrict pb, int64_t ps, const uint8_t *x0, int64_t xs, int t0,
+                      int t1, int D, float *restrict acc) {
+    for (int kb = 0; kb < D; kb += 32) {
+        __m256 a[3][4];
+        for (int m = 0; m < NM; m++)
+            for (int x = 0; x < 4; x++) a[m][x] = _mm256_loadu_ps(acc + (int64_t)m * D + kb + 8 * x);
+        for (int t = t0; t < t1; t++) {
+            const uint8_t *c = x0 + xs * t;
+            __m256 w[3];
+            for (int m = 0; m < NM; m++) w[m] = _mm256_broadcast_ss(pb + m * ps + t);
+            for (int x = 0; x < 4; x++) {
+                const __m256 f = ggml8(fmt, c, kb / 8 + x);
+                for (int m = 0; m < NM; m++) a[m][x] = _mm256_fmadd_ps(w[m], f, a[m][x]);
+            }
+        }
+        for (int m = 0; m < NM; m++)
+            for (int x = 0; x < 4; x++) _mm256_storeu_ps(acc + (int64_t)m * D + kb + 8 * x, a[m][x]);
+    }
+}
+#endif
+
 /* --------------------------------------------------------------------------------- per-token tasks */
 
 KV_INLINE void decode_tile(int fmt, const kv_part *x, const kv_part *xs, int D, int b, int h, int t, int n,
@@ -595,9 +837,25 @@ KV_INLINE void decode_tile(int fmt, const kv_part *x, const kv_part *xs, int D, 
 }
 
 KV_INLINE void k_rows_task(int fmt, const kv_part *q, const kv_part *x, const kv_part *xs, const kv_part *out,
-                           int M, int D, int b, int h, int t0, int t1, float *restrict rows, const kv_tr *tr) {
+                           int M, int D, int b, int h, int t0, int t1, float *restrict rows, const kv_tr *tr, int tiles) {
+    (void)tiles; /* read with AVX2 only */
     const float *qb = (const float *)at(q, b, h, 0);
     float *ob = (float *)at(out, b, h, 0);
+#if defined(__AVX2__) && defined(__FMA__)
+    if ((fmt == R_Q8_0 || fmt == R_Q4_0) && !tr && !tiles && D % 32 == 0 && t1 > t0) { /* in registers, same bits */
+        const uint8_t *x0 = at(x, b, h, t0);
+        for (int m = 0; m < M; m += 3) {
+            const float *qm = qb + m * q->s2;
+            float *om = ob + m * out->s2 + t0;
+            switch (M - m) {
+            case 1: k_ggml(fmt, 1, 8, qm, q->s2, D, x0, x->s2, t1 - t0, om, out->s2); break;
+            case 2: k_ggml(fmt, 2, 4, qm, q->s2, D, x0, x->s2, t1 - t0, om, out->s2); break;
+            default: k_ggml(fmt, 3, 4, qm, q->s2, D, x0, x->s2, t1 - t0, om, out->s2); break;
+            }
+        }
+        return;
+    }
+#endif
     for (int t = t0; t < t1; t += TILE) {
         const int n = t1 - t < TILE ? t1 - t : TILE;
         decode_tile(fmt, x, xs, D, b, h, t, n, rows);
@@ -608,8 +866,24 @@ KV_INLINE void k_rows_task(int fmt, const kv_part *q, const kv_part *x, const kv
 
 /* acc (M, D) += p[:, t0:t1] @ rows over one token chunk. */
 KV_INLINE void v_rows_task(int fmt, const kv_part *p, const kv_part *x, const kv_part *xs, int M, int D, int b,
-                           int h, int t0, int t1, float *restrict rows, float *restrict acc) {
+                           int h, int t0, int t1, float *restrict rows, float *restrict acc, int tiles) {
+    (void)tiles; /* read with AVX2 only */
     const float *pb = (const float *)at(p, b, h, 0);
+#if defined(__AVX2__) && defined(__FMA__)
+    if ((fmt == R_Q8_0 || fmt == R_Q4_0) && !tiles && D % 32 == 0) { /* in registers, same bits */
+        const uint8_t *x0 = at(x, b, h, 0);
+        for (int m = 0; m < M; m += 3) {
+            const float *pm = pb + (int64_t)m * p->s2;
+            float *am = acc + (int64_t)m * D;
+            switch (M - m) {
+            case 1: v_ggml(fmt, 1, pm, p->s2, x0, x->s2, t0, t1, D, am); break;
+            case 2: v_ggml(fmt, 2, pm, p->s2, x0, x->s2, t0, t1, D, am); break;
+            default: v_ggml(fmt, 3, pm, p->s2, x0, x->s2, t0, t1, D, am); break;
+            }
+        }
+        return;
+    }
+#endif
     for (int t = t0; t < t1; t += TILE) {
         const int n = t1 - t < TILE ? t1 - t : TILE;
         decode_tile(fmt, x, xs, D, b, h, t, n, rows);
@@ -619,35 +893,62 @@ KV_INLINE void v_rows_task(int fmt, const kv_part *p, const kv_part *x, const kv
 
 /* --------------------------------------------------------------------------------- KIVI K */
 
-/* Fold the scale/zero of group g into the queries: qq[m, i * np + j] = q[m, d] * scale[d] for
- * d = per * j + i (plane order), cst[m] = sum_d q[m, d] * zero[d]. tmp: 2 * D floats. */
-KV_INLINE void fold_group(const kv_part *q, const kv_part *sc, const kv_part *zr, int M, int D, int per, int b, int h,
-                       int g, float *restrict qq, float *restrict cst, float *restrict tmp) {
-    float *s = tmp, *z = tmp + D;
+/* The queries of (b, h) in plane order, once per task: qp[m, i * np + j] = q[m, per * j + i]. */
+KV_INLINE void plane_queries(const kv_part *q, int M, int D, int per, int b, int h, float *restrict qp) {
     const int np = D / per;
-    load_floats(at(sc, b, h, g), sc->dtype, s, D);
-    load_floats(at(zr, b, h, g), zr->dtype, z, D);
     const float *qb = (const float *)at(q, b, h, 0);
     for (int m = 0; m < M; m++) {
         const float *qm = qb + m * q->s2;
-        float *o = qq + m * D;
+        float *o = qp + m * D;
         for (int i = 0; i < per; i++)
-            for (int j = 0; j < np; j++) o[i * np + j] = qm[per * j + i] * s[per * j + i];
-        cst[m] = dot(qm, z, D);
+            for (int j = 0; j < np; j++) o[i * np + j] = qm[per * j + i];
+    }
+}
+
+/* Fold the scale/zero of group g into the queries: qq[m, i * np + j] = q[m, d] * scale[d] for
+ * d = per * j + i (plane order; qp: the queries already in it), cst[m] = sum_d q[m, d] * zero[d]. tmp: 3 * D
+ * floats. */
+KV_INLINE void fold_group(const kv_part *q, const kv_part *sc, const kv_part *zr, int M, int D, int per, int b, int h,
+                       int g, const float *restrict qp, float *restrict qq, float *restrict cst, float *restrict tmp) {
+    float *s = tmp, *z = tmp + D, *sp = tmp + 2 * D;
+    const int np = D / per;
+    load_floats(at(sc, b, h, g), sc->dtype, s, D);
+    load_floats(at(zr, b, h, g), zr->dtype, z, D);
+    int j0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (per == 2) /* int4: evens to plane 0, odds to plane 1, 16 at a time */
+        for (; j0 + 8 <= np; j0 += 8) {
+            const __m256 a = _mm256_loadu_ps(s + 2 * j0), c = _mm256_loadu_ps(s + 2 * j0 + 8);
+            const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+            _mm256_storeu_ps(sp + j0, _mm256_permutevar8x32_ps(_mm256_shuffle_ps(a, c, 0x88), order));
+            _mm256_storeu_ps(sp + np + j0, _mm256_permutevar8x32_ps(_mm256_shuffle_ps(a, c, 0xDD), order));
+        }
+#endif
+    for (int i = 0; i < per; i++)
+        for (int j = j0; j < np; j++) sp[i * np + j] = s[per * j + i];
+    const float *qb = (const float *)at(q, b, h, 0);
+    for (int m = 0; m < M; m++) {
+        const float *restrict a = qp + m * D;
+        float *restrict o = qq + m * D;
+        KV_SIMD
+        for (int k = 0; k < D; k++) o[k] = a[k] * sp[k];
+        cst[m] = dot(qb + m * q->s2, z, D);
     }
 }
 
 KV_INLINE void k_affine_task(int bits, const kv_part *q, const kv_part *codes, const kv_part *sc, const kv_part *zr,
                              const kv_part *out, int M, int D, int G, int offset, int b, int h, int t0, int t1,
-                             float *restrict scratch, const kv_part *vn) {
+                             float *restrict scratch, const kv_part *vn, int tiles) {
+    (void)tiles; /* read with AVX2 only */
     const int per = codes_per_unit(bits), np = D / per;
-    float *rows = scratch, *qq = rows + TILE * D, *tmp = qq + M * D, *cst = tmp + 2 * D, *hs = cst + M;
+    float *rows = scratch, *qq = rows + TILE * D, *tmp = qq + M * D, *cst = tmp + 3 * D, *hs = cst + M, *qp = hs + M;
     const float half = 0.5f * (float)((1 << bits) - 1);
     float *ob = (float *)at(out, b, h, 0);
+    plane_queries(q, M, D, per, b, h, qp);
     for (int t = t0; t < t1;) {
         const int g = (offset + t) / G;
         const int gend = (g + 1) * G - offset; /* first token of the next group */
-        fold_group(q, sc, zr, M, D, per, b, h, g, qq, cst, tmp);
+        fold_group(q, sc, zr, M, D, per, b, h, g, qp, qq, cst, tmp);
         if (vn) /* x = zero + r_t * scale * (code - half): score = cst + r_t * (qq . code - half * sum(qq)) */
             for (int m = 0; m < M; m++) {
                 float acc = 0.0f;
@@ -655,6 +956,21 @@ KV_INLINE void k_affine_task(int bits, const kv_part *q, const kv_part *codes, c
                 hs[m] = half * acc;
             }
         const int stop = t1 < gend ? t1 : gend;
+#if defined(__AVX2__) && defined(__FMA__)
+        if (bits != 3 && np % 8 == 0 && !tiles) { /* codes in registers; the same scores as the tiles below */
+            k_direct_all(bits, M, qq, D, vn ? NULL : cst, at(codes, b, h, t), codes->s2, np, stop - t, ob + t, out->s2);
+            if (vn)
+                for (int j = t; j < stop; j++) {
+                    const float r = vn_factor(*at(vn, b, h, j));
+                    for (int m = 0; m < M; m++) {
+                        float *o = ob + m * out->s2 + j;
+                        *o = cst[m] + r * (*o - hs[m]);
+                    }
+                }
+            t = stop;
+            continue;
+        }
+#endif
         for (; t < stop; t += TILE) {
             const int n = stop - t < TILE ? stop - t : TILE;
             for (int j = 0; j < n; j++)
@@ -724,11 +1040,27 @@ KV_INLINE void k_affine_t_task(int bits, const kv_part *q, const kv_part *codes,
 /* acc (plane order) += p[m, t] * (code * scale + zero) over a chunk; channel groups of g (g % per == 0). */
 KV_INLINE void v_affine_task(int bits, const kv_part *p, const kv_part *codes, const kv_part *sc, const kv_part *zr,
                              int M, int D, int g, int b, int h, int t0, int t1, float *restrict scratch,
-                             float *restrict acc, const kv_part *vn, int G, int offset) {
+                             float *restrict acc, const kv_part *vn, int G, int offset, int tiles) {
+    (void)tiles; /* read with AVX2 only */
     const int per = codes_per_unit(bits), np = D / per, ng = D / g, run = g / per;
     float *rows = scratch, *s = rows + TILE * D, *z = s + ng, *cf = z + ng;
     int cg = -1; /* the token group whose channel factors cf holds (plane order) */
     const float *pb = (const float *)at(p, b, h, 0);
+#if defined(__AVX2__) && defined(__FMA__)
+    if (bits != 3 && np % 8 == 0 && run % 8 == 0 && D % 32 == 0 && !vn && !tiles) { /* codes in registers, same sums */
+        const uint8_t *c0 = at(codes, b, h, 0);
+        for (int m = 0; m < M; m += 3) {
+            const float *pm = pb + (int64_t)m * p->s2;
+            float *am = acc + (int64_t)m * D;
+            switch (M - m) {
+            case 1: v_direct(bits, 1, pm, p->s2, c0, codes->s2, sc, zr, b, h, t0, t1, np, run, D, am); break;
+            case 2: v_direct(bits, 2, pm, p->s2, c0, codes->s2, sc, zr, b, h, t0, t1, np, run, D, am); break;
+            default: v_direct(bits, 3, pm, p->s2, c0, codes->s2, sc, zr, b, h, t0, t1, np, run, D, am); break;
+            }
+        }
+        return;
+    }
+#endif
     for (int t = t0; t < t1; t += TILE) {
         const int n = t1 - t < TILE ? t1 - t : TILE;
         for (int jt = 0; jt < n; jt++) {
@@ -767,6 +1099,7 @@ typedef struct {
     const kv_part *vn; /* variance-normalized affine bodies: K token factors (B,H,T,1) / V channel factors
                           (B,H,n,D) uint8, else NULL (formats/varnorm.py) */
     int vgroup, voffset; /* V with vn: tokens per channel-factor row, tokens evicted from the first group */
+    int tiles;           /* decode through the tiles, never in registers (kv_run's test switch) */
 } kv_call;
 
 static void run_task(const kv_call *k, int64_t task, float *scratch);
@@ -807,9 +1140,9 @@ static KV_NOINLINE void run_range(const kv_call *k, int b, int h, int t0, int t1
 #define KV_ROWS(FMT)                                                                                            \
     case FMT:                                                                                                   \
         if (k->op == OP_K_ROWS || k->op == OP_K_ROWS_T)                                                         \
-            k_rows_task(FMT, k->x, k->p1, k->p2, k->out, M, D, b, h, t0, t1, scratch, k->tr);                   \
+            k_rows_task(FMT, k->x, k->p1, k->p2, k->out, M, D, b, h, t0, t1, scratch, k->tr, k->tiles);         \
         else                                                                                                    \
-            v_rows_task(FMT, k->x, k->p1, k->p2, M, D, b, h, t0, t1, scratch, acc);                             \
+            v_rows_task(FMT, k->x, k->p1, k->p2, M, D, b, h, t0, t1, scratch, acc, k->tiles);                   \
         return;
 #define KV_AFFINE(BITS)                                                                                         \
     case BITS:                                                                                                  \
@@ -818,10 +1151,10 @@ static KV_NOINLINE void run_range(const kv_call *k, int b, int h, int t0, int t1
                             scratch, k->tr, k->vn);                                                             \
         else if (k->op == OP_K_AFFINE)                                                                          \
             k_affine_task(BITS, k->x, k->p1, k->p2, k->p3, k->out, M, D, k->group, k->offset, b, h, t0, t1,       \
-                          scratch, k->vn);                                                                      \
+                          scratch, k->vn, k->tiles);                                                            \
         else                                                                                                    \
             v_affine_task(BITS, k->x, k->p1, k->p2, k->p3, M, D, k->group, b, h, t0, t1, scratch, acc, k->vn,   \
-                          k->vgroup, k->voffset);                                                               \
+                          k->vgroup, k->voffset, k->tiles);                                                     \
         return;
     if (k->op == OP_K_ROWS || k->op == OP_V_ROWS || k->op == OP_K_ROWS_T) {
         switch (k->fmt) {
@@ -904,7 +1237,8 @@ static int run_call(kv_call *k) {
         if (D % per || k->group < 1) return KV_EARG;
         if (k->op == OP_K_AFFINE) {
             if (k->offset < 0 || k->offset >= k->group) return KV_EARG;
-            scratch = (size_t)(TILE + M + 2) * D + 2 * (size_t)M; /* rows, folded queries, scale/zero, consts */
+            /* rows, folded queries, scale/zero/permuted scale, consts, plane-order queries */
+            scratch = (size_t)(TILE + 2 * M + 3) * D + 2 * (size_t)M;
         } else {
             if (D % k->group || k->group % per) return KV_EARG;
             if (k->vn && (k->vgroup < 1 || k->voffset < 0 || k->voffset >= k->vgroup)) return KV_EARG;
@@ -988,14 +1322,63 @@ static KV_NOINLINE void fp_scores(const kv_part *q, const kv_part *ksk, const kv
     }
 }
 
-/* One row of T scores -> probabilities, in place. */
+#if defined(__AVX2__) && defined(__FMA__)
+/* e^x in double for 4 floats x (widened): x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts), e^r by its Taylor
+ * polynomial to degree 11 (truncation below 1e-14 relative), times 2^n built in the exponent bits; x below -104
+ * (where expf is 0) is taken as -104. Rounded to float by the caller, this is expf's value but for inputs whose
+ * e^x lies within a hair of a rounding tie (0.06% of 2e7 random inputs in [-110, 0], each 1 ulp off glibc's expf:
+ * glibc's own error bound is 0.502 ulp). Only what such a ulp can move moves: the fused path's results stay what
+ * they were with libm's expf to within a ulp of a probability. */
+KV_INLINE __m256d exp_pd(__m256d x) {
+    x = _mm256_max_pd(_mm256_set1_pd(-104.0), x); /* max(-104, NaN) is NaN */
+    const __m256d n = _mm256_round_pd(_mm256_mul_pd(x, _mm256_set1_pd(1.4426950408889634)),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256d r = _mm256_fnmadd_pd(n, _mm256_set1_pd(0x1.62e42fefa39efp-1), x);
+    r = _mm256_fnmadd_pd(n, _mm256_set1_pd(0x1.abc9e3b39803fp-56), r);
+    static const double C[12] = {1.0 / 39916800.0, 1.0 / 3628800.0, 1.0 / 362880.0, 1.0 / 40320.0, 1.0 / 5040.0,
+                                 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0};
+    __m256d y = _mm256_set1_pd(C[0]);
+    for (int i = 1; i < 12; i++) y = _mm256_fmadd_pd(y, r, _mm256_set1_pd(C[i]));
+    const __m256i e = _mm256_slli_epi64(
+        _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(n)), _mm256_set1_epi64x(1023)), 52);
+    return _mm256_mul_pd(y, _mm256_castsi256_pd(e));
+}
+#endif
+
+/* One row of T scores -> probabilities, in place: e^(x - max) summed in order, then scaled. With AVX2 the maximum
+ * is taken 8 lanes at a time (the same value: max is exact) and the exponentials are exp_pd's, 8 at a time; libm's
+ * expf elsewhere. The sum stays one running sum: summed in lanes, the probabilities move by a few ulps, and
+ * tests/test_attention.py's fused-against-op-by-op check at int4 with residual 0 (every token quantized as it
+ * arrives, so an ulp can flip a code downstream) then fails its 2e-4 tolerance. */
 static KV_NOINLINE void softmax_row(float *restrict x, int T) {
     float mx = x[0], sum = 0.0f;
-    for (int t = 1; t < T; t++) mx = x[t] > mx ? x[t] : mx;
-    for (int t = 0; t < T; t++) sum += (x[t] = expf(x[t] - mx));
+    int t = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (T >= 8) {
+        __m256 vm = _mm256_set1_ps(mx);
+        for (; t + 8 <= T; t += 8) vm = _mm256_max_ps(_mm256_loadu_ps(x + t), vm); /* x > m ? x : m, as below */
+        float lanes[8];
+        _mm256_storeu_ps(lanes, vm);
+        for (int i = 0; i < 8; i++) mx = lanes[i] > mx ? lanes[i] : mx;
+    }
+#endif
+    for (; t < T; t++) mx = x[t] > mx ? x[t] : mx;
+    t = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (T >= 8) {
+        for (; t + 8 <= T; t += 8) {
+            /* x - mx rounded to float first, as expf(x[t] - mx) takes it */
+            const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(x + t), _mm256_set1_ps(mx));
+            _mm_storeu_ps(x + t, _mm256_cvtpd_ps(exp_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(d)))));
+            _mm_storeu_ps(x + t + 4, _mm256_cvtpd_ps(exp_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(d, 1)))));
+            for (int i = 0; i < 8; i++) sum += x[t + i];
+        }
+    }
+#endif
+    for (; t < T; t++) sum += (x[t] = expf(x[t] - mx));
     const float inv = 1.0f / sum;
     KV_SIMD
-    for (int t = 0; t < T; t++) x[t] *= inv;
+    for (int i = 0; i < T; i++) x[i] *= inv;
 }
 
 /* (b, h)'s output rows: its ncv V chunks' partial sums (part: (ncv, M, D), plane order of vper) summed in chunk
@@ -1028,8 +1411,8 @@ static KV_NOINLINE void finish_head(const float *restrict part, int ncv, const k
 /* Body chunks of a call for T body tokens of bh heads on nt threads: kv_attend's split (and kv_run's). */
 static int body_chunks(int bh, int T, int nt) { return T ? n_chunks(bh, T, nt, 128) : 0; }
 
-/* Per-thread scratch of the fused calls, in floats: a tile, the folded queries, scales and zeros. */
-static size_t attend_scratch(int M, int D) { return (size_t)(TILE + M + 8) * D + (size_t)M + 64; }
+/* Per-thread scratch of the fused calls, in floats: a tile, the folded and plane-order queries, scales and zeros. */
+static size_t attend_scratch(int M, int D) { return (size_t)(TILE + 2 * M + 8) * D + 2 * (size_t)M + 64; }
 
 /* args: B, H, M, D, nthreads, S, RK, RV, K body (kind, code, group, offset, n), V body (kind, code, group, n),
  * K hadamard block, V hadamard block; then 12 parts of 5 int64 (data, s0, s1, s2, dtype): q (B, H, M, D) fp32,
@@ -1478,7 +1861,9 @@ void kv_test_half_to_float(const uint16_t *src, float *dst, int64_t n, int porta
  *   OP_K_AFFINE_T: params bits, G, offset, hblock, rhalf, roff, has_bias, has_flags;  parts q, codes, scale,
  *                  zero, out, bias, cos, sin, flags, mat, vn
  * (bias: (1, H, 1, D) fp32; cos/sin: (B or stride 0, 1, T, rhalf) fp32; flags (B, H, T, 1) uint8; mat: a fitted
- * rotation (1, H, D, D) fp32, data 0: none; unused parts may repeat q.) */
+ * rotation (1, H, D, D) fp32, data 0: none; unused parts may repeat q.) OP_K_ROWS, OP_V_ROWS, OP_K_AFFINE and
+ * OP_V_AFFINE read param 7: nonzero decodes through the tiles where the codes would be read in registers (the
+ * tests' check that both give the same bits; 0 otherwise). */
 int kv_run(int op, const int64_t *args) {
     if (op < OP_K_ROWS || op > OP_K_AFFINE_T) return KV_EARG;
     kv_dims dm = {(int32_t)args[0], (int32_t)args[1], (int32_t)args[2], (int32_t)args[3], (int32_t)args[4],
@@ -1510,6 +1895,7 @@ int kv_run(int op, const int64_t *args) {
     if (op == OP_K_ROWS || op == OP_V_ROWS || op == OP_K_ROWS_T) {
         k.fmt = (int)prm[0];
         k.out = &pt[3];
+        if (op != OP_K_ROWS_T) k.tiles = prm[7] != 0;
     } else {
         k.bits = (int)prm[0];
         k.group = (int)prm[1];
@@ -1522,6 +1908,7 @@ int kv_run(int op, const int64_t *args) {
             k.vgroup = (int)prm[2];
             k.voffset = (int)prm[3];
         }
+        if (op != OP_K_AFFINE_T) k.tiles = prm[7] != 0;
     }
     return run_call(&k);
 }
