@@ -39,13 +39,17 @@ def test_clipped_range_matches_a_brute_force_search_per_slice(bits):
     for i in range(6):
         for j in range(5):
             rlo, rhi = _brute(x[i, j], bits)
-            assert lo[i, j, 0].item() == pytest.approx(rlo, abs=1e-5) and hi[i, j, 0].item() == pytest.approx(rhi, abs=1e-5)
+            assert lo[i, j, 0].item() == pytest.approx(rlo, abs=1e-5) and hi[i, j, 0].item() == pytest.approx(
+                rhi, abs=1e-5
+            )
             chosen.append(round((rhi - rlo) / (float(mx[i, j]) - float(mn[i, j])), 2))
     assert min(chosen) < 1.0  # some slices really were clipped
     # along another dim (K per channel: over a group's tokens)
     lo2, hi2 = clip.clipped_range(x, 1, bits, x.amin(1, keepdim=True), x.amax(1, keepdim=True), affine.EPS)
     rlo, rhi = _brute(x[2, :, 9], bits)
-    assert lo2[2, 0, 9].item() == pytest.approx(rlo, abs=1e-5) and hi2[2, 0, 9].item() == pytest.approx(rhi, abs=1e-5)
+    assert lo2[2, 0, 9].item() == pytest.approx(rlo, abs=1e-5) and hi2[2, 0, 9].item() == pytest.approx(
+        rhi, abs=1e-5
+    )
 
 
 def test_clipping_never_raises_the_error_and_keeps_min_max_where_it_is_best():
@@ -53,7 +57,9 @@ def test_clipping_never_raises_the_error_and_keeps_min_max_where_it_is_best():
     x = torch.randn(2, 3, 40, 64, generator=g)
     for bits in (2, 4):
         plain = affine.dequantize_per_token(*affine.quantize_per_token(x, bits), bits, None, torch.float32)
-        clipped = affine.dequantize_per_token(*affine.quantize_per_token(x, bits, clip=True), bits, None, torch.float32)
+        clipped = affine.dequantize_per_token(
+            *affine.quantize_per_token(x, bits, clip=True), bits, None, torch.float32
+        )
         e_plain, e_clip = (plain - x).square().sum(-1), (clipped - x).square().sum(-1)
         assert bool((e_clip <= e_plain * (1 + 1e-3) + 1e-6).all())  # the stored fp16 rounding aside
         assert e_clip.mean() < 0.9 * e_plain.mean() if bits == 2 else e_clip.mean() <= e_plain.mean()
@@ -73,7 +79,9 @@ def test_the_clip_lever_auto_as_measured_and_its_refusals():
 
     assert {("v", 2)} == set(clip.AUTO)
     assert report("int2") == "v" and report("k4v2") == "v" and report("int4") == "none"
-    assert report("int2,clip=off") == "none" and report("int4,clip=kv") == "kv" and report("int2,clip=k") == "k"
+    assert (
+        report("int2,clip=off") == "none" and report("int4,clip=kv") == "kv" and report("int2,clip=k") == "k"
+    )
     assert report("int2,varnorm=on") == "none"  # auto leaves a variance-normalized stream alone
     for spec, msg in [
         ("q4_0,clip=v", "clip=v applies to the affine formats"),
@@ -92,8 +100,10 @@ def test_a_clipped_cache_encodes_clipped_and_a_prompt_cache_records_it(tmp_path)
 
     g = torch.Generator().manual_seed(3)
     cfg = tiny_config()
-    caches = {c: kvslim.SlimCache.from_config(kvslim.parse_spec(f"int2,residual=0,group=8,clip={c}"), config=cfg)
-              for c in ("v", "off")}
+    caches = {
+        c: kvslim.SlimCache.from_config(kvslim.parse_spec(f"int2,residual=0,group=8,clip={c}"), config=cfg)
+        for c in ("v", "off")
+    }
     k, v = torch.randn(1, 2, 16, 32, generator=g), torch.randn(1, 2, 16, 32, generator=g) * 3
     for cache in caches.values():
         cache.layers[0].store.append(k, v)
