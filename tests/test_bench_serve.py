@@ -182,7 +182,12 @@ def test_peer_cache_mapping():
     assert (start, most) == (32, 1024) and most > start + recent
     assert peer_cache("openvino", "int2")[0] is None and peer_cache("openvino", "fp8")[0] is None
     assert peer_cache("vllm", "none") == ({"kv": "auto", "eviction": None}, "")
-    assert peer_cache("vllm", "int4")[0] is None
+    # a lossy spec runs as kvslim's pages inside vLLM (the plugin), where a page can store it
+    assert peer_cache("vllm", "q4_0") == ({"kv": "auto", "eviction": None, "kvslim": "q4_0"}, "")
+    assert peer_cache("vllm", "int4")[0]["kvslim"] == "int4"
+    none, why = peer_cache("vllm", "int2")  # int2 K needs per-channel groups, not built in pages
+    assert none is None and "per-channel" in why
+    assert peer_cache("vllm", "none,sink=4,window=60")[0] is None
 
 
 def test_missing_peers_are_one_line_each(monkeypatch, tmp_path):

@@ -60,9 +60,17 @@ def peer_cache(peer: str, spec: str) -> tuple[dict | None, str]:
         return None, "per-K/V or per-layer formats have no counterpart"
     bits = None if cfg.kv_quantize == "none" else getattr(get_format(cfg.kv_quantize), "bits", None)
     if peer == "vllm":
-        if cfg.window is not None or cfg.kv_quantize != "none":
-            return None, "vLLM runs its stock KV only (no window, no 4/8-bit KV on CPU)"
-        return {"kv": "auto", "eviction": None}, ""
+        if cfg.window is not None:
+            return None, "vLLM has no sinks + window (eviction is its KV-cache manager's)"
+        if cfg.kv_quantize == "none":
+            return {"kv": "auto", "eviction": None}, ""
+        from ..vllm.spec import check_supported
+
+        try:  # kvslim's pages inside vLLM (the plugin, installed in vLLM's venv by `make vllm`)
+            check_supported(cfg)
+        except ValueError as e:
+            return None, str(e)
+        return {"kv": "auto", "eviction": None, "kvslim": spec}, ""
     kv = None if cfg.kv_quantize.startswith("fp") else {None: "f32", 8: "u8", 4: "u4"}.get(bits)
     if kv is None:
         return None, f"OpenVINO has no {cfg.kv_quantize} KV (f32, u8, u4)"

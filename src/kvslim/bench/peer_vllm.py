@@ -4,8 +4,9 @@ imported by kvslim.
     .venv-vllm/bin/python src/kvslim/bench/peer_vllm.py --job JOB.json --out ROWS.json
 
 JOB.json as for :mod:`kvslim.bench.peer_openvino` (``ir_dir`` unused; each run's ``kv`` is vLLM's
-``kv_cache_dtype``: ``auto`` -- its stock KV, the model's dtype --; eviction is not vLLM's and such runs are
-refused by the caller). Each run is one ``LLMEngine`` in a process of its own (vLLM's CPU worker keeps its
+``kv_cache_dtype``: ``auto`` -- its stock KV, the model's dtype --, or with ``kvslim`` a spec the plugin stores
+(``additional_config={"kvslim": spec}``, :mod:`kvslim.vllm`: kvslim's pages in the same KV space); eviction is not
+vLLM's and such runs are refused by the caller). Each run is one ``LLMEngine`` in a process of its own (vLLM's CPU worker keeps its
 memory until the process ends: a second engine in the same process finds none free), its KV space sized to
 the run (``kv_cache_memory_bytes``: the run's tokens at the model's KV bytes per token, 1.5x and 1 GiB over)
 instead of vLLM's default of 92% of the machine's memory; each engine (``dtype`` from the job, bf16 by default as
@@ -46,6 +47,7 @@ def run_one(job: dict, run: dict) -> dict:
         model=job["model_dir"], dtype=job.get("dtype", "bfloat16"), max_num_seqs=max(c, 1),
         max_model_len=length + new + 16, max_num_batched_tokens=common.step_budget(run), kv_cache_dtype=run["kv"], enable_prefix_caching=False,
         seed=0, kv_cache_memory_bytes=kv_space(job["model_dir"], c * (length + new + 16)),
+        **({"additional_config": {"kvslim": run["kvslim"]}} if run.get("kvslim") else {}),
     ))
     params = SamplingParams(max_tokens=new, ignore_eos=True, temperature=0.0)
     t0 = time.perf_counter()
@@ -65,7 +67,8 @@ def run_one(job: dict, run: dict) -> dict:
             decode.append(dt)
         elif first_all is None and all(n >= 1 for n in got.values()):
             first_all = time.perf_counter() - t0
-    return common.step_row("vllm", run, job["warmup"], decode, first_all, f"{job.get('dtype', 'bfloat16')}, KV {run['kv']}")
+    kv = f"kvslim {run['kvslim']} pages" if run.get("kvslim") else f"KV {run['kv']}"
+    return common.step_row("vllm", run, job["warmup"], decode, first_all, f"{job.get('dtype', 'bfloat16')}, {kv}")
 
 
 def main() -> int:

@@ -55,6 +55,7 @@ _REFUSED = {
     "positions": "positions are vLLM's",
     "residual_dtype": "pages keep no full-precision residual",
     "mean_center": "K mean-centering is not built in the vLLM plugin yet",
+    "clip": "range clipping is not built in the vLLM pages yet (they encode min-max ranges, whatever auto chooses)",
 }
 
 
