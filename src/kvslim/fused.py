@@ -53,8 +53,8 @@ def rows_backend(qf: torch.Tensor):
 def fusable(qf: torch.Tensor, kv, backend=None) -> bool:
     """Whether the fused call reads ``kv`` for queries like ``qf`` (B, Hkv, M, D): both bodies present and read by
     the backend's kernels, key runs (a re-based stream) only on the CPU, in a cache of one row, with the residual's
-    keys in the frame after those off it (:func:`_runs_fit`), no pre-RoPE keys, a basis with Hadamard blocks or
-    (on the CPU only) a fitted rotation's matrix and a K centering bias, none on V, V as wide as K. The one test for a row alone
+    keys in the frame after those off it (:func:`_runs_fit`), no pre-RoPE keys, bases of Hadamard blocks or (on
+    the CPU only) fitted matrices and a K centering bias (none on V), V as wide as K. The one test for a row alone
     (:func:`fused_decode`) and for a row of a ragged step (:func:`ragged_fused`): the same answer for both is what
     keeps a row's output the same in and out of a batch. backend: :func:`rows_backend`'s answer when the caller
     asked it once for many rows (None: asked here)."""
