@@ -5,7 +5,8 @@ For each spec a SlimCache of the embedded model's shapes (its config; no model f
 random tokens per layer (channel means added, as real keys have), then one decode token; the attention of one
 decode query per layer (kvslim.attention.compressed_attention on the layer's Segments) is timed with
 ``kvslim.attention.FUSED_DECODE`` on (the fused call) and off (op by op). Modes interleaved within each repeat;
-the median over repeats of the whole step (all layers), in ms. FILE: the calibration file a spec's
+the median over repeats of the whole step (all layers), in ms; and per spec the largest difference between the two
+routings' outputs over the layers, relative to the layer's largest output value. FILE: the calibration file a spec's
 ``mean_center=`` names as ``FILE`` (``rotate=fitted`` needs one). Indicative on a shared machine: run ``uptime``.
 """
 
@@ -44,9 +45,17 @@ def main(argv: list[str]) -> None:
     config = model.config
     hq, d = config.num_attention_heads, config.hidden_size // config.num_attention_heads
     q = torch.randn(1, hq, 1, d, generator=torch.Generator().manual_seed(1))
-    modes = []
+    modes, diffs = [], {}
     for spec in specs:
         segs = build(spec.replace("FILE", path), config, length, 0)
+        worst = 0.0
+        for seg in segs:
+            out = {}
+            for fused in (True, False):
+                attention.FUSED_DECODE = fused
+                out[fused] = attention.compressed_attention(q, seg, None, d**-0.5)
+            worst = max(worst, float((out[True] - out[False]).abs().max() / out[False].abs().max()))
+        diffs[spec] = worst
         for fused in (True, False):
             modes.append((f"{spec} {'fused' if fused else 'op-by-op'}", segs, fused))
     times = {name: [] for name, _, _ in modes}
@@ -65,6 +74,8 @@ def main(argv: list[str]) -> None:
         med = statistics.median(ts) * 1e3
         q1, _, q3 = statistics.quantiles(ts, n=4)
         print(f"{name:60s} {med:8.3f}  IQR {q1 * 1e3:.3f}-{q3 * 1e3:.3f}")
+    for spec, worst in diffs.items():
+        print(f"{spec:60s} max |fused - op by op| / max |op by op| over layers: {worst:.2e}")
 
 
 if __name__ == "__main__":
