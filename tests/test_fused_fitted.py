@@ -10,6 +10,7 @@ and in a many-row step (and through the batch engine); and that leaving out a ro
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -120,25 +121,42 @@ def test_fused_decode_gives_the_op_by_op_logits(files, monkeypatch, spec, file, 
     torch.testing.assert_close(logits[True], logits[False], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize(
-    "spec", ["int4,residual=4,group=4,rotate=fitted", "q4_0,sink=2,window=24,residual=0,group=1,rotate=fitted"]
-)
-def test_pre_rope_fitted_keys_stay_op_by_op_and_right(files, monkeypatch, spec):
-    """Pre-RoPE fitted keys (the K body taken back with R^T per key, then its RoPE, in the C transform kernels):
-    not fused (the rows call takes no per-key transform), and the same logits with the fused switch on or off."""
+#: pre-RoPE keys (the K body taken back per key: the bias added where flagged, R^T or the Hadamard, then RoPE at
+#: the key's position, in the C transform kernels): fitted with and without a window and the file's K means, and
+#: the Hadamard basis (int2's default)
+PRE_ROPE_CASES = [
+    ("int4,residual=4,group=4,rotate=fitted", "pre", False),
+    ("q4_0,sink=2,window=24,residual=0,group=1,rotate=fitted", "pre", True),
+    ("int2,residual=4,group=4", None, False),
+    ("int4,sink=2,window=24,residual=4,group=4,pre_rope=1", None, False),
+]
+
+
+@pytest.mark.parametrize("spec, file, centered", PRE_ROPE_CASES)
+def test_pre_rope_keys_fused_give_the_op_by_op_logits(files, monkeypatch, spec, file, centered):
+    """Keys stored before RoPE go through the rows call too, each K piece with its key transform (cos/sin of its
+    tokens' positions, the basis, the bias) and the residual's keys rotated to their positions: the fused logits
+    equal the op-by-op path's (1e-4), every decode step of every layer in the rows call, with the V rotation
+    where fitted and never a row-level K basis or bias (the transform holds them)."""
     model = tiny_model("llama", attn_implementation="kvslim")
     ids = _ids(60, 8)
-    cfg = parse_spec(f"{spec},mean_center={files['pre']}")
+    cfg = parse_spec(spec if file is None else f"{spec},mean_center={files[file]}")
     logits = {}
     for fused in (True, False):
         monkeypatch.setattr(attention, "FUSED_DECODE", fused)
         seen = _counting(monkeypatch)
         cache = SlimCache.from_config(cfg, config=model.config)
-        assert cache.pre_rope and cache.rotate == "fitted"
         logits[fused] = _logits(model, cache, ids)
         monkeypatch.undo()
-        assert seen["rows"] == 0
-    torch.testing.assert_close(logits[True], logits[False], atol=0, rtol=0)
+        assert cache.pre_rope and cache.stores()[0].k.n_body > 0
+        assert (cache.stores()[0].k.basis.bias is not None) == centered
+        steps = (ids.shape[1] - 20) * model.config.num_hidden_layers
+        if fused:
+            v_rot = steps if file else 0
+            assert seen == {"rows": steps, "k_rot": 0, "v_rot": v_rot, "k_bias": 0}
+        else:
+            assert seen["rows"] == 0
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-4, rtol=1e-4)
 
 
 # -- rows -----------------------------------------------------------------------------------------------
@@ -165,7 +183,7 @@ def _alone(query_row, seg):
 
 
 def _rows_specs(files):
-    post = files["post"]
+    post, pre = files["post"], files["pre"]
     return [
         (f"int4,rotate=fitted,mean_center={post}", 700, 0.0),  # 2 chunks a head at 2 threads
         (f"int4,sink=4,window=60,group=8,residual=8,rotate=fitted,mean_center={post}", 300, 0.0),
@@ -173,6 +191,9 @@ def _rows_specs(files):
         (f"q8_0,sink=4,window=60,residual=0,group=1,rotate=fitted,mean_center={post}", 300, 0.0),
         ("q4_0,residual=0,group=1", 150, 3.0),  # Hadamard, K centered
         ("int4,k=q8_0,sink=2,window=200,residual=32", 900, 0.0),  # Hadamard, no bias
+        (f"q4_0,residual=0,group=1,rotate=fitted,mean_center={pre}", 200, 3.0),  # pre-RoPE, fitted, K centered
+        (f"int4,sink=4,window=60,group=8,residual=8,rotate=fitted,mean_center={pre}", 300, 0.0),  # pre-RoPE window
+        ("int2,group=16,residual=16", 257, 0.0),  # pre-RoPE, Hadamard
         ("int4", 5, 0.0),  # nothing encoded yet: the per-row path
     ]
 
@@ -199,7 +220,7 @@ def test_each_row_alone_equals_the_row_in_a_many_row_step(files, threads, monkey
         cpu, "attend_rows", lambda q, rs, out: calls.append(sorted(r.qrow for r in rs)) or real(q, rs, out)
     )
     out, _ = attention.kvslim_attention(_MODULE, query, RaggedSegments(tuple(rows)), None, None, scaling=None)
-    assert calls[0] == [0, 1, 2, 4, 5, 6]  # the filler (3) and the unencoded row (7) are not in it
+    assert calls[0] == [b for b in range(len(rows) - 1) if b != 3]  # not the filler (3) nor the unencoded row
     for b, seg in enumerate(rows):
         if seg is None:
             assert torch.equal(out[b], torch.zeros_like(out[b]))
@@ -218,7 +239,8 @@ def _reference(qf, seg):
 def test_dropping_a_rotation_or_the_bias_is_caught(files):
     """The rows call on a fitted, centered row equals an independent float64 reference (1e-5); the same row with
     its V rotation, its K rotation or its K bias left out does not (off by more than 0.05): what a kernel that
-    forgot to take V back, to rotate the queries or to add the zero point would give."""
+    forgot to take V back, to rotate the queries or to add the zero point would give. The same for a pre-RoPE
+    row: its key transform's matrix, bias or RoPE left out, or the residual's keys left unrotated."""
     seg = _segments(f"q4_0,residual=0,group=1,rotate=fitted,mean_center={files['post']}", 200, 5, 3.0)
     qf = torch.randn(1, H, M, D, generator=torch.Generator().manual_seed(9)) * D**-0.5
     row = attention._fused_row(seg, 0)
@@ -234,16 +256,43 @@ def test_dropping_a_rotation_or_the_bias_is_caught(files):
     for name in ("k_rot", "v_rot", "k_bias"):
         assert float((run(row._replace(**{name: None})) - ref).abs().max()) > 0.05, name
 
+    seg = _segments(f"q4_0,residual=4,group=1,rotate=fitted,mean_center={files['pre']}", 200, 6, 3.0)
+    row = attention._fused_row(seg, 0)
+    codec, enc, offset, _, tr = row.k_body[0]
+    assert seg.k_pos is not None and row.k_rot is None and row.k_bias is None and row.k_res.shape[2] == 4
+    ref = _reference(qf, seg)
+    torch.testing.assert_close(run(row), ref, atol=1e-5, rtol=1e-5)
+    wrong = {
+        "matrix": dataclasses.replace(tr, hadamard=None),
+        "bias": dataclasses.replace(tr, bias=None),
+        "rope": dataclasses.replace(tr, cos=None, sin=None),
+    }
+    for name, bad in wrong.items():
+        out = run(row._replace(k_body=((codec, enc, offset, None, bad),)))
+        assert float((out - ref).abs().max()) > 0.05, name
+    assert float((run(row._replace(k_res=seg.k_res)) - ref).abs().max()) > 0.05, "residual unrotated"
 
-def test_a_row_with_both_a_hadamard_block_and_a_matrix_is_left(files):
-    """One basis per stream: a row claiming a Hadamard block and a fitted matrix for K is not computed (the
-    caller's own path says what is wrong); the others are."""
+
+def test_a_row_with_two_k_bases_is_left(files):
+    """One basis per stream: a row claiming a Hadamard block and a fitted matrix for K, or a K piece with a key
+    transform and a row-level K basis or bias, is not computed (the caller's own path says what is wrong); the
+    others are."""
     seg = _segments(f"int4,rotate=fitted,mean_center={files['post']}", 300, 7)
-    qf = torch.randn(2, H, M, D, generator=torch.Generator().manual_seed(3))
+    pre = attention._fused_row(_segments(f"int4,rotate=fitted,mean_center={files['pre']}", 300, 8), 2)
+    qf = torch.randn(6, H, M, D, generator=torch.Generator().manual_seed(3))
     good = attention._fused_row(seg, 0)
+    bad = [
+        good._replace(qrow=1, k_hblock=32),
+        pre._replace(qrow=3, k_hblock=32),
+        pre._replace(qrow=4, k_rot=good.k_rot),
+        pre._replace(qrow=5, k_bias=torch.ones(H, D)),
+    ]
     out = torch.zeros_like(qf)
-    assert cpu.attend_rows(qf, [good, good._replace(qrow=1, k_hblock=32)], out) == [1]
-    assert torch.equal(out[1], torch.zeros_like(out[1])) and not torch.equal(out[0], torch.zeros_like(out[0]))
+    assert cpu.attend_rows(qf, [good, pre, *bad], out) == [2, 3, 4, 5]
+    for r in (0, 2):
+        assert not torch.equal(out[r], torch.zeros_like(out[r]))
+    for r in (1, 3, 4, 5):
+        assert torch.equal(out[r], torch.zeros_like(out[r]))
 
 
 def test_engine_greedy_with_fitted_rows_equals_each_request_alone(files, monkeypatch):
@@ -267,6 +316,7 @@ def test_engine_greedy_with_fitted_rows_equals_each_request_alone(files, monkeyp
         (90, f"q4_0,sink=4,window=50,residual=0,group=1,rotate=fitted,mean_center={post}"),
         (150, "int4,group=16,residual=16,pre_rope=0"),
         (120, f"int4,group=16,residual=16,rotate=fitted,mean_center={post}"),
+        (170, "int2,group=16,residual=16"),  # pre-RoPE keys: a key transform in the rows call
     ]
     g = torch.Generator().manual_seed(0)
     reqs = [

@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels
+from .cache.basis import CENTERED
 from .formats import Encoded, make_codec
 
 #: the codec of full-precision keys read as a piece (the residual's keys of a run off the frame, :func:`_run_pieces`)
@@ -58,7 +59,7 @@ def fusable(qf: torch.Tensor, kv, backend=None) -> bool:
     (:func:`fused_decode`) and for a row of a ragged step (:func:`ragged_fused`): the same answer for both is what
     keeps a row's output the same in and out of a batch. backend: :func:`rows_backend`'s answer when the caller
     asked it once for many rows (None: asked here)."""
-    if kv.k_body is None or kv.v_body is None or kv.k_pos is not None:
+    if kv.k_body is None or kv.v_body is None:
         return False
     if kv.v_basis is not None and kv.v_basis.bias is not None:
         return False  # V is never centered (kvslim.cache.layer); the calls take a K bias only
@@ -66,8 +67,8 @@ def fusable(qf: torch.Tensor, kv, backend=None) -> bool:
     if kv.v_res is None or kv.v_res.shape[-1] != qf.shape[-1]:
         return False
     backend = rows_backend(qf) if backend is None else backend
-    if (fitted(kv) or k_bias(kv) is not None) and backend is not kernels.cpu:
-        return False  # a fitted rotation (a matrix, block 0), a bias: the Triton program takes Hadamard blocks only
+    if (fitted(kv) or k_bias(kv) is not None or kv.k_pos is not None) and backend is not kernels.cpu:
+        return False  # a fitted matrix, a bias, a key transform: the Triton program takes Hadamard blocks only
     if kv.k_runs and (backend is not kernels.cpu or kv.kv_shape[0] != 1 or not _runs_fit(kv)):
         return False
     if backend is kernels.cpu:
@@ -137,18 +138,49 @@ def fused_row(kv, qrow: int, b: int | None = None, qf: torch.Tensor | None = Non
             token={n: cut(t) for n, t in enc.token.items()}, group={n: cut(t) for n, t in enc.group.items()}
         )
 
+    (k_hblock, v_hblock), (k_rot, v_rot), bias = hblocks(kv), rotations(kv), k_bias(kv)
+    k_piece, k_res = (kv.k_codec, body(kv.k_body), kv.k_offset), cut(kv.k_res)
+    if kv.k_pos is not None:  # keys before RoPE: the body through a key transform, the residual rotated here
+        k_piece, k_res = _pre_rope_piece(kv, k_piece, k_res, cut(kv.k_pos))
+        k_hblock, k_rot, bias = 0, None, None  # the basis and the bias are the transform's
     return kernels.cpu.AttendRow(
         qrow,
         cut(kv.k_sink),
         cut(kv.v_sink),
-        cut(kv.k_res),
+        k_res,
         cut(kv.v_res),
-        ((kv.k_codec, body(kv.k_body), kv.k_offset),),
+        (k_piece,),
         ((kv.v_codec, body(kv.v_body), kv.v_offset),),
-        *hblocks(kv),
-        *rotations(kv),
-        k_bias(kv),
+        k_hblock,
+        v_hblock,
+        k_rot,
+        v_rot,
+        bias,
     )
+
+
+def _pre_rope_piece(kv, piece: tuple, k_res: torch.Tensor, pos: torch.Tensor) -> tuple[tuple, torch.Tensor]:
+    """A row's K body piece and residual keys when the stream holds keys before RoPE (``kv.k_pos``, the row's
+    positions ``pos`` (1, n_body + n_res)): the piece with a :class:`kvslim.kernels.KeyTransform` (the centering
+    bias added back where flagged, the basis taken back, RoPE at each key's position: what
+    :func:`kvslim.attention._stream_scores` hands the transformed score kernels), the residual keys rotated to their
+    positions (fp32), as that function rotates them. Elementwise on the row's own slice: the same bits alone and in
+    a batch."""
+    codec, enc, offset = piece
+    n_body = kv.n_body("k")
+    cos, sin = kv.rope.table(pos[:, :n_body], k_res.device)  # (1, n_body, R/2)
+    basis = kv.k_basis
+    tr = kernels.KeyTransform(
+        bias=None if basis is None else basis.bias,
+        hadamard=None if basis is None else basis.hadamard,
+        cos=cos,
+        sin=sin,
+        rope_offset=kv.rope.offset,
+        centered=enc.token.get(CENTERED),
+    )
+    if k_res is not None and k_res.shape[2]:
+        k_res = kv.rope.move(k_res.float(), pos[:, n_body:])
+    return (codec, enc, offset, None, tr), k_res
 
 
 def fused_decode(qf: torch.Tensor, kv) -> torch.Tensor | None:
@@ -163,8 +195,9 @@ def fused_decode(qf: torch.Tensor, kv) -> torch.Tensor | None:
     if kv.k_runs:  # keys in other RoPE frames (CPU, one row): the rows call scores each run with its own queries
         out = torch.zeros_like(qf)
         return None if kernels.cpu.attend_rows(qf, [fused_row(kv, 0, qf=qf)], out) else out
-    if backend is kernels.cpu and (fitted(kv) or k_bias(kv) is not None):
-        # a fitted basis or a centered K: kv_attend_rows takes the matrices and the bias (one row per batch row)
+    if backend is kernels.cpu and (fitted(kv) or k_bias(kv) is not None or kv.k_pos is not None):
+        # a fitted basis, a centered K, keys before RoPE: kv_attend_rows takes the matrices, the bias and the key
+        # transform (one row per batch row)
         out = torch.zeros_like(qf)
         rows = [fused_row(kv, b, None if qf.shape[0] == 1 else b) for b in range(qf.shape[0])]
         return None if kernels.cpu.attend_rows(qf, rows, out) else out

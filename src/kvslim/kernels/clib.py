@@ -301,7 +301,7 @@ def row_codes(lib: ctypes.CDLL) -> dict:
 
 #: kv_attend_rows' row table (csrc/kvslim_kernels.c): int64 fields of the header, of a row record and of a
 #: piece record, and the row record's status field; the loader refuses a library that says otherwise.
-ROWS_LAYOUT = {"head": 18, "row": 47, "piece": 36, "status": 45}
+ROWS_LAYOUT = {"head": 18, "row": 47, "piece": 61, "status": 45}
 
 
 def rows_layout(lib: ctypes.CDLL) -> dict:

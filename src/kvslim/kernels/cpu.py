@@ -24,6 +24,7 @@ from .cpu_parts import flags_part as _flags_part
 from .cpu_parts import fp_part as _fp_part
 from .cpu_parts import part as _part
 from .cpu_parts import piece_queries as _piece_queries
+from .cpu_parts import piece_transform as _piece_transform
 from .cpu_parts import rot_part as _rot_part
 from .cpu_parts import transform_parts as _transform_parts
 
@@ -294,7 +295,10 @@ class AttendRow(NamedTuple):
     a per-channel K piece's first token sits in its group, a variance-normalized V piece's in its factors' group
     of ``token_group`` tokens (0 for the others). A K piece may carry a fourth element, its own queries
     ``(1, H, M, D)`` fp32, contiguous, already scaled and in the piece's basis (the call scores that piece with
-    them instead of the row's; kvslim's key runs in other RoPE frames use it). A row's V pieces share one
+    them instead of the row's; kvslim's key runs in other RoPE frames use it; None: the row's), and a fifth, a
+    :class:`kvslim.kernels.KeyTransform` of its ``n`` tokens (``cos``/``sin`` (1, n, R/2): keys stored before
+    RoPE): each decoded key is transformed as ``kv_run``'s transformed K ops do and scored with the row's own
+    queries, neither rotated by the row's K basis nor given the row's ``k_bias``. A row's V pieces share one
     format. k_hblock, v_hblock: the bodies' Hadamard blocks (0: none), as :func:`attend`'s. k_rot, v_rot: the
     bodies' fitted rotations instead (:class:`kvslim.calibration.rotation.FittedRotation`'s ``matrix``, (H, D, D)
     float32, ``y = R x``; None: none): the call scores the K body with ``R_k q`` and takes the V body's sum back
@@ -320,15 +324,17 @@ class AttendRow(NamedTuple):
 _HEAD, _ROW, _PIECE, _STATUS = (ROWS_LAYOUT[k] for k in ("head", "row", "piece", "status"))
 
 
-def _row_pieces(pieces, h: int, m: int, d: int, role: str, vals: list) -> tuple[int, int]:
+def _row_pieces(pieces, h: int, m: int, d: int, role: str, vals: list, held: list) -> tuple[int, int]:
     """A row's K or V body pieces appended to ``vals`` as piece records; returns (pieces, tokens). A
     variance-normalized affine piece carries its factors (and, for V, their token group, ``offset`` being where
     the piece's first token sits in it), read in place as :func:`attend` reads them; a K piece may carry its own
-    queries (a fourth element, :class:`AttendRow`)."""
+    queries (a fourth element, :class:`AttendRow`) and a key transform (a fifth; tensors made for it go to ``held``,
+    which the caller keeps until the call returns)."""
     tokens, first = 0, None
     for piece in pieces:
         codec, enc, offset = piece[:3]
         qk = piece[3] if len(piece) > 3 else None
+        tr = piece[4] if len(piece) > 4 else None
         p, parts, vn = _body_args(codec, enc, 1, h, d, offset, role)
         if role == "v":
             first = first or p[:2]
@@ -344,6 +350,7 @@ def _row_pieces(pieces, h: int, m: int, d: int, role: str, vals: list) -> tuple[
         vals += (0, 0, 0, 0, _DT[torch.uint8]) if vn is None else _part(vn)
         vals += _piece_queries(qk, h, m, d, role)
         vals += _flags_part(enc, h, p[4], role)
+        vals += _piece_transform(tr, h, d, p[4], role, held)
         tokens += p[4]
     return len(pieces), tokens
 
@@ -373,6 +380,7 @@ def attend_rows(q: torch.Tensor, rows, out: torch.Tensor) -> list[int]:
     nq, h, m, d = q.shape
     dummy = _part(q)
     recs, pieces, sent, left, taken = [], [], [], [], set()
+    held: list = []  # tensors made for the table (a transform's tables), alive until the call returns
     for i, row in enumerate(rows):
         try:
             qrow = int(row.qrow)
@@ -387,8 +395,8 @@ def attend_rows(q: torch.Tensor, rows, out: torch.Tensor) -> list[int]:
                 raise ValueError(f"attention rows: {s_k} sink keys but {s_v} sink values")
             mine: list = []
             first = len(pieces) // _PIECE
-            kn, nk = _row_pieces(row.k_body, h, m, d, "k", mine)
-            vn, nv = _row_pieces(row.v_body, h, m, d, "v", mine)
+            kn, nk = _row_pieces(row.k_body, h, m, d, "k", mine, held)
+            vn, nv = _row_pieces(row.v_body, h, m, d, "v", mine, held)
             if nk + rk != nv + rv or s_k + nk + rk < 1:
                 raise ValueError(f"attention rows: K holds {nk} + {rk} tokens after the sinks, V {nv} + {rv}")
             hbs = (int(row.k_hblock), int(row.v_hblock))

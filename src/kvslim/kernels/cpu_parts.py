@@ -131,3 +131,23 @@ def transform_parts(q: torch.Tensor, tr, t: int) -> tuple[tuple, tuple]:
         expect(flags, (b, h, t, 1), (torch.uint8,), "transform centered flags")
     has = (int(tr.bias is not None), int(tr.centered is not None))
     return (hblock, rhalf, roff, *has), (bias, cos, sin, flags, mat)
+
+
+def piece_transform(tr, h: int, d: int, n: int, role: str, held: list) -> tuple:
+    """A K piece's key transform (:class:`kvslim.kernels.KeyTransform` of its ``n`` tokens, None: none) as the row
+    table's fields: hblock, rhalf, roff, has_bias, has_flags, then the parts bias (1, H, 1, D), cos, sin
+    (1, 1, n, R/2), mat (1, H, D, D) (absent ones all zero; the flags are the piece's ``centered`` part). The
+    tensors whose pointers the fields hold are appended to ``held``: the caller keeps them until the call."""
+    zero = (0, 0, 0, 0, 0)
+    if tr is None:
+        return (0, 0, 0, 0, 0, *zero * 4)
+    if role != "k":
+        raise ValueError("attention rows: a key transform belongs to a K piece")
+    dummy = torch.zeros(1, h, 1, d)
+    params, (bias, cos, sin, _flags, mat) = transform_parts(dummy, tr, n)
+    vals = list(params)
+    for t in (bias, cos, sin):
+        vals += zero if t is dummy else part(t)
+    vals += zero if mat is None else part(mat)
+    held += [t for t in (bias, cos, sin, mat) if t is not None and t is not dummy]
+    return tuple(vals)

@@ -1180,8 +1180,12 @@ int kv_attend(const int64_t *a) {
  *       piece's factors f (kv_attend's K / V factor parts; data 0: none, vgroup unused then), then the part qk:
  *       a K piece's own queries (1, H, M, D) fp32, already scaled and in the piece's basis (data 0: the row's,
  *       Hadamard-rotated by the row's K block as kv_attend rotates them), then the part fl: a K piece's
- *       per-token centering flags (1, H, n, 1) uint8, read with the row's k_bias only (data 0: every token
- *       centered). A row whose keys sit in several RoPE
+ *       per-token centering flags (1, H, n, 1) uint8, read with the row's k_bias or the piece's transform (data
+ *       0: every token centered), then a K piece's key transform (kv_tr: what kv_run's transformed K ops take,
+ *       for keys stored before RoPE): hblock, rhalf, roff, has_bias, has_flags and the parts bias (1, H, 1, D),
+ *       cos, sin (1, 1, n, rhalf), mat (1, H, D, D) fp32 (all 0: none; flags: fl). A transformed piece's keys
+ *       are decoded, transformed (kv_tr) and scored with the row's own queries (q, never qb: the transform
+ *       takes the key to the model's basis). A row whose keys sit in several RoPE
  *       frames (kvslim's runs after a re-base of the position ids) scores each run's piece with the query moved
  *       into that run's frame: R(-d)q . k = q . R(d)k, the codes read as stored. A row's V pieces share kind
  *       and code (their sum is un-permuted once). Rows may share pieces.
@@ -1190,13 +1194,16 @@ int kv_attend(const int64_t *a) {
  * Returns KV_OK (every row done); KV_EARG: the rows whose status says so were refused and their output left
  * untouched, the others done (a bad header refuses every row); KV_ENOMEM: no output is reliable. */
 
-enum { RT_HEAD = 18, RT_ROW = 47, RT_PIECE = 36, RT_STATUS = 45 };
+enum { RT_HEAD = 18, RT_ROW = 47, RT_PIECE = 61, RT_STATUS = 45 };
 
 typedef struct {
     kv_body b;
     kv_part x, s, z, f; /* f: variance-normalization factors (data NULL: none) */
     kv_part qk;         /* a K piece's own queries (data NULL: the row's body queries) */
     kv_part fl;         /* a K piece's centering flags (1, H, n, 1) uint8 (data NULL: all centered) */
+    kv_part tb, tc, ts, tm; /* a K piece's transform parts: bias, cos, sin, matrix (data NULL: none) */
+    kv_tr tr;           /* a K piece's key transform (pointing at the parts above) */
+    int has_tr;         /* the piece is scored through tr */
     int vgroup;         /* V with factors: tokens per factor row (b.offset: the first token's place in it) */
 } rt_piece;
 
@@ -1237,11 +1244,21 @@ static int rt_setup(const int64_t *e, const rt_piece *pieces, int64_t np, int64_
         if (!body_ok(&pieces[i].b, 0, D) || (pieces[i].f.data && pieces[i].b.kind != 1)) return KV_EARG;
         if (pieces[i].qk.data && pieces[i].qk.dtype != DT_F32) return KV_EARG;
         if (pieces[i].fl.data && pieces[i].fl.dtype != DT_U8) return KV_EARG;
+        if (pieces[i].has_tr) {
+            const rt_piece *pc = &pieces[i];
+            const kv_tr *tr = &pc->tr;
+            if (!hblock_ok(tr->hblock, D) || (tr->mat && tr->hblock) || tr->rhalf < 0 || tr->roff < 0 ||
+                tr->roff + 2 * tr->rhalf > D || (tr->mat && pc->tm.dtype != DT_F32) ||
+                (tr->has_bias && (!pc->tb.data || pc->tb.dtype != DT_F32)) || (tr->has_flags && !pc->fl.data) ||
+                (tr->rhalf && (!pc->tc.data || !pc->ts.data || pc->tc.dtype != DT_F32 || pc->ts.dtype != DT_F32)))
+                return KV_EARG;
+        }
         if ((nk += pieces[i].b.n) >= lim) return KV_EARG;
     }
     for (int64_t i = vf; i < vf + vn; i++) {
         if (!body_ok(&pieces[i].b, 1, D) || pieces[i].b.kind != pieces[vf].b.kind || pieces[i].b.code != pieces[vf].b.code)
             return KV_EARG;
+        if (pieces[i].has_tr) return KV_EARG; /* a key transform is K's */
         const rt_piece *v = &pieces[i];
         if (v->f.data ? v->b.kind != 1 || v->vgroup < 1 || v->b.offset < 0 || v->b.offset >= v->vgroup : v->b.offset != 0)
             return KV_EARG;
@@ -1255,6 +1272,8 @@ static int rt_setup(const int64_t *e, const rt_piece *pieces, int64_t np, int64_
     if ((w->krot.data && (w->krot.dtype != DT_F32 || e[4])) || (w->vrot.data && (w->vrot.dtype != DT_F32 || e[5])))
         return KV_EARG; /* one basis per stream: a Hadamard block or a fitted matrix */
     if (w->kbias.data && w->kbias.dtype != DT_F32) return KV_EARG;
+    for (int64_t i = kf; i < kf + kn; i++) /* a transformed piece's basis and bias are its transform's */
+        if (pieces[i].has_tr && (e[4] || w->krot.data || w->kbias.data)) return KV_EARG;
     w->q = *q, w->out = *out;
     w->q.data = (const float *)q->data + qrow * q->s0;
     w->out.data = (const float *)out->data + qrow * out->s0;
@@ -1285,13 +1304,16 @@ static void rt_body(const rt_row *w, int is_v, int h, int c, int H, int M, int D
         /* the piece's columns of the row's scores (K out, V in) */
         const kv_part sc = {w->scores + w->S + start, (int64_t)H * M * w->T, (int64_t)M * w->T, w->T, DT_F32, 0};
         const kv_body *b = &pc[i].b;
-        const kv_call k = {.op = is_v ? (b->kind ? OP_V_AFFINE : OP_V_ROWS) : (b->kind ? OP_K_AFFINE : OP_K_ROWS),
+        const int tr = !is_v && pc[i].has_tr; /* keys taken to the model's basis: the row's own queries */
+        const int kop = tr ? (b->kind ? OP_K_AFFINE_T : OP_K_ROWS_T) : (b->kind ? OP_K_AFFINE : OP_K_ROWS);
+        const kv_call k = {.op = is_v ? (b->kind ? OP_V_AFFINE : OP_V_ROWS) : kop,
                            .fmt = b->code, .bits = b->code, .group = b->group, .offset = is_v ? 0 : b->offset, .nc = nc,
-                           .x = is_v ? &sc : pc[i].qk.data ? &pc[i].qk : &w->qb, .p1 = &pc[i].x, .p2 = &pc[i].s, .p3 = &pc[i].z,
-                           .out = is_v ? NULL : &sc, .dm = &dm, .part = NULL, .tr = NULL,
+                           .x = is_v ? &sc : pc[i].qk.data ? &pc[i].qk : tr ? &w->q : &w->qb, .p1 = &pc[i].x,
+                           .p2 = &pc[i].s, .p3 = &pc[i].z, .out = is_v ? NULL : &sc, .dm = &dm, .part = NULL,
+                           .tr = tr ? &pc[i].tr : NULL,
                            .vn = pc[i].f.data ? &pc[i].f : NULL, .vgroup = pc[i].vgroup, .voffset = b->offset};
         run_range(&k, 0, h, lo - start, hi - start, scratch, acc);
-        if (!is_v && w->kbias.data) { /* the centered tokens' zero point: + qb . bias, qb the piece's queries */
+        if (!is_v && !tr && w->kbias.data) { /* the centered tokens' zero point: + qb . bias, qb the piece's queries */
             const float *bias = (const float *)at(&w->kbias, 0, h, 0);
             const kv_part *qs = k.x;
             for (int m = 0; m < M; m++) {
@@ -1336,8 +1358,16 @@ int kv_attend_rows(int64_t *a) {
         int v[6];
         for (int j = 0; j < 6; j++) v[j] = e[j] < INT32_MIN || e[j] > INT32_MAX ? -1 : (int)e[j];
         pieces[i] = (rt_piece){.x = part_of(e + 6), .s = part_of(e + 11), .z = part_of(e + 16), .f = part_of(e + 21),
-                               .qk = part_of(e + 26), .fl = part_of(e + 31), .vgroup = v[5]};
+                               .qk = part_of(e + 26), .fl = part_of(e + 31), .tb = part_of(e + 41),
+                               .tc = part_of(e + 46), .ts = part_of(e + 51), .tm = part_of(e + 56), .vgroup = v[5]};
         pieces[i].b = (kv_body){v[0], v[1], v[2], v[3], v[4], &pieces[i].x, &pieces[i].s, &pieces[i].z};
+        rt_piece *pc = &pieces[i];
+        int t[5];
+        for (int j = 0; j < 5; j++) t[j] = e[36 + j] < INT32_MIN || e[36 + j] > INT32_MAX ? -1 : (int)e[36 + j];
+        pc->tr = (kv_tr){.hblock = t[0], .rhalf = t[1], .roff = t[2], .has_bias = t[3], .has_flags = t[4],
+                         .bias = &pc->tb, .cos = &pc->tc, .sin = &pc->ts, .flags = &pc->fl,
+                         .mat = pc->tm.data ? &pc->tm : NULL};
+        pc->has_tr = t[0] || t[1] || t[3] || t[4] || pc->tm.data;
     }
     /* set up the rows; sizes of the scores, rotated queries and V partial sums; task counts; the call's work */
     int64_t n = 0, nscores = 0, nqrot = 0, npart = 0, nktask = 0, nvtask = 0, work = 0;
