@@ -21,9 +21,13 @@ once (``R^T``) before the full-precision sinks and residual are added; a cache a
 too (one row), so a row gets the same bits alone and in a batch. A K body stored mean-centered (a bias in the
 body's basis, Hadamard or fitted, subtracted from the tokens flagged ``centered``) is read there too: each centered
 token scores ``qb . bias`` more, ``qb`` the query in the body's basis, as :func:`kvslim.attention._body_scores`
-adds it. What neither reads (:func:`fusable`: pre-RoPE keys, re-based key runs on CUDA or in a batched cache, a
-fitted rotation or a centering bias on CUDA, MLA's narrower V, nothing encoded yet, a backend other than these)
-runs op by op in :func:`kvslim.attention.compressed_attention`.
+adds it. Keys stored before RoPE (``pre_rope``) go there too: the K body as one piece with a key transform
+(:class:`kvslim.kernels.KeyTransform`: the bias added back where flagged, the basis taken back, RoPE at each
+key's position, what the transformed score kernels of the op-by-op path apply), scored with the row's own
+queries, and the residual's keys rotated to their positions (:func:`_pre_rope_piece`). What neither reads
+(:func:`fusable`: re-based key runs on CUDA or in a batched cache, a fitted rotation, a centering bias or pre-RoPE
+keys on CUDA, MLA's narrower V, nothing encoded yet, a backend other than these) runs op by op in
+:func:`kvslim.attention.compressed_attention`.
 
 This module knows the cache's :class:`~kvslim.cache.segments.Segments` view and the kernels' row contract; it
 knows nothing about transformers.
@@ -54,8 +58,8 @@ def rows_backend(qf: torch.Tensor):
 def fusable(qf: torch.Tensor, kv, backend=None) -> bool:
     """Whether the fused call reads ``kv`` for queries like ``qf`` (B, Hkv, M, D): both bodies present and read by
     the backend's kernels, key runs (a re-based stream) only on the CPU, in a cache of one row, with the residual's
-    keys in the frame after those off it (:func:`_runs_fit`), no pre-RoPE keys, bases of Hadamard blocks or (on
-    the CPU only) fitted matrices and a K centering bias (none on V), V as wide as K. The one test for a row alone
+    keys in the frame after those off it (:func:`_runs_fit`), bases of Hadamard blocks or (on the CPU only)
+    fitted matrices, a K centering bias (none on V) and pre-RoPE keys, V as wide as K. The one test for a row alone
     (:func:`fused_decode`) and for a row of a ragged step (:func:`ragged_fused`): the same answer for both is what
     keeps a row's output the same in and out of a batch. backend: :func:`rows_backend`'s answer when the caller
     asked it once for many rows (None: asked here)."""
