@@ -1,13 +1,15 @@
 """Quality of cache modes on a long text, token by token, with the reference computed once and shared.
 
-usage: python scripts/levers_table.py TEXT N_TOKENS PREFILL OUT_DIR [--shard I/N] SPEC [SPEC...]
+usage: python scripts/levers_table.py TEXT N_TOKENS PREFILL OUT_DIR [--shard I/N] [--op-by-op] SPEC [SPEC...]
 
 Runs ``kvslim.evaluate.perplexity_through_cache`` (chunk 1: every scored token is a decode step) for each
 SPEC against the uncompressed reference ``none``, whose next-token logits are computed once and kept in
 OUT_DIR/reference.pt (later runs and shards reuse them). One JSON line per finished mode is appended to
 OUT_DIR/results.jsonl (``PerplexityResult.summary``: ppl, ppl ratio, KLD mean/p99/max, top-1), so an
 interrupted run loses only the mode in progress and a rerun skips what is done. ``--shard I/N`` runs
-every N-th spec from the I-th, for N processes side by side. Specs are ``kvslim eval`` specs (e.g.
+every N-th spec from the I-th, for N processes side by side. ``--op-by-op`` attends op by op
+(``kvslim.attention.FUSED_DECODE = False``) instead of through the fused decode call: the same modes, another
+fp32 summation order (use its own OUT_DIR: rows are keyed by spec). Specs are ``kvslim eval`` specs (e.g.
 ``int2,rotate=kv,pre_rope=1``; ``mean_center=FILE`` bias files are loaded for the embedded model).
 This is what docs/quality.md's "Low-bit levers" tables were printed with (scripts/levers_print.py prints
 the table from results.jsonl).
@@ -22,7 +24,7 @@ import sys
 import torch
 
 import kvslim
-from kvslim import SlimCache, parse_spec
+from kvslim import SlimCache, attention, parse_spec
 from kvslim.evaluate.perplexity import perplexity_through_cache
 from kvslim.models import load_model
 
@@ -34,6 +36,9 @@ def main(argv: list[str]) -> int:
         a, b = argv[i + 1].split("/")
         shard = (int(a), int(b))
         del argv[i : i + 2]
+    if "--op-by-op" in argv:
+        argv.remove("--op-by-op")
+        attention.FUSED_DECODE = False
     text, n_tokens, prefill, out_dir, *specs = argv
     n_tokens, prefill = int(n_tokens), int(prefill)
     os.makedirs(out_dir, exist_ok=True)

@@ -124,8 +124,8 @@ def test_bf16_model_compressed_path():
     assert (got - ref).abs().max() < 0.1 * ref.abs().max()
 
 
-# pre_rope=False: keys stored before RoPE (the int2 default) are rotated per token on read, which the fused call
-# does not do; the last spec keeps that default and checks the fallback.
+# pre_rope=False: the formats with keys after RoPE; the last spec keeps int2's default, keys stored before RoPE,
+# which the fused call reads through a key transform (the rows call, one row; tests/test_fused_fitted.py).
 FUSED_SPECS = [dict(s, pre_rope=False) for s in SPECS[1:]] + [
     dict(kv_quantize="int4", group_size=8, residual=8, rotate="kv", pre_rope=False),  # a Hadamard basis on K and V
     dict(kv_quantize="q4_0", residual=4, group_size=4, rotate="kv", sink=2, window=11, pre_rope=False),
@@ -159,5 +159,5 @@ def test_fused_decode_attention_equals_the_op_by_op_path(spec, monkeypatch):
         got = _run(model, SlimCache(config=model.config, **spec), ids, 17)
     if not kvslim.kernels.cpu.status()[0]:
         pytest.skip("no C compiler: the fused call needs the C kernels")
-    assert any(calls) is (spec.get("pre_rope") is False)  # the fused call served decode steps, or fell back
+    assert any(calls)  # the fused call served decode steps (pre-RoPE keys too)
     torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)

@@ -44,8 +44,10 @@ FAMILIES = [
     "int4,sink=4,window=60,group=8,residual=8",
     "q4_0,k=int8,group=16,residual=16",
 ]
-#: rows the fused call does not read in float32 either (pre-RoPE int2, nothing encoded yet, lossless)
-PER_ROW = [("int2", 300), ("int4", 5), ("none", 50)]
+#: rows the fused call does not read in float32 either (nothing encoded yet, lossless)
+PER_ROW = [("int4", 5), ("none", 50)]
+#: pre-RoPE keys: read by the rows call only (a key transform per K piece), not by kv_attend
+ROWS_ONLY = [("int2", 300)]
 
 
 @pytest.fixture(autouse=True)
@@ -121,7 +123,10 @@ def test_bf16_ragged_step_takes_the_rows_kernel(monkeypatch):
     rows go in one kernels.cpu.attend_rows call, only the others run row by row, each row's output is bit for bit
     the row alone, fillers are 0."""
     specs = (
-        [(s, 300) for s in FAMILIES[:6]] + PER_ROW + [(s, 200 + 37 * i) for i, s in enumerate(FAMILIES[6:])]
+        [(s, 300) for s in FAMILIES[:6]]
+        + ROWS_ONLY
+        + PER_ROW
+        + [(s, 200 + 37 * i) for i, s in enumerate(FAMILIES[6:])]
     )
     segs = [_segments(s, n, 10 + i) for i, (s, n) in enumerate(specs)]
     rows = (*segs[:5], None, *segs[5:], None)

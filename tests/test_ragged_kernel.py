@@ -44,8 +44,10 @@ FUSED = [
     ("int4,varnorm=on,sink=4,window=60,group=8,residual=8", 300),  # variance-normalized, V factors entered mid-group
     ("int2,varnorm=on,pre_rope=false,group=16,residual=16", 257),  # normalized int2
 ]
-#: rows the fused call does not read: they keep the per-row path (pre-RoPE keys, nothing encoded yet, lossless)
-PER_ROW = [("int2", 300), ("int4", 5), ("none", 50)]
+#: rows the fused call does not read: they keep the per-row path (nothing encoded yet, lossless)
+PER_ROW = [("int4", 5), ("none", 50)]
+#: rows only the rows call reads (kv_attend does not): pre-RoPE keys, each K piece with its key transform
+ROWS_ONLY = [("int2", 300)]
 
 
 def _segments(spec: str, n: int, seed: int):
@@ -147,10 +149,10 @@ def test_a_body_cut_into_pieces_gives_the_same_bits(threads):
 
 
 def test_ragged_attention_equals_each_row_alone_with_per_row_rows_and_fillers(threads, monkeypatch):
-    """_ragged_attention on a step of FUSED rows, rows the fused call cannot read (pre-RoPE int2, a cache with
-    nothing encoded, a lossless one) and filler rows: every row's output equals the row alone through its whole
-    path (_segments_attention), fillers are 0; the fused rows went in one call, the others did not."""
-    specs = FUSED[:6] + PER_ROW + FUSED[6:]
+    """_ragged_attention on a step of FUSED rows, a pre-RoPE row (ROWS_ONLY), rows the fused call cannot read (a
+    cache with nothing encoded, a lossless one) and filler rows: every row's output equals the row alone through
+    its whole path (_segments_attention), fillers are 0; the fused rows went in one call, the others did not."""
+    specs = FUSED[:6] + ROWS_ONLY + PER_ROW + FUSED[6:]
     segs = _rows(specs, seed=11)
     rows = segs[:4] + [None] + segs[4:9] + [None] + segs[9:]
     names = specs[:4] + [None] + specs[4:9] + [None] + specs[9:]
@@ -162,7 +164,7 @@ def test_ragged_attention_equals_each_row_alone_with_per_row_rows_and_fillers(th
     )
     out, _ = attention.kvslim_attention(_MODULE, query, RaggedSegments(tuple(rows)), None, None, scaling=None)
     assert out.shape == (len(rows), 1, H * M, D)
-    fused = [b for b, name in enumerate(names) if name in FUSED]
+    fused = [b for b, name in enumerate(names) if name in FUSED or name in ROWS_ONLY]
     assert calls == [fused]
     for b, seg in enumerate(rows):
         if seg is None:
@@ -258,7 +260,8 @@ def model():
 
 
 #: (prompt length, cache spec) of the engine test: fused rows of several formats and lengths, a window, a
-#: pre-RoPE row and a lossless one (per-row path), different lengths so rows join and leave at different steps
+#: pre-RoPE row (fused through a key transform) and a lossless one (per-row path), different lengths so rows join
+#: and leave at different steps
 MIX = [
     (300, "int4"),
     (37, "int4,sink=4,window=60,group=8,residual=8"),

@@ -14,9 +14,20 @@ and bases; :class:`kvslim.kernels.cpu.AttendRow`), picked by device (:func:`rows
 A stream whose keys sit in several RoPE frames (runs after a re-base of the position ids: a windowed cache, for up
 to a window's worth of steps after each re-base) is one K piece per run in the C rows call, each scored with the
 row's queries moved into its frame (:func:`fused_row`); the Triton program does not take a piece's own queries yet.
-What neither reads (:func:`fusable`: pre-RoPE keys, re-based key runs on CUDA or in a batched cache, a
-mean-centering bias, a fitted rotation, MLA's narrower V, nothing encoded yet, a backend other than these) runs op
-by op in :func:`kvslim.attention.compressed_attention`.
+A body in a fitted basis (``rotate='fitted'``, :class:`kvslim.calibration.rotation.FittedRotation`: one ``D x D``
+matrix ``R`` per KV head, ``y = R x``) is read by the C rows call as a Hadamard body is: its keys scored with the
+row's queries taken to the basis once (``R q``, ``(R q) . (R k) = q . k``), its values' weighted sum taken back
+once (``R^T``) before the full-precision sinks and residual are added; a cache alone goes through the rows call
+too (one row), so a row gets the same bits alone and in a batch. A K body stored mean-centered (a bias in the
+body's basis, Hadamard or fitted, subtracted from the tokens flagged ``centered``) is read there too: each centered
+token scores ``qb . bias`` more, ``qb`` the query in the body's basis, as :func:`kvslim.attention._body_scores`
+adds it. Keys stored before RoPE (``pre_rope``) go there too: the K body as one piece with a key transform
+(:class:`kvslim.kernels.KeyTransform`: the bias added back where flagged, the basis taken back, RoPE at each
+key's position, what the transformed score kernels of the op-by-op path apply), scored with the row's own
+queries, and the residual's keys rotated to their positions (:func:`_pre_rope_piece`). What neither reads
+(:func:`fusable`: re-based key runs on CUDA or in a batched cache, a fitted rotation, a centering bias or pre-RoPE
+keys on CUDA, MLA's narrower V, nothing encoded yet, a backend other than these) runs op by op in
+:func:`kvslim.attention.compressed_attention`.
 
 This module knows the cache's :class:`~kvslim.cache.segments.Segments` view and the kernels' row contract; it
 knows nothing about transformers.
@@ -27,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels
+from .cache.basis import CENTERED
 from .cache.rotary import by_rotation
 from .formats import Encoded, make_codec
 
@@ -47,22 +59,21 @@ def rows_backend(qf: torch.Tensor):
 def fusable(qf: torch.Tensor, kv, backend=None) -> bool:
     """Whether the fused call reads ``kv`` for queries like ``qf`` (B, Hkv, M, D): both bodies present and read by
     the backend's kernels, key runs (a re-based stream) only on the CPU, in a cache of one row, with the residual's
-    keys in the frame after those off it (:func:`_runs_fit`), no pre-RoPE keys, a basis without a centering
-    bias and with Hadamard blocks (not a fitted rotation's matrix), V as wide as K. The one test for a row alone
+    keys in the frame after those off it (:func:`_runs_fit`), bases of Hadamard blocks or (on the CPU only)
+    fitted matrices, a K centering bias (none on V) and pre-RoPE keys, V as wide as K. The one test for a row alone
     (:func:`fused_decode`) and for a row of a ragged step (:func:`ragged_fused`): the same answer for both is what
     keeps a row's output the same in and out of a batch. backend: :func:`rows_backend`'s answer when the caller
     asked it once for many rows (None: asked here)."""
-    if kv.k_body is None or kv.v_body is None or kv.k_pos is not None:
+    if kv.k_body is None or kv.v_body is None:
         return False
-    kb, vb = kv.k_basis, kv.v_basis
-    if (kb is not None and kb.bias is not None) or (vb is not None and vb.bias is not None):
-        return False
-    if any(b is not None and b.hadamard is not None and not b.hadamard.block for b in (kb, vb)):
-        return False  # a fitted rotation (a matrix, block 0): the fused calls apply Hadamard blocks only
+    if kv.v_basis is not None and kv.v_basis.bias is not None:
+        return False  # V is never centered (kvslim.cache.layer); the calls take a K bias only
     # V as wide as K (not MLA): read off the residual, which every lossy stream has (possibly empty)
     if kv.v_res is None or kv.v_res.shape[-1] != qf.shape[-1]:
         return False
     backend = rows_backend(qf) if backend is None else backend
+    if (fitted(kv) or k_bias(kv) is not None or kv.k_pos is not None) and backend is not kernels.cpu:
+        return False  # a fitted matrix, a bias, a key transform: the Triton program takes Hadamard blocks only
     if kv.k_runs and (backend is not kernels.cpu or kv.kv_shape[0] != 1 or not _runs_fit(kv)):
         return False
     if backend is kernels.cpu:
@@ -83,6 +94,32 @@ def hblocks(kv) -> tuple[int, int]:
     )
 
 
+def fitted(kv) -> bool:
+    """Whether either body of ``kv`` is stored in a fitted rotation's basis (a matrix, Hadamard block 0)."""
+    return any(b is not None and b.hadamard is not None and not b.hadamard.block for b in (kv.k_basis, kv.v_basis))
+
+
+def rotations(kv) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The fitted rotations' matrices ``(H_kv, D, D)`` float32 of the K and V bodies' bases (None: none, or a
+    Hadamard basis), as the C rows call takes them (:class:`kvslim.kernels.cpu.AttendRow`'s ``k_rot``, ``v_rot``)."""
+
+    def mat(b):
+        if b is None or b.hadamard is None or b.hadamard.block:
+            return None
+        return b.hadamard.matrix
+
+    return mat(kv.k_basis), mat(kv.v_basis)
+
+
+def k_bias(kv) -> torch.Tensor | None:
+    """The K body's mean-centering bias (H_kv, D) float32 in its stored basis, as the C rows call takes it
+    (:class:`kvslim.kernels.cpu.AttendRow`'s ``k_bias``); None: none."""
+    b = kv.k_basis
+    if b is None or b.bias is None:
+        return None
+    return b.bias.to(dtype=torch.float32).contiguous()
+
+
 def fused_row(kv, qrow: int, b: int | None = None, qf: torch.Tensor | None = None, moved_q: dict | None = None):
     """``kv`` (batch row ``b`` of it; None: a batch of one) as one row of the fused call
     (:class:`kvslim.kernels.cpu.AttendRow`), its query at ``qrow`` (of ``qf`` (N, Hkv, M, D), needed only for
@@ -94,7 +131,7 @@ def fused_row(kv, qrow: int, b: int | None = None, qf: torch.Tensor | None = Non
         k_body, moved = _run_pieces(kv, qf[qrow : qrow + 1], moved_q)
         return kernels.cpu.AttendRow(
             qrow, kv.k_sink, kv.v_sink, kv.k_res[:, :, moved:], kv.v_res, k_body,
-            ((kv.v_codec, kv.v_body, kv.v_offset),), *hblocks(kv),
+            ((kv.v_codec, kv.v_body, kv.v_offset),), *hblocks(kv), *rotations(kv), k_bias(kv),
         )  # fmt: skip
 
     def cut(t):
@@ -107,16 +144,49 @@ def fused_row(kv, qrow: int, b: int | None = None, qf: torch.Tensor | None = Non
             token={n: cut(t) for n, t in enc.token.items()}, group={n: cut(t) for n, t in enc.group.items()}
         )
 
+    (k_hblock, v_hblock), (k_rot, v_rot), bias = hblocks(kv), rotations(kv), k_bias(kv)
+    k_piece, k_res = (kv.k_codec, body(kv.k_body), kv.k_offset), cut(kv.k_res)
+    if kv.k_pos is not None:  # keys before RoPE: the body through a key transform, the residual rotated here
+        k_piece, k_res = _pre_rope_piece(kv, k_piece, k_res, cut(kv.k_pos))
+        k_hblock, k_rot, bias = 0, None, None  # the basis and the bias are the transform's
     return kernels.cpu.AttendRow(
         qrow,
         cut(kv.k_sink),
         cut(kv.v_sink),
-        cut(kv.k_res),
+        k_res,
         cut(kv.v_res),
-        ((kv.k_codec, body(kv.k_body), kv.k_offset),),
+        (k_piece,),
         ((kv.v_codec, body(kv.v_body), kv.v_offset),),
-        *hblocks(kv),
+        k_hblock,
+        v_hblock,
+        k_rot,
+        v_rot,
+        bias,
     )
+
+
+def _pre_rope_piece(kv, piece: tuple, k_res: torch.Tensor, pos: torch.Tensor) -> tuple[tuple, torch.Tensor]:
+    """A row's K body piece and residual keys when the stream holds keys before RoPE (``kv.k_pos``, the row's
+    positions ``pos`` (1, n_body + n_res)): the piece with a :class:`kvslim.kernels.KeyTransform` (the centering
+    bias added back where flagged, the basis taken back, RoPE at each key's position: what
+    :func:`kvslim.attention._stream_scores` hands the transformed score kernels), the residual keys rotated to their
+    positions (fp32), as that function rotates them. Elementwise on the row's own slice: the same bits alone and in
+    a batch."""
+    codec, enc, offset = piece
+    n_body = kv.n_body("k")
+    cos, sin = kv.rope.table(pos[:, :n_body], k_res.device)  # (1, n_body, R/2)
+    basis = kv.k_basis
+    tr = kernels.KeyTransform(
+        bias=None if basis is None else basis.bias,
+        hadamard=None if basis is None else basis.hadamard,
+        cos=cos,
+        sin=sin,
+        rope_offset=kv.rope.offset,
+        centered=enc.token.get(CENTERED),
+    )
+    if k_res is not None and k_res.shape[2]:
+        k_res = kv.rope.move(k_res.float(), pos[:, n_body:])
+    return (codec, enc, offset, None, tr), k_res
 
 
 def fused_decode(qf: torch.Tensor, kv) -> torch.Tensor | None:
@@ -131,6 +201,12 @@ def fused_decode(qf: torch.Tensor, kv) -> torch.Tensor | None:
     if kv.k_runs:  # keys in other RoPE frames (CPU, one row): the rows call scores each run with its own queries
         out = torch.zeros_like(qf)
         return None if kernels.cpu.attend_rows(qf, [fused_row(kv, 0, qf=qf)], out) else out
+    if backend is kernels.cpu and (fitted(kv) or k_bias(kv) is not None or kv.k_pos is not None):
+        # a fitted basis, a centered K, keys before RoPE: kv_attend_rows takes the matrices, the bias and the key
+        # transform (one row per batch row)
+        out = torch.zeros_like(qf)
+        rows = [fused_row(kv, b, None if qf.shape[0] == 1 else b) for b in range(qf.shape[0])]
+        return None if kernels.cpu.attend_rows(qf, rows, out) else out
     if backend is kernels.gpu_rows:
         out = torch.zeros_like(qf)
         rows = [fused_row(kv, b, None if qf.shape[0] == 1 else b) for b in range(qf.shape[0])]

@@ -25,8 +25,9 @@ rotated back once, ``R^T sum_i p_i R v_i``. A pre-RoPE key is rotated back (``R^
 its RoPE (:class:`kvslim.kernels.KeyTransform`): RoPE turns each token's channel pairs by that token's angles and
 a dense ``R`` does not commute with that, so no single rotated query serves every token; the C transform kernels
 do it in the tile (``D^2`` multiply-adds a key, the Hadamard's ``D log D``), the torch reference with a matmul
-(:func:`kvslim.kernels.reference.apply_transform`). The fused C decode step takes Hadamard blocks only: a fitted
-basis goes op by op. Matrices are float32; the fit is float64.
+(:func:`kvslim.kernels.reference.apply_transform`). A fitted basis is fused in the C rows call
+(:mod:`kvslim.fused`): post-RoPE, the queries taken to it once (``R q``); pre-RoPE, each key taken back in the
+piece's key transform; the V sum taken back once (``R^T``). Matrices are float32; the fit is float64.
 
 This module fits, holds and loads the rotations. The file's bytes are :mod:`.biasfile`'s; observing the
 keys is :mod:`.calibrate`'s; the cache applies a rotation where it applies a Hadamard basis
@@ -51,8 +52,8 @@ class FittedRotation:
     """One layer's rotation of one role: ``matrix`` (H_kv, D, D) float32, ``y = R x`` per KV head.
 
     The same interface as :class:`kvslim.cache.hadamard.Hadamard` (``apply`` into the stored basis, ``inverse``
-    back, ``for_layer``), on 4-D tensors whose dim 1 is the KV head. ``block`` is 0: no fast block transform,
-    so the fused C decode declines it; the C transform kernels (pre-RoPE keys) take ``matrix`` itself."""
+    back, ``for_layer``), on 4-D tensors whose dim 1 is the KV head. ``block`` is 0: no fast block transform;
+    the C rows call (fused decode, post-RoPE) and the C transform kernels (pre-RoPE keys) take ``matrix`` itself."""
 
     matrix: torch.Tensor
     block = 0

@@ -52,7 +52,7 @@ from .. import paths
 from ..atomic import remove_stale
 from ..formats import FORMATS
 
-ABI_VERSION = 8
+ABI_VERSION = 9
 SOURCES = Path(__file__).parent / "csrc"
 BASE_FLAGS = ["-O3", "-shared", "-fPIC", "-std=c11", "-ffp-contract=fast"]
 #: Tried in order; the first set the compiler accepts is used.
@@ -301,7 +301,7 @@ def row_codes(lib: ctypes.CDLL) -> dict:
 
 #: kv_attend_rows' row table (csrc/kvslim_kernels.c): int64 fields of the header, of a row record and of a
 #: piece record, and the row record's status field; the loader refuses a library that says otherwise.
-ROWS_LAYOUT = {"head": 18, "row": 32, "piece": 31, "status": 30}
+ROWS_LAYOUT = {"head": 18, "row": 47, "piece": 61, "status": 45}
 
 
 def rows_layout(lib: ctypes.CDLL) -> dict:

@@ -15,16 +15,24 @@ from typing import NamedTuple
 import torch
 
 from ..formats import Codec, Encoded
-from ..formats.layout import body_layout, expect, rows_contiguous
+from ..formats.layout import body_layout, rows_contiguous
 from ..formats.varnorm import factor_part
 from .clib import NAMED_ROWS, ROWS_LAYOUT, library, row_code, status  # noqa: F401 - the dispatcher reads cpu.status
+from .cpu_parts import DT as _DT
+from .cpu_parts import bias_part as _bias_part
+from .cpu_parts import flags_part as _flags_part
+from .cpu_parts import fp_part as _fp_part
+from .cpu_parts import part as _part
+from .cpu_parts import piece_queries as _piece_queries
+from .cpu_parts import piece_transform as _piece_transform
+from .cpu_parts import rot_part as _rot_part
+from .cpu_parts import transform_parts as _transform_parts
 
 #: Longest query axis (GQA group x new tokens) the C kernels take. They redo the dot products per
 #: query, where decode + GEMM amortizes the decode: measured (1 thread, T=4096, 3 KV heads, D=64) the
 #: C kernels take 0.2-0.3x the reference's time at M=32..48 and draw level around M=96.
 MAX_M = 64
 
-_DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.uint8: 4}
 #: kv_run's operations and its argument layout (see the end of csrc/kvslim_kernels.c)
 _OP_K_ROWS, _OP_V_ROWS, _OP_K_AFFINE, _OP_V_AFFINE, _OP_K_ROWS_T, _OP_K_AFFINE_T = range(6)
 _NPARAM = 8
@@ -80,51 +88,6 @@ def k_affine(q: torch.Tensor, codec: Codec, enc: Encoded, offset: int) -> torch.
         (q, codes, scale, zero, out, _vn_part(codec, enc, b, h, t, d, offset)),
     )
     return out
-
-
-def _transform_parts(q: torch.Tensor, tr, t: int) -> tuple[tuple, tuple]:
-    """The C side's (hblock, rhalf, roff, has_bias, has_flags) and (bias, cos, sin, flags, mat) parts of a
-    KeyTransform.
-
-    bias: (1, H, 1, D) fp32; cos/sin: (B, 1, T, R/2) fp32, batch stride 0 when shared by every row;
-    flags: the ``centered`` part (B, H, T, 1) uint8; mat: a fitted rotation's matrix (1, H, D, D) fp32
-    (:class:`kvslim.calibration.rotation.FittedRotation`, block 0: the kernel takes each key back with
-    ``R^T``), None for a Hadamard basis or none. Other absent parts repeat q (never read)."""
-    b, h, _, d = q.shape
-    bias = q
-    if tr.bias is not None:
-        bias = tr.bias.to(dtype=torch.float32, device=q.device).contiguous()
-        expect(bias, (h, d), (torch.float32,), "transform bias")
-        bias = bias[None, :, None, :]
-    hblock = 0 if tr.hadamard is None else int(tr.hadamard.block)
-    mat = None
-    if tr.hadamard is not None and not hblock:  # a fitted rotation: its (H, D, D) matrix
-        mat = tr.hadamard.matrix.to(dtype=torch.float32, device=q.device).contiguous()
-        expect(mat, (h, d, d), (torch.float32,), "transform rotation matrix")
-        mat = mat[None]  # (1, H, D, D): row e of head h at at(mat, 0, h, e)
-    if hblock and (hblock & (hblock - 1) or d % hblock):
-        raise ValueError(f"a Hadamard block of {hblock} does not tile head_dim {d}")
-    cos = sin = q
-    rhalf = roff = 0
-    if tr.cos is not None:
-        rhalf, roff = int(tr.cos.shape[-1]), int(tr.rope_offset)
-        if roff < 0 or roff + 2 * rhalf > d:
-            raise ValueError(f"rotary channels {roff}..{roff + 2 * rhalf} exceed head_dim {d}")
-        parts = []
-        for name, a in (("cos", tr.cos), ("sin", tr.sin)):
-            a = a.to(dtype=torch.float32, device=q.device).contiguous()
-            if a.dim() != 3 or a.shape[0] not in (1, b) or tuple(a.shape[1:]) != (t, rhalf):
-                raise ValueError(
-                    f"transform {name} has shape {tuple(a.shape)}, expected ({b} or 1, {t}, {rhalf})"
-                )
-            parts.append(a[:, None].expand(b, 1, t, rhalf))  # stride 0 over a shared batch
-        cos, sin = parts
-    flags = q
-    if tr.centered is not None:
-        flags = rows_contiguous(tr.centered)
-        expect(flags, (b, h, t, 1), (torch.uint8,), "transform centered flags")
-    has = (int(tr.bias is not None), int(tr.centered is not None))
-    return (hblock, rhalf, roff, *has), (bias, cos, sin, flags, mat)
 
 
 def k_affine_transformed(q: torch.Tensor, codec: Codec, enc: Encoded, offset: int, tr) -> torch.Tensor:
@@ -332,8 +295,17 @@ class AttendRow(NamedTuple):
     a per-channel K piece's first token sits in its group, a variance-normalized V piece's in its factors' group
     of ``token_group`` tokens (0 for the others). A K piece may carry a fourth element, its own queries
     ``(1, H, M, D)`` fp32, contiguous, already scaled and in the piece's basis (the call scores that piece with
-    them instead of the row's; kvslim's key runs in other RoPE frames use it). A row's V pieces share one
-    format. k_hblock, v_hblock: the bodies' Hadamard blocks (0: none), as :func:`attend`'s."""
+    them instead of the row's; kvslim's key runs in other RoPE frames use it; None: the row's), and a fifth, a
+    :class:`kvslim.kernels.KeyTransform` of its ``n`` tokens (``cos``/``sin`` (1, n, R/2): keys stored before
+    RoPE): each decoded key is transformed as ``kv_run``'s transformed K ops do and scored with the row's own
+    queries, neither rotated by the row's K basis nor given the row's ``k_bias``. A row's V pieces share one
+    format. k_hblock, v_hblock: the bodies' Hadamard blocks (0: none), as :func:`attend`'s. k_rot, v_rot: the
+    bodies' fitted rotations instead (:class:`kvslim.calibration.rotation.FittedRotation`'s ``matrix``, (H, D, D)
+    float32, ``y = R x``; None: none): the call scores the K body with ``R_k q`` and takes the V body's sum back
+    with ``R_v^T``, as the Hadamard blocks are used (a stream has one or the other, never both). k_bias: the K
+    body's mean-centering bias (H, D) float32 in the body's basis (None: none): a K body token stored centered (its
+    piece's ``centered`` token part (1, H, n, 1) uint8 is 1; every token when the part is absent) scores
+    ``qb . bias`` more, ``qb`` the query it is scored with (:func:`kvslim.attention._body_scores`'s arithmetic)."""
 
     qrow: int
     k_sink: torch.Tensor | None
@@ -344,52 +316,25 @@ class AttendRow(NamedTuple):
     v_body: tuple
     k_hblock: int = 0
     v_hblock: int = 0
+    k_rot: torch.Tensor | None = None
+    v_rot: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
 
 
 _HEAD, _ROW, _PIECE, _STATUS = (ROWS_LAYOUT[k] for k in ("head", "row", "piece", "status"))
 
 
-def _part(t: torch.Tensor) -> tuple:
-    s = t.stride()
-    return t.data_ptr(), s[0], s[1], s[2], _DT[t.dtype]
-
-
-_FP = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _fp_part(t: torch.Tensor | None, h: int, d: int, dummy: tuple) -> tuple[int, tuple]:
-    """(tokens, part) of a row's full-precision sinks or residual (1, H, n, D); None or empty: (0, dummy)."""
-    if t is None or t.shape[2] == 0:
-        return 0, dummy
-    if t.dim() != 4 or tuple(t.shape[:2]) != (1, h) or t.shape[3] != d or t.dtype not in _FP:
-        raise ValueError(
-            f"attention rows: a full-precision part {tuple(t.shape)} {t.dtype} does not fit a row of (1, {h}, n, {d})"
-        )
-    return t.shape[2], _part(rows_contiguous(t))
-
-
-def _piece_queries(qk: torch.Tensor | None, h: int, m: int, d: int, role: str) -> tuple:
-    """The part of a K piece's own queries (None: the row's, an all-zero part)."""
-    if qk is None:
-        return (0, 0, 0, 0, 0)
-    fits = qk.dtype == torch.float32 and tuple(qk.shape) == (1, h, m, d) and qk.is_cpu and qk.is_contiguous()
-    if role != "k" or not fits:
-        raise ValueError(
-            f"attention rows: a {role.upper()} piece's own queries must be K's, a contiguous CPU float32 "
-            f"(1, {h}, {m}, {d}) tensor, got {tuple(qk.shape)} {qk.dtype}"
-        )
-    return _part(qk)  # contiguous: the caller's tensor itself, alive until the call returns
-
-
-def _row_pieces(pieces, h: int, m: int, d: int, role: str, vals: list) -> tuple[int, int]:
+def _row_pieces(pieces, h: int, m: int, d: int, role: str, vals: list, held: list) -> tuple[int, int]:
     """A row's K or V body pieces appended to ``vals`` as piece records; returns (pieces, tokens). A
     variance-normalized affine piece carries its factors (and, for V, their token group, ``offset`` being where
     the piece's first token sits in it), read in place as :func:`attend` reads them; a K piece may carry its own
-    queries (a fourth element, :class:`AttendRow`)."""
+    queries (a fourth element, :class:`AttendRow`) and a key transform (a fifth; tensors made for it go to ``held``,
+    which the caller keeps until the call returns)."""
     tokens, first = 0, None
     for piece in pieces:
         codec, enc, offset = piece[:3]
         qk = piece[3] if len(piece) > 3 else None
+        tr = piece[4] if len(piece) > 4 else None
         p, parts, vn = _body_args(codec, enc, 1, h, d, offset, role)
         if role == "v":
             first = first or p[:2]
@@ -404,6 +349,8 @@ def _row_pieces(pieces, h: int, m: int, d: int, role: str, vals: list) -> tuple[
             vals += _part(t)
         vals += (0, 0, 0, 0, _DT[torch.uint8]) if vn is None else _part(vn)
         vals += _piece_queries(qk, h, m, d, role)
+        vals += _flags_part(enc, h, p[4], role)
+        vals += _piece_transform(tr, h, d, p[4], role, held)
         tokens += p[4]
     return len(pieces), tokens
 
@@ -434,6 +381,7 @@ def attend_rows(q: torch.Tensor, rows, out: torch.Tensor, lib=None) -> list[int]
     nq, h, m, d = q.shape
     dummy = _part(q)
     recs, pieces, sent, left, taken = [], [], [], [], set()
+    held: list = []  # tensors made for the table (a transform's tables), alive until the call returns
     for i, row in enumerate(rows):
         try:
             qrow = int(row.qrow)
@@ -448,18 +396,20 @@ def attend_rows(q: torch.Tensor, rows, out: torch.Tensor, lib=None) -> list[int]
                 raise ValueError(f"attention rows: {s_k} sink keys but {s_v} sink values")
             mine: list = []
             first = len(pieces) // _PIECE
-            kn, nk = _row_pieces(row.k_body, h, m, d, "k", mine)
-            vn, nv = _row_pieces(row.v_body, h, m, d, "v", mine)
+            kn, nk = _row_pieces(row.k_body, h, m, d, "k", mine, held)
+            vn, nv = _row_pieces(row.v_body, h, m, d, "v", mine, held)
             if nk + rk != nv + rv or s_k + nk + rk < 1:
                 raise ValueError(f"attention rows: K holds {nk} + {rk} tokens after the sinks, V {nv} + {rv}")
             hbs = (int(row.k_hblock), int(row.v_hblock))
+            bases = (*_rot_part(row.k_rot, hbs[0], h, d, "k"), *_rot_part(row.v_rot, hbs[1], h, d, "v"))
+            bases += _bias_part(row.k_bias, h, d)
         except Exception:  # noqa: BLE001 - the caller's own path for this row says what is wrong with it
             left.append(i)
             continue
         taken.add(qrow)
         pieces += mine
         # the status field starts at "refused" (2): a row is done only where C says so
-        recs += (qrow, s_k, rk, rv, *hbs, first, kn, first + kn, vn, *ks, *vs, *kr, *vr, 2, 0)
+        recs += (qrow, s_k, rk, rv, *hbs, first, kn, first + kn, vn, *ks, *vs, *kr, *vr, *bases, 2, 0)
         sent.append(i)
     if not sent:
         return left

@@ -115,6 +115,10 @@ def _prepare(row, nq: int, h: int, d: int, device) -> tuple[tuple, dict]:
     nk, nv = sum(n for n, _, _ in kp), sum(n for n, _, _ in vp)
     if nk + rk != nv + rv or s_k + nk + rk < 1:
         raise ValueError(f"attention rows: K holds {nk} + {rk} tokens after the sinks, V {nv} + {rv}")
+    if any(getattr(row, name, None) is not None for name in ("k_rot", "v_rot", "k_bias")):
+        raise ValueError(
+            "attention rows: the Triton rows program takes Hadamard blocks only, not a fitted rotation or a K bias"
+        )
     hbs = (int(row.k_hblock), int(row.v_hblock))
     for hb in hbs:
         if hb < 0 or (hb and (hb & (hb - 1) or d % hb)):

@@ -63,7 +63,7 @@
 #include <immintrin.h>
 #endif
 
-#define KV_ABI_VERSION 8
+#define KV_ABI_VERSION 9
 
 #if defined(__GNUC__) || defined(__clang__)
 #define KV_INLINE static inline __attribute__((always_inline))
@@ -1311,6 +1311,25 @@ static KV_NOINLINE void rotate_queries(const kv_part *q, int b, int h, int M, in
     }
 }
 
+/* The body's queries of (b, h) in a fitted basis: dst (M, D) contiguous = R q, rot R of head h (D, D) rows
+ * contiguous (y = R x): channel e is row e of R dotted with the query. */
+static KV_NOINLINE void fit_queries(const kv_part *q, int b, int h, int M, int D, const float *restrict rot,
+                                    float *restrict dst) {
+    for (int m = 0; m < M; m++) {
+        const float *qm = (const float *)at(q, b, h, 0) + (int64_t)m * q->s2;
+        float *restrict r = dst + (int64_t)m * D;
+        for (int e = 0; e < D; e++) r[e] = dot(rot + (int64_t)e * D, qm, D);
+    }
+}
+
+/* o (D) = R^T o in place, rot R (D, D) rows contiguous: row e of R scaled by o_e, summed in e order (as
+ * transform_rows takes a key back). tmp: D floats. */
+static void unfit_row(float *restrict o, const float *restrict rot, int D, float *restrict tmp) {
+    memcpy(tmp, o, (size_t)D * sizeof(float));
+    for (int d = 0; d < D; d++) o[d] = 0.0f;
+    for (int e = 0; e < D; e++) axpy(o, tmp[e], rot + (int64_t)e * D, D);
+}
+
 /* Scores of (b, h)'s sink and residual keys: columns 0 .. S and S + NK .. T of its M score rows sb (M, T). */
 static KV_NOINLINE void fp_scores(const kv_part *q, const kv_part *ksk, const kv_part *kres, int b, int h, int M,
                                   int D, int S, int NK, int RK, int T, float *restrict sb, float *restrict row) {
@@ -1382,10 +1401,12 @@ static KV_NOINLINE void softmax_row(float *restrict x, int T) {
 }
 
 /* (b, h)'s output rows: its ncv V chunks' partial sums (part: (ncv, M, D), plane order of vper) summed in chunk
- * order, un-permuted, rotated back (vhb), then the sink and residual values weighted by pbh (M, T) added. */
+ * order, un-permuted, rotated back (vhb, or vrot: a fitted rotation R of head h, taken back with R^T; NULL: none),
+ * then the sink and residual values weighted by pbh (M, T) added. */
 static KV_NOINLINE void finish_head(const float *restrict part, int ncv, const kv_part *out, const kv_part *vsk,
-                                    const kv_part *vres, int b, int h, int M, int D, int vper, int vhb, int S,
-                                    int NV, int RV, int T, const float *restrict pbh, float *restrict scratch) {
+                                    const kv_part *vres, int b, int h, int M, int D, int vper, int vhb,
+                                    const float *restrict vrot, int S, int NV, int RV, int T,
+                                    const float *restrict pbh, float *restrict scratch) {
     const int np = D / vper;
     float *row = scratch, *acc = scratch + D;
     for (int m = 0; m < M; m++) {
@@ -1399,6 +1420,7 @@ static KV_NOINLINE void finish_head(const float *restrict part, int ncv, const k
         for (int i = 0; i < vper; i++)
             for (int j = 0; j < np; j++) o[vper * j + i] = acc[i * np + j];
         hadamard_blocks(o, D, vhb);
+        if (vrot && ncv) unfit_row(o, vrot, D, acc);
         const float *pm = pbh + (int64_t)m * T;
         for (int j = 0; j < S + RV; j++) {
             const int col = j < S ? j : S + NV + (j - S);
@@ -1498,8 +1520,8 @@ int kv_attend(const int64_t *a) {
 #pragma omp for schedule(static)
         for (int bh = 0; bh < BH; bh++) {
             if (!scratch) continue;
-            finish_head(part + (int64_t)bh * ncv * M * D, ncv, out, vsk, vres, bh / H, bh % H, M, D, vper, vhb, S, NV,
-                        RV, T, scores + (int64_t)bh * M * T, scratch);
+            finish_head(part + (int64_t)bh * ncv * M * D, ncv, out, vsk, vres, bh / H, bh % H, M, D, vper, vhb, NULL, S,
+                        NV, RV, T, scores + (int64_t)bh * M * T, scratch);
         }
         free(scratch);
     }
@@ -1527,14 +1549,26 @@ int kv_attend(const int64_t *a) {
  *       q (NQ, H, M, D) fp32 already scaled; out (NQ, H, M, D) fp32, of which row r writes out[qrow] only
  *   R row records (RT_ROW): qrow, S, RK, RV, K hadamard block, V hadamard block, K first piece, K piece count,
  *       V first piece, V piece count, then the parts k_sink, v_sink (1, H, S, D), k_res (1, H, RK, D),
- *       v_res (1, H, RV, D) fp32/fp16/bf16 (unused ones may repeat q), then status (RT_STATUS: the caller
+ *       v_res (1, H, RV, D) fp32/fp16/bf16 (unused ones may repeat q), then the parts k_rot, v_rot: a fitted
+ *       rotation of the K / V body (1, H, D, D) fp32, rows contiguous, y = R x (data 0: none; a row's K or V has
+ *       a Hadamard block or a fitted rotation, never both): the row's body queries are R_k q (fit_queries), the
+ *       V body's sum is taken back with R_v^T before the sink and residual values are added (finish_head), then
+ *       the part k_bias: a mean-centering bias (1, H, 1, D) fp32 of the K body, in the body's basis (data 0: none):
+ *       each K body token stored centered (a piece's flags, below) scores qb . bias more, qb the query it was
+ *       scored with (the key as stored plus its zero point: qb . (y + bias)), then status (RT_STATUS: the caller
  *       writes KV_EARG; this call writes KV_OK for each row it computes), 0
  *   npieces piece records (RT_PIECE): kind, code, group, offset, n, vgroup, then the parts x, s, z, f: kv_attend's
  *       body arguments for n tokens (K: offset = the piece's first token's place in its token group; V: offset =
  *       that place in its group of vgroup tokens, read only with factors, else 0) and a variance-normalized affine
  *       piece's factors f (kv_attend's K / V factor parts; data 0: none, vgroup unused then), then the part qk:
  *       a K piece's own queries (1, H, M, D) fp32, already scaled and in the piece's basis (data 0: the row's,
- *       Hadamard-rotated by the row's K block as kv_attend rotates them). A row whose keys sit in several RoPE
+ *       Hadamard-rotated by the row's K block as kv_attend rotates them), then the part fl: a K piece's
+ *       per-token centering flags (1, H, n, 1) uint8, read with the row's k_bias or the piece's transform (data
+ *       0: every token centered), then a K piece's key transform (kv_tr: what kv_run's transformed K ops take,
+ *       for keys stored before RoPE): hblock, rhalf, roff, has_bias, has_flags and the parts bias (1, H, 1, D),
+ *       cos, sin (1, 1, n, rhalf), mat (1, H, D, D) fp32 (all 0: none; flags: fl). A transformed piece's keys
+ *       are decoded, transformed (kv_tr) and scored with the row's own queries (q, never qb: the transform
+ *       takes the key to the model's basis). A row whose keys sit in several RoPE
  *       frames (kvslim's runs after a re-base of the position ids) scores each run's piece with the query moved
  *       into that run's frame: R(-d)q . k = q . R(d)k, the codes read as stored. A row's V pieces share kind
  *       and code (their sum is un-permuted once). Rows may share pieces.
@@ -1543,17 +1577,23 @@ int kv_attend(const int64_t *a) {
  * Returns KV_OK (every row done); KV_EARG: the rows whose status says so were refused and their output left
  * untouched, the others done (a bad header refuses every row); KV_ENOMEM: no output is reliable. */
 
-enum { RT_HEAD = 18, RT_ROW = 32, RT_PIECE = 31, RT_STATUS = 30 };
+enum { RT_HEAD = 18, RT_ROW = 47, RT_PIECE = 61, RT_STATUS = 45 };
 
 typedef struct {
     kv_body b;
     kv_part x, s, z, f; /* f: variance-normalization factors (data NULL: none) */
     kv_part qk;         /* a K piece's own queries (data NULL: the row's body queries) */
+    kv_part fl;         /* a K piece's centering flags (1, H, n, 1) uint8 (data NULL: all centered) */
+    kv_part tb, tc, ts, tm; /* a K piece's transform parts: bias, cos, sin, matrix (data NULL: none) */
+    kv_tr tr;           /* a K piece's key transform (pointing at the parts above) */
+    int has_tr;         /* the piece is scored through tr */
     int vgroup;         /* V with factors: tokens per factor row (b.offset: the first token's place in it) */
 } rt_piece;
 
 typedef struct {
     kv_part q, qb, out, ksk, vsk, kres, vres; /* q, out: this row's (1, H, M, D); qb: the body's queries */
+    kv_part krot, vrot;                       /* fitted rotations (1, H, D, D) fp32 (data NULL: none) */
+    kv_part kbias;                            /* the K body's centering bias (1, H, 1, D) fp32 (data NULL: none) */
     int S, RK, RV, NK, NV, T, khb, vhb, vper, nck, ncv, nkp, nvp;
     const rt_piece *kp, *vp;
     float *scores, *qrot, *part; /* (H, M, T); (H, M, D) or NULL; (H, ncv, M, D) or NULL */
@@ -1586,20 +1626,37 @@ static int rt_setup(const int64_t *e, const rt_piece *pieces, int64_t np, int64_
     for (int64_t i = kf; i < kf + kn; i++) {
         if (!body_ok(&pieces[i].b, 0, D) || (pieces[i].f.data && pieces[i].b.kind != 1)) return KV_EARG;
         if (pieces[i].qk.data && pieces[i].qk.dtype != DT_F32) return KV_EARG;
+        if (pieces[i].fl.data && pieces[i].fl.dtype != DT_U8) return KV_EARG;
+        if (pieces[i].has_tr) {
+            const rt_piece *pc = &pieces[i];
+            const kv_tr *tr = &pc->tr;
+            if (!hblock_ok(tr->hblock, D) || (tr->mat && tr->hblock) || tr->rhalf < 0 || tr->roff < 0 ||
+                tr->roff + 2 * tr->rhalf > D || (tr->mat && pc->tm.dtype != DT_F32) ||
+                (tr->has_bias && (!pc->tb.data || pc->tb.dtype != DT_F32)) || (tr->has_flags && !pc->fl.data) ||
+                (tr->rhalf && (!pc->tc.data || !pc->ts.data || pc->tc.dtype != DT_F32 || pc->ts.dtype != DT_F32)))
+                return KV_EARG;
+        }
         if ((nk += pieces[i].b.n) >= lim) return KV_EARG;
     }
     for (int64_t i = vf; i < vf + vn; i++) {
         if (!body_ok(&pieces[i].b, 1, D) || pieces[i].b.kind != pieces[vf].b.kind || pieces[i].b.code != pieces[vf].b.code)
             return KV_EARG;
+        if (pieces[i].has_tr) return KV_EARG; /* a key transform is K's */
         const rt_piece *v = &pieces[i];
         if (v->f.data ? v->b.kind != 1 || v->vgroup < 1 || v->b.offset < 0 || v->b.offset >= v->vgroup : v->b.offset != 0)
             return KV_EARG;
         if ((nv += pieces[i].b.n) >= lim) return KV_EARG;
     }
     if (S + nk + RK != S + nv + RV || S + nk + RK < 1 || S + nk + RK >= lim) return KV_EARG;
-    *w = (rt_row){.ksk = part_of(e + 10), .vsk = part_of(e + 15), .kres = part_of(e + 20), .vres = part_of(e + 25)};
+    *w = (rt_row){.ksk = part_of(e + 10), .vsk = part_of(e + 15), .kres = part_of(e + 20), .vres = part_of(e + 25),
+                  .krot = part_of(e + 30), .vrot = part_of(e + 35), .kbias = part_of(e + 40)};
     if (!fp_ok(&w->ksk, (int)S) || !fp_ok(&w->vsk, (int)S) || !fp_ok(&w->kres, (int)RK) || !fp_ok(&w->vres, (int)RV))
         return KV_EARG;
+    if ((w->krot.data && (w->krot.dtype != DT_F32 || e[4])) || (w->vrot.data && (w->vrot.dtype != DT_F32 || e[5])))
+        return KV_EARG; /* one basis per stream: a Hadamard block or a fitted matrix */
+    if (w->kbias.data && w->kbias.dtype != DT_F32) return KV_EARG;
+    for (int64_t i = kf; i < kf + kn; i++) /* a transformed piece's basis and bias are its transform's */
+        if (pieces[i].has_tr && (e[4] || w->krot.data || w->kbias.data)) return KV_EARG;
     w->q = *q, w->out = *out;
     w->q.data = (const float *)q->data + qrow * q->s0;
     w->out.data = (const float *)out->data + qrow * out->s0;
@@ -1630,12 +1687,25 @@ static void rt_body(const rt_row *w, int is_v, int h, int c, int H, int M, int D
         /* the piece's columns of the row's scores (K out, V in) */
         const kv_part sc = {w->scores + w->S + start, (int64_t)H * M * w->T, (int64_t)M * w->T, w->T, DT_F32, 0};
         const kv_body *b = &pc[i].b;
-        const kv_call k = {.op = is_v ? (b->kind ? OP_V_AFFINE : OP_V_ROWS) : (b->kind ? OP_K_AFFINE : OP_K_ROWS),
+        const int tr = !is_v && pc[i].has_tr; /* keys taken to the model's basis: the row's own queries */
+        const int kop = tr ? (b->kind ? OP_K_AFFINE_T : OP_K_ROWS_T) : (b->kind ? OP_K_AFFINE : OP_K_ROWS);
+        const kv_call k = {.op = is_v ? (b->kind ? OP_V_AFFINE : OP_V_ROWS) : kop,
                            .fmt = b->code, .bits = b->code, .group = b->group, .offset = is_v ? 0 : b->offset, .nc = nc,
-                           .x = is_v ? &sc : pc[i].qk.data ? &pc[i].qk : &w->qb, .p1 = &pc[i].x, .p2 = &pc[i].s, .p3 = &pc[i].z,
-                           .out = is_v ? NULL : &sc, .dm = &dm, .part = NULL, .tr = NULL,
+                           .x = is_v ? &sc : pc[i].qk.data ? &pc[i].qk : tr ? &w->q : &w->qb, .p1 = &pc[i].x,
+                           .p2 = &pc[i].s, .p3 = &pc[i].z, .out = is_v ? NULL : &sc, .dm = &dm, .part = NULL,
+                           .tr = tr ? &pc[i].tr : NULL,
                            .vn = pc[i].f.data ? &pc[i].f : NULL, .vgroup = pc[i].vgroup, .voffset = b->offset};
         run_range(&k, 0, h, lo - start, hi - start, scratch, acc);
+        if (!is_v && !tr && w->kbias.data) { /* the centered tokens' zero point: + qb . bias, qb the piece's queries */
+            const float *bias = (const float *)at(&w->kbias, 0, h, 0);
+            const kv_part *qs = k.x;
+            for (int m = 0; m < M; m++) {
+                const float qbias = dot((const float *)at(qs, 0, h, 0) + (int64_t)m * qs->s2, bias, D);
+                float *restrict srow = (float *)at(&sc, 0, h, m);
+                for (int t = lo - start; t < hi - start; t++)
+                    if (!pc[i].fl.data || *at(&pc[i].fl, 0, h, t)) srow[t] += qbias;
+            }
+        }
     }
 }
 
@@ -1671,8 +1741,16 @@ int kv_attend_rows(int64_t *a) {
         int v[6];
         for (int j = 0; j < 6; j++) v[j] = e[j] < INT32_MIN || e[j] > INT32_MAX ? -1 : (int)e[j];
         pieces[i] = (rt_piece){.x = part_of(e + 6), .s = part_of(e + 11), .z = part_of(e + 16), .f = part_of(e + 21),
-                               .qk = part_of(e + 26), .vgroup = v[5]};
+                               .qk = part_of(e + 26), .fl = part_of(e + 31), .tb = part_of(e + 41),
+                               .tc = part_of(e + 46), .ts = part_of(e + 51), .tm = part_of(e + 56), .vgroup = v[5]};
         pieces[i].b = (kv_body){v[0], v[1], v[2], v[3], v[4], &pieces[i].x, &pieces[i].s, &pieces[i].z};
+        rt_piece *pc = &pieces[i];
+        int t[5];
+        for (int j = 0; j < 5; j++) t[j] = e[36 + j] < INT32_MIN || e[36 + j] > INT32_MAX ? -1 : (int)e[36 + j];
+        pc->tr = (kv_tr){.hblock = t[0], .rhalf = t[1], .roff = t[2], .has_bias = t[3], .has_flags = t[4],
+                         .bias = &pc->tb, .cos = &pc->tc, .sin = &pc->ts, .flags = &pc->fl,
+                         .mat = pc->tm.data ? &pc->tm : NULL};
+        pc->has_tr = t[0] || t[1] || t[3] || t[4] || pc->tm.data;
     }
     /* set up the rows; sizes of the scores, rotated queries and V partial sums; task counts; the call's work */
     int64_t n = 0, nscores = 0, nqrot = 0, npart = 0, nktask = 0, nvtask = 0, work = 0;
@@ -1682,7 +1760,7 @@ int kv_attend_rows(int64_t *a) {
         rec[r * RT_ROW + RT_STATUS] = KV_OK;
         n++;
         nscores += (int64_t)H * M * w->T;
-        nqrot += w->khb && w->NK ? (int64_t)H * M * D : 0;
+        nqrot += (w->khb || w->krot.data) && w->NK ? (int64_t)H * M * D : 0;
         npart += (int64_t)H * w->ncv * M * D;
         nktask += (int64_t)H * (w->nck + 1);
         nvtask += (int64_t)H * w->ncv;
@@ -1699,7 +1777,7 @@ int kv_attend_rows(int64_t *a) {
         for (int32_t i = 0; i < (int32_t)n; i++) {
             rt_row *w = &rows[i];
             w->scores = scores + os, os += (int64_t)H * M * w->T;
-            w->qrot = w->khb && w->NK ? qrot + oq : NULL, oq += w->qrot ? (int64_t)H * M * D : 0;
+            w->qrot = (w->khb || w->krot.data) && w->NK ? qrot + oq : NULL, oq += w->qrot ? (int64_t)H * M * D : 0;
             if (w->qrot) w->qb = (kv_part){w->qrot, (int64_t)H * M * D, (int64_t)M * D, D, DT_F32, 0};
             w->part = part + op, op += (int64_t)H * w->ncv * M * D;
             for (int h = 0; h < H; h++) {
@@ -1724,12 +1802,16 @@ int kv_attend_rows(int64_t *a) {
 #pragma omp atomic write
                 err = KV_ENOMEM;
             }
-            /* 0. the body queries of rows in a Hadamard basis */
+            /* 0. the body queries of rows in a Hadamard or a fitted basis */
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < nheads; i++) {
                 const rt_row *w = &rows[i / H];
                 const int h = (int)(i % H);
-                if (w->qrot) rotate_queries(&w->q, 0, h, M, D, w->khb, w->qrot + (int64_t)h * M * D);
+                if (!w->qrot) continue;
+                if (w->krot.data)
+                    fit_queries(&w->q, 0, h, M, D, (const float *)at(&w->krot, 0, h, 0), w->qrot + (int64_t)h * M * D);
+                else
+                    rotate_queries(&w->q, 0, h, M, D, w->khb, w->qrot + (int64_t)h * M * D);
             }
             /* 1. K: body chunks and each head's sink and residual scores, costliest first */
 #pragma omp for schedule(dynamic, 1)
@@ -1760,8 +1842,9 @@ int kv_attend_rows(int64_t *a) {
                 if (!scratch) continue;
                 const rt_row *w = &rows[i / H];
                 const int h = (int)(i % H);
+                const float *vrot = w->vrot.data ? (const float *)at(&w->vrot, 0, h, 0) : NULL;
                 finish_head(w->part + (int64_t)h * w->ncv * M * D, w->ncv, &w->out, &w->vsk, &w->vres, 0, h, M, D,
-                            w->vper, w->vhb, w->S, w->NV, w->RV, w->T, w->scores + (int64_t)h * M * w->T, scratch);
+                            w->vper, w->vhb, vrot, w->S, w->NV, w->RV, w->T, w->scores + (int64_t)h * M * w->T, scratch);
             }
             free(scratch);
         }
