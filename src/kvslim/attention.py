@@ -45,6 +45,7 @@ from .fused import fusable as _fusable  # noqa: F401 - the tests' name for the o
 from .fused import fused_decode as _fused_decode
 from .fused import fused_row as _fused_row  # noqa: F401 - the tests' name
 from .fused import hblocks as _hblocks  # noqa: F401 - the tests' name
+from .fused import pre_rope_transform
 from .fused import ragged_fused as _ragged_fused
 from .kernels import ops
 
@@ -123,16 +124,7 @@ def _stream_scores(qf: torch.Tensor, kv: Segments) -> list[torch.Tensor]:
     parts = []
     if kv.k_pos is not None:
         if n_body:
-            cos, sin = kv.rope.table(kv.k_pos[:, :n_body], qf.device)  # (B, n_body, R/2)
-            basis = kv.k_basis
-            tr = kernels.KeyTransform(
-                bias=None if basis is None else basis.bias,
-                hadamard=None if basis is None else basis.hadamard,
-                cos=cos,
-                sin=sin,
-                rope_offset=kv.rope.offset,
-                centered=kv.k_body.token.get(CENTERED),
-            )
+            tr = pre_rope_transform(kv, kv.k_pos[:, :n_body], kv.k_body, qf.device)
             parts.append(kernels.k_scores(qf, kv.k_codec, kv.k_body, kv.k_offset, tr))
         if n_res:
             res = kv.rope.move(kv.k_res.float(), kv.k_pos[:, n_body:])

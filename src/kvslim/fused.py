@@ -165,6 +165,22 @@ def fused_row(kv, qrow: int, b: int | None = None, qf: torch.Tensor | None = Non
     )
 
 
+def pre_rope_transform(kv, pos: torch.Tensor, enc: Encoded, device) -> kernels.KeyTransform:
+    """The :class:`kvslim.kernels.KeyTransform` that takes pre-RoPE body keys ``enc`` of ``kv`` to the scores'
+    frame: the centering bias added back where flagged, the basis taken back, RoPE at ``pos`` (B, n_body). The one
+    builder of the op-by-op path (:func:`kvslim.attention._stream_scores`) and the fused pieces."""
+    cos, sin = kv.rope.table(pos, device)  # (B, n_body, R/2)
+    basis = kv.k_basis
+    return kernels.KeyTransform(
+        bias=None if basis is None else basis.bias,
+        hadamard=None if basis is None else basis.hadamard,
+        cos=cos,
+        sin=sin,
+        rope_offset=kv.rope.offset,
+        centered=enc.token.get(CENTERED),
+    )
+
+
 def _pre_rope_piece(kv, piece: tuple, k_res: torch.Tensor, pos: torch.Tensor) -> tuple[tuple, torch.Tensor]:
     """A row's K body piece and residual keys when the stream holds keys before RoPE (``kv.k_pos``, the row's
     positions ``pos`` (1, n_body + n_res)): the piece with a :class:`kvslim.kernels.KeyTransform` (the centering
@@ -174,16 +190,7 @@ def _pre_rope_piece(kv, piece: tuple, k_res: torch.Tensor, pos: torch.Tensor) ->
     a batch."""
     codec, enc, offset = piece
     n_body = kv.n_body("k")
-    cos, sin = kv.rope.table(pos[:, :n_body], k_res.device)  # (1, n_body, R/2)
-    basis = kv.k_basis
-    tr = kernels.KeyTransform(
-        bias=None if basis is None else basis.bias,
-        hadamard=None if basis is None else basis.hadamard,
-        cos=cos,
-        sin=sin,
-        rope_offset=kv.rope.offset,
-        centered=enc.token.get(CENTERED),
-    )
+    tr = pre_rope_transform(kv, pos[:, :n_body], enc, k_res.device)
     if k_res is not None and k_res.shape[2]:
         k_res = kv.rope.move(k_res.float(), pos[:, n_body:])
     return (codec, enc, offset, None, tr), k_res
