@@ -88,6 +88,7 @@ def model_dir(tmp_path_factory):
         (["--concurrency", "2", "--peers", "quanto"], {}, "--peers quanto: not a peer of --concurrency"),
         (["--threads", "0"], {}, "--threads must be an integer >= 1"),
         (["--concurrency", "2", "--join", "64"], {}, "--join 64: a prompt length of at least 1 token, with --serve"),
+        (["--concurrency", "2", "--serve", "--prefill-chunk", "0"], {}, "--prefill-chunk 0: a chunk of at least 1"),
     ],
 )
 def test_bad_flags_are_one_line(model_dir, argv, env, message):
@@ -126,7 +127,8 @@ def test_bench_serve_drives_a_real_server(model_dir, tmp_path):
     out_json = tmp_path / "bench.json"
     out = _cli("bench", "--model", str(model_dir), "--concurrency", "2", "--lengths", "16", "--steps", "4",
                "--warmup", "1", "--config", "int4", "none,sink=4,window=8", "--serve", "--no-continuous-batching",
-               "--threads", "1", "--json", str(out_json), "--quiet", "--join", "300", timeout=600)
+               "--threads", "1", "--json", str(out_json), "--quiet", "--join", "300", "--prefill-chunk", "64",
+               timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("threads: 1 torch threads of")
     data = json.loads(out_json.read_text())
@@ -147,10 +149,11 @@ def test_bench_serve_drives_a_real_server(model_dir, tmp_path):
     with open(data["serve_log"]) as f:
         log = f.read()
     assert "--omp-wait auto" in log and "threads: 1 torch threads" in log  # the server ran the bench's policy
+    assert "--prefill-chunk 64" in log  # ... and its chunk
     joins = {j["spec"]: j for j in data["serve_join"]}  # a 300-token prompt joined each spec's 2 streams
     assert set(joins) == {"int4", "none,sink=4,window=8"} and "joining prompt through kvslim serve" in out.stdout
     for j in joins.values():
-        assert j["join_tokens"] == 300 and j["chunks"] == 3 and not j["note"], j
+        assert j["join_tokens"] == 300 and j["chunk"] == 64 and j["chunks"] == 5 and not j["note"], j
         assert j["gaps_during"] >= 2 and j["itl_before_p50_ms"] > 0 and j["join_ttft_ms"] > 0
         assert j["itl_during_p50_ms"] <= j["itl_during_max_ms"] and j["extra_per_chunk_ms"] is not None
 

@@ -129,13 +129,17 @@ def measure_join(
         delete_sessions(server, sessions)
 
 
-def join_after(join_ids: Sequence[int], steps: int, warmup: int, rows: list, log=None) -> Callable:
+def join_after(join_ids: Sequence[int], steps: int, warmup: int, rows: list, log=None,
+               chunk: int | None = None) -> Callable:
     """The ``after`` of :func:`kvslim.bench.serve.run_serve` that measures ``join_ids`` joining each spec's
-    streams (the server's default ``--prefill-chunk``), appending a :class:`JoinRow` to ``rows``."""
+    streams, appending a :class:`JoinRow` to ``rows``. chunk: the server's ``--prefill-chunk`` (its default if
+    None)."""
     from ..serve.defaults import DEFAULT_PREFILL_CHUNK
 
+    chunk = DEFAULT_PREFILL_CHUNK if chunk is None else chunk
+
     def after(server, spec: str, prompts, tag: str) -> None:
-        rows.append(measure_join(server, spec, prompts, join_ids, steps, chunk=DEFAULT_PREFILL_CHUNK, warmup=warmup,
+        rows.append(measure_join(server, spec, prompts, join_ids, steps, chunk=chunk, warmup=warmup,
                                  tag=tag, log=log))
 
     return after

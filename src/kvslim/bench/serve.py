@@ -41,12 +41,16 @@ SERVE_KIND = "serve"
 REQUEST_TIMEOUT = 3600.0
 
 
-def server_flags(model_flags: Sequence[str], concurrency: int, *, threads: int | None, omp_wait: str) -> list[str]:
+def server_flags(model_flags: Sequence[str], concurrency: int, *, threads: int | None, omp_wait: str,
+                 prefill_chunk: int | None = None) -> list[str]:
     """The ``kvslim serve`` flags of a bench run: the bench's model flags, ``concurrency`` rows at once, as many
-    waiting, the bench's threads and OpenMP wait policy."""
+    waiting, the bench's threads and OpenMP wait policy, and its ``--prefill-chunk`` (the server's default if
+    None)."""
     flags = [*model_flags, "--max-concurrency", str(concurrency), "--max-queue", str(max(concurrency, 1))]
     if threads is not None:
         flags += ["--threads", str(threads)]
+    if prefill_chunk is not None:
+        flags += ["--prefill-chunk", str(prefill_chunk)]
     return [*flags, "--omp-wait", omp_wait]
 
 
@@ -194,11 +198,13 @@ def run_serve(
     log: Callable[[str], None] | None = None,
     log_dir: str | None = None,
     after: Callable | None = None,
+    prefill_chunk: int | None = None,
 ) -> tuple[list[ConcurrencyRow], str]:
     """Every spec at every length and concurrency through one ``kvslim serve`` child (started with room for
     the largest concurrency, and one more request with ``after``, stopped at the end). prompts_of(L): the L
     token ids every stream sends (the engine rows' prompt). after(server, spec, prompts, tag): a measurement run
-    after each (:func:`kvslim.bench.join.join_after`). Returns the rows and the server log's path (kept in
+    after each (:func:`kvslim.bench.join.join_after`). prefill_chunk: the server's ``--prefill-chunk`` (its
+    default if None). Returns the rows and the server log's path (kept in
     ``log_dir``, else a temporary directory)."""
     from .server import Server
 
@@ -206,7 +212,8 @@ def run_serve(
     log_dir = log_dir or tempfile.mkdtemp(prefix="kvslim-bench-serve-")
     log_path = os.path.join(log_dir, "serve.log")
     room = max(concurrencies) + (1 if after else 0)
-    server = Server(kvslim_command(), server_flags(model_flags, room, threads=threads, omp_wait=omp_wait), None,
+    server = Server(kvslim_command(), server_flags(model_flags, room, threads=threads, omp_wait=omp_wait,
+                                                         prefill_chunk=prefill_chunk), None,
                     log_path)
     took = server.start()
     log(f"kvslim serve answered /health in {took:.1f} s (log: {log_path})")

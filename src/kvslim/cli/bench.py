@@ -161,6 +161,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--join", type=int, default=None, metavar="J", help="with --serve: after each "
                         "measurement, a J-token prompt joins the decoding streams; what it adds to their latency")
+    parser.add_argument("--prefill-chunk", type=int, default=None, metavar="N", help="with --serve: the server's "
+                        "--prefill-chunk (prompt tokens a step carries beside the decoding rows; its default if "
+                        "not given)")
     parser.add_argument(
         "--no-continuous-batching",
         action="store_true",
@@ -210,6 +213,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--compile and --concurrency do not combine yet (the batch engine steps eagerly)")
     if args.join is not None and (not args.serve or args.join < 1):
         raise UserError(f"--join {args.join}: a prompt length of at least 1 token, with --serve")
+    if args.prefill_chunk is not None and (not args.serve or args.prefill_chunk < 1):
+        raise UserError(f"--prefill-chunk {args.prefill_chunk}: a chunk of at least 1 token, with --serve")
     if args.serve and args.concurrency is None:
         raise UserError("--serve measures many streams through the server: give --concurrency too (e.g. 1,16)")
     wrong = [p for p in args.peers or () if p not in (CONCURRENCY_PEERS if args.concurrency else SINGLE_PEERS)]
@@ -318,7 +323,9 @@ def _run_concurrency(args, model, configs, settings, policy) -> int:
             served, extra["serve_log"] = run_serve(
                 flags, list(configs), prompt, settings["lengths"], args.concurrency, settings["steps"],
                 warmup=settings["warmup"], threads=args.threads, omp_wait=args.omp_wait, log=log,
-                after=join and join_after(join, settings["steps"], settings["warmup"], joins, log))
+                after=join and join_after(join, settings["steps"], settings["warmup"], joins, log,
+                                          chunk=args.prefill_chunk),
+                prefill_chunk=args.prefill_chunk)
         except RuntimeError as e:  # the server did not start: its log's last line says why
             lines = [x for x in str(e).splitlines() if x.strip()]
             raise UserError(f"--serve: {lines[0]} {lines[-1] if len(lines) > 1 else ''}".strip()) from None
