@@ -281,6 +281,48 @@ typedef struct {
     float scale;
 } kvp_call;
 
+/* Shared with kvslim_kernels.c (the same library): its tile loops, q8_0 / q4_0 rows in registers, e^x in lanes. */
+int kvs_ggml_direct(void);
+void kvs_k_tile(const float *qq, int64_t qs, int M, int D, const float *rows, int n, float *o, int64_t os);
+void kvs_v_tile(const float *p, int64_t ps, int M, int D, const float *rows, int n, float *acc);
+void kvs_k_ggml(int kind, int M, const float *qq, int64_t qs, int D, const uint8_t *x0, int64_t xs, int n, float *o,
+                int64_t os);
+void kvs_v_ggml(int kind, int M, const float *p, int64_t ps, const uint8_t *x0, int64_t xs, int t0, int t1, int D,
+                float *acc);
+float kvs_exp_sum(float *x, int n, float mx);
+void kvs_k_affine(int bits, int M, const float *qp, int D, const uint8_t *c0, int64_t cs, int n, float *o,
+                  int64_t os);
+void kvs_v_affine(int bits, int M, const float *p, int64_t ps, const uint8_t *c0, int64_t cs, int t0, int t1, int D,
+                  float *acc);
+
+/* Query-heads of a task up to which q8_0 / q4_0 / sym8 / affine codes are read in registers (each 3 query-heads
+ * re-read the page's codes); more (a prefill chunk: 16 queries x the GQA group) decode the page into a tile once. */
+#define KVP_DIRECT_MAX 6
+
+/* kvs_k_ggml's kind of rows of format fmt if they are read in registers for MG query-heads, else -1. */
+static int kvp_direct(int fmt, int MG, int D) {
+    const int kind = fmt == KVP_Q8_0 ? 0 : fmt == KVP_Q4_0 ? 1 : fmt == KVP_S8 ? 2 : -1;
+    return kind >= 0 && MG <= KVP_DIRECT_MAX && D % 32 == 0 && kvs_ggml_direct() ? kind : -1;
+}
+
+/* The code width of per-token affine rows of format fmt if they are read in registers for MG query-heads (rows ts
+ * bytes apart: their fp16 scales read in place), else 0. */
+static int kvp_affine(int fmt, int MG, int D, int64_t ts) {
+    const int bits = fmt == KVP_A8 ? 8 : fmt == KVP_A4 ? 4 : fmt == KVP_A2 ? 2 : 0;
+    return bits && (D * bits / 8) % 8 == 0 && D % 32 == 0 && ts % 2 == 0 && MG <= KVP_DIRECT_MAX &&
+                   kvs_ggml_direct()
+               ? bits
+               : 0;
+}
+
+/* x (D values) in place, natural order -> plane order of per codes per byte: x'[i * np + j] = x[per * j + i]. */
+static void kvp_to_planes(float *x, int D, int per, float *tmp) {
+    const int np = D / per;
+    for (int j = 0; j < np; j++)
+        for (int i = 0; i < per; i++) tmp[i * np + j] = x[per * j + i];
+    memcpy(x, tmp, sizeof(float) * (size_t)D);
+}
+
 /* Tile rows [ta, tb) of one role (K or V) of the page starting at key position t0: [ta, tc) decoded from the
  * page or its staging slot (format fmt at byte offset off of each token row at base, rows ts bytes apart),
  * [tc, tb) copied from the step's raw fp32 rows, tile row t's at raw[raw0 + (t0 + t) * H_NEWS]. */
@@ -291,7 +333,23 @@ static void kvp_fill(const int64_t *a, int fmt, int64_t off, const uint8_t *base
         memcpy(tile + (size_t)t * D, raw + raw0 + (t0 + t) * a[H_NEWS], sizeof(float) * (size_t)D);
 }
 
-/* One task: row r, KV head h, queries q0 .. q0 + M - 1 of the row. Returns 0 or 2 (bad page index). */
+/* Scratch floats of one thread: the K and V tiles (T rows and 4 readable spare: kvs_k_tile reads rows in fours),
+ * the scaled queries (and in plane order), the accumulators, the running maxima and sums, the queries' sums, the
+ * scores of a page, a row. */
+static size_t kvp_scratch(int T, int D, int MG) {
+    return 2 * (size_t)(T + 4) * D + 3 * (size_t)MG * D + 3 * (size_t)MG + (size_t)MG * T + D + 16;
+}
+
+/* One task: row r, KV head h, queries q0 .. q0 + M - 1 of the row. Returns 0 or 2 (bad page index).
+ *
+ * Per page: the scores of all M x G query-heads against the page's visible tokens (S, MG x T: K codes read in
+ * registers for q8_0 / q4_0 / sym8 / affine at few query-heads, else decoded once into a tile), then per query-head
+ * the online
+ * softmax update (the running sum and the accumulator rescaled by e^(old max - new max), the page's weights e^(s -
+ * new max), 0 where a query may not see a token), then the weighted V rows summed into every query-head's
+ * accumulator at once (V codes in registers, or a tile). Affine V codes are summed in their plane order (the
+ * accumulators and every V tile row in that order, put back at the end); affine K scores are the plane-order
+ * queries' dots with the codes, times the token's scale, plus its zero times the query's sum. */
 static int kvp_task(const kvp_call *c, int r, int h, int q0, float *scratch) {
     const int64_t *a = c->a, *row = c->rows + (int64_t)r * R_FIELDS;
     const int D = c->D, T = c->T, G = c->G;
@@ -311,13 +369,25 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, float *scratch) {
     /* the raw row of key position k (>= cached): (row[R_QSTART] + k - cached) * H_NEWS + h * D */
     const int64_t raw0 = (row[R_QSTART] - cached) * a[H_NEWS] + (int64_t)h * D;
 
-    float *kt = scratch, *vt = kt + (size_t)T * D, *qq = vt + (size_t)T * D, *acc = qq + (size_t)MG * D;
-    float *mx = acc + (size_t)MG * D, *sum = mx + MG, *s = sum + MG;
+    float *kt = scratch, *vt = kt + (size_t)(T + 4) * D, *qq = vt + (size_t)(T + 4) * D, *acc = qq + (size_t)MG * D;
+    float *mx = acc + (size_t)MG * D, *sum = mx + MG, *S = sum + MG; /* S: (MG, T) scores, then weights */
+    float *qp = S + (size_t)MG * T, *qsum = qp + (size_t)MG * D, *tmp = qsum + MG;
+    const int kaff = kvp_affine((int)a[H_KFMT], MG, D, a[H_TOKEN_STRIDE]);
+    const int vaff = kvp_affine((int)a[H_VFMT], MG, D, a[H_TOKEN_STRIDE]), vper = vaff ? 8 / vaff : 1;
     for (int m = 0; m < M; m++)
         for (int g = 0; g < G; g++) {
             const float *src = q + (row[R_QSTART] + q0 + m) * a[H_QS] + (int64_t)(h * G + g) * D;
             float *dst = qq + (size_t)(m * G + g) * D;
             for (int d = 0; d < D; d++) dst[d] = src[d] * c->scale;
+        }
+    if (kaff) /* plane-order queries and their sums */
+        for (int i = 0; i < MG; i++) {
+            const float *x = qq + (size_t)i * D;
+            float sq = 0.0f;
+            for (int d = 0; d < D; d++) sq += x[d];
+            qsum[i] = sq;
+            memcpy(qp + (size_t)i * D, x, sizeof(float) * (size_t)D);
+            kvp_to_planes(qp + (size_t)i * D, D, 8 / kaff, tmp);
         }
     memset(acc, 0, sizeof(float) * (size_t)MG * D);
     for (int i = 0; i < MG; i++) {
@@ -334,7 +404,7 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, float *scratch) {
         /* tile tokens [ta, tc) from the page, [tc, tb) from the raw K/V */
         int tc = (int)(cached - t0 < ta ? ta : cached - t0 < tb ? cached - t0 : tb);
         const uint8_t *base = NULL;
-        int kfmt = (int)a[H_KFMT], vfmt = (int)a[H_VFMT];
+        int kfmt = (int)a[H_KFMT], vfmt = (int)a[H_VFMT], staged = 0;
         int64_t koff = a[H_KOFF], voff = a[H_VOFF], ts = a[H_TOKEN_STRIDE];
         if (tc > ta) {
             if (p >= tlen) return 2;
@@ -346,57 +416,90 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, float *scratch) {
             if (slot >= 0) { /* a partly filled page, staged at full precision */
                 base = stage + slot * a[H_SSLOT_STRIDE] + (int64_t)h * a[H_SHEAD_STRIDE];
                 kfmt = vfmt = (int)a[H_SFMT];
+                staged = 1;
                 koff = 0;
                 voff = a[H_SVOFF];
                 ts = a[H_STOKEN_STRIDE];
             }
         }
-        kvp_fill(a, kfmt, koff, base, ts, knew, raw0, t0, ta, tc, tb, D, kt);
-        int v_done = 0;
-        for (int m = 0; m < M; m++) {
-            int64_t qp = pos0 + m;
-            int64_t ka = window > 0 ? qp - window + 1 : 0, kb = causal ? qp + 1 : kvlen;
-            int u0 = (int)(ka > t0 + ta ? ka - t0 : ta), u1 = (int)(kb < t0 + tb ? kb - t0 : tb);
-            if (u0 >= u1) continue;
-            if (!v_done) {
-                kvp_fill(a, vfmt, voff, base, ts, vnew, raw0, t0, ta, tc, tb, D, vt);
-                v_done = 1;
+        /* scores S[i * T + t], t in [ta, tb) */
+        const int kk = tc > ta ? kvp_direct(kfmt, MG, D) : -1, ka = tc > ta && !staged ? kaff : 0;
+        const int k0 = kk >= 0 || ka ? tc : ta;
+        if (kk >= 0) kvs_k_ggml(kk, MG, qq, D, D, base + koff + ta * ts, ts, tc - ta, S + ta, T);
+        if (ka) {
+            kvs_k_affine(ka, MG, qp, D, base + koff + ta * ts, ts, tc - ta, S + ta, T);
+            for (int t = ta; t < tc; t++) { /* the token's fp16 scale and zero follow its codes */
+                const uint8_t *sz = base + koff + t * ts + D * ka / 8;
+                const float sc = kvp_h2f(sz), z = kvp_h2f(sz + 2);
+                for (int i = 0; i < MG; i++) S[(size_t)i * T + t] = S[(size_t)i * T + t] * sc + z * qsum[i];
             }
+        }
+        kvp_fill(a, kfmt, koff, base, ts, knew, raw0, t0, k0, tc, tb, D, kt);
+        if (tb > k0) kvs_k_tile(qq, D, MG, D, kt + (size_t)k0 * D, tb - k0, S + k0, T);
+        /* the online softmax: per query-head, weights in S, accumulator rescaled */
+        int seen = 0;
+        for (int m = 0; m < M; m++) {
+            const int64_t qpos = pos0 + m; /* the query sees keys [first, last) */
+            const int64_t first = window > 0 ? qpos - window + 1 : 0, last = causal ? qpos + 1 : kvlen;
+            int u0 = (int)(first > t0 + ta ? first - t0 : ta), u1 = (int)(last < t0 + tb ? last - t0 : tb);
+            if (u1 < u0) u1 = u0;
             for (int g = 0; g < G; g++) {
                 int i = m * G + g;
-                const float *qv = qq + (size_t)i * D;
+                float *w = S + (size_t)i * T;
+                for (int t = ta; t < u0; t++) w[t] = 0.0f;
+                for (int t = u1; t < tb; t++) w[t] = 0.0f;
+                if (u0 == u1) continue;
+                seen = 1;
                 float pm = -INFINITY;
-                for (int t = u0; t < u1; t++) {
-                    const float *kr = kt + (size_t)t * D;
-                    float dot = 0.0f;
-                    for (int d = 0; d < D; d++) dot += qv[d] * kr[d];
-                    s[t] = dot;
-                    if (dot > pm) pm = dot;
-                }
+                for (int t = u0; t < u1; t++) pm = w[t] > pm ? w[t] : pm;
                 float nm = pm > mx[i] ? pm : mx[i];
-                float corr = mx[i] == -INFINITY ? 0.0f : expf(mx[i] - nm);
-                float *ac = acc + (size_t)i * D;
-                float ssum = sum[i] * corr;
-                for (int d = 0; d < D; d++) ac[d] *= corr;
-                for (int t = u0; t < u1; t++) {
-                    float w = expf(s[t] - nm);
-                    ssum += w;
-                    const float *vr = vt + (size_t)t * D;
-                    for (int d = 0; d < D; d++) ac[d] += w * vr[d];
+                if (nm != mx[i] && mx[i] != -INFINITY) {
+                    float corr = expf(mx[i] - nm), *ac = acc + (size_t)i * D;
+                    sum[i] *= corr;
+                    for (int d = 0; d < D; d++) ac[d] *= corr;
                 }
-                sum[i] = ssum;
+                sum[i] += kvs_exp_sum(w + u0, u1 - u0, nm);
                 mx[i] = nm;
             }
         }
+        if (!seen) continue;
+        /* V: acc[i] += sum_t S[i, t] * V[t] */
+        const int vk = tc > ta ? kvp_direct(vfmt, MG, D) : -1, va = tc > ta && !staged ? vaff : 0;
+        const int v0 = vk >= 0 || va ? tc : ta;
+        if (vk >= 0) kvs_v_ggml(vk, MG, S, T, base + voff, ts, ta, tc, D, acc);
+        if (va) kvs_v_affine(va, MG, S, T, base + voff, ts, ta, tc, D, acc);
+        kvp_fill(a, vfmt, voff, base, ts, vnew, raw0, t0, v0, tc, tb, D, vt);
+        if (vaff) /* the accumulators are in plane order: so is every V tile row */
+            for (int t = v0; t < tb; t++) kvp_to_planes(vt + (size_t)t * D, D, vper, tmp);
+        if (tb > v0) kvs_v_tile(S + v0, T, MG, D, vt + (size_t)v0 * D, tb - v0, acc);
     }
     for (int m = 0; m < M; m++)
         for (int g = 0; g < G; g++) {
             int i = m * G + g;
             float inv = sum[i] > 0.0f ? 1.0f / sum[i] : 0.0f;
             float *dst = out + (row[R_QSTART] + q0 + m) * a[H_OUTS] + (int64_t)(h * G + g) * D;
-            for (int d = 0; d < D; d++) dst[d] = acc[(size_t)i * D + d] * inv;
+            const float *ac = acc + (size_t)i * D;
+            if (vaff) { /* plane order back to natural: element per * j + k sits at k * np + j */
+                const int np = D / vper;
+                for (int j = 0; j < np; j++)
+                    for (int k = 0; k < vper; k++) dst[vper * j + k] = ac[k * np + j] * inv;
+            } else {
+                for (int d = 0; d < D; d++) dst[d] = ac[d] * inv;
+            }
         }
     return 0;
+}
+
+/* A task of kvp_attend: (row, KV head, first query), its cost estimate and its index (the order of equals). */
+typedef struct {
+    int64_t cost, index, row, q0;
+    int head;
+} kvp_work;
+
+static int kvp_costlier(const void *x, const void *y) {
+    const kvp_work *a = x, *b = y;
+    if (a->cost != b->cost) return a->cost > b->cost ? -1 : 1;
+    return a->index < b->index ? -1 : a->index > b->index;
 }
 
 int kvp_attend(const int64_t *a) {
@@ -424,21 +527,24 @@ int kvp_attend(const int64_t *a) {
         ntasks += (row[R_QLEN] + KVP_QC - 1) / KVP_QC * c.Hkv;
     }
     if (ntasks == 0) return 0;
-    int64_t *task = malloc(sizeof(int64_t) * 3 * (size_t)ntasks); /* (row, head, first query) */
+    kvp_work *task = malloc(sizeof(kvp_work) * (size_t)ntasks);
     if (!task) return 1;
     int64_t n = 0;
     for (int64_t r = 0; r < nrows; r++) {
         const int64_t *row = c.rows + r * R_FIELDS;
-        for (int64_t q0 = 0; q0 < row[R_QLEN]; q0 += KVP_QC)
-            for (int h = 0; h < c.Hkv; h++) {
-                task[3 * n] = r;
-                task[3 * n + 1] = h;
-                task[3 * n + 2] = q0;
-                n++;
-            }
+        const int64_t qlen = row[R_QLEN], kvlen = row[R_KVLEN];
+        for (int64_t q0 = 0; q0 < qlen; q0 += KVP_QC) {
+            /* keys times queries, as kvp_task bounds them */
+            const int64_t m = qlen - q0 < KVP_QC ? qlen - q0 : KVP_QC, pos0 = kvlen - qlen + q0;
+            int64_t hi = a[H_CAUSAL] ? pos0 + m : kvlen, lo = a[H_WINDOW] > 0 ? pos0 - a[H_WINDOW] + 1 : 0;
+            hi = hi > kvlen ? kvlen : hi;
+            lo = lo < 0 ? 0 : lo;
+            for (int h = 0; h < c.Hkv; h++, n++) task[n] = (kvp_work){(hi - lo + c.T) * m, n, r, q0, h};
+        }
     }
-    const size_t MG = (size_t)KVP_QC * c.G;
-    const size_t scratch_floats = 2 * (size_t)c.T * c.D + 2 * MG * c.D + 2 * MG + c.T + 16;
+    /* the costliest first (a prefill's last chunks see the most keys), so no thread is left with one at the end */
+    qsort(task, (size_t)ntasks, sizeof(kvp_work), kvp_costlier);
+    const size_t scratch_floats = kvp_scratch(c.T, c.D, KVP_QC * c.G);
     int err = 0;
 #ifdef _OPENMP
     int nt = a[H_THREADS] > 0 ? (int)a[H_THREADS] : omp_get_max_threads();
@@ -446,12 +552,13 @@ int kvp_attend(const int64_t *a) {
 #pragma omp parallel num_threads(nt) reduction(| : err)
 #endif
     {
-        float *scratch = malloc(sizeof(float) * scratch_floats); /* every thread still takes part in the loop */
+        /* zeroed: the tiles' spare rows are read (never used) by kvs_k_tile; every thread takes part in the loop */
+        float *scratch = calloc(scratch_floats, sizeof(float));
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
         for (int64_t i = 0; i < ntasks; i++)
-            err |= scratch ? kvp_task(&c, (int)task[3 * i], (int)task[3 * i + 1], (int)task[3 * i + 2], scratch) : 1;
+            err |= scratch ? kvp_task(&c, (int)task[i].row, task[i].head, (int)task[i].q0, scratch) : 1;
         free(scratch);
     }
     free(task);
