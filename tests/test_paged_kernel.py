@@ -50,8 +50,16 @@ def _both(layout, pages, query, rows, key, value, window=0, causal=True, staged=
     return out, ref
 
 
-FORMATS = [("q4_0", "q4_0"), ("q8_0", "q8_0"), ("int8", "int8"), ("int4", "int4"), ("int4", "int2"),
-           ("q4_0", "int3"), ("none", "none"), ("q5_1", "q4_1")]
+FORMATS = [
+    ("q4_0", "q4_0"),
+    ("q8_0", "q8_0"),
+    ("int8", "int8"),
+    ("int4", "int4"),
+    ("int4", "int2"),
+    ("q4_0", "int3"),
+    ("none", "none"),
+    ("q5_1", "q4_1"),
+]
 
 
 @pytest.mark.parametrize("fmt_k,fmt_v", FORMATS)
@@ -108,3 +116,64 @@ def test_a_long_decode_batch_equals_the_reference():
     case = _step("q4_0", "q4_0", [1000 - 7 * i for i in range(16)], [1] * 16, 9, 3, seed=3)
     out, ref = _both(*case)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+def _awkward(n, h, d, seed):
+    """K/V values that exercise the encoders' quirks: ties of +-max in a block, all-zero and signed-zero blocks,
+    halves (x * id + 8.5 landing on integers), tiny and large magnitudes."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, d, generator=g) * torch.logspace(-3, 3, n)[:, None, None]
+    x[0, 0, :32] = 0.0
+    x[0, 1, :32] = -0.0
+    x[1, 0, :32] = torch.tensor([1.0, -1.0] * 16)  # every element ties
+    x[1, 1, :32] = torch.arange(32) / 4 - 4  # exact quarters: codes on half-way points
+    x[2, 0, 5], x[2, 0, 9] = 3.0, -3.0  # max and -min tie
+    x[2, 1] = torch.randint(-127, 128, (d,), generator=g).float() * 0.5  # sym8 halves: round half to even
+    return x
+
+
+@pytest.mark.parametrize(
+    "fmt_k,fmt_v",
+    [
+        ("q4_0", "q4_0"),
+        ("q8_0", "q8_0"),
+        ("int8", "int8"),
+        ("none", "none"),
+        ("q4_0", "int8"),
+        ("int4", "int2"),
+        ("q8_0", "fp16"),
+    ],
+)
+def test_c_writes_are_the_torch_encoders_bytes(fmt_k, fmt_v, monkeypatch):
+    """kvp_write (paged.store) against pages.write: the same bytes in the same slots, padding (-1) skipped, the
+    other rows untouched; formats it does not encode go through the torch path (the same call)."""
+    h, d, n = 3, 64, 40
+    layout = PageLayout.of(fmt_k, fmt_v, d, torch.float32)
+    if fmt_k in ("q4_0", "q8_0", "int8", "none") and fmt_v in ("q4_0", "q8_0", "int8", "none"):
+        monkeypatch.setattr(paged, "write", None)  # C must write these: a fallback would fail
+    key, value = _awkward(n, h, d, 1), _awkward(n, h, d, 2).flip(0)
+    slots = torch.randperm(8 * T, generator=torch.Generator().manual_seed(3))[:n]
+    slots[[4, 17]] = -1
+    want = torch.randint(0, 256, (8, h, T, layout.row_bytes), dtype=torch.uint8)
+    got = want.clone()
+    write(layout, want, key, value, slots)
+    paged.store(layout, got, key, value, slots)
+    assert torch.equal(got, want)
+    # a strided view of the step's K/V (vLLM hands slices of its qkv tensor)
+    qkv = torch.cat([torch.zeros(n, 2, d), key, value], 1)
+    got2 = torch.zeros_like(want)
+    want2 = torch.zeros_like(want)
+    write(layout, want2, key, value, slots)
+    paged.store(layout, got2, qkv[:, 2 : 2 + h], qkv[:, 2 + h :], slots)
+    assert torch.equal(got2, want2)
+
+
+def test_c_writes_leave_non_finite_values_to_the_torch_encoders():
+    """A NaN: nothing is written by C, the torch encoder raises its own error (q4_0), as before."""
+    layout = PageLayout.of("q4_0", "q4_0", 64, torch.float32)
+    key, value = torch.randn(2, 1, 64), torch.randn(2, 1, 64)
+    key[1, 0, 3] = float("nan")
+    pages = torch.zeros(1, 1, T, layout.row_bytes, dtype=torch.uint8)
+    with pytest.raises(ValueError):
+        paged.store(layout, pages, key, value, torch.tensor([0, 1]))
+    assert (pages == 0).all()

@@ -38,10 +38,9 @@ def main() -> None:
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
+    import kvslim
     from kvslim.vllm import attend as paged
     from kvslim.vllm.pages import PAGE_TOKENS, PageLayout, write
-
-    import kvslim
 
     print(f"kvslim from {kvslim.__file__}; kernel: {paged.status()}; threads {torch.get_num_threads()}")
     g = torch.Generator().manual_seed(0)
@@ -64,18 +63,40 @@ def main() -> None:
     isa = _get_attn_isa(torch.float32, t, d)
     stock_cache = torch.zeros(n_pages, hkv, 2 * t, d)
     key_cache, value_cache = stock_cache.chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(k.reshape(-1, hkv, d), v.reshape(-1, hkv, d), key_cache, value_cache, slots, isa)
+    ops.cpu_attn_reshape_and_cache(
+        k.reshape(-1, hkv, d), v.reshape(-1, hkv, d), key_cache, value_cache, slots, isa
+    )
     meta = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=r, num_heads=hq, num_kv_heads=hkv, head_dim=d, seq_lens=lens, dtype=torch.float32,
-        query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False,
+        num_reqs=r,
+        num_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        seq_lens=lens,
+        dtype=torch.float32,
+        query_start_loc=starts,
+        causal=True,
+        sliding_window_size=-1,
+        isa=isa,
+        enable_kv_split=False,
     )
     out_stock = torch.empty_like(query)
 
     def stock():
         ops.cpu_attention_with_kv_cache(
-            query=query, key_cache=key_cache, value_cache=value_cache, output=out_stock, query_start_loc=starts,
-            seq_lens=lens, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1, block_table=table,
-            softcap=0.0, scheduler_metadata=meta, s_aux=None,
+            query=query,
+            key_cache=key_cache,
+            value_cache=value_cache,
+            output=out_stock,
+            query_start_loc=starts,
+            seq_lens=lens,
+            scale=scale,
+            causal=True,
+            alibi_slopes=None,
+            sliding_window=-1,
+            block_table=table,
+            softcap=0.0,
+            scheduler_metadata=meta,
+            s_aux=None,
         )
 
     variants = {"stock fp32": stock}
@@ -102,7 +123,9 @@ def main() -> None:
             fn()
             times[name].append(time.perf_counter() - t0)
     base = statistics.median(times["stock fp32"])
-    print(f"{r} rows x {n} keys, {m} queries each, H_q {hq}, H_kv {hkv}, D {d}; median of {a.reps}, interleaved")
+    print(
+        f"{r} rows x {n} keys, {m} queries each, H_q {hq}, H_kv {hkv}, D {d}; median of {a.reps}, interleaved"
+    )
     for name, ts in times.items():
         med = statistics.median(ts)
         err = (outs[name] - out_stock).abs().max().item()

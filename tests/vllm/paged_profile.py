@@ -61,14 +61,23 @@ def main() -> None:
 
     for k, v in helpers.ENV.items():
         os.environ.setdefault(k, v)
-    import kvslim
     from vllm import LLM, SamplingParams
+
+    import kvslim
 
     print(f"kvslim from {kvslim.__file__}")
     extra = {} if a.spec == "stock" else {"additional_config": {"kvslim": a.spec}}
-    llm = LLM(model=helpers.converted_model_dir(), enforce_eager=True, dtype="float32", seed=0,
-              max_model_len=a.length + a.steps + 64, max_num_seqs=a.prompts, enable_prefix_caching=False,
-              max_num_batched_tokens=a.length + a.prompts + 8, **extra)
+    llm = LLM(
+        model=helpers.converted_model_dir(),
+        enforce_eager=True,
+        dtype="float32",
+        seed=0,
+        max_model_len=a.length + a.steps + 64,
+        max_num_seqs=a.prompts,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=a.length + a.prompts + 8,
+        **extra,
+    )
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=a.steps + 2, ignore_eos=True, temperature=0.0)
     text = helpers.TEXT.read_text(encoding="utf-8")
@@ -87,7 +96,9 @@ def main() -> None:
         times.append(time.perf_counter() - t)
         for o in outs:
             got[o.request_id] = len(o.outputs[0].token_ids)
-    print(f"spec {a.spec}: {a.prompts} prompts x {a.length} tokens, float32, threads {os.environ.get('OMP_NUM_THREADS')}")
+    print(
+        f"spec {a.spec}: {a.prompts} prompts x {a.length} tokens, float32, threads {os.environ.get('OMP_NUM_THREADS')}"
+    )
     for phase, (prof, times) in phases.items():
         if not times:
             continue

@@ -38,15 +38,17 @@ from dataclasses import dataclass
 import torch
 
 from ..formats import get_format
-from .pages import PageLayout, Part, gather
+from .pages import PageLayout, Part, gather, write
 from .staging import overlay
 
 #: ``$KVSLIM_VLLM_KERNEL``: ``c`` (default: the C kernel when it builds) or ``reference``.
 KERNEL_ENV = "KVSLIM_VLLM_KERNEL"
-#: kvp_attend's ABI and table widths (csrc/kvslim_paged.c: H_FIELDS, R_FIELDS), checked when the library loads.
-ABI = 3
+#: kvp_attend's ABI and table widths (csrc/kvslim_paged.c: H_FIELDS, R_FIELDS, W_FIELDS), checked when the
+#: library loads.
+ABI = 4
 HEAD_FIELDS = 36
 ROW_FIELDS = 5
+WRITE_FIELDS = 19
 #: C's row decoders of the cast dtypes.
 CAST_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 
@@ -133,14 +135,18 @@ def library():
                     ]
                     lib.kvp_format.restype = ctypes.c_int
                     lib.kvp_abi_version.restype = ctypes.c_int
+                    lib.kvp_write.argtypes = [ctypes.c_void_p]
+                    lib.kvp_write.restype = ctypes.c_int
                     lib.kvp_layout.argtypes = [ctypes.c_void_p]
                     lib.kvp_layout.restype = None
-                    widths = (ctypes.c_int64 * 2)()
+                    if lib.kvp_abi_version() != ABI:  # before kvp_layout: an older one writes fewer widths
+                        raise RuntimeError(f"kvp_attend has ABI {lib.kvp_abi_version()}, expected {ABI}")
+                    widths = (ctypes.c_int64 * 3)()
                     lib.kvp_layout(widths)
-                    if lib.kvp_abi_version() != ABI or tuple(widths) != (HEAD_FIELDS, ROW_FIELDS):
+                    if tuple(widths) != (HEAD_FIELDS, ROW_FIELDS, WRITE_FIELDS):
                         raise RuntimeError(
-                            f"kvp_attend has ABI {lib.kvp_abi_version()} / tables {tuple(widths)}, "
-                            f"expected {ABI} / {(HEAD_FIELDS, ROW_FIELDS)}"
+                            f"kvp_attend's tables have {tuple(widths)} fields, expected "
+                            f"{(HEAD_FIELDS, ROW_FIELDS, WRITE_FIELDS)}"
                         )
                     _state["lib"], _state["reason"] = lib, "C kernel"
                 except Exception as e:  # any failure: the reference, said once
@@ -247,13 +253,16 @@ def attend(
             smap if smap.dtype == torch.int32 and smap.is_contiguous() else smap.to(torch.int32).contiguous()
         )
         sb = pool.element_size()
+        scode = codes.get(staged.layout.k)
+        if scode is None:
+            scode = codes[staged.layout.k] = _part_code(lib, staged.layout.k)
         head += [
             pool.data_ptr(),
             pool.shape[0],
             pool.stride(0) * sb,
             pool.stride(1) * sb,
             pool.stride(2) * sb,
-            _part_code(lib, staged.layout.k),
+            scode,
             staged.layout.v.offset,
             smap.data_ptr(),
             smap.shape[0],
@@ -268,6 +277,74 @@ def attend(
         )
     if o is not out:
         out.copy_(o)
+
+
+def _c_writes(part: Part) -> bool:
+    """Whether ``kvp_write`` encodes ``part`` (the same bytes as :func:`~.pages.encode_part`): fp32 values, q8_0,
+    q4_0, symmetric int8."""
+    return (
+        (part.family == "cast" and part.dtype == torch.float32)
+        or part.name in ("q8_0", "q4_0")
+        and (part.family == "ggml")
+        or part.family == "sym"
+    )
+
+
+def store(
+    layout: PageLayout,
+    kv_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """:func:`~.pages.write` (the same arguments, the same bytes), in one C call (``kvp_write``) where the library
+    encodes both parts (fp32 values, q8_0, q4_0, symmetric int8), else in torch: a write per layer and step costs
+    one call instead of some twenty small torch ops per part."""
+    n = slot_mapping.shape[0]
+    lib = None if _reference_asked() or not (_c_writes(layout.k) and _c_writes(layout.v)) else library()
+    if (
+        lib is None
+        or n == 0
+        or kv_cache.dtype != torch.uint8
+        or kv_cache.dim() != 4
+        or kv_cache.stride(3) != 1
+    ):
+        write(layout, kv_cache, key, value, slot_mapping)
+        return
+    codes = _state.setdefault("codes", {})
+    parts = (layout.k, layout.v)
+    if parts not in codes:
+        codes[parts] = (_part_code(lib, layout.k), _part_code(lib, layout.v))
+    kcode, vcode = codes[parts]
+    k, v = _raw(key[:n]), _raw(value[:n])
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
+    slots = slots.contiguous()
+    args = torch.tensor(
+        [
+            ABI,
+            n,
+            k.data_ptr(),
+            v.data_ptr(),
+            k.stride(0),
+            v.stride(0),
+            slots.data_ptr(),
+            kv_cache.shape[1],
+            layout.head_dim,
+            kv_cache.shape[2],
+            kv_cache.data_ptr(),
+            kv_cache.shape[0],
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+            kv_cache.stride(2),
+            kcode,
+            layout.k.offset,
+            vcode,
+            layout.v.offset,
+        ],
+        dtype=torch.int64,
+    )
+    if lib.kvp_write(args.data_ptr()):  # nothing written: a format or value it leaves to torch, or a bad slot
+        write(layout, kv_cache, key, value, slot_mapping)
 
 
 def _raw(x: torch.Tensor) -> torch.Tensor:

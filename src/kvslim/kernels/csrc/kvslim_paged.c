@@ -37,7 +37,12 @@
  * online softmax (Milakov & Gimelshein 2018; FlashAttention's rescaling), all in fp32. Tasks run in parallel
  * (OpenMP, the caller's thread count). No full fp32 copy of the history is ever made.
  *
- * Entry points: kvp_attend (the kernel), kvp_format (a format name -> its code and block), kvp_abi_version.
+ * Writes (kvp_write): the step's fp32 K/V encoded and stored through vLLM's slot mapping in one call, for the
+ * formats whose bytes it reproduces exactly (f32 rows, q8_0 and q4_0 as formats/ggml.py and gguf-py, sym8 as
+ * kvslim/vllm/pages.py); anything else is left to the torch encoders (return code 3).
+ *
+ * Entry points: kvp_attend (the kernel), kvp_write, kvp_format (a format name -> its code and block),
+ * kvp_abi_version, kvp_layout.
  * Return codes: 0 ok, 1 out of memory, 2 bad arguments (unknown format, a page index outside the table or
  * the pool). The Python side checks shapes and dtypes; nothing here can check a pointer's extent.
  */
@@ -54,7 +59,7 @@
 #include <immintrin.h>
 #endif
 
-#define KVP_ABI_VERSION 3
+#define KVP_ABI_VERSION 4
 /* Queries per task (a prefill row is split into chunks of QC queries). */
 #define KVP_QC 16
 /* Largest page (tokens) and head dim the scratch is sized for. */
@@ -269,9 +274,34 @@ enum {
  * that table's length. */
 enum { R_QSTART = 0, R_QLEN, R_KVLEN, R_TABLE, R_TABLE_LEN, R_FIELDS };
 
+/* kvp_write's header: int64 fields. */
+enum {
+    W_ABI = 0,
+    W_N,        /* tokens */
+    W_KEY,      /* fp32 (N, H, D): heads D apart, values contiguous */
+    W_VALUE,
+    W_KS,       /* token strides of key and value, in floats */
+    W_VS,
+    W_SLOTS,    /* int64 (N,): page * T + offset; negative: skipped */
+    W_H,
+    W_D,
+    W_T,
+    W_CACHE,    /* uint8 pages */
+    W_NPAGES,
+    W_PAGE_STRIDE,
+    W_HEAD_STRIDE,
+    W_TOKEN_STRIDE,
+    W_KFMT,
+    W_KOFF,
+    W_VFMT,
+    W_VOFF,
+    W_FIELDS
+};
+
 void kvp_layout(int64_t *dst) {
     dst[0] = H_FIELDS;
     dst[1] = R_FIELDS;
+    dst[2] = W_FIELDS;
 }
 
 typedef struct {
@@ -563,4 +593,120 @@ int kvp_attend(const int64_t *a) {
     }
     free(task);
     return err & 1 ? 1 : err ? 2 : 0;
+}
+
+/* ------------------------------------------------------------------------------------------ writes */
+
+/* Whether kvp_write encodes format fmt here: f32 rows and, with F16C (its fp16 rounding), q8_0, q4_0, sym8. */
+static int kvp_writes(int fmt) {
+#if defined(__F16C__)
+    return fmt == KVP_F32 || fmt == KVP_Q8_0 || fmt == KVP_Q4_0 || fmt == KVP_S8;
+#else
+    return fmt == KVP_F32;
+#endif
+}
+
+#if defined(__F16C__)
+/* fp32 -> fp16 bits, round to nearest even (torch's .to(torch.float16)). */
+static inline uint16_t kvp_f2h(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
+/* A product rounded to fp32 on its own: the encoders below add to it, and a fused multiply-add (the library is
+ * built with -ffp-contract=fast) would round once where torch and gguf-py round twice. */
+static inline float kvp_mul(float a, float b) {
+    volatile float p = a * b;
+    return p;
+}
+#endif
+
+/* One token's D fp32 values x -> format fmt at dst (a kvp_writes format; finite input). The bytes of
+ * formats/ggml.py's _q8_0 / _q4_0 (gguf-py's) and of kvslim/vllm/pages.py's sym8, quirk for quirk. */
+static void kvp_encode_row(int fmt, const float *restrict x, int D, uint8_t *restrict dst) {
+    if (fmt == KVP_F32) {
+        memcpy(dst, x, sizeof(float) * (size_t)D);
+        return;
+    }
+#if defined(__F16C__)
+    if (fmt == KVP_S8) { /* scale = fp16(max |x| / 127); code = round-half-even(x / scale), 0 when scale is 0 */
+        float amax = 0.0f;
+        for (int i = 0; i < D; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+        const uint16_t h = kvp_f2h(amax / 127.0f);
+        const float sc = _cvtsh_ss(h);
+        memcpy(dst, &h, 2);
+        for (int i = 0; i < D; i++) {
+            float q = sc > 0.0f ? nearbyintf(x[i] / sc) : 0.0f;
+            q = q < -127.0f ? -127.0f : q > 127.0f ? 127.0f : q;
+            dst[2 + i] = (uint8_t)(int8_t)q;
+        }
+        return;
+    }
+    for (int b = 0; b < D / 32; b++) {
+        const float *v = x + 32 * b;
+        if (fmt == KVP_Q8_0) { /* d = max |x| / 127; codes round half away from zero (np_roundf) of x * (1 / d) */
+            uint8_t *blk = dst + 34 * b;
+            float amax = 0.0f;
+            for (int j = 0; j < 32; j++) amax = fabsf(v[j]) > amax ? fabsf(v[j]) : amax;
+            const float d = amax / 127.0f, id = d == 0.0f ? 0.0f : 1.0f / d;
+            const uint16_t h = kvp_f2h(d);
+            memcpy(blk, &h, 2);
+            for (int j = 0; j < 32; j++) {
+                const float w = kvp_mul(v[j], id), a = fabsf(w), fl = floorf(a);
+                const float r = fl + floorf(2.0f * (a - fl));
+                blk[2 + j] = (uint8_t)(int8_t)(w > 0.0f ? r : w < 0.0f ? -r : 0.0f);
+            }
+        } else { /* q4_0: d = (the element of largest magnitude, its sign, the first on ties) / -8 */
+            uint8_t *blk = dst + 18 * b;
+            float amax = -1.0f, mx = 0.0f;
+            for (int j = 0; j < 32; j++)
+                if (fabsf(v[j]) > amax) {
+                    amax = fabsf(v[j]);
+                    mx = v[j];
+                }
+            const float d = mx / -8.0f, id = d == 0.0f ? 0.0f : 1.0f / d;
+            const uint16_t h = kvp_f2h(d);
+            memcpy(blk, &h, 2);
+            uint8_t q[32];
+            for (int j = 0; j < 32; j++) { /* floor(x * id + 8.5) clamped to 0..15 */
+                float c = floorf(kvp_mul(v[j], id) + 8.5f);
+                q[j] = (uint8_t)(c < 0.0f ? 0.0f : c > 15.0f ? 15.0f : c);
+            }
+            for (int j = 0; j < 16; j++) blk[2 + j] = (uint8_t)(q[j] | (q[j + 16] << 4));
+        }
+    }
+#endif
+}
+
+/* The step's tokens encoded and stored in their slots. Returns 0, 2 (bad arguments: a slot outside the pool),
+ * 3 (a format it does not encode: nothing written), 4 (a non-finite value, or an fp16 scale overflowing:
+ * nothing written; the torch encoders say which). */
+int kvp_write(const int64_t *a) {
+    if (a[W_ABI] != KVP_ABI_VERSION) return 2;
+    const int kfmt = (int)a[W_KFMT], vfmt = (int)a[W_VFMT], H = (int)a[W_H], D = (int)a[W_D];
+    const int64_t n = a[W_N], T = a[W_T];
+    if (!kvp_writes(kfmt) || !kvp_writes(vfmt) || D % 32) return 3;
+    if (T <= 0 || H <= 0) return 2;
+    const float *key = (const float *)(intptr_t)a[W_KEY], *value = (const float *)(intptr_t)a[W_VALUE];
+    const int64_t *slots = (const int64_t *)(intptr_t)a[W_SLOTS];
+    uint8_t *cache = (uint8_t *)(intptr_t)a[W_CACHE];
+    /* validate everything before the first byte is written */
+    for (int64_t i = 0; i < n; i++) {
+        if (slots[i] < 0) continue;
+        if (slots[i] / T >= a[W_NPAGES]) return 2;
+        for (int h = 0; h < H; h++) {
+            const float *k = key + i * a[W_KS] + (int64_t)h * D, *v = value + i * a[W_VS] + (int64_t)h * D;
+            for (int d = 0; d < D; d++) {
+                /* finite, and max |x| / 127 or / 8 within fp16 (65504): torch's encoders raise */
+                if (!(fabsf(k[d]) <= 65504.0f * 8.0f) || !(fabsf(v[d]) <= 65504.0f * 8.0f)) return 4;
+            }
+        }
+    }
+    for (int64_t i = 0; i < n; i++) {
+        if (slots[i] < 0) continue;
+        const int64_t page = slots[i] / T, off = slots[i] % T;
+        for (int h = 0; h < H; h++) {
+            uint8_t *row = cache + page * a[W_PAGE_STRIDE] + (int64_t)h * a[W_HEAD_STRIDE] + off * a[W_TOKEN_STRIDE];
+            kvp_encode_row(kfmt, key + i * a[W_KS] + (int64_t)h * D, D, row + a[W_KOFF]);
+            kvp_encode_row(vfmt, value + i * a[W_VS] + (int64_t)h * D, D, row + a[W_VOFF]);
+        }
+    }
+    return 0;
 }
