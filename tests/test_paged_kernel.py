@@ -177,3 +177,23 @@ def test_c_writes_leave_non_finite_values_to_the_torch_encoders():
     with pytest.raises(ValueError):
         paged.store(layout, pages, key, value, torch.tensor([0, 1]))
     assert (pages == 0).all()
+
+
+def test_queries_and_raw_kv_read_in_place_from_a_wider_tensor():
+    """vLLM hands the layer views of its qkv projection (a token stride wider than the heads): the kernel reads them
+    where they are, with the same result as contiguous copies."""
+    layout, pages, query, rows, key, value = _step("q4_0", "q4_0", [70, 40], [1, 40], 9, 3, seed=4)
+    n, d = query.shape[0], 64
+    qkv = torch.cat(
+        [query.reshape(n, -1), key.reshape(n, -1), value.reshape(n, -1)], 1
+    )  # (n, (9 + 3 + 3) * D)
+    q, k, v = (
+        qkv[:, : 9 * d].view(n, 9, d),
+        qkv[:, 9 * d : 12 * d].view(n, 3, d),
+        qkv[:, 12 * d :].view(n, 3, d),
+    )
+    assert not q.is_contiguous()
+    want, got = torch.zeros(query.shape), torch.zeros(query.shape)
+    paged.attend(layout, pages, query, want, rows, 0.125, 0, True, key, value)
+    paged.attend(layout, pages, q, got, rows, 0.125, 0, True, k, v)
+    assert torch.equal(got, want)

@@ -205,8 +205,9 @@ def attend(
     if parts not in codes:
         codes[parts] = (_part_code(lib, layout.k), _part_code(lib, layout.v))
     kcode, vcode = codes[parts]
-    q = query.float().contiguous()
-    o = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty_like(q)
+    # vLLM's queries are a view of its qkv projection: read in place (a token stride), not copied
+    q = _raw(query)
+    o = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty(q.shape)
     n_pages, h_kv, t, _ = kv_cache.shape
     b = kv_cache.element_size()
     head = [
