@@ -197,3 +197,20 @@ def test_queries_and_raw_kv_read_in_place_from_a_wider_tensor():
     paged.attend(layout, pages, query, want, rows, 0.125, 0, True, key, value)
     paged.attend(layout, pages, q, got, rows, 0.125, 0, True, k, v)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("fmt_k,fmt_v", [("q4_0", "q4_0"), ("int4", "int2"), ("none", "none")])
+@pytest.mark.parametrize("window", [0, 300])
+def test_few_long_rows_split_over_threads_equal_the_reference(fmt_k, fmt_v, window):
+    """Fewer (row, KV head) tasks than ~4 a thread: each row's pages are split over the threads and the parts merged
+    (split-K); the same results as the reference, and the same bits on every call."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        case = _step(fmt_k, fmt_v, [1500, 700], [1, 3], 9, 3, seed=5)
+        out, ref = _both(*case, window=window)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+        again, _ = _both(*case, window=window)
+        assert torch.equal(again, out)
+    finally:
+        torch.set_num_threads(before)

@@ -370,7 +370,11 @@ static size_t kvp_scratch(int T, int D, int MG) {
     return 2 * (size_t)(T + 4) * D + 3 * (size_t)MG * D + 3 * (size_t)MG + (size_t)MG * T + D + 16;
 }
 
-/* One task: row r, KV head h, queries q0 .. q0 + M - 1 of the row. Returns 0 or 2 (bad page index).
+static void kvp_finish(const kvp_call *c, int r, int h, int q0, int M, const float *sum, const float *acc, int vper);
+
+/* One task: row r, KV head h, queries q0 .. q0 + M - 1 of the row, over its pages [pa, pb) (of those it may see).
+ * part NULL: the output rows written; else the running maxima, sums and accumulators left there (MG, MG, MG x D:
+ * one split of the row's pages, merged by kvp_merge). Returns 0 or 2 (bad page index).
  *
  * Per page: the scores of all M x G query-heads against the page's visible tokens (S, MG x T: K codes read in
  * registers for q8_0 / q4_0 / sym8 / affine at few query-heads, else decoded once into a tile), then per query-head
@@ -380,7 +384,7 @@ static size_t kvp_scratch(int T, int D, int MG) {
  * accumulator at once (V codes in registers, or a tile). Affine V codes are summed in their plane order (the
  * accumulators and every V tile row in that order, put back at the end); affine K scores are the plane-order
  * queries' dots with the codes, times the token's scale, plus its zero times the query's sum. */
-static int kvp_task(const kvp_call *c, int r, int h, int q0, float *scratch) {
+static int kvp_task(const kvp_call *c, int r, int h, int q0, int64_t pa, int64_t pb, float *part, float *scratch) {
     const int64_t *a = c->a, *row = c->rows + (int64_t)r * R_FIELDS;
     const int D = c->D, T = c->T, G = c->G;
     const int64_t qlen = row[R_QLEN], kvlen = row[R_KVLEN], tlen = row[R_TABLE_LEN];
@@ -389,7 +393,6 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, float *scratch) {
     const int64_t window = a[H_WINDOW], causal = a[H_CAUSAL];
     const int64_t pos0 = kvlen - qlen + q0; /* position of the task's first query */
     const float *q = (const float *)(intptr_t)a[H_Q];
-    float *out = (float *)(intptr_t)a[H_OUT];
     const uint8_t *pool = (const uint8_t *)(intptr_t)a[H_PAGES];
     const float *knew = (const float *)(intptr_t)a[H_KNEW], *vnew = (const float *)(intptr_t)a[H_VNEW];
     const uint8_t *stage = (const uint8_t *)(intptr_t)a[H_STAGE];
@@ -401,6 +404,11 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, float *scratch) {
 
     float *kt = scratch, *vt = kt + (size_t)(T + 4) * D, *qq = vt + (size_t)(T + 4) * D, *acc = qq + (size_t)MG * D;
     float *mx = acc + (size_t)MG * D, *sum = mx + MG, *S = sum + MG; /* S: (MG, T) scores, then weights */
+    if (part) { /* a split: its state kept where kvp_merge reads it */
+        mx = part;
+        sum = mx + MG;
+        acc = sum + MG;
+    }
     float *qp = S + (size_t)MG * T, *qsum = qp + (size_t)MG * D, *tmp = qsum + MG;
     const int kaff = kvp_affine((int)a[H_KFMT], MG, D, a[H_TOKEN_STRIDE]);
     const int vaff = kvp_affine((int)a[H_VFMT], MG, D, a[H_TOKEN_STRIDE]), vper = vaff ? 8 / vaff : 1;
@@ -428,7 +436,7 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, float *scratch) {
     int64_t hi = causal ? pos0 + M : kvlen, lo = window > 0 ? pos0 - window + 1 : 0;
     if (hi > kvlen) hi = kvlen;
     if (lo < 0) lo = 0;
-    for (int64_t p = lo / T; p * T < hi; p++) {
+    for (int64_t p = lo / T > pa ? lo / T : pa; p * T < hi && p < pb; p++) {
         int64_t t0 = p * T;
         int ta = (int)(lo > t0 ? lo - t0 : 0), tb = (int)(hi - t0 < T ? hi - t0 : T);
         /* tile tokens [ta, tc) from the page, [tc, tb) from the raw K/V */
@@ -503,13 +511,22 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, float *scratch) {
             for (int t = v0; t < tb; t++) kvp_to_planes(vt + (size_t)t * D, D, vper, tmp);
         if (tb > v0) kvs_v_tile(S + v0, T, MG, D, vt + (size_t)v0 * D, tb - v0, acc);
     }
+    if (!part) kvp_finish(c, r, h, q0, M, sum, acc, vper);
+    return 0;
+}
+
+/* The output rows of task (r, h, q0): acc / sum per query-head, from plane order (vper codes a byte) if vper > 1. */
+static void kvp_finish(const kvp_call *c, int r, int h, int q0, int M, const float *sum, const float *acc, int vper) {
+    const int64_t *a = c->a, *row = c->rows + (int64_t)r * R_FIELDS;
+    const int D = c->D, G = c->G;
+    float *out = (float *)(intptr_t)a[H_OUT];
     for (int m = 0; m < M; m++)
         for (int g = 0; g < G; g++) {
             int i = m * G + g;
             float inv = sum[i] > 0.0f ? 1.0f / sum[i] : 0.0f;
             float *dst = out + (row[R_QSTART] + q0 + m) * a[H_OUTS] + (int64_t)(h * G + g) * D;
             const float *ac = acc + (size_t)i * D;
-            if (vaff) { /* plane order back to natural: element per * j + k sits at k * np + j */
+            if (vper > 1) { /* plane order back to natural: element per * j + k sits at k * np + j */
                 const int np = D / vper;
                 for (int j = 0; j < np; j++)
                     for (int k = 0; k < vper; k++) dst[vper * j + k] = ac[k * np + j] * inv;
@@ -517,20 +534,53 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, float *scratch) {
                 for (int d = 0; d < D; d++) dst[d] = ac[d] * inv;
             }
         }
-    return 0;
+}
+
+/* Task (r, h, q0)'s ns splits (parts of MG x (D + 2) floats, in page order) merged, in order, and finished. */
+static void kvp_merge(const kvp_call *c, int r, int h, int q0, int M, const float *parts, int ns, float *scratch) {
+    const int D = c->D, MG = M * c->G;
+    const size_t stride = (size_t)MG * (D + 2);
+    float *sum = scratch, *acc = sum + MG;
+    for (int i = 0; i < MG; i++) {
+        float m = -INFINITY;
+        for (int k = 0; k < ns; k++) m = parts[k * stride + i] > m ? parts[k * stride + i] : m;
+        float s = 0.0f, *ac = acc + (size_t)i * D;
+        memset(ac, 0, sizeof(float) * (size_t)D);
+        for (int k = 0; k < ns; k++) {
+            const float *pk = parts + k * stride, pm = pk[i];
+            if (pm == -INFINITY) continue; /* a split no query of this head saw */
+            const float w = expf(pm - m), *pa = pk + 2 * MG + (size_t)i * D;
+            s += pk[MG + i] * w;
+            for (int d = 0; d < D; d++) ac[d] += pa[d] * w;
+        }
+        sum[i] = s;
+    }
+    const int vaff = kvp_affine((int)c->a[H_VFMT], MG, D, c->a[H_TOKEN_STRIDE]);
+    kvp_finish(c, r, h, q0, M, sum, acc, vaff ? 8 / vaff : 1);
 }
 
 /* A task of kvp_attend: (row, KV head, first query), its cost estimate and its index (the order of equals). */
 typedef struct {
     int64_t cost, index, row, q0;
     int head;
+    int64_t pa, pb; /* its pages (all: 0, INT64_MAX) */
+    int64_t part;   /* its split's floats in the parts buffer, or -1 (not split) */
 } kvp_work;
+
+/* A task split over its pages: its parts (ns of them from part) merged when every split is done. */
+typedef struct {
+    int64_t row, q0, part;
+    int head, ns;
+} kvp_split;
 
 static int kvp_costlier(const void *x, const void *y) {
     const kvp_work *a = x, *b = y;
     if (a->cost != b->cost) return a->cost > b->cost ? -1 : 1;
     return a->index < b->index ? -1 : a->index > b->index;
 }
+
+static int kvp_run(const kvp_call *cp, const kvp_work *task, int64_t ntasks, const kvp_split *split, int64_t nsplit,
+                   float *parts, int nt);
 
 int kvp_attend(const int64_t *a) {
     if (a[H_ABI] != KVP_ABI_VERSION) return 2;
@@ -557,41 +607,101 @@ int kvp_attend(const int64_t *a) {
         ntasks += (row[R_QLEN] + KVP_QC - 1) / KVP_QC * c.Hkv;
     }
     if (ntasks == 0) return 0;
-    kvp_work *task = malloc(sizeof(kvp_work) * (size_t)ntasks);
-    if (!task) return 1;
-    int64_t n = 0;
-    for (int64_t r = 0; r < nrows; r++) {
-        const int64_t *row = c.rows + r * R_FIELDS;
-        const int64_t qlen = row[R_QLEN], kvlen = row[R_KVLEN];
-        for (int64_t q0 = 0; q0 < qlen; q0 += KVP_QC) {
-            /* keys times queries, as kvp_task bounds them */
-            const int64_t m = qlen - q0 < KVP_QC ? qlen - q0 : KVP_QC, pos0 = kvlen - qlen + q0;
-            int64_t hi = a[H_CAUSAL] ? pos0 + m : kvlen, lo = a[H_WINDOW] > 0 ? pos0 - a[H_WINDOW] + 1 : 0;
-            hi = hi > kvlen ? kvlen : hi;
-            lo = lo < 0 ? 0 : lo;
-            for (int h = 0; h < c.Hkv; h++, n++) task[n] = (kvp_work){(hi - lo + c.T) * m, n, r, q0, h};
-        }
-    }
-    /* the costliest first (a prefill's last chunks see the most keys), so no thread is left with one at the end */
-    qsort(task, (size_t)ntasks, sizeof(kvp_work), kvp_costlier);
-    const size_t scratch_floats = kvp_scratch(c.T, c.D, KVP_QC * c.G);
-    int err = 0;
 #ifdef _OPENMP
     int nt = a[H_THREADS] > 0 ? (int)a[H_THREADS] : omp_get_max_threads();
+#else
+    int nt = 1;
+#endif
+    /* Fewer tasks than ~4 a thread (a few long decodes): each task's pages split into up to want parts of >= 4
+     * pages, merged after (flash-decoding's split-K); the parts depend on the shapes and threads only, so the
+     * result is the same on every call. */
+    const int64_t want = nt > 1 && ntasks < 4 * (int64_t)nt ? (4 * (int64_t)nt + ntasks - 1) / ntasks : 1;
+    int64_t nwork = 0, nsplit = 0, nparts = 0;
+    for (int pass = 0; pass < 2; pass++) { /* count, then fill */
+        kvp_work *task = pass ? malloc(sizeof(kvp_work) * (size_t)nwork) : NULL;
+        kvp_split *split = pass && nsplit ? malloc(sizeof(kvp_split) * (size_t)nsplit) : NULL;
+        float *parts = pass && nparts ? malloc(sizeof(float) * (size_t)nparts) : NULL;
+        if (pass && (!task || (nsplit && !split) || (nparts && !parts))) {
+            free(task), free(split), free(parts);
+            return 1;
+        }
+        int64_t n = 0, ns = 0, np = 0;
+        for (int64_t r = 0; r < nrows; r++) {
+            const int64_t *row = c.rows + r * R_FIELDS;
+            const int64_t qlen = row[R_QLEN], kvlen = row[R_KVLEN];
+            for (int64_t q0 = 0; q0 < qlen; q0 += KVP_QC) {
+                /* keys times queries, as kvp_task bounds them */
+                const int64_t m = qlen - q0 < KVP_QC ? qlen - q0 : KVP_QC, pos0 = kvlen - qlen + q0;
+                int64_t hi = a[H_CAUSAL] ? pos0 + m : kvlen, lo = a[H_WINDOW] > 0 ? pos0 - a[H_WINDOW] + 1 : 0;
+                hi = hi > kvlen ? kvlen : hi;
+                lo = lo < 0 ? 0 : lo;
+                const int64_t p0 = lo / c.T, pages = hi > lo ? (hi - 1) / c.T + 1 - p0 : 0;
+                int64_t k = want < pages / 4 ? want : pages / 4;
+                k = k < 1 ? 1 : k;
+                const int64_t floats = m * c.G * (c.D + 2);
+                for (int h = 0; h < c.Hkv; h++) {
+                    if (k > 1 && pass) split[ns] = (kvp_split){r, q0, np, h, (int)k};
+                    for (int64_t j = 0; j < k; j++, n++) {
+                        if (pass)
+                            task[n] = (kvp_work){(hi - lo + c.T) * m / k, n, r, q0, h,
+                                                 k > 1 ? p0 + pages * j / k : 0, k > 1 ? p0 + pages * (j + 1) / k : INT64_MAX,
+                                                 k > 1 ? np + j * floats : -1};
+                    }
+                    if (k > 1) {
+                        ns++;
+                        np += k * floats;
+                    }
+                }
+            }
+        }
+        if (!pass) {
+            nwork = n, nsplit = ns, nparts = np;
+            continue;
+        }
+        /* the costliest first (a prefill's last chunks see the most keys), so no thread is left with one at the end */
+        qsort(task, (size_t)nwork, sizeof(kvp_work), kvp_costlier);
+        int rc = kvp_run(&c, task, nwork, split, nsplit, parts, nt);
+        free(task), free(split), free(parts);
+        return rc;
+    }
+    return 0;
+}
+
+/* kvp_attend's tasks on nt threads, then the splits merged. */
+static int kvp_run(const kvp_call *cp, const kvp_work *task, int64_t ntasks, const kvp_split *split, int64_t nsplit,
+                   float *parts, int nt) {
+    const kvp_call c = *cp;
+    const int64_t *a = c.a;
+    const size_t scratch_floats = kvp_scratch(c.T, c.D, KVP_QC * c.G);
+    int err = 0;
+    (void)a;
+#ifdef _OPENMP
     if (nt > ntasks) nt = (int)ntasks;
 #pragma omp parallel num_threads(nt) reduction(| : err)
 #endif
     {
-        /* zeroed: the tiles' spare rows are read (never used) by kvs_k_tile; every thread takes part in the loop */
+        /* zeroed: the tiles' spare rows are read (never used) by kvs_k_tile; every thread takes part in the loops */
         float *scratch = calloc(scratch_floats, sizeof(float));
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
-        for (int64_t i = 0; i < ntasks; i++)
-            err |= scratch ? kvp_task(&c, (int)task[i].row, task[i].head, (int)task[i].q0, scratch) : 1;
+        for (int64_t i = 0; i < ntasks; i++) {
+            const kvp_work *w = task + i;
+            err |= scratch ? kvp_task(&c, (int)w->row, w->head, (int)w->q0, w->pa, w->pb,
+                                      w->part >= 0 ? parts + w->part : NULL, scratch)
+                           : 1;
+        }
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+        for (int64_t i = 0; i < nsplit; i++) {
+            const kvp_split *sp = split + i;
+            const int64_t qlen = c.rows[sp->row * R_FIELDS + R_QLEN];
+            const int M = (int)(qlen - sp->q0 < KVP_QC ? qlen - sp->q0 : KVP_QC);
+            if (scratch) kvp_merge(&c, (int)sp->row, sp->head, (int)sp->q0, M, parts + sp->part, sp->ns, scratch);
+        }
         free(scratch);
     }
-    free(task);
     return err & 1 ? 1 : err ? 2 : 0;
 }
 
