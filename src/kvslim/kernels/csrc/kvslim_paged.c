@@ -32,10 +32,16 @@
  * stride, token stride) and holds the page's tokens from offset 0 up to the last one written; the caller keeps
  * the map exact (a slot is dropped when its page fills or its page id is reused; kvslim/vllm/staging.py).
  *
- * Per (row, KV head, chunk of up to QC queries) task: each page's K rows are decoded once into an fp32
- * tile (T x D, in L1), scored against every query of the chunk, then its V rows decoded and summed with an
- * online softmax (Milakov & Gimelshein 2018; FlashAttention's rescaling), all in fp32. Tasks run in parallel
- * (OpenMP, the caller's thread count). No full fp32 copy of the history is ever made.
+ * Per (row, KV head, chunk of up to QC queries) task, page by page: the scores of all the chunk's query-heads (QC
+ * queries x the GQA group) against the page's tokens, each query-head's online softmax update (Milakov &
+ * Gimelshein 2018; FlashAttention's rescaling), then the weighted V rows summed into every query-head's
+ * accumulator at once, all in fp32. The loops are kvslim_kernels.c's (kvs_*: its tiles' AVX2 dots and sums, q8_0 /
+ * q4_0 / sym8 rows and KIVI-style affine codes read 8 at a time in registers, exp in lanes), not a second copy: at
+ * up to KVP_DIRECT_MAX query-heads (a decode step) codes are used in registers and never written out; more (a
+ * prefill chunk) decode each page once into an fp32 tile in L1, as the step's raw K/V and staged pages are.
+ * Tasks run in parallel (OpenMP, the caller's thread count), costliest first; when there are fewer than ~4 a
+ * thread (a few long decodes), each task's pages are split over the threads and the parts merged in page order
+ * (split-K; the split depends on the shapes and the thread count only). No full fp32 copy of the history is made.
  *
  * Writes (kvp_write): the step's fp32 K/V encoded and stored through vLLM's slot mapping in one call, for the
  * formats whose bytes it reproduces exactly (f32 rows, q8_0 and q4_0 as formats/ggml.py and gguf-py, sym8 as
