@@ -214,3 +214,14 @@ def test_few_long_rows_split_over_threads_equal_the_reference(fmt_k, fmt_v, wind
         assert torch.equal(again, out)
     finally:
         torch.set_num_threads(before)
+
+
+def test_c_writes_refuse_shapes_they_cannot_trust():
+    """K/V whose heads or head size do not match the pages never reach C (it cannot check a pointer's extent):
+    the torch path raises, nothing is written."""
+    layout = PageLayout.of("q4_0", "q4_0", 64, torch.float32)
+    pages = torch.zeros(2, 3, T, layout.row_bytes, dtype=torch.uint8)
+    for key in (torch.randn(2, 4, 64), torch.randn(2, 3, 32)):
+        with pytest.raises((RuntimeError, ValueError)):
+            paged.store(layout, pages, key, key, torch.tensor([0, 1]))
+    assert (pages == 0).all()

@@ -283,11 +283,26 @@ def attend(
 def _c_writes(part: Part) -> bool:
     """Whether ``kvp_write`` encodes ``part`` (the same bytes as :func:`~.pages.encode_part`): fp32 values, q8_0,
     q4_0, symmetric int8."""
+    if part.family == "cast":
+        return part.dtype == torch.float32
+    return part.family == "sym" or (part.family == "ggml" and part.name in ("q8_0", "q4_0"))
+
+
+def _c_can_store(layout: PageLayout, kv_cache: torch.Tensor, key, value, slot_mapping: torch.Tensor) -> bool:
+    """Whether ``kvp_write`` takes this write: its formats, and the shapes it trusts (it cannot check a pointer's
+    extent; anything else goes to :func:`~.pages.write`, which raises its own errors)."""
+    n = slot_mapping.shape[0]
+    shape = (kv_cache.shape[1], layout.head_dim) if kv_cache.dim() == 4 else None
     return (
-        (part.family == "cast" and part.dtype == torch.float32)
-        or part.name in ("q8_0", "q4_0")
-        and (part.family == "ggml")
-        or part.family == "sym"
+        n > 0
+        and slot_mapping.dim() == 1
+        and kv_cache.dtype == torch.uint8
+        and shape is not None
+        and kv_cache.shape[3] == layout.row_bytes
+        and kv_cache.stride(3) == 1
+        and all(x.dim() == 3 and x.shape[0] >= n and tuple(x.shape[1:]) == shape for x in (key, value))
+        and _c_writes(layout.k)
+        and _c_writes(layout.v)
     )
 
 
@@ -302,14 +317,9 @@ def store(
     encodes both parts (fp32 values, q8_0, q4_0, symmetric int8), else in torch: a write per layer and step costs
     one call instead of some twenty small torch ops per part."""
     n = slot_mapping.shape[0]
-    lib = None if _reference_asked() or not (_c_writes(layout.k) and _c_writes(layout.v)) else library()
-    if (
-        lib is None
-        or n == 0
-        or kv_cache.dtype != torch.uint8
-        or kv_cache.dim() != 4
-        or kv_cache.stride(3) != 1
-    ):
+    ok = not _reference_asked() and _c_can_store(layout, kv_cache, key, value, slot_mapping)
+    lib = library() if ok else None
+    if lib is None:
         write(layout, kv_cache, key, value, slot_mapping)
         return
     codes = _state.setdefault("codes", {})
