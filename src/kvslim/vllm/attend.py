@@ -38,15 +38,17 @@ from dataclasses import dataclass
 import torch
 
 from ..formats import get_format
-from .pages import PageLayout, Part, gather
+from .pages import PageLayout, Part, gather, write
 from .staging import overlay
 
 #: ``$KVSLIM_VLLM_KERNEL``: ``c`` (default: the C kernel when it builds) or ``reference``.
 KERNEL_ENV = "KVSLIM_VLLM_KERNEL"
-#: kvp_attend's ABI and table widths (csrc/kvslim_paged.c: H_FIELDS, R_FIELDS), checked when the library loads.
-ABI = 3
+#: kvp_attend's ABI and table widths (csrc/kvslim_paged.c: H_FIELDS, R_FIELDS, W_FIELDS), checked when the
+#: library loads.
+ABI = 4
 HEAD_FIELDS = 36
 ROW_FIELDS = 5
+WRITE_FIELDS = 19
 #: C's row decoders of the cast dtypes.
 CAST_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 
@@ -133,14 +135,18 @@ def library():
                     ]
                     lib.kvp_format.restype = ctypes.c_int
                     lib.kvp_abi_version.restype = ctypes.c_int
+                    lib.kvp_write.argtypes = [ctypes.c_void_p]
+                    lib.kvp_write.restype = ctypes.c_int
                     lib.kvp_layout.argtypes = [ctypes.c_void_p]
                     lib.kvp_layout.restype = None
-                    widths = (ctypes.c_int64 * 2)()
+                    if lib.kvp_abi_version() != ABI:  # before kvp_layout: an older one writes fewer widths
+                        raise RuntimeError(f"kvp_attend has ABI {lib.kvp_abi_version()}, expected {ABI}")
+                    widths = (ctypes.c_int64 * 3)()
                     lib.kvp_layout(widths)
-                    if lib.kvp_abi_version() != ABI or tuple(widths) != (HEAD_FIELDS, ROW_FIELDS):
+                    if tuple(widths) != (HEAD_FIELDS, ROW_FIELDS, WRITE_FIELDS):
                         raise RuntimeError(
-                            f"kvp_attend has ABI {lib.kvp_abi_version()} / tables {tuple(widths)}, "
-                            f"expected {ABI} / {(HEAD_FIELDS, ROW_FIELDS)}"
+                            f"kvp_attend's tables have {tuple(widths)} fields, expected "
+                            f"{(HEAD_FIELDS, ROW_FIELDS, WRITE_FIELDS)}"
                         )
                     _state["lib"], _state["reason"] = lib, "C kernel"
                 except Exception as e:  # any failure: the reference, said once
@@ -199,8 +205,9 @@ def attend(
     if parts not in codes:
         codes[parts] = (_part_code(lib, layout.k), _part_code(lib, layout.v))
     kcode, vcode = codes[parts]
-    q = query.float().contiguous()
-    o = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty_like(q)
+    # vLLM's queries are a view of its qkv projection: read in place (a token stride), not copied
+    q = _raw(query)
+    o = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty(q.shape)
     n_pages, h_kv, t, _ = kv_cache.shape
     b = kv_cache.element_size()
     head = [
@@ -247,13 +254,16 @@ def attend(
             smap if smap.dtype == torch.int32 and smap.is_contiguous() else smap.to(torch.int32).contiguous()
         )
         sb = pool.element_size()
+        scode = codes.get(staged.layout.k)
+        if scode is None:
+            scode = codes[staged.layout.k] = _part_code(lib, staged.layout.k)
         head += [
             pool.data_ptr(),
             pool.shape[0],
             pool.stride(0) * sb,
             pool.stride(1) * sb,
             pool.stride(2) * sb,
-            _part_code(lib, staged.layout.k),
+            scode,
             staged.layout.v.offset,
             smap.data_ptr(),
             smap.shape[0],
@@ -268,6 +278,84 @@ def attend(
         )
     if o is not out:
         out.copy_(o)
+
+
+def _c_writes(part: Part) -> bool:
+    """Whether ``kvp_write`` encodes ``part`` (the same bytes as :func:`~.pages.encode_part`): fp32 values, q8_0,
+    q4_0, symmetric int8."""
+    if part.family == "cast":
+        return part.dtype == torch.float32
+    return part.family == "sym" or (part.family == "ggml" and part.name in ("q8_0", "q4_0"))
+
+
+def _c_can_store(layout: PageLayout, kv_cache: torch.Tensor, key, value, slot_mapping: torch.Tensor) -> bool:
+    """Whether ``kvp_write`` takes this write: its formats, and the shapes it trusts (it cannot check a pointer's
+    extent; anything else goes to :func:`~.pages.write`, which raises its own errors)."""
+    n = slot_mapping.shape[0]
+    shape = (kv_cache.shape[1], layout.head_dim) if kv_cache.dim() == 4 else None
+    return (
+        n > 0
+        and slot_mapping.dim() == 1
+        and kv_cache.dtype == torch.uint8
+        and shape is not None
+        and kv_cache.shape[3] == layout.row_bytes
+        and kv_cache.stride(3) == 1
+        and all(x.dim() == 3 and x.shape[0] >= n and tuple(x.shape[1:]) == shape for x in (key, value))
+        and _c_writes(layout.k)
+        and _c_writes(layout.v)
+    )
+
+
+def store(
+    layout: PageLayout,
+    kv_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """:func:`~.pages.write` (the same arguments, the same bytes), in one C call (``kvp_write``) where the library
+    encodes both parts (fp32 values, q8_0, q4_0, symmetric int8), else in torch: a write per layer and step costs
+    one call instead of some twenty small torch ops per part."""
+    n = slot_mapping.shape[0]
+    ok = not _reference_asked() and _c_can_store(layout, kv_cache, key, value, slot_mapping)
+    lib = library() if ok else None
+    if lib is None:
+        write(layout, kv_cache, key, value, slot_mapping)
+        return
+    codes = _state.setdefault("codes", {})
+    parts = (layout.k, layout.v)
+    if parts not in codes:
+        codes[parts] = (_part_code(lib, layout.k), _part_code(lib, layout.v))
+    kcode, vcode = codes[parts]
+    k, v = _raw(key[:n]), _raw(value[:n])
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
+    slots = slots.contiguous()
+    args = torch.tensor(
+        [
+            ABI,
+            n,
+            k.data_ptr(),
+            v.data_ptr(),
+            k.stride(0),
+            v.stride(0),
+            slots.data_ptr(),
+            kv_cache.shape[1],
+            layout.head_dim,
+            kv_cache.shape[2],
+            kv_cache.data_ptr(),
+            kv_cache.shape[0],
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+            kv_cache.stride(2),
+            kcode,
+            layout.k.offset,
+            vcode,
+            layout.v.offset,
+        ],
+        dtype=torch.int64,
+    )
+    if lib.kvp_write(args.data_ptr()):  # nothing written: a format or value it leaves to torch, or a bad slot
+        write(layout, kv_cache, key, value, slot_mapping)
 
 
 def _raw(x: torch.Tensor) -> torch.Tensor:

@@ -52,7 +52,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from . import attend as paged
-from .pages import PAGE_TOKENS, PageLayout, write
+from .pages import PAGE_TOKENS, PageLayout
 from .spec import from_sources, given
 from .staging import Stager, pool_bytes, slots_from_env
 
@@ -278,7 +278,7 @@ class KvslimCPUImpl(AttentionImpl):
                     self.stage_layout.row_bytes,
                 )
                 self.staged = torch.empty(shape, dtype=torch.uint8)  # a row is read only once written
-            write(self.stage_layout, self.staged, key[:n], value[:n], attn_metadata.stage_dest)
+            paged.store(self.stage_layout, self.staged, key[:n], value[:n], attn_metadata.stage_dest)
             staged = paged.Staged(self.staged, self.stage_layout, attn_metadata.stage_map)
         paged.attend(
             self.layout,
@@ -304,4 +304,4 @@ class KvslimCPUImpl(AttentionImpl):
         slot_mapping: torch.Tensor,
     ) -> None:
         """key, value: (N, H_kv, D): encoded once and stored in their slots."""
-        write(self.layout, kv_cache, key, value, slot_mapping)
+        paged.store(self.layout, kv_cache, key, value, slot_mapping)

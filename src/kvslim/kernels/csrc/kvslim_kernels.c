@@ -86,6 +86,9 @@ enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2, DT_F8E4M3 = 3, DT_U8 = 4 };
 /* Per-token row formats (the GGML kinds first). Python never hard-codes these numbers: it asks
  * kv_row_format() by name (see ROW_FORMATS below). */
 enum { R_Q8_0 = 0, R_Q4_0 = 1, R_Q4_1 = 2, R_Q5_0 = 3, R_Q5_1 = 4, R_F32 = 5, R_F16 = 6, R_BF16 = 7, R_FP8 = 8 };
+/* Read in registers for kvslim_paged.c only (not a row format of this file's ops): the vLLM plugin's symmetric
+ * 8-bit pages, an fp16 scale then D int8 codes (q8_0's block spanning the whole head). */
+enum { R_SYM8 = 9 };
 
 /* GGML block layouts (ggml-common.h): elements per block and bytes per block, as decode_row reads
  * them. kvslim's format registry (kvslim/formats/ggml.py) holds the same facts; the loader compares
@@ -758,8 +761,13 @@ KV_INLINE void v_direct(int bits, int NM, const float *restrict pb, int64_t ps, 
     }
 }
 
-/* Elements 8e .. 8e + 7 of a q8_0 / q4_0 token row (natural order), as decode_row gives them: d * (code [- 8]). */
+/* Elements 8e .. 8e + 7 of a q8_0 / q4_0 token row (natural order), as decode_row gives them: d * (code [- 8]);
+ * of a sym8 row (R_SYM8), d * code with the row's one scale. */
 KV_INLINE __m256 ggml8(int fmt, const uint8_t *restrict src, int e) {
+    if (fmt == R_SYM8) {
+        const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + 2 + 8 * e)));
+        return _mm256_mul_ps(_mm256_set1_ps(h2f(ld_u16(src))), _mm256_cvtepi32_ps(v));
+    }
     const int blk = e >> 2, w = e & 3; /* a block of QK = 32 elements: 4 runs of 8 */
     if (fmt == R_Q8_0) {
         const uint8_t *p = src + Q8_0_BYTES * blk;
@@ -1994,4 +2002,125 @@ int kv_run(int op, const int64_t *args) {
         if (op != OP_K_AFFINE_T) k.tiles = prm[7] != 0;
     }
     return run_call(&k);
+}
+
+/* --------------------------------------------------------------------------------- shared with kvslim_paged.c
+ *
+ * kvp_attend (csrc/kvslim_paged.c, linked into the same library) runs its pages through these loops rather than
+ * a second copy of them: the tiles' K dots and V sums (AVX2 + FMA where built), q8_0 / q4_0 rows read in
+ * registers (k_ggml / v_ggml), and e^x eight lanes at a time. Not part of the ctypes ABI (Python never calls
+ * them); the declarations are repeated in kvslim_paged.c. */
+
+/* Whether kvs_k_ggml / kvs_v_ggml read codes in registers in this build (AVX2 + FMA); if not, the caller decodes
+ * a tile and calls kvs_k_tile / kvs_v_tile. Their kind: 0 q8_0, 1 q4_0, 2 sym8 (kvslim_paged.c's KVP_ names). */
+int kvs_ggml_direct(void) {
+#if defined(__AVX2__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* o[m * os + j] = qq[m] . rows[j] for m < M, j < n: rows (n, D) fp32, at least 4 * ceil(n / 4) of them readable. */
+void kvs_k_tile(const float *qq, int64_t qs, int M, int D, const float *rows, int n, float *o, int64_t os) {
+    k_tile(qq, qs, NULL, M, D, rows, n, o, os, 0);
+}
+
+/* acc[m, :] += sum_{j < n} p[m * ps + j] * rows[j, :] for m < M; acc rows D apart. */
+void kvs_v_tile(const float *p, int64_t ps, int M, int D, const float *rows, int n, float *acc) {
+    v_tile(p, ps, M, D, rows, n, acc);
+}
+
+static const int KVS_KINDS[3] = {R_Q8_0, R_Q4_0, R_SYM8};
+
+/* K scores of q8_0 / q4_0 / sym8 rows (kind) in registers: o[m * os + j] = qq[m] . row(x0 + xs * j), m < M,
+ * j < n; D % 32 == 0. Only where kvs_ggml_direct() says so. */
+void kvs_k_ggml(int kind, int M, const float *qq, int64_t qs, int D, const uint8_t *x0, int64_t xs, int n, float *o,
+                int64_t os) {
+#if defined(__AVX2__) && defined(__FMA__)
+    const int fmt = KVS_KINDS[kind];
+    for (int m = 0; m < M; m += 3) {
+        const float *qm = qq + m * qs;
+        float *om = o + m * os;
+        switch (M - m) {
+        case 1: k_ggml(fmt, 1, 8, qm, qs, D, x0, xs, n, om, os); break;
+        case 2: k_ggml(fmt, 2, 4, qm, qs, D, x0, xs, n, om, os); break;
+        default: k_ggml(fmt, 3, 4, qm, qs, D, x0, xs, n, om, os); break;
+        }
+    }
+#else
+    (void)kind, (void)M, (void)qq, (void)qs, (void)D, (void)x0, (void)xs, (void)n, (void)o, (void)os;
+#endif
+}
+
+/* V sums of q8_0 / q4_0 / sym8 rows (kind) in registers: acc[m, :] += p[m * ps + t] * row(x0 + xs * t), m < M,
+ * t0 <= t < t1; acc rows D apart; D % 32 == 0. Only where kvs_ggml_direct() says so. */
+void kvs_v_ggml(int kind, int M, const float *p, int64_t ps, const uint8_t *x0, int64_t xs, int t0, int t1, int D,
+                float *acc) {
+#if defined(__AVX2__) && defined(__FMA__)
+    const int fmt = KVS_KINDS[kind];
+    for (int m = 0; m < M; m += 3) {
+        const float *pm = p + (int64_t)m * ps;
+        float *am = acc + (int64_t)m * D;
+        switch (M - m) {
+        case 1: v_ggml(fmt, 1, pm, ps, x0, xs, t0, t1, D, am); break;
+        case 2: v_ggml(fmt, 2, pm, ps, x0, xs, t0, t1, D, am); break;
+        default: v_ggml(fmt, 3, pm, ps, x0, xs, t0, t1, D, am); break;
+        }
+    }
+#else
+    (void)kind, (void)M, (void)p, (void)ps, (void)x0, (void)xs, (void)t0, (void)t1, (void)D, (void)acc;
+#endif
+}
+
+/* x[i] = e^(x[i] - mx) for i < n, and their sum added in index order (softmax_row's exponentials: exp_pd's eight
+ * at a time with AVX2, libm's expf elsewhere). Returns the sum. */
+float kvs_exp_sum(float *x, int n, float mx) {
+    float sum = 0.0f;
+    int t = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; t + 8 <= n; t += 8) {
+        const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(x + t), _mm256_set1_ps(mx));
+        _mm_storeu_ps(x + t, _mm256_cvtpd_ps(exp_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(d)))));
+        _mm_storeu_ps(x + t + 4, _mm256_cvtpd_ps(exp_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(d, 1)))));
+        for (int i = 0; i < 8; i++) sum += x[t + i];
+    }
+#endif
+    for (; t < n; t++) sum += (x[t] = expf(x[t] - mx));
+    return sum;
+}
+
+/* K dots of per-token affine rows (int8 / int4 / int2 codes packed as formats/affine.py) in registers, before their
+ * scale and zero: o[m * os + j] = qp[m] . codes(c0 + cs * j), m < M, j < n, the queries in plane order (rows D apart,
+ * as plane_queries lays them out); the caller applies each token's scale and zero. D / (codes per byte) % 8 == 0.
+ * Only where kvs_ggml_direct() says so. */
+void kvs_k_affine(int bits, int M, const float *qp, int D, const uint8_t *c0, int64_t cs, int n, float *o,
+                  int64_t os) {
+#if defined(__AVX2__) && defined(__FMA__)
+    k_direct_all(bits, M, qp, D, NULL, c0, cs, D / codes_per_unit(bits), n, o, os);
+#else
+    (void)bits, (void)M, (void)qp, (void)D, (void)c0, (void)cs, (void)n, (void)o, (void)os;
+#endif
+}
+
+/* V sums of per-token affine rows in registers, in plane order: acc[m, :] += p[m * ps + t] * (code * scale + zero),
+ * m < M, t0 <= t < t1, each row's fp16 scale and zero right after its codes (the vLLM plugin's affine pages); cs even,
+ * D / (codes per byte) % 8 == 0. Only where kvs_ggml_direct() says so. */
+void kvs_v_affine(int bits, int M, const float *p, int64_t ps, const uint8_t *c0, int64_t cs, int t0, int t1, int D,
+                  float *acc) {
+#if defined(__AVX2__) && defined(__FMA__)
+    const int np = D / codes_per_unit(bits); /* bytes of codes: one unit per byte at 8, 4 and 2 bits */
+    const kv_part sc = {c0 + np, 0, 0, cs / 2, DT_F16, 0}, zr = {c0 + np + 2, 0, 0, cs / 2, DT_F16, 0};
+    for (int m = 0; m < M; m += 3) {
+        const float *pm = p + (int64_t)m * ps;
+        float *am = acc + (int64_t)m * D;
+        switch (M - m) {
+        case 1: v_direct(bits, 1, pm, ps, c0, cs, &sc, &zr, 0, 0, t0, t1, np, np, D, am); break;
+        case 2: v_direct(bits, 2, pm, ps, c0, cs, &sc, &zr, 0, 0, t0, t1, np, np, D, am); break;
+        default: v_direct(bits, 3, pm, ps, c0, cs, &sc, &zr, 0, 0, t0, t1, np, np, D, am); break;
+        }
+    }
+#else
+    (void)bits, (void)M, (void)p, (void)ps, (void)c0, (void)cs, (void)t0, (void)t1, (void)D, (void)acc;
+#endif
 }

@@ -32,12 +32,23 @@
  * stride, token stride) and holds the page's tokens from offset 0 up to the last one written; the caller keeps
  * the map exact (a slot is dropped when its page fills or its page id is reused; kvslim/vllm/staging.py).
  *
- * Per (row, KV head, chunk of up to QC queries) task: each page's K rows are decoded once into an fp32
- * tile (T x D, in L1), scored against every query of the chunk, then its V rows decoded and summed with an
- * online softmax (Milakov & Gimelshein 2018; FlashAttention's rescaling), all in fp32. Tasks run in parallel
- * (OpenMP, the caller's thread count). No full fp32 copy of the history is ever made.
+ * Per (row, KV head, chunk of up to QC queries) task, page by page: the scores of all the chunk's query-heads (QC
+ * queries x the GQA group) against the page's tokens, each query-head's online softmax update (Milakov &
+ * Gimelshein 2018; FlashAttention's rescaling), then the weighted V rows summed into every query-head's
+ * accumulator at once, all in fp32. The loops are kvslim_kernels.c's (kvs_*: its tiles' AVX2 dots and sums, q8_0 /
+ * q4_0 / sym8 rows and KIVI-style affine codes read 8 at a time in registers, exp in lanes), not a second copy: at
+ * up to KVP_DIRECT_MAX query-heads (a decode step) codes are used in registers and never written out; more (a
+ * prefill chunk) decode each page once into an fp32 tile in L1, as the step's raw K/V and staged pages are.
+ * Tasks run in parallel (OpenMP, the caller's thread count), costliest first; when there are fewer than ~4 a
+ * thread (a few long decodes), each task's pages are split over the threads and the parts merged in page order
+ * (split-K; the split depends on the shapes and the thread count only). No full fp32 copy of the history is made.
  *
- * Entry points: kvp_attend (the kernel), kvp_format (a format name -> its code and block), kvp_abi_version.
+ * Writes (kvp_write): the step's fp32 K/V encoded and stored through vLLM's slot mapping in one call, for the
+ * formats whose bytes it reproduces exactly (f32 rows, q8_0 and q4_0 as formats/ggml.py and gguf-py, sym8 as
+ * kvslim/vllm/pages.py); anything else is left to the torch encoders (return code 3).
+ *
+ * Entry points: kvp_attend (the kernel), kvp_write, kvp_format (a format name -> its code and block),
+ * kvp_abi_version, kvp_layout.
  * Return codes: 0 ok, 1 out of memory, 2 bad arguments (unknown format, a page index outside the table or
  * the pool). The Python side checks shapes and dtypes; nothing here can check a pointer's extent.
  */
@@ -54,7 +65,7 @@
 #include <immintrin.h>
 #endif
 
-#define KVP_ABI_VERSION 3
+#define KVP_ABI_VERSION 4
 /* Queries per task (a prefill row is split into chunks of QC queries). */
 #define KVP_QC 16
 /* Largest page (tokens) and head dim the scratch is sized for. */
@@ -269,9 +280,34 @@ enum {
  * that table's length. */
 enum { R_QSTART = 0, R_QLEN, R_KVLEN, R_TABLE, R_TABLE_LEN, R_FIELDS };
 
+/* kvp_write's header: int64 fields. */
+enum {
+    W_ABI = 0,
+    W_N,        /* tokens */
+    W_KEY,      /* fp32 (N, H, D): heads D apart, values contiguous */
+    W_VALUE,
+    W_KS,       /* token strides of key and value, in floats */
+    W_VS,
+    W_SLOTS,    /* int64 (N,): page * T + offset; negative: skipped */
+    W_H,
+    W_D,
+    W_T,
+    W_CACHE,    /* uint8 pages */
+    W_NPAGES,
+    W_PAGE_STRIDE,
+    W_HEAD_STRIDE,
+    W_TOKEN_STRIDE,
+    W_KFMT,
+    W_KOFF,
+    W_VFMT,
+    W_VOFF,
+    W_FIELDS
+};
+
 void kvp_layout(int64_t *dst) {
     dst[0] = H_FIELDS;
     dst[1] = R_FIELDS;
+    dst[2] = W_FIELDS;
 }
 
 typedef struct {
@@ -280,6 +316,48 @@ typedef struct {
     int Hq, Hkv, D, T, G;
     float scale;
 } kvp_call;
+
+/* Shared with kvslim_kernels.c (the same library): its tile loops, q8_0 / q4_0 rows in registers, e^x in lanes. */
+int kvs_ggml_direct(void);
+void kvs_k_tile(const float *qq, int64_t qs, int M, int D, const float *rows, int n, float *o, int64_t os);
+void kvs_v_tile(const float *p, int64_t ps, int M, int D, const float *rows, int n, float *acc);
+void kvs_k_ggml(int kind, int M, const float *qq, int64_t qs, int D, const uint8_t *x0, int64_t xs, int n, float *o,
+                int64_t os);
+void kvs_v_ggml(int kind, int M, const float *p, int64_t ps, const uint8_t *x0, int64_t xs, int t0, int t1, int D,
+                float *acc);
+float kvs_exp_sum(float *x, int n, float mx);
+void kvs_k_affine(int bits, int M, const float *qp, int D, const uint8_t *c0, int64_t cs, int n, float *o,
+                  int64_t os);
+void kvs_v_affine(int bits, int M, const float *p, int64_t ps, const uint8_t *c0, int64_t cs, int t0, int t1, int D,
+                  float *acc);
+
+/* Query-heads of a task up to which q8_0 / q4_0 / sym8 / affine codes are read in registers (each 3 query-heads
+ * re-read the page's codes); more (a prefill chunk: 16 queries x the GQA group) decode the page into a tile once. */
+#define KVP_DIRECT_MAX 6
+
+/* kvs_k_ggml's kind of rows of format fmt if they are read in registers for MG query-heads, else -1. */
+static int kvp_direct(int fmt, int MG, int D) {
+    const int kind = fmt == KVP_Q8_0 ? 0 : fmt == KVP_Q4_0 ? 1 : fmt == KVP_S8 ? 2 : -1;
+    return kind >= 0 && MG <= KVP_DIRECT_MAX && D % 32 == 0 && kvs_ggml_direct() ? kind : -1;
+}
+
+/* The code width of per-token affine rows of format fmt if they are read in registers for MG query-heads (rows ts
+ * bytes apart: their fp16 scales read in place), else 0. */
+static int kvp_affine(int fmt, int MG, int D, int64_t ts) {
+    const int bits = fmt == KVP_A8 ? 8 : fmt == KVP_A4 ? 4 : fmt == KVP_A2 ? 2 : 0;
+    return bits && (D * bits / 8) % 8 == 0 && D % 32 == 0 && ts % 2 == 0 && MG <= KVP_DIRECT_MAX &&
+                   kvs_ggml_direct()
+               ? bits
+               : 0;
+}
+
+/* x (D values) in place, natural order -> plane order of per codes per byte: x'[i * np + j] = x[per * j + i]. */
+static void kvp_to_planes(float *x, int D, int per, float *tmp) {
+    const int np = D / per;
+    for (int j = 0; j < np; j++)
+        for (int i = 0; i < per; i++) tmp[i * np + j] = x[per * j + i];
+    memcpy(x, tmp, sizeof(float) * (size_t)D);
+}
 
 /* Tile rows [ta, tb) of one role (K or V) of the page starting at key position t0: [ta, tc) decoded from the
  * page or its staging slot (format fmt at byte offset off of each token row at base, rows ts bytes apart),
@@ -291,8 +369,28 @@ static void kvp_fill(const int64_t *a, int fmt, int64_t off, const uint8_t *base
         memcpy(tile + (size_t)t * D, raw + raw0 + (t0 + t) * a[H_NEWS], sizeof(float) * (size_t)D);
 }
 
-/* One task: row r, KV head h, queries q0 .. q0 + M - 1 of the row. Returns 0 or 2 (bad page index). */
-static int kvp_task(const kvp_call *c, int r, int h, int q0, float *scratch) {
+/* Scratch floats of one thread: the K and V tiles (T rows and 4 readable spare: kvs_k_tile reads rows in fours),
+ * the scaled queries (and in plane order), the accumulators, the running maxima and sums, the queries' sums, the
+ * scores of a page, a row. */
+static size_t kvp_scratch(int T, int D, int MG) {
+    return 2 * (size_t)(T + 4) * D + 3 * (size_t)MG * D + 3 * (size_t)MG + (size_t)MG * T + D + 16;
+}
+
+static void kvp_finish(const kvp_call *c, int r, int h, int q0, int M, const float *sum, const float *acc, int vper);
+
+/* One task: row r, KV head h, queries q0 .. q0 + M - 1 of the row, over its pages [pa, pb) (of those it may see).
+ * part NULL: the output rows written; else the running maxima, sums and accumulators left there (MG, MG, MG x D:
+ * one split of the row's pages, merged by kvp_merge). Returns 0 or 2 (bad page index).
+ *
+ * Per page: the scores of all M x G query-heads against the page's visible tokens (S, MG x T: K codes read in
+ * registers for q8_0 / q4_0 / sym8 / affine at few query-heads, else decoded once into a tile), then per query-head
+ * the online
+ * softmax update (the running sum and the accumulator rescaled by e^(old max - new max), the page's weights e^(s -
+ * new max), 0 where a query may not see a token), then the weighted V rows summed into every query-head's
+ * accumulator at once (V codes in registers, or a tile). Affine V codes are summed in their plane order (the
+ * accumulators and every V tile row in that order, put back at the end); affine K scores are the plane-order
+ * queries' dots with the codes, times the token's scale, plus its zero times the query's sum. */
+static int kvp_task(const kvp_call *c, int r, int h, int q0, int64_t pa, int64_t pb, float *part, float *scratch) {
     const int64_t *a = c->a, *row = c->rows + (int64_t)r * R_FIELDS;
     const int D = c->D, T = c->T, G = c->G;
     const int64_t qlen = row[R_QLEN], kvlen = row[R_KVLEN], tlen = row[R_TABLE_LEN];
@@ -301,7 +399,6 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, float *scratch) {
     const int64_t window = a[H_WINDOW], causal = a[H_CAUSAL];
     const int64_t pos0 = kvlen - qlen + q0; /* position of the task's first query */
     const float *q = (const float *)(intptr_t)a[H_Q];
-    float *out = (float *)(intptr_t)a[H_OUT];
     const uint8_t *pool = (const uint8_t *)(intptr_t)a[H_PAGES];
     const float *knew = (const float *)(intptr_t)a[H_KNEW], *vnew = (const float *)(intptr_t)a[H_VNEW];
     const uint8_t *stage = (const uint8_t *)(intptr_t)a[H_STAGE];
@@ -311,13 +408,30 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, float *scratch) {
     /* the raw row of key position k (>= cached): (row[R_QSTART] + k - cached) * H_NEWS + h * D */
     const int64_t raw0 = (row[R_QSTART] - cached) * a[H_NEWS] + (int64_t)h * D;
 
-    float *kt = scratch, *vt = kt + (size_t)T * D, *qq = vt + (size_t)T * D, *acc = qq + (size_t)MG * D;
-    float *mx = acc + (size_t)MG * D, *sum = mx + MG, *s = sum + MG;
+    float *kt = scratch, *vt = kt + (size_t)(T + 4) * D, *qq = vt + (size_t)(T + 4) * D, *acc = qq + (size_t)MG * D;
+    float *mx = acc + (size_t)MG * D, *sum = mx + MG, *S = sum + MG; /* S: (MG, T) scores, then weights */
+    if (part) { /* a split: its state kept where kvp_merge reads it */
+        mx = part;
+        sum = mx + MG;
+        acc = sum + MG;
+    }
+    float *qp = S + (size_t)MG * T, *qsum = qp + (size_t)MG * D, *tmp = qsum + MG;
+    const int kaff = kvp_affine((int)a[H_KFMT], MG, D, a[H_TOKEN_STRIDE]);
+    const int vaff = kvp_affine((int)a[H_VFMT], MG, D, a[H_TOKEN_STRIDE]), vper = vaff ? 8 / vaff : 1;
     for (int m = 0; m < M; m++)
         for (int g = 0; g < G; g++) {
             const float *src = q + (row[R_QSTART] + q0 + m) * a[H_QS] + (int64_t)(h * G + g) * D;
             float *dst = qq + (size_t)(m * G + g) * D;
             for (int d = 0; d < D; d++) dst[d] = src[d] * c->scale;
+        }
+    if (kaff) /* plane-order queries and their sums */
+        for (int i = 0; i < MG; i++) {
+            const float *x = qq + (size_t)i * D;
+            float sq = 0.0f;
+            for (int d = 0; d < D; d++) sq += x[d];
+            qsum[i] = sq;
+            memcpy(qp + (size_t)i * D, x, sizeof(float) * (size_t)D);
+            kvp_to_planes(qp + (size_t)i * D, D, 8 / kaff, tmp);
         }
     memset(acc, 0, sizeof(float) * (size_t)MG * D);
     for (int i = 0; i < MG; i++) {
@@ -328,13 +442,13 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, float *scratch) {
     int64_t hi = causal ? pos0 + M : kvlen, lo = window > 0 ? pos0 - window + 1 : 0;
     if (hi > kvlen) hi = kvlen;
     if (lo < 0) lo = 0;
-    for (int64_t p = lo / T; p * T < hi; p++) {
+    for (int64_t p = lo / T > pa ? lo / T : pa; p * T < hi && p < pb; p++) {
         int64_t t0 = p * T;
         int ta = (int)(lo > t0 ? lo - t0 : 0), tb = (int)(hi - t0 < T ? hi - t0 : T);
         /* tile tokens [ta, tc) from the page, [tc, tb) from the raw K/V */
         int tc = (int)(cached - t0 < ta ? ta : cached - t0 < tb ? cached - t0 : tb);
         const uint8_t *base = NULL;
-        int kfmt = (int)a[H_KFMT], vfmt = (int)a[H_VFMT];
+        int kfmt = (int)a[H_KFMT], vfmt = (int)a[H_VFMT], staged = 0;
         int64_t koff = a[H_KOFF], voff = a[H_VOFF], ts = a[H_TOKEN_STRIDE];
         if (tc > ta) {
             if (p >= tlen) return 2;
@@ -346,58 +460,133 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, float *scratch) {
             if (slot >= 0) { /* a partly filled page, staged at full precision */
                 base = stage + slot * a[H_SSLOT_STRIDE] + (int64_t)h * a[H_SHEAD_STRIDE];
                 kfmt = vfmt = (int)a[H_SFMT];
+                staged = 1;
                 koff = 0;
                 voff = a[H_SVOFF];
                 ts = a[H_STOKEN_STRIDE];
             }
         }
-        kvp_fill(a, kfmt, koff, base, ts, knew, raw0, t0, ta, tc, tb, D, kt);
-        int v_done = 0;
-        for (int m = 0; m < M; m++) {
-            int64_t qp = pos0 + m;
-            int64_t ka = window > 0 ? qp - window + 1 : 0, kb = causal ? qp + 1 : kvlen;
-            int u0 = (int)(ka > t0 + ta ? ka - t0 : ta), u1 = (int)(kb < t0 + tb ? kb - t0 : tb);
-            if (u0 >= u1) continue;
-            if (!v_done) {
-                kvp_fill(a, vfmt, voff, base, ts, vnew, raw0, t0, ta, tc, tb, D, vt);
-                v_done = 1;
+        /* scores S[i * T + t], t in [ta, tb) */
+        const int kk = tc > ta ? kvp_direct(kfmt, MG, D) : -1, ka = tc > ta && !staged ? kaff : 0;
+        const int k0 = kk >= 0 || ka ? tc : ta;
+        if (kk >= 0) kvs_k_ggml(kk, MG, qq, D, D, base + koff + ta * ts, ts, tc - ta, S + ta, T);
+        if (ka) {
+            kvs_k_affine(ka, MG, qp, D, base + koff + ta * ts, ts, tc - ta, S + ta, T);
+            for (int t = ta; t < tc; t++) { /* the token's fp16 scale and zero follow its codes */
+                const uint8_t *sz = base + koff + t * ts + D * ka / 8;
+                const float sc = kvp_h2f(sz), z = kvp_h2f(sz + 2);
+                for (int i = 0; i < MG; i++) S[(size_t)i * T + t] = S[(size_t)i * T + t] * sc + z * qsum[i];
             }
+        }
+        kvp_fill(a, kfmt, koff, base, ts, knew, raw0, t0, k0, tc, tb, D, kt);
+        if (tb > k0) kvs_k_tile(qq, D, MG, D, kt + (size_t)k0 * D, tb - k0, S + k0, T);
+        /* the online softmax: per query-head, weights in S, accumulator rescaled */
+        int seen = 0;
+        for (int m = 0; m < M; m++) {
+            const int64_t qpos = pos0 + m; /* the query sees keys [first, last) */
+            const int64_t first = window > 0 ? qpos - window + 1 : 0, last = causal ? qpos + 1 : kvlen;
+            int u0 = (int)(first > t0 + ta ? first - t0 : ta), u1 = (int)(last < t0 + tb ? last - t0 : tb);
+            if (u1 < u0) u1 = u0;
             for (int g = 0; g < G; g++) {
                 int i = m * G + g;
-                const float *qv = qq + (size_t)i * D;
+                float *w = S + (size_t)i * T;
+                for (int t = ta; t < u0; t++) w[t] = 0.0f;
+                for (int t = u1; t < tb; t++) w[t] = 0.0f;
+                if (u0 == u1) continue;
+                seen = 1;
                 float pm = -INFINITY;
-                for (int t = u0; t < u1; t++) {
-                    const float *kr = kt + (size_t)t * D;
-                    float dot = 0.0f;
-                    for (int d = 0; d < D; d++) dot += qv[d] * kr[d];
-                    s[t] = dot;
-                    if (dot > pm) pm = dot;
-                }
+                for (int t = u0; t < u1; t++) pm = w[t] > pm ? w[t] : pm;
                 float nm = pm > mx[i] ? pm : mx[i];
-                float corr = mx[i] == -INFINITY ? 0.0f : expf(mx[i] - nm);
-                float *ac = acc + (size_t)i * D;
-                float ssum = sum[i] * corr;
-                for (int d = 0; d < D; d++) ac[d] *= corr;
-                for (int t = u0; t < u1; t++) {
-                    float w = expf(s[t] - nm);
-                    ssum += w;
-                    const float *vr = vt + (size_t)t * D;
-                    for (int d = 0; d < D; d++) ac[d] += w * vr[d];
+                if (nm != mx[i] && mx[i] != -INFINITY) {
+                    float corr = expf(mx[i] - nm), *ac = acc + (size_t)i * D;
+                    sum[i] *= corr;
+                    for (int d = 0; d < D; d++) ac[d] *= corr;
                 }
-                sum[i] = ssum;
+                sum[i] += kvs_exp_sum(w + u0, u1 - u0, nm);
                 mx[i] = nm;
             }
         }
+        if (!seen) continue;
+        /* V: acc[i] += sum_t S[i, t] * V[t] */
+        const int vk = tc > ta ? kvp_direct(vfmt, MG, D) : -1, va = tc > ta && !staged ? vaff : 0;
+        const int v0 = vk >= 0 || va ? tc : ta;
+        if (vk >= 0) kvs_v_ggml(vk, MG, S, T, base + voff, ts, ta, tc, D, acc);
+        if (va) kvs_v_affine(va, MG, S, T, base + voff, ts, ta, tc, D, acc);
+        kvp_fill(a, vfmt, voff, base, ts, vnew, raw0, t0, v0, tc, tb, D, vt);
+        if (vaff) /* the accumulators are in plane order: so is every V tile row */
+            for (int t = v0; t < tb; t++) kvp_to_planes(vt + (size_t)t * D, D, vper, tmp);
+        if (tb > v0) kvs_v_tile(S + v0, T, MG, D, vt + (size_t)v0 * D, tb - v0, acc);
     }
+    if (!part) kvp_finish(c, r, h, q0, M, sum, acc, vper);
+    return 0;
+}
+
+/* The output rows of task (r, h, q0): acc / sum per query-head, from plane order (vper codes a byte) if vper > 1. */
+static void kvp_finish(const kvp_call *c, int r, int h, int q0, int M, const float *sum, const float *acc, int vper) {
+    const int64_t *a = c->a, *row = c->rows + (int64_t)r * R_FIELDS;
+    const int D = c->D, G = c->G;
+    float *out = (float *)(intptr_t)a[H_OUT];
     for (int m = 0; m < M; m++)
         for (int g = 0; g < G; g++) {
             int i = m * G + g;
             float inv = sum[i] > 0.0f ? 1.0f / sum[i] : 0.0f;
             float *dst = out + (row[R_QSTART] + q0 + m) * a[H_OUTS] + (int64_t)(h * G + g) * D;
-            for (int d = 0; d < D; d++) dst[d] = acc[(size_t)i * D + d] * inv;
+            const float *ac = acc + (size_t)i * D;
+            if (vper > 1) { /* plane order back to natural: element per * j + k sits at k * np + j */
+                const int np = D / vper;
+                for (int j = 0; j < np; j++)
+                    for (int k = 0; k < vper; k++) dst[vper * j + k] = ac[k * np + j] * inv;
+            } else {
+                for (int d = 0; d < D; d++) dst[d] = ac[d] * inv;
+            }
         }
-    return 0;
 }
+
+/* Task (r, h, q0)'s ns splits (parts of MG x (D + 2) floats, in page order) merged, in order, and finished. */
+static void kvp_merge(const kvp_call *c, int r, int h, int q0, int M, const float *parts, int ns, float *scratch) {
+    const int D = c->D, MG = M * c->G;
+    const size_t stride = (size_t)MG * (D + 2);
+    float *sum = scratch, *acc = sum + MG;
+    for (int i = 0; i < MG; i++) {
+        float m = -INFINITY;
+        for (int k = 0; k < ns; k++) m = parts[k * stride + i] > m ? parts[k * stride + i] : m;
+        float s = 0.0f, *ac = acc + (size_t)i * D;
+        memset(ac, 0, sizeof(float) * (size_t)D);
+        for (int k = 0; k < ns; k++) {
+            const float *pk = parts + k * stride, pm = pk[i];
+            if (pm == -INFINITY) continue; /* a split no query of this head saw */
+            const float w = expf(pm - m), *pa = pk + 2 * MG + (size_t)i * D;
+            s += pk[MG + i] * w;
+            for (int d = 0; d < D; d++) ac[d] += pa[d] * w;
+        }
+        sum[i] = s;
+    }
+    const int vaff = kvp_affine((int)c->a[H_VFMT], MG, D, c->a[H_TOKEN_STRIDE]);
+    kvp_finish(c, r, h, q0, M, sum, acc, vaff ? 8 / vaff : 1);
+}
+
+/* A task of kvp_attend: (row, KV head, first query), its cost estimate and its index (the order of equals). */
+typedef struct {
+    int64_t cost, index, row, q0;
+    int head;
+    int64_t pa, pb; /* its pages (all: 0, INT64_MAX) */
+    int64_t part;   /* its split's floats in the parts buffer, or -1 (not split) */
+} kvp_work;
+
+/* A task split over its pages: its parts (ns of them from part) merged when every split is done. */
+typedef struct {
+    int64_t row, q0, part;
+    int head, ns;
+} kvp_split;
+
+static int kvp_costlier(const void *x, const void *y) {
+    const kvp_work *a = x, *b = y;
+    if (a->cost != b->cost) return a->cost > b->cost ? -1 : 1;
+    return a->index < b->index ? -1 : a->index > b->index;
+}
+
+static int kvp_run(const kvp_call *cp, const kvp_work *task, int64_t ntasks, const kvp_split *split, int64_t nsplit,
+                   float *parts, int nt);
 
 int kvp_attend(const int64_t *a) {
     if (a[H_ABI] != KVP_ABI_VERSION) return 2;
@@ -424,36 +613,216 @@ int kvp_attend(const int64_t *a) {
         ntasks += (row[R_QLEN] + KVP_QC - 1) / KVP_QC * c.Hkv;
     }
     if (ntasks == 0) return 0;
-    int64_t *task = malloc(sizeof(int64_t) * 3 * (size_t)ntasks); /* (row, head, first query) */
-    if (!task) return 1;
-    int64_t n = 0;
-    for (int64_t r = 0; r < nrows; r++) {
-        const int64_t *row = c.rows + r * R_FIELDS;
-        for (int64_t q0 = 0; q0 < row[R_QLEN]; q0 += KVP_QC)
-            for (int h = 0; h < c.Hkv; h++) {
-                task[3 * n] = r;
-                task[3 * n + 1] = h;
-                task[3 * n + 2] = q0;
-                n++;
-            }
-    }
-    const size_t MG = (size_t)KVP_QC * c.G;
-    const size_t scratch_floats = 2 * (size_t)c.T * c.D + 2 * MG * c.D + 2 * MG + c.T + 16;
-    int err = 0;
 #ifdef _OPENMP
     int nt = a[H_THREADS] > 0 ? (int)a[H_THREADS] : omp_get_max_threads();
+#else
+    int nt = 1;
+#endif
+    /* Fewer tasks than ~4 a thread (a few long decodes): each task's pages split into up to want parts of >= 4
+     * pages, merged after (flash-decoding's split-K); the parts depend on the shapes and threads only, so the
+     * result is the same on every call. */
+    const int64_t want = nt > 1 && ntasks < 4 * (int64_t)nt ? (4 * (int64_t)nt + ntasks - 1) / ntasks : 1;
+    int64_t nwork = 0, nsplit = 0, nparts = 0;
+    for (int pass = 0; pass < 2; pass++) { /* count, then fill */
+        kvp_work *task = pass ? malloc(sizeof(kvp_work) * (size_t)nwork) : NULL;
+        kvp_split *split = pass && nsplit ? malloc(sizeof(kvp_split) * (size_t)nsplit) : NULL;
+        float *parts = pass && nparts ? malloc(sizeof(float) * (size_t)nparts) : NULL;
+        if (pass && (!task || (nsplit && !split) || (nparts && !parts))) {
+            free(task), free(split), free(parts);
+            return 1;
+        }
+        int64_t n = 0, ns = 0, np = 0;
+        for (int64_t r = 0; r < nrows; r++) {
+            const int64_t *row = c.rows + r * R_FIELDS;
+            const int64_t qlen = row[R_QLEN], kvlen = row[R_KVLEN];
+            for (int64_t q0 = 0; q0 < qlen; q0 += KVP_QC) {
+                /* keys times queries, as kvp_task bounds them */
+                const int64_t m = qlen - q0 < KVP_QC ? qlen - q0 : KVP_QC, pos0 = kvlen - qlen + q0;
+                int64_t hi = a[H_CAUSAL] ? pos0 + m : kvlen, lo = a[H_WINDOW] > 0 ? pos0 - a[H_WINDOW] + 1 : 0;
+                hi = hi > kvlen ? kvlen : hi;
+                lo = lo < 0 ? 0 : lo;
+                const int64_t p0 = lo / c.T, pages = hi > lo ? (hi - 1) / c.T + 1 - p0 : 0;
+                int64_t k = want < pages / 4 ? want : pages / 4;
+                k = k < 1 ? 1 : k;
+                const int64_t floats = m * c.G * (c.D + 2);
+                for (int h = 0; h < c.Hkv; h++) {
+                    if (k > 1 && pass) split[ns] = (kvp_split){r, q0, np, h, (int)k};
+                    for (int64_t j = 0; j < k; j++, n++) {
+                        if (pass)
+                            task[n] = (kvp_work){(hi - lo + c.T) * m / k, n, r, q0, h,
+                                                 k > 1 ? p0 + pages * j / k : 0, k > 1 ? p0 + pages * (j + 1) / k : INT64_MAX,
+                                                 k > 1 ? np + j * floats : -1};
+                    }
+                    if (k > 1) {
+                        ns++;
+                        np += k * floats;
+                    }
+                }
+            }
+        }
+        if (!pass) {
+            nwork = n, nsplit = ns, nparts = np;
+            continue;
+        }
+        /* the costliest first (a prefill's last chunks see the most keys), so no thread is left with one at the end */
+        qsort(task, (size_t)nwork, sizeof(kvp_work), kvp_costlier);
+        int rc = kvp_run(&c, task, nwork, split, nsplit, parts, nt);
+        free(task), free(split), free(parts);
+        return rc;
+    }
+    return 0;
+}
+
+/* kvp_attend's tasks on nt threads, then the splits merged. */
+static int kvp_run(const kvp_call *cp, const kvp_work *task, int64_t ntasks, const kvp_split *split, int64_t nsplit,
+                   float *parts, int nt) {
+    const kvp_call c = *cp;
+    const int64_t *a = c.a;
+    const size_t scratch_floats = kvp_scratch(c.T, c.D, KVP_QC * c.G);
+    int err = 0;
+    (void)a;
+#ifdef _OPENMP
     if (nt > ntasks) nt = (int)ntasks;
 #pragma omp parallel num_threads(nt) reduction(| : err)
 #endif
     {
-        float *scratch = malloc(sizeof(float) * scratch_floats); /* every thread still takes part in the loop */
+        /* zeroed: the tiles' spare rows are read (never used) by kvs_k_tile; every thread takes part in the loops */
+        float *scratch = calloc(scratch_floats, sizeof(float));
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
-        for (int64_t i = 0; i < ntasks; i++)
-            err |= scratch ? kvp_task(&c, (int)task[3 * i], (int)task[3 * i + 1], (int)task[3 * i + 2], scratch) : 1;
+        for (int64_t i = 0; i < ntasks; i++) {
+            const kvp_work *w = task + i;
+            err |= scratch ? kvp_task(&c, (int)w->row, w->head, (int)w->q0, w->pa, w->pb,
+                                      w->part >= 0 ? parts + w->part : NULL, scratch)
+                           : 1;
+        }
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+        for (int64_t i = 0; i < nsplit; i++) {
+            const kvp_split *sp = split + i;
+            const int64_t qlen = c.rows[sp->row * R_FIELDS + R_QLEN];
+            const int M = (int)(qlen - sp->q0 < KVP_QC ? qlen - sp->q0 : KVP_QC);
+            if (scratch) kvp_merge(&c, (int)sp->row, sp->head, (int)sp->q0, M, parts + sp->part, sp->ns, scratch);
+        }
         free(scratch);
     }
-    free(task);
     return err & 1 ? 1 : err ? 2 : 0;
+}
+
+/* ------------------------------------------------------------------------------------------ writes */
+
+/* Whether kvp_write encodes format fmt here: f32 rows and, with F16C (its fp16 rounding), q8_0, q4_0, sym8. */
+static int kvp_writes(int fmt) {
+#if defined(__F16C__)
+    return fmt == KVP_F32 || fmt == KVP_Q8_0 || fmt == KVP_Q4_0 || fmt == KVP_S8;
+#else
+    return fmt == KVP_F32;
+#endif
+}
+
+#if defined(__F16C__)
+/* fp32 -> fp16 bits, round to nearest even (torch's .to(torch.float16)). */
+static inline uint16_t kvp_f2h(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
+/* A product rounded to fp32 on its own: the encoders below add to it, and a fused multiply-add (the library is
+ * built with -ffp-contract=fast) would round once where torch and gguf-py round twice. */
+static inline float kvp_mul(float a, float b) {
+    volatile float p = a * b;
+    return p;
+}
+#endif
+
+/* One token's D fp32 values x -> format fmt at dst (a kvp_writes format; finite input). The bytes of
+ * formats/ggml.py's _q8_0 / _q4_0 (gguf-py's) and of kvslim/vllm/pages.py's sym8, quirk for quirk. */
+static void kvp_encode_row(int fmt, const float *restrict x, int D, uint8_t *restrict dst) {
+    if (fmt == KVP_F32) {
+        memcpy(dst, x, sizeof(float) * (size_t)D);
+        return;
+    }
+#if defined(__F16C__)
+    if (fmt == KVP_S8) { /* scale = fp16(max |x| / 127); code = round-half-even(x / scale), 0 when scale is 0 */
+        float amax = 0.0f;
+        for (int i = 0; i < D; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+        const uint16_t h = kvp_f2h(amax / 127.0f);
+        const float sc = _cvtsh_ss(h);
+        memcpy(dst, &h, 2);
+        for (int i = 0; i < D; i++) {
+            float q = sc > 0.0f ? nearbyintf(x[i] / sc) : 0.0f;
+            q = q < -127.0f ? -127.0f : q > 127.0f ? 127.0f : q;
+            dst[2 + i] = (uint8_t)(int8_t)q;
+        }
+        return;
+    }
+    for (int b = 0; b < D / 32; b++) {
+        const float *v = x + 32 * b;
+        if (fmt == KVP_Q8_0) { /* d = max |x| / 127; codes round half away from zero (np_roundf) of x * (1 / d) */
+            uint8_t *blk = dst + 34 * b;
+            float amax = 0.0f;
+            for (int j = 0; j < 32; j++) amax = fabsf(v[j]) > amax ? fabsf(v[j]) : amax;
+            const float d = amax / 127.0f, id = d == 0.0f ? 0.0f : 1.0f / d;
+            const uint16_t h = kvp_f2h(d);
+            memcpy(blk, &h, 2);
+            for (int j = 0; j < 32; j++) {
+                const float w = kvp_mul(v[j], id), a = fabsf(w), fl = floorf(a);
+                const float r = fl + floorf(2.0f * (a - fl));
+                blk[2 + j] = (uint8_t)(int8_t)(w > 0.0f ? r : w < 0.0f ? -r : 0.0f);
+            }
+        } else { /* q4_0: d = (the element of largest magnitude, its sign, the first on ties) / -8 */
+            uint8_t *blk = dst + 18 * b;
+            float amax = -1.0f, mx = 0.0f;
+            for (int j = 0; j < 32; j++)
+                if (fabsf(v[j]) > amax) {
+                    amax = fabsf(v[j]);
+                    mx = v[j];
+                }
+            const float d = mx / -8.0f, id = d == 0.0f ? 0.0f : 1.0f / d;
+            const uint16_t h = kvp_f2h(d);
+            memcpy(blk, &h, 2);
+            uint8_t q[32];
+            for (int j = 0; j < 32; j++) { /* floor(x * id + 8.5) clamped to 0..15 */
+                float c = floorf(kvp_mul(v[j], id) + 8.5f);
+                q[j] = (uint8_t)(c < 0.0f ? 0.0f : c > 15.0f ? 15.0f : c);
+            }
+            for (int j = 0; j < 16; j++) blk[2 + j] = (uint8_t)(q[j] | (q[j + 16] << 4));
+        }
+    }
+#endif
+}
+
+/* The step's tokens encoded and stored in their slots. Returns 0, 2 (bad arguments: a slot outside the pool),
+ * 3 (a format it does not encode: nothing written), 4 (a non-finite value, or an fp16 scale overflowing:
+ * nothing written; the torch encoders say which). */
+int kvp_write(const int64_t *a) {
+    if (a[W_ABI] != KVP_ABI_VERSION) return 2;
+    const int kfmt = (int)a[W_KFMT], vfmt = (int)a[W_VFMT], H = (int)a[W_H], D = (int)a[W_D];
+    const int64_t n = a[W_N], T = a[W_T];
+    if (!kvp_writes(kfmt) || !kvp_writes(vfmt) || D % 32) return 3;
+    if (T <= 0 || H <= 0) return 2;
+    const float *key = (const float *)(intptr_t)a[W_KEY], *value = (const float *)(intptr_t)a[W_VALUE];
+    const int64_t *slots = (const int64_t *)(intptr_t)a[W_SLOTS];
+    uint8_t *cache = (uint8_t *)(intptr_t)a[W_CACHE];
+    /* validate everything before the first byte is written */
+    for (int64_t i = 0; i < n; i++) {
+        if (slots[i] < 0) continue;
+        if (slots[i] / T >= a[W_NPAGES]) return 2;
+        for (int h = 0; h < H; h++) {
+            const float *k = key + i * a[W_KS] + (int64_t)h * D, *v = value + i * a[W_VS] + (int64_t)h * D;
+            for (int d = 0; d < D; d++) {
+                /* finite, and max |x| / 127 or / 8 within fp16 (65504): torch's encoders raise */
+                if (!(fabsf(k[d]) <= 65504.0f * 8.0f) || !(fabsf(v[d]) <= 65504.0f * 8.0f)) return 4;
+            }
+        }
+    }
+    for (int64_t i = 0; i < n; i++) {
+        if (slots[i] < 0) continue;
+        const int64_t page = slots[i] / T, off = slots[i] % T;
+        for (int h = 0; h < H; h++) {
+            uint8_t *row = cache + page * a[W_PAGE_STRIDE] + (int64_t)h * a[W_HEAD_STRIDE] + off * a[W_TOKEN_STRIDE];
+            kvp_encode_row(kfmt, key + i * a[W_KS] + (int64_t)h * D, D, row + a[W_KOFF]);
+            kvp_encode_row(vfmt, value + i * a[W_VS] + (int64_t)h * D, D, row + a[W_VOFF]);
+        }
+    }
+    return 0;
 }

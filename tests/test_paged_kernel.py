@@ -1,0 +1,227 @@
+"""kvp_attend (csrc/kvslim_paged.c) against its torch reference on the shapes its fast paths take: decode steps of
+many rows over many pages (codes read in registers for q8_0 / q4_0 / sym8 / affine at up to 6 query-heads a task),
+GQA groups on both sides of that bound, prefill chunks over a cached prefix (tiles), staged pages, windows.
+
+No vLLM, no model: kvslim.vllm.pages / .attend import nothing of vLLM. tests/vllm/test_vllm_pages.py holds the
+layout and planner tests; these are the kernel's shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvslim.vllm import attend as paged
+from kvslim.vllm.pages import PAGE_TOKENS, PageLayout, write
+
+pytestmark = pytest.mark.skipif(paged.library() is None, reason=f"C kernels unavailable: {paged.status()}")
+
+T = PAGE_TOKENS
+
+
+def _step(fmt_k, fmt_v, kv_lens, q_lens, h_q, h_kv, d=64, seed=0, dtype=torch.float32):
+    """Pages of shuffled ids holding every row's cached keys (not its new ones: those are raw, as the backend
+    attends), the queries, the rows and the step's raw K/V."""
+    g = torch.Generator().manual_seed(seed)
+    layout = PageLayout.of(fmt_k, fmt_v, d, dtype)
+    per_row = max(-(-n // T) for n in kv_lens)
+    n_pages = len(kv_lens) * per_row + 2
+    perm = torch.randperm(n_pages, generator=g).to(torch.int32)
+    table = perm[: len(kv_lens) * per_row].view(len(kv_lens), per_row).clone()
+    pages = torch.zeros(n_pages, h_kv, T, layout.row_bytes, dtype=torch.uint8)
+    new_k, new_v = [], []
+    for r, (n, m) in enumerate(zip(kv_lens, q_lens)):
+        k = (torch.randn(n, h_kv, d, generator=g) * 2 + torch.randn(1, h_kv, d, generator=g)).to(dtype)
+        v = torch.randn(n, h_kv, d, generator=g).to(dtype)
+        pos = torch.arange(n - m)
+        write(layout, pages, k[: n - m], v[: n - m], table[r, pos // T].long() * T + pos % T)
+        new_k.append(k[n - m :])
+        new_v.append(v[n - m :])
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    query = torch.randn(int(starts[-1]), h_q, d, generator=g).to(dtype)
+    rows = paged.Rows.of(starts, torch.tensor(kv_lens, dtype=torch.int32), table)
+    return layout, pages, query, rows, torch.cat(new_k), torch.cat(new_v)
+
+
+def _both(layout, pages, query, rows, key, value, window=0, causal=True, staged=None):
+    ref = torch.zeros(query.shape)
+    out = torch.zeros(query.shape)
+    paged.attend_reference(layout, pages, query, ref, rows, 0.125, window, causal, key, value, staged)
+    paged.attend(layout, pages, query, out, rows, 0.125, window, causal, key, value, staged)
+    return out, ref
+
+
+FORMATS = [
+    ("q4_0", "q4_0"),
+    ("q8_0", "q8_0"),
+    ("int8", "int8"),
+    ("int4", "int4"),
+    ("int4", "int2"),
+    ("q4_0", "int3"),
+    ("none", "none"),
+    ("q5_1", "q4_1"),
+]
+
+
+@pytest.mark.parametrize("fmt_k,fmt_v", FORMATS)
+@pytest.mark.parametrize("h_q,h_kv", [(9, 3), (2, 2), (8, 2), (14, 2)])
+def test_decode_steps_over_many_pages_equal_the_reference(fmt_k, fmt_v, h_q, h_kv):
+    """Decode rows (one query each) of 1 to 300 keys: the GQA group (1, 3, 4, 7 query-heads a task) on both sides
+    of the in-register bound (6), page-boundary lengths, a one-key row."""
+    kv_lens = [300, 1, 32, 33, 64, 257, 95]
+    case = _step(fmt_k, fmt_v, kv_lens, [1] * len(kv_lens), h_q, h_kv, seed=h_q)
+    out, ref = _both(*case)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("fmt_k,fmt_v", FORMATS[:5])
+@pytest.mark.parametrize("window", [0, 45])
+def test_prefill_chunks_over_a_cached_prefix_equal_the_reference(fmt_k, fmt_v, window):
+    """Rows of 37 and 70 new queries continuing 100 and 13 cached keys (chunks of 16 queries, tiles), beside a
+    decode row, with and without a window; and the same rows non-causal."""
+    case = _step(fmt_k, fmt_v, [137, 83, 200], [37, 70, 1], 9, 3, seed=1)
+    out, ref = _both(*case, window=window)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    out, ref = _both(*case, causal=False)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "int8", "int4"])
+def test_staged_last_pages_are_read_from_the_pool(fmt):
+    """Each decode row's partly filled last page staged (fp32 copies of its tokens): the kernel reads those pages
+    from the pool and the rest from their codes, as the reference does; in-register rows and staged tile rows mix
+    in one task (affine V sums in plane order on both)."""
+    kv_lens = [70, 129, 40]
+    layout, pages, query, rows, key, value = _step(fmt, fmt, kv_lens, [1, 1, 1], 9, 3, seed=2)
+    stage_layout = PageLayout.of("none", "none", 64, torch.float32)
+    pool = torch.zeros(4, 3, T, stage_layout.row_bytes, dtype=torch.uint8)
+    smap = torch.full((pages.shape[0],), -1, dtype=torch.int32)
+    g = torch.Generator().manual_seed(7)
+    for r, n in enumerate(kv_lens):
+        cached = n - 1
+        page = int(rows.block_table[r, cached // T])
+        smap[page] = r + 1
+        filled = cached % T  # tokens of the last page before this step
+        k = torch.randn(filled, 3, 64, generator=g)
+        v = torch.randn(filled, 3, 64, generator=g)
+        write(stage_layout, pool, k, v, (r + 1) * T + torch.arange(filled))
+    staged = paged.Staged(pool, stage_layout, smap)
+    out, ref = _both(layout, pages, query, rows, key, value, staged=staged)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    plain, _ = _both(layout, pages, query, rows, key, value)
+    assert (plain - out).abs().max() > 1e-3  # the pool was read
+
+
+def test_a_long_decode_batch_equals_the_reference():
+    """The benchmark's shape, shortened: 16 rows x 1,000 keys, 9 query heads over 3 KV heads, q4_0."""
+    case = _step("q4_0", "q4_0", [1000 - 7 * i for i in range(16)], [1] * 16, 9, 3, seed=3)
+    out, ref = _both(*case)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+def _awkward(n, h, d, seed):
+    """K/V values that exercise the encoders' quirks: ties of +-max in a block, all-zero and signed-zero blocks,
+    halves (x * id + 8.5 landing on integers), tiny and large magnitudes."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, d, generator=g) * torch.logspace(-3, 3, n)[:, None, None]
+    x[0, 0, :32] = 0.0
+    x[0, 1, :32] = -0.0
+    x[1, 0, :32] = torch.tensor([1.0, -1.0] * 16)  # every element ties
+    x[1, 1, :32] = torch.arange(32) / 4 - 4  # exact quarters: codes on half-way points
+    x[2, 0, 5], x[2, 0, 9] = 3.0, -3.0  # max and -min tie
+    x[2, 1] = torch.randint(-127, 128, (d,), generator=g).float() * 0.5  # sym8 halves: round half to even
+    return x
+
+
+@pytest.mark.parametrize(
+    "fmt_k,fmt_v",
+    [
+        ("q4_0", "q4_0"),
+        ("q8_0", "q8_0"),
+        ("int8", "int8"),
+        ("none", "none"),
+        ("q4_0", "int8"),
+        ("int4", "int2"),
+        ("q8_0", "fp16"),
+    ],
+)
+def test_c_writes_are_the_torch_encoders_bytes(fmt_k, fmt_v, monkeypatch):
+    """kvp_write (paged.store) against pages.write: the same bytes in the same slots, padding (-1) skipped, the
+    other rows untouched; formats it does not encode go through the torch path (the same call)."""
+    h, d, n = 3, 64, 40
+    layout = PageLayout.of(fmt_k, fmt_v, d, torch.float32)
+    if fmt_k in ("q4_0", "q8_0", "int8", "none") and fmt_v in ("q4_0", "q8_0", "int8", "none"):
+        monkeypatch.setattr(paged, "write", None)  # C must write these: a fallback would fail
+    key, value = _awkward(n, h, d, 1), _awkward(n, h, d, 2).flip(0)
+    slots = torch.randperm(8 * T, generator=torch.Generator().manual_seed(3))[:n]
+    slots[[4, 17]] = -1
+    want = torch.randint(0, 256, (8, h, T, layout.row_bytes), dtype=torch.uint8)
+    got = want.clone()
+    write(layout, want, key, value, slots)
+    paged.store(layout, got, key, value, slots)
+    assert torch.equal(got, want)
+    # a strided view of the step's K/V (vLLM hands slices of its qkv tensor)
+    qkv = torch.cat([torch.zeros(n, 2, d), key, value], 1)
+    got2 = torch.zeros_like(want)
+    want2 = torch.zeros_like(want)
+    write(layout, want2, key, value, slots)
+    paged.store(layout, got2, qkv[:, 2 : 2 + h], qkv[:, 2 + h :], slots)
+    assert torch.equal(got2, want2)
+
+
+def test_c_writes_leave_non_finite_values_to_the_torch_encoders():
+    """A NaN: nothing is written by C, the torch encoder raises its own error (q4_0), as before."""
+    layout = PageLayout.of("q4_0", "q4_0", 64, torch.float32)
+    key, value = torch.randn(2, 1, 64), torch.randn(2, 1, 64)
+    key[1, 0, 3] = float("nan")
+    pages = torch.zeros(1, 1, T, layout.row_bytes, dtype=torch.uint8)
+    with pytest.raises(ValueError):
+        paged.store(layout, pages, key, value, torch.tensor([0, 1]))
+    assert (pages == 0).all()
+
+
+def test_queries_and_raw_kv_read_in_place_from_a_wider_tensor():
+    """vLLM hands the layer views of its qkv projection (a token stride wider than the heads): the kernel reads them
+    where they are, with the same result as contiguous copies."""
+    layout, pages, query, rows, key, value = _step("q4_0", "q4_0", [70, 40], [1, 40], 9, 3, seed=4)
+    n, d = query.shape[0], 64
+    qkv = torch.cat(
+        [query.reshape(n, -1), key.reshape(n, -1), value.reshape(n, -1)], 1
+    )  # (n, (9 + 3 + 3) * D)
+    q, k, v = (
+        qkv[:, : 9 * d].view(n, 9, d),
+        qkv[:, 9 * d : 12 * d].view(n, 3, d),
+        qkv[:, 12 * d :].view(n, 3, d),
+    )
+    assert not q.is_contiguous()
+    want, got = torch.zeros(query.shape), torch.zeros(query.shape)
+    paged.attend(layout, pages, query, want, rows, 0.125, 0, True, key, value)
+    paged.attend(layout, pages, q, got, rows, 0.125, 0, True, k, v)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("fmt_k,fmt_v", [("q4_0", "q4_0"), ("int4", "int2"), ("none", "none")])
+@pytest.mark.parametrize("window", [0, 300])
+def test_few_long_rows_split_over_threads_equal_the_reference(fmt_k, fmt_v, window):
+    """Fewer (row, KV head) tasks than ~4 a thread: each row's pages are split over the threads and the parts merged
+    (split-K); the same results as the reference, and the same bits on every call."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        case = _step(fmt_k, fmt_v, [1500, 700], [1, 3], 9, 3, seed=5)
+        out, ref = _both(*case, window=window)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+        again, _ = _both(*case, window=window)
+        assert torch.equal(again, out)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_c_writes_refuse_shapes_they_cannot_trust():
+    """K/V whose heads or head size do not match the pages never reach C (it cannot check a pointer's extent):
+    the torch path raises, nothing is written."""
+    layout = PageLayout.of("q4_0", "q4_0", 64, torch.float32)
+    pages = torch.zeros(2, 3, T, layout.row_bytes, dtype=torch.uint8)
+    for key in (torch.randn(2, 4, 64), torch.randn(2, 3, 32)):
+        with pytest.raises((RuntimeError, ValueError)):
+            paged.store(layout, pages, key, key, torch.tensor([0, 1]))
+    assert (pages == 0).all()
