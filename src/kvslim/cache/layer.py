@@ -124,6 +124,7 @@ class SlimLayer:
         self.pads: torch.Tensor | None = None  # (B,) left-padding count per row
         self._no_pads: torch.Tensor | None = None  # the zeros append hands out when nothing is padded
         self.sink_start: torch.Tensor | None = None  # (B,) first slot of each row's sinks
+        self._zero_start: torch.Tensor | None = None  # the zeros append made for sink_start (never written to)
         self.dtype: torch.dtype | None = None
         self.kv_shape: tuple[int, int, int] | None = None  # (B, H_kv, D) of the stored tokens
         self._v_dim = 0  # V's head_dim (fixed by the first append)
@@ -286,7 +287,7 @@ class SlimLayer:
             pads = zeros
         sink_start = self.sink_start
         if sink_start is None or sink_start.shape[0] != batch:
-            sink_start = torch.zeros(batch, dtype=torch.long, device=device)
+            sink_start = self._zero_start = torch.zeros(batch, dtype=torch.long, device=device)
         rope = self.rotary if rope is None else rope
         if self.pre_rope and rope is None:
             raise ValueError("pre_rope keeps keys before RoPE, which needs the model's rotary (rope=)")
@@ -333,9 +334,15 @@ class SlimLayer:
     # -- reads -----------------------------------------------------------------------------
     def segments(self, *, defer_sinks: bool = False):
         """A frozen view of what is stored now (valid until the next update). defer_sinks: ``(view, delta)``,
-        the sinks as stored and the move they are due (:meth:`Frames.sink_delta`), for the caller to apply."""
+        the sinks as stored and the move they are due (:meth:`Frames.sink_delta`; a tuple of per-row tuples for rows
+        without padding, else a (B, S) tensor), for the caller to apply."""
+        unpadded = self._unpadded()
         delta = self.frames.sink_delta(
-            self.sink_k, first_stream_slot=self.seen - len(self.k), pads=self.pads, sink_start=self.sink_start
+            self.sink_k,
+            first_stream_slot=self.seen - len(self.k),
+            pads=None if unpadded else self.pads,
+            sink_start=None if unpadded else self.sink_start,
+            host=defer_sinks,
         )
         if defer_sinks:
             return self._view(self.sink_k), delta
@@ -368,9 +375,19 @@ class SlimLayer:
         """Every stored token, oldest first, materialized: (B, H, stored, D)."""
         return self.segments().materialize(dtype)
 
+    def _unpadded(self) -> bool:
+        """Whether no row is padded and every row's sinks start at slot 0, known without reading a tensor: the
+        pads and sink starts are the zeros :meth:`append` made (a ragged step's rows, a batch without padding)."""
+        return self.pads is not None and self.pads is self._no_pads and self.sink_start is self._zero_start
+
     def _evict(self) -> None:
         k = self.policy.n_to_evict(self.stored)
         if k == 0:
+            return
+        if self._unpadded():  # policy.sink_starts of zero pads is 0: the sinks stay where they are
+            self.k.drop_front(k)
+            self.v.drop_front(k)
+            self.frames.drop_runs(k)
             return
         new_start = self.policy.sink_starts(self.seen, self.pads)
         shift = new_start - self.sink_start  # (B,) >= 0: rows whose sinks still slide over pads
@@ -390,6 +407,8 @@ class SlimLayer:
             pool_rot = torch.cat([self.sink_rot, self.frames.stream_rot(k, first, self.pads)], dim=1)  # (B, n + k)
             self.sink_rot = torch.gather(pool_rot, 1, idx[:, 0, :, 0])
         self.sink_start = new_start
+        # zero pads: the new starts are zeros, and the fast path holds from here (else no zeros are kept for it)
+        self._zero_start = new_start if self.pads is self._no_pads else None
         self.k.drop_front(k)
         self.v.drop_front(k)
         self.frames.drop_runs(k)
@@ -452,6 +471,11 @@ class SlimLayer:
         self.v.restore(*state["v"])
         self.sink_k, self.sink_v, self.sink_rot = state["sink_k"], state["sink_v"], state["sink_rot"]
         self.pads, self.sink_start = state["pads"], state["sink_start"]
+        # rows without padding keep the fast paths (_unpadded): one check here, none per step
+        if self.pads is not None and not bool(self.pads.any()):
+            self._no_pads = self.pads
+            if self.sink_start is not None and not bool(self.sink_start.any()):
+                self._zero_start = self.sink_start
         self.frames.runs, self.seen, self.frames.base = runs, int(state["seen"]), int(state["base"])
         self.dtype, self.kv_shape, self._v_dim = state["dtype"], kv_shape, v_dim
 

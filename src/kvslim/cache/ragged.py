@@ -81,29 +81,54 @@ class RaggedSegments:
         return torch.Size((len(self.rows), h, max(lengths), d))
 
 
-def _move_sinks(rows: list, moves: list) -> None:
-    """Move the sink keys of the rows in ``moves`` (``(b, delta)``, delta (1, S) from
-    :meth:`~kvslim.cache.frames.Frames.sink_delta`) and put them in their views, one
-    :meth:`~kvslim.cache.rotary.Rotary.move` per group of rows with the same rotary and sink shape instead of one per
-    row (a step of many windowed rows spent most of its Python time there). The move is elementwise, so each row's
-    keys are bit for bit what its own :meth:`~kvslim.cache.layer.SlimLayer.segments` gives."""
+def _move_sinks(rows: list, moves: list, angles: dict | None = None) -> None:
+    """Move the sink keys of the rows in ``moves`` (``(b, delta)``, delta from
+    :meth:`~kvslim.cache.frames.Frames.sink_delta`: a tuple of per-row tuples, or a (1, S) tensor) and put them in
+    their views, one :meth:`~kvslim.cache.rotary.Rotary.move` per group of rows with the same rotary and sink shape
+    instead of one per row (a step of many windowed rows spent most of its Python time there). The move is
+    elementwise, so each row's keys are bit for bit what its own :meth:`~kvslim.cache.layer.SlimLayer.segments`
+    gives. angles: ``{key: (cos, sin)}`` kept by the caller for the step: a row's sinks move by the same distances
+    in every layer, so a group's angles are computed once a step, not once a layer (the same values)."""
     items = []
     for b, delta in moves:
         k = rows[b].k_sink
         items.append((rows[b].rotary, (tuple(k.shape), k.dtype, k.device, b, delta)))
-    for rotary, members in by_rotation(items):
+    for rotary, members in by_rotation(items, angles):
         shapes: dict = {}
         for shape, dtype, device, b, delta in members:  # one move per sink shape, dtype and device
             shapes.setdefault((shape, dtype, device), []).append((b, delta))
-        for group in shapes.values():
-            if len(group) == 1:
+        for (shape, _, device), group in shapes.items():
+            if len(group) == 1 and angles is None:
                 b, delta = group[0]
-                rows[b] = replace(rows[b], k_sink=rotary.move(rows[b].k_sink, delta))
+                rows[b] = replace(rows[b], k_sink=rotary.move(rows[b].k_sink, _delta_tensor(delta, device)))
                 continue
-            keys = torch.cat([rows[b].k_sink for b, _ in group])  # (G, H, S, D)
-            moved = rotary.move(keys, torch.cat([d for _, d in group]))  # deltas (G, S)
+            deltas = [d for _, d in group]
+            key = None
+            if angles is not None and all(isinstance(d, tuple) for d in deltas):
+                key = (id(rotary), shape, str(device), tuple(deltas))  # rotaries live while the step does
+            got = None if key is None else angles.get(key)
+            if got is None:
+                delta = torch.cat([_delta_tensor(d, device) for d in deltas])  # (G, S)
+                got = rotary.move_angles(delta, device)
+                if key is not None:
+                    angles[key] = got
+            keys = rows[group[0][0]].k_sink if len(group) == 1 else torch.cat([rows[b].k_sink for b, _ in group])
+            moved = rotary.move(keys, None, angles=got)  # keys (G, H, S, D)
             for i, (b, _) in enumerate(group):
-                rows[b] = replace(rows[b], k_sink=moved[i : i + 1])
+                rows[b] = _with_sinks(rows[b], moved[i : i + 1])
+
+
+def _delta_tensor(delta, device) -> torch.Tensor:
+    """A sink delta (a tuple of per-row tuples, or a tensor) as a (B, S) int64 tensor."""
+    return delta if isinstance(delta, torch.Tensor) else torch.tensor(delta, dtype=torch.long, device=device)
+
+
+def _with_sinks(view: Segments, k_sink: torch.Tensor) -> Segments:
+    """``view`` with its sink keys moved: a fresh view nobody else holds yet (made by this step's
+    :meth:`~kvslim.cache.layer.SlimLayer.segments`), so its field is set in place rather than through
+    ``dataclasses.replace``'s full constructor (480 a step at 16 rows x 30 layers)."""
+    object.__setattr__(view, "k_sink", k_sink)
+    return view
 
 
 class RaggedLayer(CacheLayerMixin):
@@ -170,7 +195,7 @@ class RaggedLayer(CacheLayerMixin):
                     moves.append((b, delta))
             rows.append(got)
         if moves:
-            _move_sinks(rows, moves)
+            _move_sinks(rows, moves, owner.angles)
         view = RaggedSegments(tuple(rows), owner.drop if owner.errors is not None else None, tuple(owner.spans))
         return view, view
 
@@ -242,6 +267,8 @@ class RaggedCache(Cache):
         self.spans = list(zip(starts, lengths, strict=True))  # row b's tokens: [start, start + n) of the step
         self.n_tokens = sum(lengths)
         self.errors = errors
+        #: what this step's layers share: the sinks' move angles and rotary comparisons (:func:`_move_sinks`)
+        self.angles: dict = {}
         self.longest = max(c.get_seq_length() for c in real)
         super().__init__(layers=[RaggedLayer(self, i) for i in range(n_layers)])
 
