@@ -110,3 +110,56 @@ def test_windowed_rows_in_a_step_equal_each_row_alone_with_angles_once_a_step(mo
             for b, cache in enumerate(alone):
                 one = gen.forward_rows(model, [tokens[s][b]], [cache])
                 assert torch.equal(together[b], one[0]), (s, b)
+
+
+#: copies of one prompt fill their residuals at the same step (as kvslim bench's rows do): their flushed groups are
+#: encoded in one call per stream and configuration. Formats: per-channel K with a Hadamard basis, per-token rows,
+#: variance-normalized codes, pre-RoPE int2, a window; one configuration with a single row (encoded alone).
+SYNCED = [
+    ("int4,group=8,residual=8", 3),
+    ("q8_0,k=int8,group=8,residual=8", 2),
+    ("int4,varnorm=on,group=8,residual=8", 2),
+    ("int2,group=8,residual=8", 2),
+    ("int4,sink=4,window=40,group=8,residual=8", 2),
+    ("int8,rotate=none,group=8,residual=16", 1),
+]
+
+
+def test_rows_that_flush_together_encode_in_one_call_with_each_rows_bits(monkeypatch):
+    """Rows that flush a residual group in the same step (copies of one prompt) are encoded in one call per stream
+    and configuration; each row's logits, step after step, are bit for bit the row's stepped alone, and its stored
+    codes equal its own."""
+    from kvslim.cache.stream import Stream
+
+    model = tiny_model(num_hidden_layers=3)
+    kvslim.enable(model)
+    g = torch.Generator().manual_seed(4)
+    caches, specs = [], []
+    for spec, copies in SYNCED:
+        base = SlimCache.from_config(kvslim.parse_spec(spec), config=model.config)
+        with torch.inference_mode():
+            gen.prefill(model, torch.randint(3, 120, (1, 45), generator=g), base)
+        caches += [copy.deepcopy(base) for _ in range(copies)]
+        specs += [spec] * copies
+    alone = [copy.deepcopy(c) for c in caches]
+    encodes = []
+    real = Stream._encode
+    monkeypatch.setattr(Stream, "_encode", lambda self, x: encodes.append(x.shape[0]) or real(self, x))
+    tokens = torch.randint(3, 120, (20, len(caches)), generator=g).tolist()
+    batched, seen = 0, []
+    with torch.inference_mode():
+        for s in range(20):
+            encodes.clear()
+            together = gen.forward_rows(model, tokens[s], caches)
+            batched += sum(n > 1 for n in encodes)
+            seen += encodes
+            for b, cache in enumerate(alone):
+                one = gen.forward_rows(model, [tokens[s][b]], [cache])
+                assert torch.equal(together[b], one[0]), (s, b, specs[b])
+    assert 3 in seen and batched >= 2 * 3 * 5  # 20 steps: 2+ flushes of K and V in 3 layers for each of 5 configs
+    for c, a in zip(caches, alone, strict=True):
+        for lc, la in zip(c.layers, a.layers, strict=True):
+            for role in ("k", "v"):
+                x, y = getattr(lc.store, role).body(), getattr(la.store, role).body()
+                for name in x.token:
+                    assert torch.equal(x.token[name], y.token[name]), name

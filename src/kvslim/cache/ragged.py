@@ -52,6 +52,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..formats import Encoded
 from .rotary import by_rotation
 from .segments import Segments
 
@@ -131,6 +132,59 @@ def _with_sinks(view: Segments, k_sink: torch.Tensor) -> Segments:
     return view
 
 
+def _batched_flushes(stores: dict) -> dict:
+    """``{b: [K encoded, V encoded]}``: the residual groups the decode rows ``stores`` (``{b: SlimLayer}``) flush in
+    this step, encoded in one call per stream and codec configuration instead of one per row (a step whose rows
+    all fill their residual at once, as copies of one prompt do, encoded 2 x rows x layers groups one by one), each
+    row's part cut back out (None where the row encodes its own). The encoders work per token or per channel within
+    a row, and the Hadamard basis is a matrix product whose row count is a multiple of 4 alone and in the batch
+    (else the row encodes alone; the module docstring's "Filler rows"), so a row's codes are its own encode's."""
+    out: dict = {}
+    for i, role in enumerate(("k", "v")):
+        groups: dict = {}
+        for b, store in stores.items():
+            st = getattr(store, role)
+            n = st.flush(1)
+            key = _encode_key(st, n) if n else None
+            if key is not None:
+                groups.setdefault(key, []).append((b, st, n))
+        for members in groups.values():
+            if len(members) < 2:
+                continue
+            st = members[0][1]
+            try:
+                enc = st._encode(torch.cat([m[1].fp.view()[:, :, : m[2]] for m in members]))
+            except Exception:  # noqa: BLE001 - each row encodes its own, where a failure stays with its row
+                continue
+            for j, (b, _, _) in enumerate(members):
+                part = Encoded(
+                    token={n: t[j : j + 1] for n, t in enc.token.items()},
+                    group={n: t[j : j + 1] for n, t in enc.group.items()},
+                )
+                out.setdefault(b, [None, None])[i] = part
+    return out
+
+
+def _encode_key(stream, n: int):
+    """What must agree for two rows' flushed tokens to be encoded in one call: the codec's class and settings
+    (plain values only), the basis (a Hadamard block; no centering bias) and the tokens' shape; None: alone."""
+    basis = stream.basis
+    if basis is not None and (basis.bias is not None or (basis.hadamard is not None and not basis.hadamard.block)):
+        return None  # a centering bias (per-row choices) or a fitted rotation (a matrix per layer): row by row
+    settings = []
+    for name, value in sorted(vars(stream.codec).items()):
+        if name == "format":
+            value = value.name
+        elif not isinstance(value, (int, float, str, bool, type(None), torch.dtype)):
+            return None
+        settings.append((name, value))
+    x = stream.fp.view()
+    hadamard = None if basis is None or basis.hadamard is None else (basis.hadamard.dim, basis.hadamard.block)
+    if hadamard is not None and (x.shape[1] * n * hadamard[0] // hadamard[1]) % 4:
+        return None  # a row's product of 1-3, 5-7 or 9-11 rows may round otherwise than the batch's (MKL)
+    return (type(stream.codec), tuple(settings), hadamard, n, tuple(x.shape), x.dtype, str(x.device))
+
+
 class RaggedLayer(CacheLayerMixin):
     """Layer ``layer_idx`` of every row: transformers' per-layer contract for one ragged step."""
 
@@ -163,6 +217,13 @@ class RaggedLayer(CacheLayerMixin):
         # One finiteness check for the whole step (a sync per layer, not per row); where it fails, each row
         # checks its own tokens: a bad row raises as a batch-1 cache would, or is dropped (module docstring).
         finite = bool(torch.isfinite(key_states).all() & torch.isfinite(value_states).all())
+        flushed = _batched_flushes(
+            {
+                b: cache.layers[self.layer_idx].store
+                for b, cache in enumerate(owner.caches)
+                if cache is not None and owner.spans[b][1] == 1
+            }
+        )
         rows, moves = [], []
         for b, cache in enumerate(owner.caches):
             if cache is None:
@@ -184,6 +245,7 @@ class RaggedLayer(CacheLayerMixin):
                     base=owner.bases[b],
                     rope=rope,
                     finite_checked=finite,
+                    encoded=flushed.get(b),
                 )
             except Exception as e:  # noqa: BLE001 - one row's failure, kept to that row when the caller asks
                 owner.drop(b, e)
