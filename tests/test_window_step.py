@@ -163,3 +163,34 @@ def test_rows_that_flush_together_encode_in_one_call_with_each_rows_bits(monkeyp
                 x, y = getattr(lc.store, role).body(), getattr(la.store, role).body()
                 for name in x.token:
                     assert torch.equal(x.token[name], y.token[name]), name
+
+
+def test_re_based_rows_move_their_queries_with_angles_once_a_step(monkeypatch):
+    """Windowed rows right after the re-base at 4,096 (keys in two RoPE frames: each row's queries moved for the
+    old frame's run) on a 3-layer model: each row's logits bit for bit its own alone, and the queries' angles
+    computed once a step for the rows' distances, not once a layer."""
+    model = tiny_model(num_hidden_layers=3, max_position_embeddings=8192)
+    kvslim.enable(model)
+    g = torch.Generator().manual_seed(6)
+    spec = "int4,sink=4,window=48,group=8,residual=8"
+    caches = []
+    for n in (4090, 4093, 4093):
+        cache = SlimCache.from_config(kvslim.parse_spec(spec), config=model.config)
+        with torch.inference_mode():
+            gen.prefill(model, torch.randint(3, 120, (1, n), generator=g), cache, chunk_size=2048)
+        caches.append(cache)
+    alone = [copy.deepcopy(c) for c in caches]
+    calls = []
+    real = Rotary.move_angles
+    monkeypatch.setattr(Rotary, "move_angles", lambda self, d, dev: calls.append(tuple(d.shape)) or real(self, d, dev))
+    tokens = torch.randint(3, 120, (12, len(caches)), generator=g).tolist()
+    with torch.inference_mode():
+        for s in range(12):
+            calls.clear()
+            together = gen.forward_rows(model, tokens[s], caches)
+            queries = [c for c in calls if c[0] == 3 and c[1] == 2]  # 3 rows x (GQA group 2 x 1 token)
+            if s >= 6:  # every row past 4,096: its old keys a run off the frame
+                assert queries == [(3, 2)], (s, calls)
+            for b, cache in enumerate(alone):
+                one = gen.forward_rows(model, [tokens[s][b]], [cache])
+                assert torch.equal(together[b], one[0]), (s, b)

@@ -69,6 +69,8 @@ class RaggedSegments:
     #: query (1, Hq, N, D), row b's queries at spans[b] = (start, n); a row of n > 1 tokens holds its cache's
     #: batch-1 answer for those n tokens: a Segments view, or the (keys, values) tensors materialized.
     spans: tuple[tuple[int, int], ...] | None = None
+    #: what the step's layers share (the owner's ``angles``: rotary comparisons, move angles), or None
+    shared: dict | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -258,7 +260,8 @@ class RaggedLayer(CacheLayerMixin):
             rows.append(got)
         if moves:
             _move_sinks(rows, moves, owner.angles)
-        view = RaggedSegments(tuple(rows), owner.drop if owner.errors is not None else None, tuple(owner.spans))
+        drop = owner.drop if owner.errors is not None else None
+        view = RaggedSegments(tuple(rows), drop, tuple(owner.spans), owner.angles)
         return view, view
 
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
