@@ -85,21 +85,27 @@ def main() -> None:
                 if prof:
                     prof.disable()
                     times[spec].append((time.perf_counter() - t) * 1e3)
-    print(f"{a.rows} rows x {a.length} tokens (staggered by 2), {a.steps} profiled steps, "
-          f"{torch.get_num_threads()} threads, {'tiny random' if a.tiny else 'embedded'} model")
+    print(
+        f"{a.rows} rows x {a.length} tokens (staggered by 2), {a.steps} profiled steps, "
+        f"{torch.get_num_threads()} threads, {'tiny random' if a.tiny else 'embedded'} model"
+    )
     for n, spec in enumerate(a.config):
         if a.dump:
             profs[spec].dump_stats(f"{a.dump}.{n}")
         st = pstats.Stats(profs[spec])
         total_calls = sum(v[1] for v in st.stats.values())
         total_t = st.total_tt
-        print(f"\n== {spec}: step median {statistics.median(times[spec]):.1f} ms under cProfile "
-              f"(min {min(times[spec]):.1f}); {total_calls / a.steps:,.0f} Python calls a step")
+        print(
+            f"\n== {spec}: step median {statistics.median(times[spec]):.1f} ms under cProfile "
+            f"(min {min(times[spec]):.1f}); {total_calls / a.steps:,.0f} Python calls a step"
+        )
         rows = sorted(st.stats.items(), key=lambda kv: -kv[1][3])[: a.top]
         print(f"   {'cum %':>6} {'self %':>6} {'calls/step':>10}  function")
         for (file, line, name), (_, nc, tt, ct, _) in rows:
             where = file.split("/src/")[-1].split("site-packages/")[-1]
-            print(f"   {100 * ct / total_t:6.1f} {100 * tt / total_t:6.1f} {nc / a.steps:10.0f}  {where}:{line} {name}")
+            print(
+                f"   {100 * ct / total_t:6.1f} {100 * tt / total_t:6.1f} {nc / a.steps:10.0f}  {where}:{line} {name}"
+            )
 
 
 if __name__ == "__main__":

@@ -98,7 +98,9 @@ def test_windowed_rows_in_a_step_equal_each_row_alone_with_angles_once_a_step(mo
     alone = [copy.deepcopy(c) for c in caches]
     calls = []
     real = Rotary.move_angles
-    monkeypatch.setattr(Rotary, "move_angles", lambda self, d, dev: calls.append(tuple(d.shape)) or real(self, d, dev))
+    monkeypatch.setattr(
+        Rotary, "move_angles", lambda self, d, dev: calls.append(tuple(d.shape)) or real(self, d, dev)
+    )
     steps = 12
     tokens = torch.randint(3, 120, (steps, len(ROWS)), generator=g).tolist()
     with torch.inference_mode():
@@ -156,7 +158,9 @@ def test_rows_that_flush_together_encode_in_one_call_with_each_rows_bits(monkeyp
             for b, cache in enumerate(alone):
                 one = gen.forward_rows(model, [tokens[s][b]], [cache])
                 assert torch.equal(together[b], one[0]), (s, b, specs[b])
-    assert 3 in seen and batched >= 2 * 3 * 5  # 20 steps: 2+ flushes of K and V in 3 layers for each of 5 configs
+    assert (
+        3 in seen and batched >= 2 * 3 * 5
+    )  # 20 steps: 2+ flushes of K and V in 3 layers for each of 5 configs
     for c, a in zip(caches, alone, strict=True):
         for lc, la in zip(c.layers, a.layers, strict=True):
             for role in ("k", "v"):
@@ -182,7 +186,9 @@ def test_re_based_rows_move_their_queries_with_angles_once_a_step(monkeypatch):
     alone = [copy.deepcopy(c) for c in caches]
     calls = []
     real = Rotary.move_angles
-    monkeypatch.setattr(Rotary, "move_angles", lambda self, d, dev: calls.append(tuple(d.shape)) or real(self, d, dev))
+    monkeypatch.setattr(
+        Rotary, "move_angles", lambda self, d, dev: calls.append(tuple(d.shape)) or real(self, d, dev)
+    )
     tokens = torch.randint(3, 120, (12, len(caches)), generator=g).tolist()
     with torch.inference_mode():
         for s in range(12):

@@ -33,7 +33,9 @@ def projected_nbytes(layer, tokens: int, kv: tuple[int, int, int], v_dim: int, d
     probe = torch.zeros(1, 1, 1, 1, dtype=dtype)
     sink_entry = layer.k.cast(probe).element_size() * b * h
     total = n_sink * sink_entry * (d + v_dim) + b * n_sink * 8  # sink K, V and their rotation positions
-    total += layer.k.projected_nbytes(rest, (b, h, d), dtype) + layer.v.projected_nbytes(rest, (b, h, v_dim), dtype)
+    total += layer.k.projected_nbytes(rest, (b, h, d), dtype) + layer.v.projected_nbytes(
+        rest, (b, h, v_dim), dtype
+    )
     total += _bytes(layer.k_bias) + 2 * b * 8  # bias; pads and sink start per row
     return total
 

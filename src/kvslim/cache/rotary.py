@@ -133,7 +133,9 @@ class Rotary:
         cos, sin = self.cos_sin(delta, device)  # (B, T, R)
         return cos[:, None], sin[:, None]
 
-    def move(self, x: torch.Tensor, delta: torch.Tensor | int | None, angles: tuple | None = None) -> torch.Tensor:
+    def move(
+        self, x: torch.Tensor, delta: torch.Tensor | int | None, angles: tuple | None = None
+    ) -> torch.Tensor:
         """``R(delta) x`` for x (B, H, T, D) rotated keys or queries.
 
         delta: an int, a (B,) tensor (one distance per row), or (B, T) (per row and token); or None with
@@ -186,7 +188,9 @@ def _equal(a: Rotary, b: Rotary, memo: dict | None) -> bool:
     key = ("equal", id(a), id(b))
     if memo is not None and key in memo:
         return memo[key]
-    same = a.offset == b.offset and a.inv_freq.shape == b.inv_freq.shape and torch.equal(a.inv_freq, b.inv_freq)
+    same = (
+        a.offset == b.offset and a.inv_freq.shape == b.inv_freq.shape and torch.equal(a.inv_freq, b.inv_freq)
+    )
     if memo is not None:
         memo[key] = same
     return same
