@@ -450,7 +450,9 @@ def test_a_step_moves_its_rows_sinks_and_run_queries_in_one_call_each_with_the_s
     ]
     moves = []
     real_move = Rotary.move
-    monkeypatch.setattr(Rotary, "move", lambda self, x, d: moves.append(tuple(x.shape)) or real_move(self, x, d))
+    monkeypatch.setattr(
+        Rotary, "move", lambda self, x, d, **kw: moves.append(tuple(x.shape)) or real_move(self, x, d, **kw)
+    )
     rows = caches()
     step = RaggedCache(rows, positions=[n for _, n in specs], bases=[0] * len(specs))
     view, _ = step.layers[0].update(new_k, new_v)

@@ -279,7 +279,7 @@ def _packed_attention(module, query, key, dropout, scaling, kwargs):
         idx = torch.tensor([key.spans[b][0] for b in single], device=query.device)
         q1 = query[0].index_select(1, idx).transpose(0, 1).unsqueeze(2)  # (R, Hq, 1, D)
         drop = None if key.drop is None else (lambda i, e: key.drop(single[i], e))
-        sub = type(key)(tuple(key.rows[b] for b in single), drop)
+        sub = type(key)(tuple(key.rows[b] for b in single), drop, shared=key.shared)
         o, _ = _ragged_attention(module, q1, sub, dropout, scaling, kwargs)  # (R, 1, Hq, Dv)
         out = o.new_zeros(1, n_all, o.shape[2], o.shape[3])
         out[0, idx] = o[:, 0]

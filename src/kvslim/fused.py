@@ -296,18 +296,28 @@ def _moved_queries(qf: torch.Tensor, key, real: list[int]) -> dict:
     """``{row: {delta: queries}}``: each ragged row's queries ``qf[row]`` moved by ``-delta`` for every key run
     ``delta`` positions off its frame, in one :meth:`~kvslim.cache.rotary.Rotary.move` per rotation instead of one
     per row and run (:func:`_run_pieces` moves a row's own when it is not here: the move is elementwise, so the
-    bits are the same either way)."""
+    bits are the same either way). The angles of a set of distances are computed once a step, not once a layer,
+    where the step shares a dict (``key.shared``): a run's distance is the same in every layer."""
     items = []
     for b in real:
         seg = key.rows[b]
         if seg is not None and seg.k_runs and seg.rotary is not None:
             items += [(seg.rotary, (b, delta)) for _, delta in seg.k_runs if delta]
     out: dict = {}
-    for rotary, pairs in by_rotation(items):
+    shared = getattr(key, "shared", None)
+    for rotary, pairs in by_rotation(items, shared):
         if len(pairs) < 2:
             continue
         idx = torch.tensor([b for b, _ in pairs])
-        moved = rotary.move(qf[idx], torch.tensor([-d for _, d in pairs])).float()
+        x = qf[idx]  # (G, Hkv, M, D)
+        memo = ("queries", id(rotary), x.shape[2], str(x.device), tuple(-d for _, d in pairs))
+        angles = None if shared is None else shared.get(memo)
+        if angles is None:
+            delta = torch.tensor([-d for _, d in pairs])[:, None].expand(len(pairs), x.shape[2])  # (G, M)
+            angles = rotary.move_angles(delta, x.device)
+            if shared is not None:
+                shared[memo] = angles
+        moved = rotary.move(x, None, angles=angles).float()
         for i, (b, delta) in enumerate(pairs):
             out.setdefault(b, {})[delta] = moved[i : i + 1]
     return out

@@ -46,16 +46,28 @@ class Frames:
     first; ``base`` and ``rope``, the base and rotary of the forward being served.
     """
 
-    __slots__ = ("positions", "rotary", "pre_rope", "sink_rot", "runs", "base", "rope")
+    __slots__ = ("positions", "rotary", "pre_rope", "_sink_rot", "runs", "base", "rope", "_rot_host")
 
     def __init__(self, positions: str, rotary: Rotary | None, pre_rope: bool):
         self.positions = positions
         self.rotary = rotary
         self.pre_rope = pre_rope
-        self.sink_rot: torch.Tensor | None = None
+        self._sink_rot: torch.Tensor | None = None
         self.runs: list[list[int]] = []
         self.base = 0
         self.rope: Rotary | None = rotary
+        #: sink_rot's values as lists, read on the host by :meth:`sink_delta` once per new tensor (None: not yet)
+        self._rot_host: list | None = None
+
+    @property
+    def sink_rot(self) -> torch.Tensor | None:
+        """(B, <=sink) int64: the rotation position of each sink key (None: no sinks). Replaced, never written."""
+        return self._sink_rot
+
+    @sink_rot.setter
+    def sink_rot(self, rot: torch.Tensor | None) -> None:
+        if rot is not self._sink_rot:
+            self._sink_rot, self._rot_host = rot, None
 
     # -- writes ----------------------------------------------------------------------------
     def serve(self, base: int, rope: Rotary | None) -> None:
@@ -87,17 +99,28 @@ class Frames:
         sink_k: torch.Tensor | None,
         *,
         first_stream_slot: int,
-        pads: torch.Tensor,
-        sink_start: torch.Tensor,
-    ) -> torch.Tensor | None:
+        pads: torch.Tensor | None,
+        sink_start: torch.Tensor | None,
+        host: bool = False,
+    ):
         """How far the sink keys ``sink_k`` (B, H, S, D) must move to sit where the current forward must see
         them (at the rotation their ``positions`` mode asks for, in the frame of the current base): (B, S) int64
         distances for :meth:`Rotary.move`, or None where no key moves. first_stream_slot: the slot of the
-        stream's oldest key; pads, sink_start: (B,) per row. A ragged step moves the sinks of all its rows in
-        one call (:mod:`kvslim.cache.ragged`): the move is elementwise, so a row's keys get the same bits."""
+        stream's oldest key; pads, sink_start: (B,) per row, or both None: every row unpadded with its sinks at
+        slot 0 (then the distances are worked out on the host, from the sinks' rotations read once per change:
+        no torch op and no sync per call; ``host=True`` returns them as a tuple of per-row tuples instead of a
+        tensor). A ragged step moves the sinks of all its rows in one call (:mod:`kvslim.cache.ragged`): the move
+        is elementwise, so a row's keys get the same bits."""
         if sink_k is None or self.rotary is None:
             return None
         s = sink_k.shape[2]
+        if pads is None:  # unpadded rows, sinks from slot 0: the same integers, on the host
+            rows = self._host_rot()
+            first = first_stream_slot - s if self.positions == "cache" else 0
+            delta = tuple(tuple(first + j - self.base - r for j, r in enumerate(row)) for row in rows)
+            if not any(any(row) for row in delta):
+                return None
+            return delta if host else torch.tensor(delta, dtype=torch.long, device=self.sink_rot.device)
         j = torch.arange(s, device=self.sink_rot.device)
         if self.positions == "cache":
             want = (first_stream_slot - s + j)[None, :] - pads[:, None]  # (B, S) true positions, contiguous
@@ -105,6 +128,12 @@ class Frames:
             want = (sink_start[:, None] + j[None, :]) - pads[:, None]  # their own true positions
         delta = want - self.base - self.sink_rot  # (B, S)
         return delta if bool((delta != 0).any()) else None
+
+    def _host_rot(self) -> list[list[int]]:
+        """``sink_rot`` as lists (B, S), read from the tensor once per new tensor (it is replaced, never written)."""
+        if self._rot_host is None:
+            self._rot_host = self._sink_rot.tolist()
+        return self._rot_host
 
     def run_deltas(self) -> tuple[tuple[int, int], ...]:
         """(tokens, delta) per run of stream keys, oldest first: each run's keys must be moved by

@@ -41,7 +41,7 @@ import torch
 
 from ..formats import Codec
 from ..kernels import cpu as cpu_kernels
-from . import layerstate
+from . import layerbytes, layerstate
 from .basis import BodyBasis
 from .frames import Frames, fed_positions
 from .hadamard import Hadamard
@@ -124,6 +124,7 @@ class SlimLayer:
         self.pads: torch.Tensor | None = None  # (B,) left-padding count per row
         self._no_pads: torch.Tensor | None = None  # the zeros append hands out when nothing is padded
         self.sink_start: torch.Tensor | None = None  # (B,) first slot of each row's sinks
+        self._zero_start: torch.Tensor | None = None  # the zeros append made for sink_start (never written to)
         self.dtype: torch.dtype | None = None
         self.kv_shape: tuple[int, int, int] | None = None  # (B, H_kv, D) of the stored tokens
         self._v_dim = 0  # V's head_dim (fixed by the first append)
@@ -238,6 +239,7 @@ class SlimLayer:
         base: int = 0,
         rope: Rotary | None = None,
         finite_checked: bool = False,
+        encoded: tuple | None = None,
     ):
         """Append keys/values (B, H, C, D); return every stored token before eviction, then evict
         down to the policy's capacity.
@@ -251,6 +253,8 @@ class SlimLayer:
         A transaction: everything is validated and encoded first; a call that raises changes nothing.
         finite_checked: the caller already checked that every value is finite (:meth:`check`).
         defer_sinks: with ``segments=True``, ``(Segments, delta)`` (:meth:`segments`).
+        encoded: (K, V) encodings of the tokens each stream flushes from its residual (:meth:`Stream.flush`), or
+        None in either place: made by a ragged step for many rows at once (:meth:`Stream.plan`).
         """
         batch, n_new = keys.shape[0], keys.shape[2]
         # A decode step whose token goes into float16 residuals: one finiteness check of the cast values covers
@@ -286,7 +290,7 @@ class SlimLayer:
             pads = zeros
         sink_start = self.sink_start
         if sink_start is None or sink_start.shape[0] != batch:
-            sink_start = torch.zeros(batch, dtype=torch.long, device=device)
+            sink_start = self._zero_start = torch.zeros(batch, dtype=torch.long, device=device)
         rope = self.rotary if rope is None else rope
         if self.pre_rope and rope is None:
             raise ValueError("pre_rope keeps keys before RoPE, which needs the model's rotary (rope=)")
@@ -307,10 +311,11 @@ class SlimLayer:
             if self.pre_rope:  # un-rotate: R(-p) k, p the position id each key was fed with
                 rot = fed_positions(self.seen + n_sink, n_new - n_sink, pads, base, device)  # (B, n)
                 rest_k = rope.move(rest_k, -rot)
+            ek, ev = (None, None) if encoded is None else encoded
             if halves is not None:
-                plans = (self.k.plan(rest_k, halves[0]), self.v.plan(rest_v, halves[1]))
+                plans = (self.k.plan(rest_k, halves[0], ek), self.v.plan(rest_v, halves[1], ev))
             else:
-                plans = (self.k.plan(rest_k), self.v.plan(rest_v))
+                plans = (self.k.plan(rest_k, encoded=ek), self.v.plan(rest_v, encoded=ev))
 
         # -- commit (nothing below raises) -----------------------------------------------
         if self.dtype is None:
@@ -333,10 +338,11 @@ class SlimLayer:
     # -- reads -----------------------------------------------------------------------------
     def segments(self, *, defer_sinks: bool = False):
         """A frozen view of what is stored now (valid until the next update). defer_sinks: ``(view, delta)``,
-        the sinks as stored and the move they are due (:meth:`Frames.sink_delta`), for the caller to apply."""
-        delta = self.frames.sink_delta(
-            self.sink_k, first_stream_slot=self.seen - len(self.k), pads=self.pads, sink_start=self.sink_start
-        )
+        the sinks as stored and the move they are due (:meth:`Frames.sink_delta`; a tuple of per-row tuples for rows
+        without padding, else a (B, S) tensor), for the caller to apply."""
+        pads, starts = (None, None) if self._unpadded() else (self.pads, self.sink_start)
+        first = self.seen - len(self.k)
+        delta = self.frames.sink_delta(self.sink_k, first_stream_slot=first, pads=pads, sink_start=starts, host=defer_sinks)
         if defer_sinks:
             return self._view(self.sink_k), delta
         return self._view(self.sink_k if delta is None else self.rotary.move(self.sink_k, delta))
@@ -368,9 +374,19 @@ class SlimLayer:
         """Every stored token, oldest first, materialized: (B, H, stored, D)."""
         return self.segments().materialize(dtype)
 
+    def _unpadded(self) -> bool:
+        """Whether no row is padded and every row's sinks start at slot 0, known without reading a tensor: the
+        pads and sink starts are the zeros :meth:`append` made (a ragged step's rows, a batch without padding)."""
+        return self.pads is not None and self.pads is self._no_pads and self.sink_start is self._zero_start
+
     def _evict(self) -> None:
         k = self.policy.n_to_evict(self.stored)
         if k == 0:
+            return
+        if self._unpadded():  # policy.sink_starts of zero pads is 0: the sinks stay where they are
+            self.k.drop_front(k)
+            self.v.drop_front(k)
+            self.frames.drop_runs(k)
             return
         new_start = self.policy.sink_starts(self.seen, self.pads)
         shift = new_start - self.sink_start  # (B,) >= 0: rows whose sinks still slide over pads
@@ -390,6 +406,8 @@ class SlimLayer:
             pool_rot = torch.cat([self.sink_rot, self.frames.stream_rot(k, first, self.pads)], dim=1)  # (B, n + k)
             self.sink_rot = torch.gather(pool_rot, 1, idx[:, 0, :, 0])
         self.sink_start = new_start
+        # zero pads: the new starts are zeros, and the fast path holds from here (else no zeros are kept for it)
+        self._zero_start = new_start if self.pads is self._no_pads else None
         self.k.drop_front(k)
         self.v.drop_front(k)
         self.frames.drop_runs(k)
@@ -452,48 +470,28 @@ class SlimLayer:
         self.v.restore(*state["v"])
         self.sink_k, self.sink_v, self.sink_rot = state["sink_k"], state["sink_v"], state["sink_rot"]
         self.pads, self.sink_start = state["pads"], state["sink_start"]
+        if self.pads is not None and not bool(self.pads.any()):  # unpadded rows keep the fast paths (_unpadded)
+            zero = self.sink_start is not None and not bool(self.sink_start.any())
+            self._no_pads, self._zero_start = self.pads, self.sink_start if zero else None
         self.frames.runs, self.seen, self.frames.base = runs, int(state["seen"]), int(state["base"])
         self.dtype, self.kv_shape, self._v_dim = state["dtype"], kv_shape, v_dim
 
-    # -- accounting ------------------------------------------------------------------------
+    # -- accounting (kvslim.cache.layerbytes) -----------------------------------------------
     def components(self) -> dict[str, int]:
-        out = {**self.k.components("k"), **self.v.components("v")}
-        out["k_sinks"] = _bytes(self.sink_k)
-        out["v_sinks"] = _bytes(self.sink_v)
-        out["mean_center_bias"] = _bytes(self.k_bias)
-        # per-row bookkeeping: left padding, sink start and the sinks' rotation positions, int64
-        out["row_state"] = _bytes(self.pads) + _bytes(self.sink_start) + _bytes(self.sink_rot)
-        return out
+        return layerbytes.components(self)
 
     def nbytes(self) -> int:
         return sum(self.components().values())
 
     def projected_nbytes(self, tokens: int, kv: tuple[int, int, int], v_dim: int, dtype: torch.dtype) -> int:
-        """The most bytes this layer holds while fed ``tokens`` tokens of rows ``kv = (B, H_kv, D)``
-        (V of ``v_dim`` channels) in ``dtype``: sinks, both streams (:meth:`Stream.projected_nbytes`), the
-        bias and the per-row bookkeeping. An upper bound a memory budget can reserve up front."""
-        b, h, d = kv
-        n_sink = min(tokens, self.policy.sink)
-        rest = tokens - n_sink
-        probe = torch.zeros(1, 1, 1, 1, dtype=dtype)
-        sink_entry = self.k.cast(probe).element_size() * b * h
-        total = n_sink * sink_entry * (d + v_dim) + b * n_sink * 8  # sink K, V and their rotation positions
-        total += self.k.projected_nbytes(rest, (b, h, d), dtype) + self.v.projected_nbytes(
-            rest, (b, h, v_dim), dtype
-        )
-        total += _bytes(self.k_bias) + 2 * b * 8  # bias; pads and sink start per row
-        return total
+        """The most bytes this layer holds while fed ``tokens`` tokens of rows ``kv = (B, H_kv, D)`` in ``dtype``
+        (:func:`kvslim.cache.layerbytes.projected_nbytes`): an upper bound a memory budget can reserve up front."""
+        return layerbytes.projected_nbytes(self, tokens, kv, v_dim, dtype)
 
     def live_nbytes(self) -> int:
         """Bytes of the stored tokens alone (no buffer slack)."""
-        c = self.components()
-        return (
-            self.k.live_nbytes() + self.v.live_nbytes() + c["k_sinks"] + c["v_sinks"] + c["mean_center_bias"]
-        )
+        return layerbytes.live_nbytes(self)
 
 
 POSITIONS = ("original", "cache")
 
-
-def _bytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()

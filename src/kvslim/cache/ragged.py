@@ -52,6 +52,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..formats import Encoded
 from .rotary import by_rotation
 from .segments import Segments
 
@@ -68,6 +69,8 @@ class RaggedSegments:
     #: query (1, Hq, N, D), row b's queries at spans[b] = (start, n); a row of n > 1 tokens holds its cache's
     #: batch-1 answer for those n tokens: a Segments view, or the (keys, values) tensors materialized.
     spans: tuple[tuple[int, int], ...] | None = None
+    #: what the step's layers share (the owner's ``angles``: rotary comparisons, move angles), or None
+    shared: dict | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -81,29 +84,107 @@ class RaggedSegments:
         return torch.Size((len(self.rows), h, max(lengths), d))
 
 
-def _move_sinks(rows: list, moves: list) -> None:
-    """Move the sink keys of the rows in ``moves`` (``(b, delta)``, delta (1, S) from
-    :meth:`~kvslim.cache.frames.Frames.sink_delta`) and put them in their views, one
-    :meth:`~kvslim.cache.rotary.Rotary.move` per group of rows with the same rotary and sink shape instead of one per
-    row (a step of many windowed rows spent most of its Python time there). The move is elementwise, so each row's
-    keys are bit for bit what its own :meth:`~kvslim.cache.layer.SlimLayer.segments` gives."""
+def _move_sinks(rows: list, moves: list, angles: dict | None = None) -> None:
+    """Move the sink keys of the rows in ``moves`` (``(b, delta)``, delta from
+    :meth:`~kvslim.cache.frames.Frames.sink_delta`: a tuple of per-row tuples, or a (1, S) tensor) and put them in
+    their views, one :meth:`~kvslim.cache.rotary.Rotary.move` per group of rows with the same rotary and sink shape
+    instead of one per row (a step of many windowed rows spent most of its Python time there). The move is
+    elementwise, so each row's keys are bit for bit what its own :meth:`~kvslim.cache.layer.SlimLayer.segments`
+    gives. angles: ``{key: (cos, sin)}`` kept by the caller for the step: a row's sinks move by the same distances
+    in every layer, so a group's angles are computed once a step, not once a layer (the same values)."""
     items = []
     for b, delta in moves:
         k = rows[b].k_sink
         items.append((rows[b].rotary, (tuple(k.shape), k.dtype, k.device, b, delta)))
-    for rotary, members in by_rotation(items):
+    for rotary, members in by_rotation(items, angles):
         shapes: dict = {}
         for shape, dtype, device, b, delta in members:  # one move per sink shape, dtype and device
             shapes.setdefault((shape, dtype, device), []).append((b, delta))
-        for group in shapes.values():
-            if len(group) == 1:
+        for (shape, _, device), group in shapes.items():
+            if len(group) == 1 and angles is None:
                 b, delta = group[0]
-                rows[b] = replace(rows[b], k_sink=rotary.move(rows[b].k_sink, delta))
+                rows[b] = replace(rows[b], k_sink=rotary.move(rows[b].k_sink, _delta_tensor(delta, device)))
                 continue
-            keys = torch.cat([rows[b].k_sink for b, _ in group])  # (G, H, S, D)
-            moved = rotary.move(keys, torch.cat([d for _, d in group]))  # deltas (G, S)
+            deltas = [d for _, d in group]
+            key = None
+            if angles is not None and all(isinstance(d, tuple) for d in deltas):
+                key = (id(rotary), shape, str(device), tuple(deltas))  # rotaries live while the step does
+            got = None if key is None else angles.get(key)
+            if got is None:
+                delta = torch.cat([_delta_tensor(d, device) for d in deltas])  # (G, S)
+                got = rotary.move_angles(delta, device)
+                if key is not None:
+                    angles[key] = got
+            keys = rows[group[0][0]].k_sink if len(group) == 1 else torch.cat([rows[b].k_sink for b, _ in group])
+            moved = rotary.move(keys, None, angles=got)  # keys (G, H, S, D)
             for i, (b, _) in enumerate(group):
-                rows[b] = replace(rows[b], k_sink=moved[i : i + 1])
+                rows[b] = _with_sinks(rows[b], moved[i : i + 1])
+
+
+def _delta_tensor(delta, device) -> torch.Tensor:
+    """A sink delta (a tuple of per-row tuples, or a tensor) as a (B, S) int64 tensor."""
+    return delta if isinstance(delta, torch.Tensor) else torch.tensor(delta, dtype=torch.long, device=device)
+
+
+def _with_sinks(view: Segments, k_sink: torch.Tensor) -> Segments:
+    """``view`` with its sink keys moved: a fresh view nobody else holds yet (made by this step's
+    :meth:`~kvslim.cache.layer.SlimLayer.segments`), so its field is set in place rather than through
+    ``dataclasses.replace``'s full constructor (480 a step at 16 rows x 30 layers)."""
+    object.__setattr__(view, "k_sink", k_sink)
+    return view
+
+
+def _batched_flushes(stores: dict) -> dict:
+    """``{b: [K encoded, V encoded]}``: the residual groups the decode rows ``stores`` (``{b: SlimLayer}``) flush in
+    this step, encoded in one call per stream and codec configuration instead of one per row (a step whose rows
+    all fill their residual at once, as copies of one prompt do, encoded 2 x rows x layers groups one by one), each
+    row's part cut back out (None where the row encodes its own). The encoders work per token or per channel within
+    a row, and the Hadamard basis is a matrix product whose row count is a multiple of 4 alone and in the batch
+    (else the row encodes alone; the module docstring's "Filler rows"), so a row's codes are its own encode's."""
+    out: dict = {}
+    for i, role in enumerate(("k", "v")):
+        groups: dict = {}
+        for b, store in stores.items():
+            st = getattr(store, role)
+            n = st.flush(1)
+            key = _encode_key(st, n) if n else None
+            if key is not None:
+                groups.setdefault(key, []).append((b, st, n))
+        for members in groups.values():
+            if len(members) < 2:
+                continue
+            st = members[0][1]
+            try:
+                enc = st._encode(torch.cat([m[1].fp.view()[:, :, : m[2]] for m in members]))
+            except Exception:  # noqa: BLE001 - each row encodes its own, where a failure stays with its row
+                continue
+            for j, (b, _, _) in enumerate(members):
+                part = Encoded(
+                    token={n: t[j : j + 1] for n, t in enc.token.items()},
+                    group={n: t[j : j + 1] for n, t in enc.group.items()},
+                )
+                out.setdefault(b, [None, None])[i] = part
+    return out
+
+
+def _encode_key(stream, n: int):
+    """What must agree for two rows' flushed tokens to be encoded in one call: the codec's class and settings
+    (plain values only), the basis (a Hadamard block; no centering bias) and the tokens' shape; None: alone."""
+    basis = stream.basis
+    if basis is not None and (basis.bias is not None or (basis.hadamard is not None and not basis.hadamard.block)):
+        return None  # a centering bias (per-row choices) or a fitted rotation (a matrix per layer): row by row
+    settings = []
+    for name, value in sorted(vars(stream.codec).items()):
+        if name == "format":
+            value = value.name
+        elif not isinstance(value, (int, float, str, bool, type(None), torch.dtype)):
+            return None
+        settings.append((name, value))
+    x = stream.fp.view()
+    hadamard = None if basis is None or basis.hadamard is None else (basis.hadamard.dim, basis.hadamard.block)
+    if hadamard is not None and (x.shape[1] * n * hadamard[0] // hadamard[1]) % 4:
+        return None  # a row's product of 1-3, 5-7 or 9-11 rows may round otherwise than the batch's (MKL)
+    return (type(stream.codec), tuple(settings), hadamard, n, tuple(x.shape), x.dtype, str(x.device))
 
 
 class RaggedLayer(CacheLayerMixin):
@@ -138,6 +219,13 @@ class RaggedLayer(CacheLayerMixin):
         # One finiteness check for the whole step (a sync per layer, not per row); where it fails, each row
         # checks its own tokens: a bad row raises as a batch-1 cache would, or is dropped (module docstring).
         finite = bool(torch.isfinite(key_states).all() & torch.isfinite(value_states).all())
+        flushed = _batched_flushes(
+            {
+                b: cache.layers[self.layer_idx].store
+                for b, cache in enumerate(owner.caches)
+                if cache is not None and owner.spans[b][1] == 1
+            }
+        )
         rows, moves = [], []
         for b, cache in enumerate(owner.caches):
             if cache is None:
@@ -159,6 +247,7 @@ class RaggedLayer(CacheLayerMixin):
                     base=owner.bases[b],
                     rope=rope,
                     finite_checked=finite,
+                    encoded=flushed.get(b),
                 )
             except Exception as e:  # noqa: BLE001 - one row's failure, kept to that row when the caller asks
                 owner.drop(b, e)
@@ -170,8 +259,9 @@ class RaggedLayer(CacheLayerMixin):
                     moves.append((b, delta))
             rows.append(got)
         if moves:
-            _move_sinks(rows, moves)
-        view = RaggedSegments(tuple(rows), owner.drop if owner.errors is not None else None, tuple(owner.spans))
+            _move_sinks(rows, moves, owner.angles)
+        drop = owner.drop if owner.errors is not None else None
+        view = RaggedSegments(tuple(rows), drop, tuple(owner.spans), owner.angles)
         return view, view
 
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
@@ -242,6 +332,8 @@ class RaggedCache(Cache):
         self.spans = list(zip(starts, lengths, strict=True))  # row b's tokens: [start, start + n) of the step
         self.n_tokens = sum(lengths)
         self.errors = errors
+        #: what this step's layers share: the sinks' move angles and rotary comparisons (:func:`_move_sinks`)
+        self.angles: dict = {}
         self.longest = max(c.get_seq_length() for c in real)
         super().__init__(layers=[RaggedLayer(self, i) for i in range(n_layers)])
 

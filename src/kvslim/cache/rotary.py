@@ -126,27 +126,39 @@ class Rotary:
             kept[key] = got
         return got
 
-    def move(self, x: torch.Tensor, delta: torch.Tensor | int) -> torch.Tensor:
+    def move_angles(self, delta: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The angles :meth:`move` uses for distances ``delta`` (B, T) int64: cos, sin (B, 1, T, R) float32. A
+        caller that moves by the same distances many times (a ragged step's sinks, once a layer) computes them
+        once and hands them to :meth:`move` (``angles=``): the same values, so the same bits."""
+        cos, sin = self.cos_sin(delta, device)  # (B, T, R)
+        return cos[:, None], sin[:, None]
+
+    def move(
+        self, x: torch.Tensor, delta: torch.Tensor | int | None, angles: tuple | None = None
+    ) -> torch.Tensor:
         """``R(delta) x`` for x (B, H, T, D) rotated keys or queries.
 
-        delta: an int, a (B,) tensor (one distance per row), or (B, T) (per row and token).
-        Returns a new tensor in x's dtype; x itself when every distance is zero.
+        delta: an int, a (B,) tensor (one distance per row), or (B, T) (per row and token); or None with
+        ``angles``, :meth:`move_angles` of nonzero (B, T) distances. Returns a new tensor in x's dtype; x itself
+        when every distance is zero.
         """
-        if not isinstance(delta, torch.Tensor):
-            delta = torch.tensor(int(delta))
-        if not bool((delta != 0).any()):
-            return x
         b, _, t, d = x.shape
         r, o = self.rotary_dim, self.offset
         if o + r > d:
             raise ValueError(f"rotary channels {o}..{o + r} exceed head_dim {d}")
-        if delta.ndim == 0:  # one distance for everything (a run's queries): its angles kept, per device
-            cos, sin = self._one(int(delta), x.device)  # (R,): the elements cos_sin gives each (b, t)
+        if angles is not None:
+            cos, sin = angles
         else:
-            if delta.ndim == 1:
-                delta = delta[:, None].expand(b, t)  # (B, T)
-            cos, sin = self.cos_sin(delta, x.device)  # (B, T, R)
-            cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, R)
+            if not isinstance(delta, torch.Tensor):
+                delta = torch.tensor(int(delta))
+            if not bool((delta != 0).any()):
+                return x
+            if delta.ndim == 0:  # one distance for everything (a run's queries): its angles kept, per device
+                cos, sin = self._one(int(delta), x.device)  # (R,): the elements cos_sin gives each (b, t)
+            else:
+                if delta.ndim == 1:
+                    delta = delta[:, None].expand(b, t)  # (B, T)
+                cos, sin = self.move_angles(delta, x.device)  # (B, 1, T, R)
         xf = x.float()
         rot = xf[..., o : o + r]
         half = r // 2
@@ -156,23 +168,32 @@ class Rotary:
         return out.to(x.dtype)
 
 
-def by_rotation(items):
+def by_rotation(items, memo: dict | None = None):
     """``items`` (``(rotary, payload)`` pairs) grouped by equal rotation: a list of ``(rotary, [payload, ...])``,
     in first-seen order. Rows of a ragged step hold copies of the model's rotary (one per cache), so equal means
-    the same offset and frequencies, not the same object."""
+    the same offset and frequencies, not the same object. memo: a dict the caller keeps while every rotary it
+    names is alive (a step): each pair is compared once, not once a layer."""
     groups: list = []
     for rot, payload in items:
         for first, members in groups:
-            if first is rot or (
-                first.offset == rot.offset
-                and first.inv_freq.shape == rot.inv_freq.shape
-                and torch.equal(first.inv_freq, rot.inv_freq)
-            ):
+            if first is rot or _equal(first, rot, memo):
                 members.append(payload)
                 break
         else:
             groups.append((rot, [payload]))
     return groups
+
+
+def _equal(a: Rotary, b: Rotary, memo: dict | None) -> bool:
+    key = ("equal", id(a), id(b))
+    if memo is not None and key in memo:
+        return memo[key]
+    same = (
+        a.offset == b.offset and a.inv_freq.shape == b.inv_freq.shape and torch.equal(a.inv_freq, b.inv_freq)
+    )
+    if memo is not None:
+        memo[key] = same
+    return same
 
 
 def rotate_half_reference(x: torch.Tensor) -> torch.Tensor:

@@ -107,10 +107,21 @@ class Stream:
         n_fp = len(self.fp)
         return ((n_fp + x.shape[2] - self.residual_cap) // self.unit) * self.unit <= n_fp
 
-    def plan(self, x: torch.Tensor, cast: torch.Tensor | None = None) -> _Plan:
+    def flush(self, n_new: int) -> int:
+        """How many of the residual's oldest tokens an append of ``n_new`` tokens encodes (0: none, or an append
+        that encodes straight from its own tokens): what :meth:`plan` encodes as ``self.fp.view()[:, :, :n]``."""
+        if not self.codec.lossy:
+            return 0
+        n_fp = len(self.fp)
+        ready = ((n_fp + n_new - self.residual_cap) // self.unit) * self.unit
+        return ready if 0 < ready <= n_fp else 0
+
+    def plan(self, x: torch.Tensor, cast: torch.Tensor | None = None, encoded: Encoded | None = None) -> _Plan:
         """Everything appending x (B, H, C, D) will do, computed without changing the stream: the
         encoding of the tokens that leave the residual (the step that can fail) is done here.
-        cast: ``x.to(float16)`` already made and checked finite by the caller (:meth:`half_residual`)."""
+        cast: ``x.to(float16)`` already made and checked finite by the caller (:meth:`half_residual`).
+        encoded: the encoding of the :meth:`flush` tokens, made by the caller (a ragged step encodes the groups
+        its rows flush in one call, :mod:`kvslim.cache.ragged`); used only where it holds exactly those tokens."""
         if not self.codec.lossy:
             return _Plan(None, 0, x)
         # Only what stays in the residual is cast to its storage dtype; tokens that go straight to the
@@ -122,7 +133,9 @@ class Stream:
             y = self.cast(x) if cast is None else cast
             if ready <= 0:
                 return _Plan(None, 0, y)
-            return _Plan(self._encode(self.fp.view()[:, :, :ready]), ready, y)
+            if encoded is None or next(iter(encoded.token.values())).shape[2] != ready:
+                encoded = self._encode(self.fp.view()[:, :, :ready])
+            return _Plan(encoded, ready, y)
         # A long chunk (prefill): encode straight from it; only the newest tokens enter the residual.
         head = x[:, :, : ready - n_fp]
         enc = self._encode(head if n_fp == 0 else torch.cat([self.fp.view().to(x.dtype), head], dim=2))
