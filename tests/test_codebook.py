@@ -53,14 +53,14 @@ def test_code_levels_span_the_code_range():
             codebook.code_levels(bits)
 
 
-def _reference_slice(x: list[float], bits: int) -> float:
-    """The least squared error of one slice under the codebook scheme, by plain loops in float64 (the ranges of
-    codebook.RATIOS, nearest levels, without the fp16 rounding of the stored scale and zero)."""
+def _reference_slice(x: list[float], bits: int, clip: bool) -> float:
+    """The least squared error of one slice under the codebook scheme, by plain loops in float64 (min-max, or the
+    ranges of codebook.RATIOS when clipped; nearest levels; without the fp16 rounding of the stored scale and zero)."""
     top = (1 << bits) - 1
     table = codebook.code_levels(bits)
     mn, mx = min(x), max(x)
     best = math.inf
-    for r in codebook.RATIOS:
+    for r in codebook.RATIOS if clip else (1.0,):
         cut = (1 - r) / 2 * (mx - mn)
         lo, s = mn + cut, max((mx - cut - (mn + cut)) / top, affine.EPS)
         best = min(best, sum(min((lo + s * t - v) ** 2 for t in table) for v in x))
@@ -69,19 +69,20 @@ def _reference_slice(x: list[float], bits: int) -> float:
 
 @pytest.mark.parametrize("bits", [2, 3])
 @pytest.mark.parametrize("role", ["k", "v"])
-def test_round_trip_against_a_float64_reference(bits, role):
+@pytest.mark.parametrize("clip", [False, True])
+def test_round_trip_against_a_float64_reference(bits, role, clip):
     g = torch.Generator().manual_seed(bits)
     x = torch.randn(1, 2, 16, 64, generator=g) * (1 + 3 * torch.rand(1, 2, 16, 1, generator=g))
     x[0, 1, 3, 5] = 30.0  # an outlier
     levels = codebook.code_levels(bits)
     if role == "v":
-        codes, scale, zero = affine.quantize_per_token(x, bits, levels=levels)
+        codes, scale, zero = affine.quantize_per_token(x, bits, clip=clip, levels=levels)
         y = affine.dequantize_per_token(codes, scale, zero, bits, levels=levels)
         s, z = scale.double().expand(x.shape), zero.double().expand(x.shape)  # one scale per token
         slices = x.reshape(-1, 64)  # one slice per token
         got = (y - x).square().double().reshape(-1, 64).sum(-1)
     else:
-        codes, scale, zero = affine.quantize_per_channel(x, bits, 8, levels=levels)
+        codes, scale, zero = affine.quantize_per_channel(x, bits, 8, clip=clip, levels=levels)
         y = affine.dequantize_per_channel(codes, scale, zero, bits, 8, levels=levels)
         s = scale.double().repeat_interleave(8, -2)
         z = zero.double().repeat_interleave(8, -2)
@@ -92,12 +93,16 @@ def test_round_trip_against_a_float64_reference(bits, role):
     t64 = torch.tensor(levels, dtype=torch.float64)
     want = z + s * t64[c]
     assert torch.allclose(y.double(), want, rtol=1e-6, atol=1e-6)
+    if not clip:  # min-max: the outermost levels cover every value (zero rounded down, scale up)
+        assert bool((z <= x.double()).all()) and bool((z + s * t64[-1] >= x.double() - 1e-6).all())
     # every code is its value's nearest level under the stored scale and zero
     dist = (z[..., None] + s[..., None] * t64 - x.double()[..., None]).abs()  # (..., levels)
     chosen = dist.gather(-1, c[..., None])[..., 0]
     assert bool((chosen <= dist.min(-1).values + 1e-6 * s).all())
-    # the searched range's error is the float64 search's, up to the fp16 rounding of the stored scale and zero
-    ref = torch.tensor([_reference_slice(sl.tolist(), bits) for sl in slices.double()], dtype=torch.float64)
+    # the range's error is the float64 reference's, up to the fp16 rounding of the stored scale and zero
+    ref = torch.tensor(
+        [_reference_slice(sl.tolist(), bits, clip) for sl in slices.double()], dtype=torch.float64
+    )
     assert bool((got <= ref * 1.02 + 1e-4).all()), float((got / ref).max())
     assert float(got.sum()) == pytest.approx(float(ref.sum()), rel=0.01)
 
@@ -107,15 +112,17 @@ def test_on_gaussian_slices_the_codebook_beats_the_even_grid():
     x = torch.randn(1, 4, 256, 64, generator=g)
     for bits, margin in ((2, 1.0), (3, 0.97)):
         err = {}
+        table = codebook.code_levels(bits)
         for name, kw in (
             ("plain", {}),
             ("clip", {"clip": True}),
-            ("lloyd", {"levels": codebook.code_levels(bits)}),
+            ("pinned", {"levels": table}),
+            ("lloyd", {"clip": True, "levels": table}),
         ):
             enc = affine.quantize_per_token(x, bits, **kw)
             y = affine.dequantize_per_token(*enc, bits, levels=kw.get("levels"))
             err[name] = float((y - x).square().mean())
-        assert err["lloyd"] < 0.8 * err["plain"]
+        assert err["lloyd"] < 0.8 * err["plain"] and err["pinned"] < err["plain"], err
         assert err["lloyd"] < margin * err["clip"], err  # 3 bits: > 3% below the best even grid
 
 

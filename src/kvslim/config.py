@@ -141,8 +141,8 @@ class CacheConfig:
         shrunk to the one of least squared error at encode time): ``v``, ``k``, ``kv``, ``off``, or ``auto``
         (default: where docs/quality.md measured it helps, 2-bit V).
     codebook: Lloyd-Max codebooks for the 2- and 3-bit affine formats (:mod:`kvslim.formats.codebook`: the codes
-        index the Gaussian Lloyd-Max levels, each slice's range searched for the least squared error; same bytes):
-        ``v``, ``k``, ``kv``, ``off``, or ``auto`` (default: where docs/quality.md measured it helps).
+        index the Gaussian Lloyd-Max levels placed over the slice's range, min-max or as ``clip`` chooses it; same
+        bytes): ``v``, ``k``, ``kv``, ``off``, or ``auto`` (default: where docs/quality.md measured it helps).
     keep_layers: model layers kept at ``keep_format`` instead of the cache's formats (per-layer precision:
         the first and last layers are the sensitive ones in practitioners' measurements, KVTuner): a tuple of
         indices, negative ones from the end (``(0, -1)``; a string ``"first,last"`` is parsed); default none.
@@ -277,8 +277,9 @@ class CacheConfig:
         choices=CODEBOOK,
         what="Lloyd-Max codebooks of the 2- and 3-bit affine formats",
         flag="--kv-codebook",
-        flag_help="int2/int3 codes index the Gaussian Lloyd-Max levels instead of an even grid (v, k, kv or off; "
-        f"same bytes); auto: where docs/quality.md measured it helps (default: {DEFAULT_CODEBOOK})",
+        flag_help="int2/int3 codes index the Gaussian Lloyd-Max levels instead of an even grid over the range --kv-clip "
+        f"chooses (v, k, kv or off; same bytes); auto: where docs/quality.md measured it helps (default: "
+        f"{DEFAULT_CODEBOOK})",
     )
     keep_layers: tuple[int, ...] = option(
         (),

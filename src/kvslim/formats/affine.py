@@ -194,14 +194,14 @@ def _affine_params(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stored (scale, zero) in ``scale_dtype`` of the fp32 slices of ``xf`` along ``dim`` (kept as a
     size-1 dim); raises on non-finite input or on a range the storage dtype cannot hold. clip: span the range
-    of least squared error (:mod:`.clip`) instead of each slice's min-max; table (a Lloyd-Max level table,
-    :mod:`.codebook`) always searches it, with the table's levels."""
+    of least squared error (:mod:`.clip`) instead of each slice's min-max; table: the codes' levels (a Lloyd-Max
+    table, :mod:`.codebook`; the range is min-max, or searched with the table's levels under clip)."""
     levels = (1 << bits) - 1
     # amin + amax: on CPU each is an order of magnitude faster than aminmax. Both propagate NaN,
     # and +-inf lands in one of them: checking the (small) scale and zero covers the input too,
     # without a full isfinite pass over it.
     mn, mx = xf.amin(dim, keepdim=True), xf.amax(dim, keepdim=True)
-    lo, hi = clipped_range(xf, dim, bits, mn, mx, EPS, table) if clip or table else (mn, mx)
+    lo, hi = clipped_range(xf, dim, bits, mn, mx, EPS, table) if clip else (mn, mx)
     zero = _round_to(lo, scale_dtype, -math.inf)
     scale = _round_to(torch.clamp((hi - zero.float()) / levels, min=EPS), scale_dtype, math.inf)
     # One host sync for both checks; diagnose only on failure.

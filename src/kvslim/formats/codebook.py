@@ -17,14 +17,15 @@ int2: 0, 1.0503, 1.9497, 3; int3: 0, 1.3142, 2.2704, 3.1014, 3.8986, 4.7296, 5.6
 ``T[c] = c``, so a decoder changes in one place: the code's table entry instead of the code. Encoding takes each
 value's *nearest* level (thresholds at the midpoints of ``T``).
 
-The scale is the slice's: its range ``[lo, hi]`` (the outermost levels) is searched per slice at encode time
-for the least squared error, as range clipping does (:func:`kvslim.formats.clip.clipped_range` with the table
-and :data:`RATIOS`, which reach lower than clipping's: the Lloyd-Max outer levels sit at ±1.51 sigma at 2 bits,
-about 0.63 of a 64-value Gaussian slice's half-range, where clipping's search stops at 0.6). A Lloyd-Max table
-pinned to a slice's min and max would put the outer levels on the two most extreme values, which is what the
-table is meant not to do; the ratio 1.0 (min-max) is still a candidate, so a slice whose extremes matter keeps
-them. Deviation from a per-slice Lloyd fit (levels fitted to each slice's own values): that would store ``2^b``
-levels per slice; one fixed table costs nothing and fits the rotated, near-Gaussian slices it is for.
+The range is the slice's, chosen by the ``clip`` lever as for the even grid (the two levers are independent: the
+codebook decides where the levels sit inside a slice's range, clipping decides the range): a stream that does not
+clip keeps its outermost levels on the slice's min and max; a clipped one searches the range of least squared
+error with the table's levels (:func:`kvslim.formats.clip.clipped_range` with the table and :data:`RATIOS`, which
+reach lower than clipping's own: the Lloyd-Max outer levels sit at ±1.51 sigma at 2 bits, about 0.63 of a
+64-value Gaussian slice's half-range, where clipping's search stops at 0.6). The two behave differently, as
+clipping alone did (docs/quality.md, "Lloyd-Max codebooks"): a K channel's extremes carry its attention, so K
+wants them kept. Deviation from a per-slice Lloyd fit (levels fitted to each slice's own values): that would
+store ``2^b`` levels per slice; one fixed table costs nothing and fits the rotated, near-Gaussian slices it is for.
 
 Where it is decoded: the torch decoders of :mod:`.affine` read the table. The C and Triton kernels read uniform
 codes only (their fold of a K group's scale into the query and their codes-in-registers paths assume
@@ -49,7 +50,7 @@ MODES = ("auto", "off", "v", "k", "kv")
 #: (role, bits) where ``codebook=auto`` uses the levels: where docs/quality.md ("Lloyd-Max codebooks") measured
 #: them to help; empty until a measurement shows a gain.
 AUTO: frozenset[tuple[str, int]] = frozenset()
-#: the shrinks of a slice's ``[min, max]`` tried for the outermost levels, widest first (1.0: min-max)
+#: the shrinks of a slice's ``[min, max]`` a clipped codebook stream tries for its outermost levels, widest first
 RATIOS = tuple(round(1.0 - 0.05 * i, 2) for i in range(11))  # 1.0 .. 0.5
 
 
