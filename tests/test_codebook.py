@@ -269,3 +269,29 @@ def test_a_prompt_cache_file_round_trips_and_records_the_lever(tmp_path, monkeyp
             ValueError, match="saved with codebook='none', but its settings resolve to codebook='kv'"
         ):
             pc.from_state(tensors, h, new_cache=SlimCache.from_config, config=model.config)
+
+
+def test_a_static_cache_with_a_codebook_equals_a_slimcache():
+    """A StaticSlimCache (the compiled step's fixed buffers, its kernels through the custom ops keyed with the
+    table) stores and reads the same codebook codes as a SlimCache, through prefill and decode steps."""
+    from conftest import tiny_model
+    from kvslim import SlimCache, StaticSlimCache
+    from kvslim.generate import decode_one_token, prefill
+
+    model = tiny_model(attn_implementation="kvslim")
+    spec = dict(kv_quantize="int2", group_size=8, residual=8, window=32, codebook="kv")
+    ref = SlimCache(config=model.config, pre_rope=False, **spec)
+    static = StaticSlimCache(config=model.config, **spec)
+    assert ref.report()["codebook"] == static.report()["codebook"] == "kv"
+    ids = torch.randint(3, 128, (2, 37), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        torch.testing.assert_close(
+            prefill(model, ids, static), prefill(model, ids, ref), atol=1e-4, rtol=1e-4
+        )
+        for i in range(30):
+            a = decode_one_token(model, tokens[:, i : i + 1], ref)
+            b = decode_one_token(model, tokens[:, i : i + 1], static)
+            torch.testing.assert_close(b, a, atol=1e-3, rtol=1e-3)
+    assert torch.equal(static.layers[0].keys, ref.layers[0].keys)
+    assert torch.equal(static.layers[0].values, ref.layers[0].values)
