@@ -113,12 +113,13 @@ CHANGED = dict(
     pre_rope=True,
     varnorm="off",
     clip="v",
+    codebook="v",
     keep_layers="0,-1",
     keep_format="k8v4",
 )
 #: what an option needs beside it to be legal (keep_format applies to the layers keep_layers names, clip to
-#: an affine format)
-NEEDS = dict(keep_format={"keep_layers": "0,-1"}, clip={"v_quantize": "int2"})
+#: an affine format, codebook to a 2- or 3-bit one)
+NEEDS = dict(keep_format={"keep_layers": "0,-1"}, clip={"v_quantize": "int2"}, codebook={"v_quantize": "int2"})
 
 
 SPEC_KEYS_BY_NAME = {o.name: o.spec for o in OPTIONS}

@@ -3,7 +3,7 @@
 The spec syntax is the same everywhere in the CLI (``eval --config``, ``bench --config``):
 ``FORMAT[,key=value...]`` with keys ``k``, ``v`` (per-tensor formats), ``sink``, ``window``,
 ``group``, ``residual``, ``v_group``, ``mean_center`` (a bias file), ``positions``, ``residual_dtype``,
-``rotate``, ``pre_rope``, ``varnorm``, ``clip``, ``keep_layers`` and ``keep_format`` (per-layer precision). Examples::
+``rotate``, ``pre_rope``, ``varnorm``, ``clip``, ``codebook``, ``keep_layers`` and ``keep_format`` (per-layer precision). Examples::
 
     int4
     q4_0,mean_center=bias.gguf
@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 
 from .formats import FORMATS, PRESETS, get_format, resolve_pair
+from .formats.codebook import BITS as CODEBOOK_BITS
 from .options import Option, option, parse_layers, resolve_layers
 from .spec import read_spec, write_spec
 
@@ -76,6 +77,11 @@ DEFAULT_VARNORM = "auto"
 #: measured (kvslim.formats.clip.AUTO, docs/quality.md's "Range clipping").
 CLIP = ("auto", "off", "v", "k", "kv")
 DEFAULT_CLIP = "auto"
+#: Lloyd-Max codebooks of the 2- and 3-bit affine formats (kvslim.formats.codebook): which streams' codes index
+#: the Gaussian Lloyd-Max levels; "auto" as measured (kvslim.formats.codebook.AUTO, docs/quality.md's "Lloyd-Max
+#: codebooks").
+CODEBOOK = ("auto", "off", "v", "k", "kv")
+DEFAULT_CODEBOOK = "auto"
 
 
 #: the full-precision residual of an unbounded cache (and the most ``residual="auto"`` keeps with a window)
@@ -134,6 +140,9 @@ class CacheConfig:
     clip: range clipping of the affine formats' encoded slices (:mod:`kvslim.formats.clip`: each slice's range
         shrunk to the one of least squared error at encode time): ``v``, ``k``, ``kv``, ``off``, or ``auto``
         (default: where docs/quality.md measured it helps, 2-bit V).
+    codebook: Lloyd-Max codebooks for the 2- and 3-bit affine formats (:mod:`kvslim.formats.codebook`: the codes
+        index the Gaussian Lloyd-Max levels placed over the slice's range, min-max or as ``clip`` chooses it; same
+        bytes): ``v``, ``k``, ``kv``, ``off``, or ``auto`` (default: where docs/quality.md measured it helps).
     keep_layers: model layers kept at ``keep_format`` instead of the cache's formats (per-layer precision:
         the first and last layers are the sensitive ones in practitioners' measurements, KVTuner): a tuple of
         indices, negative ones from the end (``(0, -1)``; a string ``"first,last"`` is parsed); default none.
@@ -261,6 +270,17 @@ class CacheConfig:
         flag_help="encode each affine slice over the range of least squared error instead of its min-max (v, k, "
         f"kv or off); auto: where docs/quality.md measured it helps, 2-bit V (default: {DEFAULT_CLIP})",
     )
+    codebook: str = option(
+        DEFAULT_CODEBOOK,
+        "choice",
+        "codebook",
+        choices=CODEBOOK,
+        what="Lloyd-Max codebooks of the 2- and 3-bit affine formats",
+        flag="--kv-codebook",
+        flag_help="int2/int3 codes index the Gaussian Lloyd-Max levels instead of an even grid over the range --kv-clip "
+        f"chooses (v, k, kv or off; same bytes); auto: where docs/quality.md measured it helps (default: "
+        f"{DEFAULT_CODEBOOK})",
+    )
     keep_layers: tuple[int, ...] = option(
         (),
         "layers",
@@ -310,6 +330,7 @@ class CacheConfig:
                 f"clip={self.clip} applies to the affine formats (int8, int4, int3, int2), and this cache stores K "
                 f"as {self.k_format} and V as {self.v_format}: pick an affine format or leave clip at auto/off"
             )
+        self._check_codebook()
         if self.residual != "auto" and self.residual % self.group_size:
             raise ValueError(
                 f"residual={self.residual} is not a multiple of group_size={self.group_size}: tokens leave "
@@ -331,6 +352,24 @@ class CacheConfig:
                 f"mean_center does not apply to K format {self.k_format!r}: {why}; "
                 f"it applies to {', '.join(MEAN_CENTER_FORMATS)}"
             )
+
+    def _check_codebook(self) -> None:
+        """ValueError in one line unless every stream ``codebook`` names is 2- or 3-bit affine and not normalized."""
+        if self.codebook in ("off", "auto"):
+            return
+        if self.varnorm == "on":
+            raise ValueError(
+                f"codebook={self.codebook} and varnorm=on do not combine (a variance-normalized stream encodes its "
+                f"own grid): leave one of them at auto/off"
+            )
+        for role, name in (("k", self.k_format), ("v", self.v_format)):
+            fmt = get_format(name)
+            if role in self.codebook and (getattr(fmt, "pack", None) is None or fmt.bits not in CODEBOOK_BITS):
+                raise ValueError(
+                    f"codebook={self.codebook} applies to the 2- and 3-bit affine formats (int3, int2), and this "
+                    f"cache stores {role.upper()} as {name}: store {role.upper()} as int2/int3, name only such "
+                    f"streams, or leave codebook at auto/off"
+                )
 
     @property
     def k_format(self) -> str:

@@ -148,6 +148,7 @@ class CacheAccounting:
             "pre_rope": self.pre_rope,
             "varnorm": "".join(r for r in "kv" if getattr(self._codecs[r], "varnorm", False)) or "none",
             "clip": "".join(r for r in "kv" if getattr(self._codecs[r], "clip", False)) or "none",
+            "codebook": "".join(r for r in "kv" if getattr(self._codecs[r], "levels", None)) or "none",
             "residual": self.cache_config.residual_tokens,
         }
 

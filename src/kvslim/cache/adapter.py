@@ -46,6 +46,7 @@ from transformers.cache_utils import Cache
 from .. import attention
 from ..config import (
     DEFAULT_CLIP,
+    DEFAULT_CODEBOOK,
     DEFAULT_GROUP_SIZE,
     DEFAULT_KEEP_FORMAT,
     DEFAULT_POSITIONS,
@@ -107,6 +108,9 @@ class SlimCache(CacheAccounting, Cache):
             says which streams it normalizes.
         clip: range clipping of the affine formats' slices (:mod:`kvslim.formats.clip`): ``v``, ``k``, ``kv``,
             ``off`` or ``auto`` (default: where docs/quality.md measured it helps); ``report()["clip"]`` says which.
+        codebook: Lloyd-Max codebooks of the 2- and 3-bit affine formats (:mod:`kvslim.formats.codebook`): ``v``,
+            ``k``, ``kv``, ``off`` or ``auto`` (default: where docs/quality.md measured it helps);
+            ``report()["codebook"]`` says which streams use one (decoded by the torch reference kernels).
         keep_layers, keep_format: per-layer precision. The model layers ``keep_layers`` names (indices, negative
             from the end: ``(0, -1)`` or ``"first,last"``; default none) store K and V in ``keep_format`` (a format
             or preset; default ``none``, lossless) instead. Needs ``config``; an index out of range is a
@@ -155,6 +159,7 @@ class SlimCache(CacheAccounting, Cache):
         pre_rope: bool | str = DEFAULT_PRE_ROPE,
         varnorm: str = DEFAULT_VARNORM,
         clip: str = DEFAULT_CLIP,
+        codebook: str = DEFAULT_CODEBOOK,
         keep_layers: tuple[int, ...] = (),
         keep_format: str = DEFAULT_KEEP_FORMAT,
         config=None,
@@ -186,6 +191,7 @@ class SlimCache(CacheAccounting, Cache):
             pre_rope=pre_rope,
             varnorm=varnorm,
             clip=clip,
+            codebook=codebook,
             keep_layers=keep_layers,
             keep_format=keep_format,
         )

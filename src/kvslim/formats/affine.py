@@ -10,7 +10,8 @@ keys have a few outlier channels, and a per-channel range isolates them) and V *
     x'    = code * scale + zero
 
 Every piece of arithmetic runs in fp32 (fp16/bf16 inputs and stored fp16 scales are cast first);
-the dequantized output is returned in the caller's dtype.
+the dequantized output is returned in the caller's dtype. A Lloyd-Max codebook (:mod:`.codebook`, the
+cache's ``codebook``) decodes ``T[code]`` in place of ``code``, ``T`` its level table; nothing else changes.
 
 Deviation from KIVI's reference code, on purpose: scale and zero are *stored* in ``scale_dtype``
 (fp16 by default), and the codes are computed against the stored values. Rounding them to nearest
@@ -54,6 +55,7 @@ from types import MappingProxyType
 import torch
 
 from ..checks import check_int
+from . import codebook
 from .base import FORMATS, Block, Codec, Encoded, Format, check_finite, tracing
 from .clip import clipped_range
 
@@ -188,17 +190,18 @@ def _round_to(t: torch.Tensor, dtype: torch.dtype, direction: float) -> torch.Te
 
 
 def _affine_params(
-    xf: torch.Tensor, dim: int, bits: int, scale_dtype: torch.dtype, what: str, clip: bool = False
+    xf: torch.Tensor, dim: int, bits: int, scale_dtype: torch.dtype, what: str, clip: bool = False, table=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stored (scale, zero) in ``scale_dtype`` of the fp32 slices of ``xf`` along ``dim`` (kept as a
     size-1 dim); raises on non-finite input or on a range the storage dtype cannot hold. clip: span the range
-    of least squared error (:mod:`.clip`) instead of each slice's min-max."""
+    of least squared error (:mod:`.clip`) instead of each slice's min-max; table: the codes' levels (a Lloyd-Max
+    table, :mod:`.codebook`; the range is min-max, or searched with the table's levels under clip)."""
     levels = (1 << bits) - 1
     # amin + amax: on CPU each is an order of magnitude faster than aminmax. Both propagate NaN,
     # and +-inf lands in one of them: checking the (small) scale and zero covers the input too,
     # without a full isfinite pass over it.
     mn, mx = xf.amin(dim, keepdim=True), xf.amax(dim, keepdim=True)
-    lo, hi = clipped_range(xf, dim, bits, mn, mx, EPS) if clip else (mn, mx)
+    lo, hi = clipped_range(xf, dim, bits, mn, mx, EPS, table) if clip else (mn, mx)
     zero = _round_to(lo, scale_dtype, -math.inf)
     scale = _round_to(torch.clamp((hi - zero.float()) / levels, min=EPS), scale_dtype, math.inf)
     # One host sync for both checks; diagnose only on failure.
@@ -216,17 +219,25 @@ def _affine_params(
     return scale, zero
 
 
-def _codes(xf: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
-    """fp32 x and broadcastable stored scale/zero -> int32 codes in [0, 2^bits - 1]."""
+def _codes(xf: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, levels=None) -> torch.Tensor:
+    """fp32 x and broadcastable stored scale/zero -> int32 codes in [0, 2^bits - 1] (levels: the nearest of a
+    level table's, :mod:`.codebook`)."""
+    if levels:
+        return codebook.nearest((xf - zero.float()) / scale.float(), levels)
     q = torch.round((xf - zero.float()) / scale.float())
     return q.clamp_(0, (1 << bits) - 1).to(torch.int32)  # float -> int32 is far cheaper than -> uint8 on CPU
 
 
 def quantize_per_channel(
-    x: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype = torch.float16, clip: bool = False
+    x: torch.Tensor,
+    bits: int,
+    group_size: int,
+    scale_dtype: torch.dtype = torch.float16,
+    clip: bool = False,
+    levels: tuple[float, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """KIVI's K quantization: one scale/zero per channel for each group of ``group_size`` tokens (clip: each
-    range of least squared error, :mod:`.clip`).
+    range of least squared error, :mod:`.clip`; levels: a code level table, :mod:`.codebook`).
 
     x: (..., T, D) floating point, T a multiple of ``group_size`` G.
     Returns (packed codes uint8 (..., T, D * bits // 8), scale (..., T // G, D), zero (..., T // G, D)),
@@ -242,9 +253,9 @@ def quantize_per_channel(
     _check_packing(bits, d)
     xg = x.float().reshape(*lead, t // g, g, d)  # (..., T/G, G, D)
     scale, zero = _affine_params(
-        xg, -2, bits, scale_dtype, "per-channel quantization input", clip
+        xg, -2, bits, scale_dtype, "per-channel quantization input", clip, levels
     )  # (..., T/G, 1, D)
-    codes = _codes(xg, scale, zero, bits).reshape(*lead, t, d)
+    codes = _codes(xg, scale, zero, bits, levels).reshape(*lead, t, d)
     return _pack(codes, bits), scale.squeeze(-2), zero.squeeze(-2)
 
 
@@ -254,9 +265,10 @@ def quantize_per_token(
     group_size: int | None = None,
     scale_dtype: torch.dtype = torch.float16,
     clip: bool = False,
+    levels: tuple[float, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """KIVI's V quantization: one scale/zero per token for each group of ``group_size`` channels (clip: each
-    range of least squared error, :mod:`.clip`).
+    range of least squared error, :mod:`.clip`; levels: as per channel).
 
     x: (..., T, D) floating point; ``group_size`` g divides D (None: g = D).
     Returns (packed codes uint8 (..., T, D * bits // 8), scale (..., T, D // g), zero (..., T, D // g)).
@@ -271,9 +283,9 @@ def quantize_per_token(
     _check_packing(bits, d)
     xg = x.float().reshape(*lead, t, d // g, g)  # (..., T, D/g, g)
     scale, zero = _affine_params(
-        xg, -1, bits, scale_dtype, "per-token quantization input", clip
+        xg, -1, bits, scale_dtype, "per-token quantization input", clip, levels
     )  # (..., T, D/g, 1)
-    codes = _codes(xg, scale, zero, bits).reshape(*lead, t, d)
+    codes = _codes(xg, scale, zero, bits, levels).reshape(*lead, t, d)
     return _pack(codes, bits), scale.squeeze(-1), zero.squeeze(-1)
 
 
@@ -285,8 +297,9 @@ def dequantize_per_channel(
     group_size: int,
     dtype: torch.dtype = torch.float32,
     offset: int = 0,
+    levels: tuple[float, ...] | None = None,
 ) -> torch.Tensor:
-    """Inverse of :func:`quantize_per_channel`, in fp32, returned as ``dtype``.
+    """Inverse of :func:`quantize_per_channel` (the same ``levels``), in fp32, returned as ``dtype``.
 
     packed: (..., T, D * bits // 8); scale, zero: (..., n_groups, D). The T tokens start ``offset``
     tokens into the first group (0 <= offset < G, the leading tokens of that group were evicted), so
@@ -303,7 +316,7 @@ def dequantize_per_channel(
             f"{t} tokens of dim {d} at offset {offset} with group_size {g} "
             f"(expected (..., {-(-(offset + t) // g)}, {d}) for both)"
         )
-    codes = unpack_bits(packed, bits, d).float()  # (..., T, D)
+    codes = codebook.lookup(unpack_bits(packed, bits, d), levels)  # (..., T, D)
     s, z = scale.float(), zero.float()
     lead = codes.shape[:-2]
     if offset == 0 and t == n_groups * g:
@@ -324,8 +337,9 @@ def dequantize_per_token(
     bits: int,
     group_size: int | None = None,
     dtype: torch.dtype = torch.float32,
+    levels: tuple[float, ...] | None = None,
 ) -> torch.Tensor:
-    """Inverse of :func:`quantize_per_token`, in fp32, returned as ``dtype``.
+    """Inverse of :func:`quantize_per_token` (the same ``levels``), in fp32, returned as ``dtype``.
 
     packed: (..., T, D * bits // 8); scale, zero: (..., T, D // g) with g = ``group_size``
     (None: inferred from the scale's shape). Returns (..., T, D).
@@ -340,7 +354,7 @@ def dequantize_per_token(
             f"per-token scale/zero of shapes {tuple(scale.shape)}/{tuple(zero.shape)} do not match "
             f"{t} tokens of dim {d} with group_size {group_size}"
         )
-    codes = unpack_bits(packed, bits, d).float().reshape(*lead, t, d // g, g)  # (..., T, D/g, g)
+    codes = codebook.lookup(unpack_bits(packed, bits, d), levels).reshape(*lead, t, d // g, g)  # (..., T, D/g, g)
     out = codes * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
     return out.reshape(*lead, t, d).to(dtype)
 
@@ -357,9 +371,12 @@ class _AffineKCodec(Codec):
         self.token_group = _check_group(group_size, "group_size")
         self.scale_dtype = scale_dtype
         self.clip = False
+        self.levels: tuple[float, ...] | None = None  # a code level table (:mod:`.codebook`), set by the cache
 
     def encode(self, x: torch.Tensor) -> Encoded:
-        codes, scale, zero = quantize_per_channel(x, self.bits, self.token_group, self.scale_dtype, self.clip)
+        codes, scale, zero = quantize_per_channel(
+            x, self.bits, self.token_group, self.scale_dtype, self.clip, self.levels
+        )
         return Encoded(token={"codes": codes}, group={"scale": scale, "zero": zero})
 
     def decode(self, enc: Encoded, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
@@ -371,6 +388,7 @@ class _AffineKCodec(Codec):
             self.token_group,
             dtype,
             offset,
+            self.levels,
         )
 
     def _meta_bits(self) -> int:
@@ -401,17 +419,22 @@ class _AffineVCodec(Codec):
         self.group_size = None if group_size is None else _check_group(group_size, "v_group_size")
         self.scale_dtype = scale_dtype
         self.clip = False
+        self.levels: tuple[float, ...] | None = None  # as the K codec's
 
     def _group(self, head_dim: int) -> int:
         return head_dim if self.group_size is None else self.group_size
 
     def encode(self, x: torch.Tensor) -> Encoded:
-        codes, scale, zero = quantize_per_token(x, self.bits, self.group_size, self.scale_dtype, self.clip)
+        codes, scale, zero = quantize_per_token(
+            x, self.bits, self.group_size, self.scale_dtype, self.clip, self.levels
+        )
         return Encoded(token={"codes": codes, "scale": scale, "zero": zero})
 
     def decode(self, enc: Encoded, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
         t = enc.token
-        return dequantize_per_token(t["codes"], t["scale"], t["zero"], self.bits, self.group_size, dtype)
+        return dequantize_per_token(
+            t["codes"], t["scale"], t["zero"], self.bits, self.group_size, dtype, self.levels
+        )
 
     def bits_per_element(self, head_dim: int) -> float:
         return self.bits + 2 * torch.finfo(self.scale_dtype).bits / self._group(head_dim)

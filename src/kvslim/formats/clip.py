@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from . import codebook
+
 #: the shrink ratios of a slice's ``[min, max]`` tried, widest first (1.0: min-max, KIVI's range)
 RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)
 #: (role, bits) where ``clip=auto`` clips: the measured wins of docs/quality.md's "Range clipping"
@@ -31,17 +33,23 @@ MODES = ("auto", "off", "v", "k", "kv")
 
 
 def clipped_range(
-    xf: torch.Tensor, dim: int, bits: int, mn: torch.Tensor, mx: torch.Tensor, eps: float
+    xf: torch.Tensor, dim: int, bits: int, mn: torch.Tensor, mx: torch.Tensor, eps: float, table=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The range ``(lo, hi)`` (shaped like ``mn``/``mx``, the slices' min and max along ``dim`` kept as size 1) of
     least squared error for ``bits``-bit affine codes of the fp32 slices of ``xf`` along ``dim``: one of
-    :data:`RATIOS`' shrinks of ``[mn, mx]`` per slice (module docstring). ``eps``: the smallest scale."""
+    :data:`RATIOS`' shrinks of ``[mn, mx]`` per slice (module docstring). ``eps``: the smallest scale. ``table``:
+    the codes' levels (a Lloyd-Max codebook, :mod:`.codebook`: nearest-level codes, its own wider ratios; None:
+    the uniform grid)."""
     levels = (1 << bits) - 1
-    r = torch.tensor(RATIOS, dtype=torch.float32, device=xf.device).reshape((-1,) + (1,) * xf.dim())
+    ratios = RATIOS if table is None else codebook.RATIOS
+    r = torch.tensor(ratios, dtype=torch.float32, device=xf.device).reshape((-1,) + (1,) * xf.dim())
     cut = (1 - r) / 2 * (mx - mn)  # (R, ...)
     lo, hi = mn + cut, mx - cut
     scale = torch.clamp((hi - lo) / levels, min=eps)
-    q = torch.round((xf - lo) / scale).clamp_(0, levels)
+    if table is None:
+        q = torch.round((xf - lo) / scale).clamp_(0, levels)
+    else:
+        q = codebook.lookup(codebook.nearest((xf - lo) / scale, table), table)
     err = (q * scale + lo - xf).square_().sum(dim if dim < 0 else dim + 1, keepdim=True)  # (R, ...)
     best = err.argmin(0, keepdim=True)  # the first of equal errors: the widest range
     return lo.gather(0, best.expand_as(lo[:1]))[0], hi.gather(0, best.expand_as(hi[:1]))[0]

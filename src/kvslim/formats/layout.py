@@ -18,6 +18,9 @@ of ``D`` channels:
 - ``fp8``: codes float8_e4m3fn (B, H, T, D); scale float32 (B, H, T, 1);
 - ``cast``: values fp16/bf16/fp32 (B, H, T, D).
 
+An affine body whose codes index a Lloyd-Max level table (:mod:`.codebook`) has no kernel layout: the kernels
+read uniform codes, so :func:`body_layout` refuses it and the kernels' ``supports`` decline it.
+
 This module knows nothing about kernels, positions or caches.
 """
 
@@ -76,6 +79,11 @@ def body_layout(
 
     Raises ValueError naming the part, its shape and dtype and what the codec needs."""
     family = codec.family
+    if getattr(codec, "levels", None):
+        raise ValueError(
+            f"{codec.name} {codec.role.upper()} decodes through a Lloyd-Max level table (kvslim.formats.codebook), "
+            f"which the kernels do not read: its body goes to the torch reference"
+        )
     if family in ("affine_k", "affine_v"):
         per, nbytes = codec.format.pack
         codes = rows_contiguous(enc.token["codes"])

@@ -47,7 +47,7 @@ import math
 import torch
 
 from ..checks import check_int
-from . import clip
+from . import clip, codebook
 from .affine import (
     EPS,
     _affine_params,
@@ -421,9 +421,11 @@ def resolve(mode: str, codec: Codec, token_group: int) -> Codec:
 def cache_codec(cfg, fmt: str, role: str) -> Codec:
     """The codec a cache of config ``cfg`` (a :class:`~kvslim.config.CacheConfig`) stores ``role`` with in format
     ``fmt``: :func:`~kvslim.formats.base.make_codec` with its groups, ``cfg.varnorm`` resolved (:func:`resolve`),
-    then ``cfg.clip`` (:mod:`.clip`)."""
+    then ``cfg.clip`` (:mod:`.clip`) and ``cfg.codebook`` (:mod:`.codebook`)."""
     codec = resolve(cfg.varnorm, make_codec(fmt, role, group_size=cfg.group_size, v_group_size=cfg.v_group_size),
                     cfg.group_size)
     if clip.applies(codec):
         codec.clip = clip.wanted(getattr(cfg, "clip", "off"), role, codec.bits)
+    if codebook.applies(codec):
+        codec.levels = codebook.wanted(getattr(cfg, "codebook", "off"), role, codec.bits)
     return codec

@@ -115,8 +115,9 @@ def _v_group(codec: Codec, d: int) -> int:
 
 
 def affine_k_supported(codec: Codec, enc: Encoded) -> bool:
-    """Whether the C kernels read this per-channel K body (every one: variance-normalized ones too)."""
-    return True
+    """Whether the C kernels read this per-channel K body (every one, variance-normalized ones too, but one whose
+    codes index a Lloyd-Max level table, :mod:`kvslim.formats.codebook`: the torch reference decodes those)."""
+    return not getattr(codec, "levels", None)
 
 
 #: The checked factor part of a variance-normalized affine body (K token factors, V channel factors; None for a
@@ -126,7 +127,9 @@ _vn_part = factor_part
 
 def affine_v_supported(codec: Codec, enc: Encoded) -> bool:
     """The C kernel needs each channel group to be whole packing units of codes (g a multiple of the unit's
-    codes, ``Format.pack``: 1, 2, 4, or 8 for int3)."""
+    codes, ``Format.pack``: 1, 2, 4, or 8 for int3), and uniform codes (no Lloyd-Max level table)."""
+    if getattr(codec, "levels", None):
+        return False
     per, nbytes = codec.format.pack
     d = enc.token["codes"].shape[-1] // nbytes * per
     g = _v_group(codec, d)

@@ -144,8 +144,8 @@ def _ggml_ok(codec: Codec) -> bool:
 def supported(codec: Codec, enc: Encoded) -> bool:
     """Whether the programs read this body's layout (device and query axis are checked by the caller)."""
     family = codec.family
-    if family in ("affine_k", "affine_v"):
-        return codec.format.pack is not None and codec.bits in (8, 4, 3, 2)
+    if family in ("affine_k", "affine_v"):  # uniform codes only: a Lloyd-Max table goes to the torch reference
+        return codec.format.pack is not None and codec.bits in (8, 4, 3, 2) and not getattr(codec, "levels", None)
     if family == "ggml":
         return _ggml_ok(codec)
     if family == "fp8":

@@ -33,6 +33,7 @@ def codec_key(codec: Codec, enc: Encoded) -> str:
         codec.token_group,
         getattr(codec, "group_size", None),
         str(getattr(codec, "scale_dtype", "")),
+        "lloyd" if getattr(codec, "levels", None) else "",  # a level table changes what the codes mean
     )
     key = "|".join(map(str, options)) + "|" + ",".join(enc.token) + "|" + ",".join(enc.group)
     _CODECS.setdefault(key, (codec, tuple(enc.token), tuple(enc.group)))

@@ -14,7 +14,8 @@ whose metadata key ``kvslim`` holds a JSON header::
     cache_config             CacheConfig.to_spec(): format, sink/window, group, residual, levers as asked
     levers                   what the cache resolved: rotate, pre_rope, positions, residual (tokens),
                              residual_dtype, varnorm (the normalized streams: "kv", "k", "v" or "none";
-                             absent in older files)
+                             absent in older files), clip (the clipped streams, the same way), codebook (the
+                             streams whose codes index a Lloyd-Max level table; absent: "none")
     mean_center              None, or {path, file_sha256, bias_sha256} (bias_sha256: of the per-layer tensors)
     model                    {fingerprint (kvslim.calibration.fingerprint.model_fingerprint, or None), model_type, n_layers,
                               n_kv_heads, k_head_dim, v_head_dim}

@@ -144,6 +144,7 @@ def to_state(
             "residual_stored_as": fp_dtypes,
             "varnorm": cache.report()["varnorm"],
             "clip": cache.report()["clip"],
+            "codebook": cache.report()["codebook"],
         },
         "mean_center": _bias_identity(cache),
         "model": {
@@ -259,11 +260,13 @@ def from_state(
         "residual": cache.cache_config.residual_tokens,
         "varnorm": cache.report()["varnorm"],
         "clip": cache.report()["clip"],
+        "codebook": cache.report()["codebook"],
     }
     for key, value in mine.items():
         # (a file written before varnorm was recorded: its parts are checked against the codec below; one
-        # written before clip was: clipping changes only how later tokens are encoded, not how these read)
-        saved = levers.get(key, value if key in ("varnorm", "clip") else None)
+        # written before clip was: clipping changes only how later tokens are encoded, not how these read; one
+        # written before codebook was holds uniform codes: "none", so a cache that reads a level table refuses it)
+        saved = levers.get(key, value if key in ("varnorm", "clip") else "none" if key == "codebook" else None)
         if saved != value:
             raise fail(
                 f"saved with {key}={saved!r}, but its settings resolve to {key}={value!r} for this model "

@@ -56,6 +56,7 @@ _REFUSED = {
     "residual_dtype": "pages keep no full-precision residual",
     "mean_center": "K mean-centering is not built in the vLLM plugin yet",
     "clip": "range clipping is not built in the vLLM pages yet (they encode min-max ranges, whatever auto chooses)",
+    "codebook": "Lloyd-Max codebooks are not built in the vLLM pages (they decode even grids, whatever auto chooses)",
 }
 
 
