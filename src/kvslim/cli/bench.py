@@ -380,20 +380,8 @@ def render(result) -> str:
     for backend, note in result.peers.items():
         out.append(f"peer {backend}: {note}")
     out.append("")
-    headers = [
-        "mode",
-        "length",
-        "ms/tok",
-        "IQR ms",
-        "tok/s",
-        "x dyn",
-        "prefill tok/s",
-        "x dyn pf",
-        "cache MB",
-        "peak MB",
-        "floor ms",
-        "x floor",
-    ]
+    headers = ["mode", "length", "ms/tok", "IQR ms", "tok/s", "x dyn", "prefill tok/s", "x dyn pf", "cache MB",
+               "peak MB", "floor ms", "x floor"]
     rows = []
     for r in result.decode:
         rows.append(
