@@ -200,11 +200,7 @@ def attend(
     if lib is None:
         attend_reference(layout, kv_cache, query, out, rows, scale, window, causal, key, value, staged)
         return
-    codes = _state.setdefault("codes", {})
-    parts = (layout.k, layout.v)
-    if parts not in codes:
-        codes[parts] = (_part_code(lib, layout.k), _part_code(lib, layout.v))
-    kcode, vcode = codes[parts]
+    kcode, vcode = _part_codes(lib, layout)
     # vLLM's queries are a view of its qkv projection: read in place (a token stride), not copied
     q = _raw(query)
     o = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty(q.shape)
@@ -254,6 +250,7 @@ def attend(
             smap if smap.dtype == torch.int32 and smap.is_contiguous() else smap.to(torch.int32).contiguous()
         )
         sb = pool.element_size()
+        codes = _state["codes"]  # filled by _part_codes above
         scode = codes.get(staged.layout.k)
         if scode is None:
             scode = codes[staged.layout.k] = _part_code(lib, staged.layout.k)
@@ -306,6 +303,15 @@ def _c_can_store(layout: PageLayout, kv_cache: torch.Tensor, key, value, slot_ma
     )
 
 
+def _part_codes(lib, layout: PageLayout) -> tuple:
+    """The C codes of the layout's K and V parts, worked out once per pair of parts."""
+    codes = _state.setdefault("codes", {})
+    parts = (layout.k, layout.v)
+    if parts not in codes:
+        codes[parts] = (_part_code(lib, layout.k), _part_code(lib, layout.v))
+    return codes[parts]
+
+
 def store(
     layout: PageLayout,
     kv_cache: torch.Tensor,
@@ -322,11 +328,7 @@ def store(
     if lib is None:
         write(layout, kv_cache, key, value, slot_mapping)
         return
-    codes = _state.setdefault("codes", {})
-    parts = (layout.k, layout.v)
-    if parts not in codes:
-        codes[parts] = (_part_code(lib, layout.k), _part_code(lib, layout.v))
-    kcode, vcode = codes[parts]
+    kcode, vcode = _part_codes(lib, layout)
     k, v = _raw(key[:n]), _raw(value[:n])
     slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
     slots = slots.contiguous()
