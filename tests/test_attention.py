@@ -161,3 +161,28 @@ def test_fused_decode_attention_equals_the_op_by_op_path(spec, monkeypatch):
         pytest.skip("no C compiler: the fused call needs the C kernels")
     assert any(calls)  # the fused call served decode steps (pre-RoPE keys too)
     torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("hq", "hk", "n", "t"), [(9, 3, 32, 300), (4, 2, 17, 17), (8, 1, 64, 1000)])
+def test_masked_gqa_sdpa_is_bit_for_bit_transformers_with_no_kv_copies(monkeypatch, dtype, hq, hk, n, t):
+    """kvslim.attention.sdpa asks sdpa for GQA where transformers copies each KV head (a mask and several queries):
+    the same bits as transformers' sdpa_attention_forward, bool and additive masks alike, and no repeat_kv."""
+    import types
+
+    import transformers.integrations.sdpa_attention as tsdpa
+
+    from kvslim.attention import sdpa
+
+    g = torch.Generator().manual_seed(n + t)
+    q = torch.randn(1, hq, n, 64, generator=g).to(dtype)
+    k, v = (torch.randn(1, hk, t, 64, generator=g).to(dtype) for _ in range(2))
+    bool_mask = torch.ones(n, t, dtype=torch.bool).tril(t - n)[None, None]
+    module = types.SimpleNamespace(num_key_value_groups=hq // hk, training=False)
+    real, copies = tsdpa.repeat_kv, []
+    for mask in (bool_mask, torch.where(bool_mask, 0.0, float("-inf")).to(dtype)):
+        want = tsdpa.sdpa_attention_forward(module, q, k, v, mask, scaling=0.125)[0]
+        monkeypatch.setattr(tsdpa, "repeat_kv", lambda x, r: copies.append(r) or real(x, r))
+        got = sdpa(module, q, k, v, mask, 0.0, 0.125, {})[0]
+        monkeypatch.setattr(tsdpa, "repeat_kv", real)
+        assert torch.equal(got, want) and copies == []

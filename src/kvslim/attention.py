@@ -222,9 +222,7 @@ def kvslim_attention(module, query, key, value, attention_mask, dropout: float =
     if isinstance(key, RaggedSegments):
         return _ragged_attention(module, query, key, dropout, scaling, kwargs)
     if not isinstance(key, Segments):
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
+        return sdpa(module, query, key, value, attention_mask, dropout, scaling, kwargs)
     return _segments_attention(module, query, key, attention_mask, dropout, scaling, kwargs)
 
 
@@ -314,7 +312,30 @@ def _chunk_attention(module, query, view, dropout, scaling, kwargs) -> torch.Ten
         return _segments_attention(module, query, view, mask, dropout, scaling, kwargs)[0]
     keys, values = view
     mask = _chunk_mask(n, keys.shape[2], window, query.device)
-    return sdpa_attention_forward(module, query, keys, values, mask, dropout=dropout, scaling=scaling, **kwargs)[0]
+    return sdpa(module, query, keys, values, mask, dropout, scaling, kwargs)[0]
+
+
+def sdpa(module, query, key, value, attention_mask, dropout, scaling, kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa attention, except that a masked forward of several queries over grouped KV heads asks sdpa
+    for GQA (``enable_gqa``) instead of copying each KV head ``rep`` times (``repeat_kv``): what transformers does
+    without a mask. The same bits (each query head reads its KV head; checked over dtypes, masks and shapes in
+    tests/test_attention.py), and a long prompt chunk no longer writes and reads ``rep`` copies of every stored
+    token (docs/performance.md, "A joining prompt's chunks")."""
+    rep = getattr(module, "num_key_value_groups", 1)
+    if (
+        rep > 1
+        and attention_mask is not None
+        and query.shape[2] > 1
+        and key.shape[-1] == value.shape[-1] <= 256
+        and query.device.type == "cpu"
+        and not any(kwargs.get(k) is not None for k in ("softcap", "position_bias", "sinks"))
+        and not kwargs.get("output_attentions", False)
+    ):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+        )
+        return out.transpose(1, 2).contiguous(), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
 def _chunk_mask(n: int, t: int, window: int | None, device) -> torch.Tensor | None:
@@ -357,9 +378,7 @@ def _segments_attention(module, query, key: Segments, attention_mask, dropout, s
         # And nothing encoded (a lossless cache, or a lossy one whose tokens are all still at full precision):
         # no codes to read, so sdpa on the stored tokens -- bit for bit what the plain cache computes.
         k, v = key.materialize()
-        return sdpa_attention_forward(
-            module, query, k, v, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
+        return sdpa(module, query, k, v, attention_mask, dropout, scaling, kwargs)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     out = compressed_attention(query, key, attention_mask, scaling)
     return out.transpose(1, 2).contiguous(), None

@@ -51,6 +51,24 @@ class CacheAccounting:
             rotary += (span + max(64, span // 4) + 1) * half * 4 * 2  # cos and sin, float32
         return held + rotary + self.rotation_nbytes()
 
+    def kept_nbytes(self) -> int:
+        """Bytes of the decoded bodies kept while :meth:`~kvslim.SlimCache.keep_decoded` is on (not in :meth:`nbytes`:
+        they are a prompt's working copy, not storage)."""
+        return sum(s.k.kept_nbytes() + s.v.kept_nbytes() for s in self.stores())
+
+    def projected_kept_nbytes(self, tokens: int, *, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
+        """The most bytes :meth:`kept_nbytes` reaches over a prompt of ``tokens`` tokens per row (every token in the
+        body: an upper bound), for ``batch`` rows of a model computing in ``dtype``. Needs ``config``."""
+        if self._shapes is None:
+            raise ValueError("projected_kept_nbytes needs a cache built with config=model.config (the KV shapes)")
+        shapes = self._shapes
+        k = (batch, shapes.n_kv_heads, shapes.k_head_dim)
+        v = (batch, shapes.n_kv_heads, shapes.v_head_dim)
+        return sum(
+            s.k.projected_kept_nbytes(tokens, k, dtype) + s.v.projected_kept_nbytes(tokens, v, dtype)
+            for s in self.stores()
+        )
+
     def live_nbytes(self) -> int:
         """Bytes of the stored tokens alone, without preallocated buffer slack."""
         return sum(s.live_nbytes() for s in self.stores())

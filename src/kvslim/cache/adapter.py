@@ -324,6 +324,19 @@ class SlimCache(CacheAccounting, Cache):
         self.compressed_attention = enabled
         self._may_warn_materializing = False
 
+    def keep_decoded(self, on: bool = True) -> None:
+        """Keep each layer's encoded body decoded between the reads of a long prompt's chunks (on) or free the copies
+        (off): a chunk longer than ``FAST_MAX_QUERY`` reads every stored token materialized, and kept, it decodes only
+        the tokens encoded since the last chunk, with the same bits (:meth:`kvslim.cache.stream.Stream.keep_decoded`).
+        Costs a full-precision copy of the bodies while on (:meth:`kept_nbytes`, :meth:`projected_kept_nbytes`); an
+        eviction starts a layer's copy over, so a window shorter than the prompt gains nothing. kvslim's prefill and
+        the batch engine turn it on for a prompt of more than one chunk and off after its last."""
+        if not isinstance(on, bool):
+            raise ValueError(f"on must be True or False, got {on!r}")
+        for s in self.stores():
+            s.k.keep_decoded(on)
+            s.v.keep_decoded(on)
+
     def stores(self) -> list[SlimLayer]:
         """The K/V store of every layer that holds one, in layer order (linear-attention and KV-sharing
         layers hold none)."""

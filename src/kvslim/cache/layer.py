@@ -16,9 +16,8 @@ Layout of one layer (per K and per V, same token order)::
 - Eviction (StreamingLLM) drops the oldest tokens of the stream, one token at a time: encoded
   codes are sliced; a group's shared scales leave with the group's last token (the surviving
   tokens of a partly evicted group decode exactly as before).
-- Per-step cost: an append writes the new tokens into preallocated buffers (amortized O(new
-  tokens), history independent); the materializing read used by standard attention decodes the
-  stored tokens once per step (O(stored)), which is what attention reads anyway.
+- Per-step cost: an append writes the new tokens into preallocated buffers (amortized O(new tokens)); the
+  materializing read (standard attention, prompt chunks) decodes the stored tokens (O(stored)) or a kept copy.
 - The stored basis (docs/quality.md, "Low-bit levers"). The encoded body may be stored in another
   basis than the model's keys/values: Hadamard-rotated (``k_hadamard``/``v_hadamard``), K mean-centered
   (``k_bias``, in the rotated basis when K is rotated) — both applied when tokens are encoded and undone
@@ -36,6 +35,8 @@ This module knows nothing about transformers (:mod:`kvslim.cache.layer_adapter` 
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -371,8 +372,10 @@ class SlimLayer:
         )
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every stored token, oldest first, materialized: (B, H, stored, D)."""
-        return self.segments().materialize(dtype)
+        """Every stored token, oldest first, materialized: (B, H, stored, D); a stream that keeps its body decoded
+        (:meth:`~kvslim.cache.stream.Stream.keep_decoded`) hands its kept copy."""
+        kept = {f"{n}_stream": s.kept_stream(dtype) for n, s in (("k", self.k), ("v", self.v)) if s.keeps_decoded}
+        return replace(self.segments(), **kept).materialize(dtype)
 
     def _unpadded(self) -> bool:
         """Whether no row is padded and every row's sinks start at slot 0, known without reading a tensor: the

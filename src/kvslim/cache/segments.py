@@ -65,6 +65,8 @@ class Segments:
     v_basis: BodyBasis | None = None
     k_pos: torch.Tensor | None = None
     rope: Rotary | None = None
+    k_stream: torch.Tensor | None = None
+    v_stream: torch.Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -85,16 +87,16 @@ class Segments:
         decoded back from their stored basis, pre-RoPE keys rotated to ``k_pos``."""
         dtype = self.dtype if dtype is None else dtype
         out = []
-        for role, sink, codec, body, offset, res, basis in (
-            ("k", self.k_sink, self.k_codec, self.k_body, self.k_offset, self.k_res, self.k_basis),
-            ("v", self.v_sink, self.v_codec, self.v_body, self.v_offset, self.v_res, self.v_basis),
+        for role, sink, codec, body, offset, res, basis, whole in (
+            ("k", self.k_sink, self.k_codec, self.k_body, self.k_offset, self.k_res, self.k_basis, self.k_stream),
+            ("v", self.v_sink, self.v_codec, self.v_body, self.v_offset, self.v_res, self.v_basis, self.v_stream),
         ):
             decoded = None
-            if body is not None:
+            if whole is None and body is not None:
                 decoded = codec.decode(body, dtype if basis is None else torch.float32, offset)
                 if basis is not None:
                     decoded = basis.decode(decoded, body.token.get(CENTERED))
-            stream = [t for t in (decoded, res) if t is not None and t.shape[2]]
+            stream = [t for t in ((whole,) if whole is not None else (decoded, res)) if t is not None and t.shape[2]]
             if stream and role == "k" and self.k_pos is not None:
                 joined = torch.cat([t.float() for t in stream], dim=2)
                 stream = [self.rope.rotate(joined, self.k_pos)]
@@ -102,7 +104,8 @@ class Segments:
             if stream and role == "k" and self.k_runs:
                 stream = [self._move_runs(torch.cat(stream, dim=2))]
             parts = ([] if sink is None or not sink.shape[2] else [sink.to(dtype)]) + stream
-            out.append(torch.cat(parts, dim=2))
+            # a kept stream alone is handed as it is (a view of its buffer, valid until the next update), not copied
+            out.append(parts[0] if len(parts) == 1 and whole is not None else torch.cat(parts, dim=2))
         return out[0], out[1]
 
     def _move_runs(self, keys: torch.Tensor) -> torch.Tensor:

@@ -32,8 +32,16 @@ class _Plan:
     fp: torch.Tensor
 
 
+#: the fewest new body tokens a kept decode adds alone (:meth:`Stream.kept_stream`): below it the body is decoded
+#: whole again, as a basis' matmul (a fitted rotation's) gives a few rows other bits than the same rows in a long run
+KEPT_MIN_TOKENS = 16
+
+
 class Stream:
     """The non-sink tokens of one tensor (K or V) of one layer: encoded body + fp residual."""
+
+    _keep = False  # keep_decoded() on: reads keep the body decoded (_kept) and decode only what is new
+    _kept: tuple | None = None  # (dtype, buffer (B, H, capacity, D), tokens decoded)
 
     def __init__(
         self,
@@ -164,6 +172,7 @@ class Stream:
         """Evict the ``k`` oldest tokens (token-granular, whatever the grouping)."""
         from_body = min(k, self.n_body)
         if from_body:
+            self._kept = None
             for buf in self.tokens.values():
                 buf.drop_front(from_body)
             self.offset += from_body
@@ -206,6 +215,70 @@ class Stream:
         decoded = self.codec.decode(body, torch.float32, self.offset)
         return self.basis.decode(decoded, body.token.get(CENTERED)).to(dtype)
 
+    # -- a kept decoded body: a prefilling stream's chunks each read the whole body materialized ----------
+    def keep_decoded(self, on: bool) -> None:
+        """Keep the body decoded between :meth:`kept_stream` reads (on) or not (off: the copy is freed). Kept, a read
+        decodes only the tokens encoded since the last one (decoding is per token and group, and the basis' matmul
+        per row: the same bits as decoding the whole body, :data:`KEPT_MIN_TOKENS`); an eviction from the body, a
+        restore or a re-batch start it over; asked again, it keeps what it has. Costs a full-precision copy of the body (:meth:`kept_nbytes`)."""
+        on = bool(on) and self.codec.lossy
+        if on != self._keep:
+            self._keep, self._kept = on, None
+
+    @property
+    def keeps_decoded(self) -> bool:
+        return self._keep
+
+    def kept_nbytes(self) -> int:
+        return 0 if self._kept is None else self._kept[1].numel() * self._kept[1].element_size()
+
+    def projected_kept_nbytes(self, tokens: int, kv: tuple[int, int, int], dtype: torch.dtype) -> int:
+        """The most bytes :meth:`kept_stream` holds for a stream of up to ``tokens`` tokens of rows ``kv = (B, H, D)``
+        read in ``dtype`` (its buffer's slack included)."""
+        if not self.codec.lossy or tokens <= 0:
+            return 0
+        b, h, d = kv
+        item = (dtype if self.basis is None else torch.float32).itemsize
+        return b * h * d * item * (tokens + max(self.min_slack, tokens // 4))
+
+    def kept_stream(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The stream, body then residual, as :meth:`~kvslim.cache.segments.Segments.materialize` decodes it before
+        any move (in ``dtype``, or in float32 where the body has a basis): (B, H, len, D); None while nothing is
+        encoded. Kept (:meth:`keep_decoded`), in one buffer: the body decoded before, grown by the tokens encoded
+        since, the residual written after it (no copy of the whole stream)."""
+        n = self.n_body
+        if n == 0:
+            return None
+        want = dtype if self.basis is None else torch.float32
+        kept = self._kept if self._keep else None
+        have = kept[2] if kept is not None and kept[0] == want and kept[2] <= n else 0
+        if have and n - have < KEPT_MIN_TOKENS and have < n:
+            have = 0
+        new = None
+        if have < n:
+            part, offset = self.body().narrow(have, n, self.offset, self.codec.token_group)
+            new = self.codec.decode(part, want, offset)
+            if self.basis is not None:
+                new = self.basis.decode(new, part.token.get(CENTERED))
+        res = self.fp.view()
+        r = 0 if res is None else res.shape[2]
+        if not self._keep:
+            return new if not r else torch.cat([new, res.to(want)], dim=2)
+        buf = kept[1] if have else None
+        if buf is None or buf.shape[2] < n + r:
+            ref = new if new is not None else buf
+            size = n + r + max(self.min_slack, (n + r) // 4)
+            grown = ref.new_empty(*ref.shape[:2], size, ref.shape[3])
+            if have:
+                grown[:, :, :have] = buf[:, :, :have]
+            buf = grown
+        if new is not None:
+            buf[:, :, have:n] = new
+        if r:
+            buf[:, :, n : n + r] = res
+        self._kept = (want, buf, n)
+        return buf[:, :, : n + r]
+
     def materialize(self, dtype: torch.dtype) -> torch.Tensor | None:
         """All stream tokens, oldest first: (B, H, L, D) in ``dtype``."""
         body = self.decode_body(dtype)
@@ -229,6 +302,7 @@ class Stream:
         the same whatever the buffers' layout (kvslim.promptcache saves and loads caches with it)."""
         if len(self) or self.tokens or self.groups:
             raise ValueError(f"restore() fills an empty stream; this one holds {len(self)} tokens")
+        self._kept = None
         if body.token or body.group:
             self._append_encoded(body)
         self.offset = int(offset)
@@ -237,6 +311,7 @@ class Stream:
 
     # -- batch ---------------------------------------------------------------------------
     def map_batch(self, fn) -> None:
+        self._kept = None
         for buf in (*self.tokens.values(), *self.groups.values(), self.fp):
             buf.map_batch(fn)
 

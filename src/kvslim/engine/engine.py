@@ -84,6 +84,10 @@ class Engine(Stepping):
     the longest prompt taken (None: the context decides). request_limits: the maxima of a request's own
     cache settings (:class:`~kvslim.engine.errors.RequestLimits`). max_sessions, session_ttl: idle sessions
     kept at most, and seconds an idle session is kept (None: no bound; :class:`SessionStore`).
+    keep_decoded: a prompt of more than one chunk keeps its cache's bodies decoded between its chunks
+    (:meth:`kvslim.SlimCache.keep_decoded`: a chunk decodes only what the last one encoded, the same bits); the
+    copy's bytes are reserved on top of the cache's until the prompt is read, and a prompt whose copy would not fit
+    the budget alone, or whose cache's window is shorter than the prompt, goes without.
     """
 
     def __init__(
@@ -101,6 +105,7 @@ class Engine(Stepping):
         max_sessions: int | None = None,
         session_ttl: float | None = None,
         allow_other_model: bool = False,
+        keep_decoded: bool = True,
     ):
         self.default_cache = parse_spec(cache) if isinstance(cache, str) else cache
         if not isinstance(self.default_cache, CacheConfig):
@@ -115,6 +120,8 @@ class Engine(Stepping):
             check_int("max_prompt_tokens", max_prompt_tokens, minimum=1, hint="or None for no limit")
         if not isinstance(request_limits, RequestLimits):
             raise ValueError(f"request_limits must be a RequestLimits, got {type(request_limits).__name__}")
+        if not isinstance(keep_decoded, bool):
+            raise ValueError(f"keep_decoded must be True or False, got {keep_decoded!r}")
         if not isinstance(allow_other_model, bool):
             raise ValueError(f"allow_other_model must be True or False, got {allow_other_model!r}")
         self.gate = Gate(
@@ -129,6 +136,7 @@ class Engine(Stepping):
         self.vocab_size = self.gate.vocab_size
         self.scheduler = Scheduler(memory_budget, max_batch)
         self.prefill_chunk = prefill_chunk
+        self.keep_decoded = keep_decoded
         self.max_queue = max_queue
         self.max_prompt_tokens = max_prompt_tokens
         self.request_limits = request_limits
@@ -172,7 +180,8 @@ class Engine(Stepping):
                 raise InputRefusal(f"request_id {rid!r} is already in use")
             self._check_queue()
             # the empty cache built above (no tokens: a waiting request holds no cache memory) serves on admission
-            row = Row(request_id=rid, request=request, reserved=reserved, empty=cache)
+            kept = self._kept_bytes(cache, len(request.prompt), reserved)
+            row = Row(request_id=rid, request=request, reserved=reserved + kept, empty=cache, kept=kept)
             if request.temperature > 0:
                 row.generator = torch.Generator(device=self.model.device)
                 if request.seed is None:
@@ -182,6 +191,16 @@ class Engine(Stepping):
             self.results[rid] = Result(rid, prompt_tokens=len(request.prompt), reserved_bytes=reserved)
             self.scheduler.submit(row)
         return rid
+
+    def _kept_bytes(self, cache, n_prompt: int, reserved: int) -> int:
+        """Bytes to reserve for the prompt's kept decoded bodies while it is read (0: it goes without)."""
+        if not self.keep_decoded or n_prompt <= self.prefill_chunk:
+            return 0
+        capacity = cache.policy.capacity
+        if capacity is not None and n_prompt > capacity:  # every chunk evicts: a kept copy would start over
+            return 0
+        kept = cache.projected_kept_nbytes(n_prompt, dtype=self.dtype)
+        return kept if self.scheduler.fits_alone(reserved + kept) else 0
 
     def _check_queue(self) -> None:
         with self._lock:

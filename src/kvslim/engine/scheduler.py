@@ -40,7 +40,8 @@ class Row:
     pending: the last sampled token, not yet fed; tokens: generated so far; reserved: bytes admission
     reserved; generator: its sampling generator (None: greedy); keep_session: whether its cache goes to its
     session when it ends (False once the session was deleted while it ran); failed: it ended on a failure
-    (its cache is not left to its session); skipped: steps in a row its prompt waited for a chunk.
+    (its cache is not left to its session); skipped: steps in a row its prompt waited for a chunk; kept: bytes of
+    ``reserved`` held for its prompt's kept decoded bodies (:meth:`Scheduler.end_prefill` gives them back).
     """
 
     request_id: str
@@ -57,6 +58,7 @@ class Row:
     keep_session: bool = True
     failed: bool = False
     skipped: int = 0  # steps in a row its prompt was passed over for a prefill chunk (Scheduler.next_prefill)
+    kept: int = 0
 
 
 class Scheduler:
@@ -139,8 +141,24 @@ class Scheduler:
         """Rows with a token to feed this step, in admission order."""
         return [r for r in self.active if r.state == "decode"]
 
+    def start_prefill(self, row: Row) -> None:
+        """Before a chunk of ``row``'s prompt: its cache keeps its bodies decoded if bytes were reserved for it."""
+        if row.kept and row.cache is not None:
+            row.cache.keep_decoded(True)
+
+    def end_prefill(self, row: Row) -> None:
+        """``row``'s prompt is read (or it leaves): the kept decoded bodies are freed, their reservation given back."""
+        if row.kept:
+            if row.cache is not None:
+                row.cache.keep_decoded(False)
+            row.reserved -= row.kept
+            if row in self.active:
+                self.reserved -= row.kept
+            row.kept = 0
+
     def release(self, row: Row) -> None:
         """A row leaves (finished, failed, cancelled): its slot and its reservation are free again."""
+        self.end_prefill(row)
         if row in self.active:
             self.active.remove(row)
             self.reserved -= row.reserved

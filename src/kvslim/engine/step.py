@@ -64,7 +64,7 @@ def sample(row: Row, logits: torch.Tensor, is_finite: bool | None = None):
 
 class Stepping:
     """The step half of :class:`~kvslim.engine.engine.Engine`: its one forward and each row's share of it. Reads
-    the engine's ``model``, ``prefill_chunk``, ``results``, ``prefilled_tokens``; ends rows through its
+    the engine's ``model``, ``scheduler``, ``prefill_chunk``, ``results``, ``prefilled_tokens``; ends rows through its
     ``_fail`` and hands tokens to its ``_emit``."""
 
     def _forward(self, prefilled: list[Row], rows: list[Row], events: list) -> None:
@@ -73,6 +73,8 @@ class Stepping:
         everyone = prefilled + rows
         phases = ["prefill"] * len(prefilled) + ["the decode step"] * len(rows)
         errors: dict = {}
+        for r in prefilled:
+            self.scheduler.start_prefill(r)
         try:
             ends, logits = forward(self.model, prefilled, rows, self.prefill_chunk, errors)
             ok = finite(logits).tolist()  # one sync for the step
@@ -92,6 +94,7 @@ class Stepping:
                     self._track(r)
                     if r.fed < len(r.request.prompt):
                         continue
+                    self.scheduler.end_prefill(r)
                     r.state = "decode"
                 else:
                     self._track(r)
