@@ -129,6 +129,7 @@ def test_the_engine_reserves_the_kept_bytes_while_a_prompt_is_read_and_gives_the
         eng.step()
         if keep:
             assert 0 < row.cache.kept_nbytes() <= kept
+            assert eng.memory()["kept_decoded_bytes"] == row.cache.kept_nbytes()
             assert eng.scheduler.reserved == projected + kept
         while row.state == "prefill":
             eng.step()

@@ -456,7 +456,8 @@ class Engine(Stepping):
             self.sessions.close(timeout)
 
     def memory(self) -> dict:
-        """Bytes now: held by the admitted caches, reserved for them, held by idle sessions in memory, the
+        """Bytes now: held by the admitted caches, by the decoded copies kept while prompts are read
+        (``kept_decoded_bytes``, :meth:`kvslim.SlimCache.keep_decoded`), reserved for them, held by idle sessions in memory, the
         budget; ``fp16_bytes``: what plain fp16 caches of every token the admitted rows and the idle sessions
         hold would take (no window, no compression: the comparison a user makes); rows waiting and active;
         requests ended by a failure (``row_errors``); sessions kept in memory and parked on disk, and the
@@ -471,6 +472,7 @@ class Engine(Stepping):
             tokens += sum(len(k.tokens) for k in self.sessions.kept.values())
             return {
                 "cache_bytes": sum(r.cache.nbytes() for r in active if r.cache is not None),
+                "kept_decoded_bytes": sum(r.cache.kept_nbytes() for r in active if r.cache is not None),
                 "reserved_bytes": self.scheduler.reserved,
                 "session_bytes": self.sessions.held(),
                 "memory_budget": self.scheduler.memory_budget,
