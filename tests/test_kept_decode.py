@@ -199,3 +199,20 @@ def test_a_stream_drops_its_kept_copy_on_an_eviction_restore_or_rebatch():
     assert torch.equal(s.kept_stream(torch.float32), _whole(s))
     s.map_batch(lambda t: t[:1])
     assert torch.equal(s.kept_stream(torch.float32), _whole(s))
+
+
+def test_a_prompt_whose_first_chunk_is_its_last_gives_the_reservation_back(model):
+    """A row whose remaining prompt fits one chunk when it starts (a continued session's few new tokens, here a
+    row whose cache already holds most of its prompt) keeps nothing and gives the kept bytes back."""
+    prompt = _ids(96, 8)
+    eng = Engine(model, cache="int4,residual=16,group=16", prefill_chunk=32)
+    rid = eng.submit(Request(prompt=prompt, max_new_tokens=2))
+    row = eng.scheduler.find(rid)
+    projected = row.empty.projected_nbytes(96 + 2)
+    assert row.kept > 0
+    eng.scheduler.admit()
+    eng._attach(row)
+    row.fed = row.started = 80  # as if a session held the first 80 tokens
+    eng.scheduler.start_prefill(row, 32)
+    assert row.kept == 0 and row.cache.kept_nbytes() == 0
+    assert eng.scheduler.reserved == row.reserved == projected

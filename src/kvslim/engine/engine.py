@@ -341,7 +341,7 @@ class Engine(Stepping):
             got = self.sessions.take(req.session, req.prompt, cfg)
             if got is not None:
                 row.cache, row.fed = got
-                row.empty = None
+                row.empty, row.started = None, row.fed
                 self.results[row.request_id].cached_tokens = row.fed
                 return
         row.cache, row.empty = row.empty, None

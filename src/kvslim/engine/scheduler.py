@@ -59,6 +59,7 @@ class Row:
     failed: bool = False
     skipped: int = 0  # steps in a row its prompt was passed over for a prefill chunk (Scheduler.next_prefill)
     kept: int = 0
+    started: int = 0  # prompt tokens its cache held when it was admitted (a continued session's)
 
 
 class Scheduler:
@@ -141,10 +142,16 @@ class Scheduler:
         """Rows with a token to feed this step, in admission order."""
         return [r for r in self.active if r.state == "decode"]
 
-    def start_prefill(self, row: Row) -> None:
-        """Before a chunk of ``row``'s prompt: its cache keeps its bodies decoded if bytes were reserved for it."""
-        if row.kept and row.cache is not None:
-            row.cache.keep_decoded(True)
+    def start_prefill(self, row: Row, chunk: int) -> None:
+        """Before a chunk (at most ``chunk`` tokens) of ``row``'s prompt: its cache keeps its bodies decoded if bytes
+        were reserved for it, unless its first chunk is its last (a session that continues with a short prompt:
+        nothing to keep between chunks, the reservation is given back)."""
+        if not row.kept or row.cache is None:
+            return
+        if row.fed == row.started and len(row.request.prompt) - row.fed <= chunk:
+            self.end_prefill(row)
+            return
+        row.cache.keep_decoded(True)
 
     def end_prefill(self, row: Row) -> None:
         """``row``'s prompt is read (or it leaves): the kept decoded bodies are freed, their reservation given back."""

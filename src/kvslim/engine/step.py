@@ -74,7 +74,7 @@ class Stepping:
         phases = ["prefill"] * len(prefilled) + ["the decode step"] * len(rows)
         errors: dict = {}
         for r in prefilled:
-            self.scheduler.start_prefill(r)
+            self.scheduler.start_prefill(r, self.prefill_chunk)
         try:
             ends, logits = forward(self.model, prefilled, rows, self.prefill_chunk, errors)
             ok = finite(logits).tolist()  # one sync for the step
