@@ -216,3 +216,17 @@ def test_a_prompt_whose_first_chunk_is_its_last_gives_the_reservation_back(model
     eng.scheduler.start_prefill(row, 32)
     assert row.kept == 0 and row.cache.kept_nbytes() == 0
     assert eng.scheduler.reserved == row.reserved == projected
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("spec", ["int4", "int8,rotate=none"])
+def test_a_half_precision_model_reads_the_same_bits_kept_or_not(dtype, spec):
+    """In a bf16/fp16 model the kept copy is float32 where the body has a basis (as the whole decode is) and the
+    model's dtype where it has none: each chunk's logits equal a cache's that keeps nothing."""
+    model = kvslim.enable(tiny_model("llama", dtype=dtype))
+    plain, kept = _cache(model, spec), _cache(model, spec)
+    kept.keep_decoded(True)
+    ids = _ids(250, 9)
+    for a, b in zip(_chunks(model, plain, ids, [50] * 5), _chunks(model, kept, ids, [50] * 5), strict=True):
+        assert torch.equal(a, b)
+    assert 0 < kept.kept_nbytes() <= kept.projected_kept_nbytes(250, dtype=dtype)
