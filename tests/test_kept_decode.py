@@ -230,3 +230,19 @@ def test_a_half_precision_model_reads_the_same_bits_kept_or_not(dtype, spec):
     for a, b in zip(_chunks(model, plain, ids, [50] * 5), _chunks(model, kept, ids, [50] * 5), strict=True):
         assert torch.equal(a, b)
     assert 0 < kept.kept_nbytes() <= kept.projected_kept_nbytes(250, dtype=dtype)
+
+
+def test_the_public_keys_are_new_tensors_and_later_layers_keep_too(model):
+    """``cache.layers[i].keys`` stays a new tensor on each read (a later chunk never writes into one handed out), and
+    layers a cache makes after ``keep_decoded(True)`` (built without ``config``: lazily, on the first forward) keep."""
+    cache = SlimCache(kv_quantize="int4", rotate="none", group_size=16, residual=16)
+    cache.keep_decoded(True)
+    ids = torch.tensor([_ids(164, 10)])
+    with torch.inference_mode():
+        gen.forward(model, ids[:, :100], cache)
+        k1 = cache.layers[0].keys
+        held = k1.clone()
+        gen.forward(model, ids[:, 100:132], cache)
+        gen.forward(model, ids[:, 132:], cache)
+    assert torch.equal(k1, held)
+    assert cache.kept_nbytes() > 0

@@ -141,6 +141,8 @@ class SlimCache(CacheAccounting, Cache):
     streams (``rebase_period``); under ``model.generate()`` the ids are absolute and the cache follows.
     """
 
+    _keep_decoded = False  # keep_decoded(): stores keep their bodies decoded between a long prompt's chunks
+
     def __init__(
         self,
         *,
@@ -276,7 +278,11 @@ class SlimCache(CacheAccounting, Cache):
         return layer_storage(self._storage, layer_idx)
 
     def _new_store(self, layer_idx: int, policy: KeepPolicy | None = None) -> SlimLayer:
-        return new_store(self._storage, self.cache_config, layer_idx, self.policy if policy is None else policy)
+        store = new_store(self._storage, self.cache_config, layer_idx, self.policy if policy is None else policy)
+        if self._keep_decoded:  # a layer made after keep_decoded(True) (lazily, or by a reset) keeps too
+            store.k.keep_decoded(True)
+            store.v.keep_decoded(True)
+        return store
 
     def _replicate(self) -> SlimCacheLayer:
         idx = len(self.layers)
@@ -328,11 +334,14 @@ class SlimCache(CacheAccounting, Cache):
         """Keep each layer's encoded body decoded between the reads of a long prompt's chunks (on) or free the copies
         (off): a chunk longer than ``FAST_MAX_QUERY`` reads every stored token materialized, and kept, it decodes only
         the tokens encoded since the last chunk, with the same bits (:meth:`kvslim.cache.stream.Stream.keep_decoded`).
-        Costs a full-precision copy of the bodies while on (:meth:`kept_nbytes`, :meth:`projected_kept_nbytes`); an
-        eviction starts a layer's copy over, so a window shorter than the prompt gains nothing. kvslim's prefill and
-        the batch engine turn it on for a prompt of more than one chunk and off after its last."""
+        Costs a copy of the streams while on (float32 where a body has a basis, else the model's dtype;
+        :meth:`kept_nbytes`, :meth:`projected_kept_nbytes`); an eviction starts a layer's copy over, so a window
+        shorter than the prompt gains nothing. Layers made later (lazily, or by a reset) follow the setting. The batch
+        engine turns it on for a prompt of more than one chunk and off after its last; :attr:`SlimCacheLayer.keys`
+        stays a new tensor on each read."""
         if not isinstance(on, bool):
             raise ValueError(f"on must be True or False, got {on!r}")
+        self._keep_decoded = on
         for s in self.stores():
             s.k.keep_decoded(on)
             s.v.keep_decoded(on)

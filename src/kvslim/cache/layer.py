@@ -332,7 +332,7 @@ class SlimLayer:
         self.seen += n_new
         self.frames.serve(base, rope)
 
-        out = self.segments(defer_sinks=defer_sinks) if segments else self.read(self.dtype)
+        out = self.segments(defer_sinks=defer_sinks) if segments else self.read(self.dtype, kept=True)
         self._evict()
         return out
 
@@ -371,10 +371,10 @@ class SlimLayer:
             rope=self.frames.rope if self.pre_rope else None,
         )
 
-    def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every stored token, oldest first, materialized: (B, H, stored, D); a stream that keeps its body decoded
-        (:meth:`~kvslim.cache.stream.Stream.keep_decoded`) hands its kept copy."""
-        kept = {f"{n}_stream": s.kept_stream(dtype) for n, s in (("k", self.k), ("v", self.v)) if s.keeps_decoded}
+    def read(self, dtype: torch.dtype, kept: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every stored token, oldest first, materialized: (B, H, stored, D), new tensors; ``kept``: a stream that keeps
+        its body decoded (:meth:`~kvslim.cache.stream.Stream.keep_decoded`) hands its kept copy (valid until the next update)."""
+        kept = {f"{n}_stream": s.kept_stream(dtype) for n, s in (("k", self.k), ("v", self.v)) if kept and s.keeps_decoded}
         return replace(self.segments(), **kept).materialize(dtype)
 
     def _unpadded(self) -> bool:

@@ -252,8 +252,8 @@ class Stream:
         want = dtype if self.basis is None else torch.float32
         kept = self._kept if self._keep else None
         have = kept[2] if kept is not None and kept[0] == want and kept[2] <= n else 0
-        if have and n - have < KEPT_MIN_TOKENS and have < n:
-            have = 0
+        if have and self.basis is not None and n - have < KEPT_MIN_TOKENS and have < n:
+            have = 0  # (the buffer is kept: its decoded tokens are written again)
         new = None
         if have < n:
             part, offset = self.body().narrow(have, n, self.offset, self.codec.token_group)
@@ -264,7 +264,7 @@ class Stream:
         r = 0 if res is None else res.shape[2]
         if not self._keep:
             return new if not r else torch.cat([new, res.to(want)], dim=2)
-        buf = kept[1] if have else None
+        buf = kept[1] if kept is not None and kept[0] == want else None
         if buf is None or buf.shape[2] < n + r:
             ref = new if new is not None else buf
             size = n + r + max(self.min_slack, (n + r) // 4)
