@@ -374,8 +374,8 @@ class SlimLayer:
     def read(self, dtype: torch.dtype, kept: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Every stored token, oldest first, materialized: (B, H, stored, D), new tensors; ``kept``: a stream that keeps
         its body decoded (:meth:`~kvslim.cache.stream.Stream.keep_decoded`) hands its kept copy (valid until the next update)."""
-        kept = {f"{n}_stream": s.kept_stream(dtype) for n, s in (("k", self.k), ("v", self.v)) if kept and s.keeps_decoded}
-        return replace(self.segments(), **kept).materialize(dtype)
+        streams = {f"{n}_stream": s.kept_stream(dtype) for n, s in (("k", self.k), ("v", self.v)) if kept and s.keeps_decoded}
+        return replace(self.segments(), **streams).materialize(dtype)
 
     def _unpadded(self) -> bool:
         """Whether no row is padded and every row's sinks start at slot 0, known without reading a tensor: the

@@ -209,11 +209,13 @@ class Stream:
         """The body decoded back to the basis the tokens were appended in: (B, H, n_body, D)."""
         if self.n_body == 0:
             return None
+        return self._decode(self.body(), self.offset, dtype).to(dtype)
+
+    def _decode(self, enc: Encoded, offset: int, dtype: torch.dtype) -> torch.Tensor:
+        """Encoded body tokens decoded back to the appended basis: in ``dtype``, or in float32 where there is a basis."""
         if self.basis is None:
-            return self.codec.decode(self.body(), dtype, self.offset)
-        body = self.body()
-        decoded = self.codec.decode(body, torch.float32, self.offset)
-        return self.basis.decode(decoded, body.token.get(CENTERED)).to(dtype)
+            return self.codec.decode(enc, dtype, offset)
+        return self.basis.decode(self.codec.decode(enc, torch.float32, offset), enc.token.get(CENTERED))
 
     # -- a kept decoded body: a prefilling stream's chunks each read the whole body materialized ----------
     def keep_decoded(self, on: bool) -> None:
@@ -244,26 +246,23 @@ class Stream:
     def kept_stream(self, dtype: torch.dtype) -> torch.Tensor | None:
         """The stream, body then residual, as :meth:`~kvslim.cache.segments.Segments.materialize` decodes it before
         any move (in ``dtype``, or in float32 where the body has a basis): (B, H, len, D); None while nothing is
-        encoded. Kept (:meth:`keep_decoded`), in one buffer: the body decoded before, grown by the tokens encoded
-        since, the residual written after it (no copy of the whole stream)."""
+        encoded. In one buffer, kept while :meth:`keep_decoded` is on (which it must be): the body decoded before,
+        grown by the tokens encoded since, the residual written after it (no copy of the whole stream)."""
+        if not self._keep:
+            raise ValueError("kept_stream() reads the copy keep_decoded(True) keeps; this stream keeps none")
         n = self.n_body
         if n == 0:
             return None
         want = dtype if self.basis is None else torch.float32
-        kept = self._kept if self._keep else None
+        kept = self._kept
         have = kept[2] if kept is not None and kept[0] == want and kept[2] <= n else 0
         if have and self.basis is not None and n - have < KEPT_MIN_TOKENS and have < n:
             have = 0  # (the buffer is kept: its decoded tokens are written again)
         new = None
         if have < n:
-            part, offset = self.body().narrow(have, n, self.offset, self.codec.token_group)
-            new = self.codec.decode(part, want, offset)
-            if self.basis is not None:
-                new = self.basis.decode(new, part.token.get(CENTERED))
+            new = self._decode(*self.body().narrow(have, n, self.offset, self.codec.token_group), want)
         res = self.fp.view()
         r = 0 if res is None else res.shape[2]
-        if not self._keep:
-            return new if not r else torch.cat([new, res.to(want)], dim=2)
         buf = kept[1] if kept is not None and kept[0] == want else None
         if buf is None or buf.shape[2] < n + r:
             ref = new if new is not None else buf
