@@ -93,3 +93,44 @@ def test_every_row_failing_raises(model):
     with torch.inference_mode(), pytest.raises(ValueError, match="non-finite"):
         gen.forward_rows(model, [5, 6, 7, 8], bad, errors=errors)
     assert set(errors) == {0, 1, 2, 3}
+
+
+def test_a_key_beyond_float16_drops_only_its_row(model):
+    """The step casts its whole layer to float16 at once (kvslim.cache.ragged._halves); a finite key beyond float16's
+    range in one row (its residual keeps float16) makes that row alone fail, with the batch-1 cache's error."""
+    bad, good = _caches(model), _caches(model)
+
+    def huge(module, args, out):
+        out = out.clone()
+        out[:, 3] = 1e5  # row 3's token (one token a row, packed in row order); its int8 cache keeps a float16 residual
+        return out
+
+    hook = model.model.layers[0].self_attn.k_proj.register_forward_hook(huge)
+    errors: dict = {}
+    try:
+        with torch.inference_mode():
+            got = gen.forward_rows(model, [5, 6, 7, 8], bad, errors=errors)
+    finally:
+        hook.remove()
+    with torch.inference_mode():
+        ref = gen.forward_rows(model, [5, 6, 7, 8], good)
+    assert set(errors) == {3} and "beyond float16's range" in str(errors[3])
+    for b in (0, 1, 2):
+        assert torch.equal(got[b], ref[b]), b
+
+
+def test_the_layer_wide_cast_stores_each_rows_own_bits(model, monkeypatch):
+    """Cast once for the layer or row by row: every row stores the same float16 residual, the same logits."""
+    from kvslim.cache import ragged
+
+    once, alone = _caches(model), _caches(model)
+    with torch.inference_mode():
+        got = [gen.forward_rows(model, [5 + s, 6, 7, 8 + s], once) for s in range(3)]
+        monkeypatch.setattr(ragged, "_halves", lambda k, v: None)
+        ref = [gen.forward_rows(model, [5 + s, 6, 7, 8 + s], alone) for s in range(3)]
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+    for c, d in zip(once, alone, strict=True):
+        for la, lb in zip(c.layers, d.layers, strict=True):
+            for role in ("k", "v"):
+                x, y = getattr(la.store, role).fp.view(), getattr(lb.store, role).fp.view()
+                assert (x is None and y is None) or (x.dtype == y.dtype and torch.equal(x, y))

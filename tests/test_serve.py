@@ -352,6 +352,7 @@ def test_every_metric_renders_its_own_figure(server):
         "kvslim_cache_fp16_bytes": mem + ("fp16_bytes",),
         "kvslim_reserved_bytes": mem + ("reserved_bytes",),
         "kvslim_kept_decoded_bytes": mem + ("kept_decoded_bytes",),
+        "kvslim_packed_weight_bytes": mem + ("packed_weight_bytes",),
         "kvslim_memory_budget_bytes": mem + ("memory_budget",),
         'kvslim_sessions{where="memory"}': mem + ("sessions_kept",),
         'kvslim_sessions{where="disk"}': mem + ("sessions_on_disk",),

@@ -8,7 +8,8 @@ in one process and interleaved round by round (as :mod:`.decode` does):
   forward per step over a ``(C, H, L, D)`` cache (every row the same length here, so no row carries
   padding: the plain cache's best case);
 - each kvslim spec through the batch engine's decode step (:func:`kvslim.generate.forward_rows`): ``C``
-  batch-1 caches of their own, one ragged forward per step, attention on each row's codes;
+  batch-1 caches of their own, one ragged forward per step, attention on each row's codes, the linear layers
+  through the engine's route (``linears``, :mod:`kvslim.engine.linears`; the plain cache keeps torch's);
 - ``continuous-batching``: transformers' own continuous batching (``model.generate_batch``, its paged
   cache), where it runs: ``C`` prompts of ``L`` tokens, decode throughput read from its per-token
   timestamps after every request has produced its first token (its prefill excluded).
@@ -28,6 +29,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..engine.linears import Linears
 from ..generate import decode_one_token, forward_rows, prefill
 from .memory import cache_nbytes
 from .modes import DYNAMIC, Mode
@@ -78,11 +80,15 @@ def measure_concurrency(
     continuous_batching: bool = True,
     log: Callable[[str], None] | None = None,
     built: dict | None = None,
+    linears: Linears | str = "torch",
 ) -> list[ConcurrencyRow]:
     """One :class:`ConcurrencyRow` per mode (``modes[0]`` is ``dynamic``), plus transformers' continuous
     batching when asked and it runs here (else a row with a note saying why not). built: mode name ->
-    a cache already prefilled with this length's tokens (:func:`prefilled`; copied, never changed)."""
+    a cache already prefilled with this length's tokens (:func:`prefilled`; copied, never changed). linears:
+    the kvslim rows' route for the linear layers, as the engine's (a route name or a built
+    :class:`~kvslim.engine.linears.Linears`)."""
     log = log or quiet
+    route = linears if isinstance(linears, Linears) else Linears(model, linears, batch_hint=concurrency)
     device = next(model.parameters()).device
     ids = _tokens(model, length, seed)
     g = torch.Generator().manual_seed(seed * 1_000_003 + length + 1)
@@ -108,7 +114,8 @@ def measure_concurrency(
                 sync(device)
                 t0 = time.perf_counter()
                 if mode.kind == "kvslim":
-                    logits = forward_rows(model, tokens, rows_of[mode.name])
+                    with route.routed():
+                        logits = forward_rows(model, tokens, rows_of[mode.name])
                 else:
                     logits = decode_one_token(model, torch.tensor(tokens, device=device)[:, None], rows_of[mode.name])
                 logits.argmax(-1).tolist()  # what a sampler does; syncs the device
@@ -261,15 +268,17 @@ def run_concurrency(
     seed: int = 0,
     continuous_batching: bool = True,
     log: Callable[[str], None] | None = None,
+    linears: str = "torch",
 ) -> list[ConcurrencyRow]:
-    """:func:`measure_concurrency` at every length and concurrency."""
+    """:func:`measure_concurrency` at every length and concurrency (``linears``: the kvslim rows' route)."""
     rows = []
+    route = Linears(model, linears, batch_hint=max(concurrencies))
     for length in lengths:
         built = prefilled(model, modes, length, seed=seed, log=log)
         for c in concurrencies:
             rows += measure_concurrency(
                 model, modes, length, c, steps, warmup=warmup, seed=seed,
-                continuous_batching=continuous_batching, log=log, built=built,
+                continuous_batching=continuous_batching, log=log, built=built, linears=route,
             )
     return rows
 

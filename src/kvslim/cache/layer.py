@@ -241,27 +241,28 @@ class SlimLayer:
         rope: Rotary | None = None,
         finite_checked: bool = False,
         encoded: tuple | None = None,
+        halves: tuple | None = None,
     ):
-        """Append keys/values (B, H, C, D); return every stored token before eviction, then evict
-        down to the policy's capacity.
+        """Append keys/values (B, H, C, D); return every stored token before eviction, then evict down to the
+        policy's capacity.
 
-        base: what the caller subtracted from the true positions of these tokens' position ids
-        (0 unless position ids are kept bounded). rope: the rotary these keys were rotated with (for
-        ``pre_rope``; default the layer's ``rotary``). Returns ``(K, V)`` materialized,
-        (B, H, stored + C, D) in the first update's dtype, or with ``segments=True`` a
-        :class:`Segments` view of the stored parts (no fp copy of the history is written).
+        base: what the caller subtracted from the true positions of these tokens' position ids (0 unless position
+        ids are kept bounded). rope: the rotary these keys were rotated with (for ``pre_rope``; default the layer's
+        ``rotary``). Returns ``(K, V)`` materialized, (B, H, stored + C, D) in the first update's dtype, or with
+        ``segments=True`` a :class:`Segments` view of the stored parts (no fp copy of the history is written).
 
         A transaction: everything is validated and encoded first; a call that raises changes nothing.
         finite_checked: the caller already checked that every value is finite (:meth:`check`).
         defer_sinks: with ``segments=True``, ``(Segments, delta)`` (:meth:`segments`).
         encoded: (K, V) encodings of the tokens each stream flushes from its residual (:meth:`Stream.flush`), or
-        None in either place: made by a ragged step for many rows at once (:meth:`Stream.plan`).
+        None in either place: made by a ragged step for many rows at once (:meth:`Stream.plan`). halves: ``(keys,
+        values)`` cast to float16, every value finite (a ragged step casts its whole layer in one call), or None.
         """
         batch, n_new = keys.shape[0], keys.shape[2]
         # A decode step whose token goes into float16 residuals: one finiteness check of the cast values covers
         # the input's (a NaN/inf stays one) and the residual's range (a finite value beyond float16's becomes
         # inf), one host sync where there were three. On failure the full checks raise their own errors.
-        halves = None
+        given, halves = halves, None  # given: cast by the caller, and finite
         if (
             n_new == 1
             and not self.pre_rope
@@ -270,11 +271,9 @@ class SlimLayer:
             and self.v.half_residual(values)
         ):
             self.check(keys, values, finite_checked=True)  # shapes and dtypes
-            fast = cpu_kernels.to_half_finite(keys, values)  # one C call (None: not here, cast with torch)
-            if fast is not None:
-                halves, finite = fast
-            else:
-                halves = (keys.to(torch.float16), values.to(torch.float16))
+            fast = (given, True) if given is not None else cpu_kernels.to_half_finite(keys, values)  # None: torch
+            halves, finite = fast if fast is not None else ((keys.to(torch.float16), values.to(torch.float16)), None)
+            if finite is None:
                 finite = bool(torch.isfinite(halves[0]).all() & torch.isfinite(halves[1]).all())
             if not finite:
                 self.check(keys, values)  # a non-finite input: raises

@@ -53,6 +53,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..formats import Encoded
+from ..kernels import cpu as cpu_kernels
 from .rotary import by_rotation
 from .segments import Segments
 
@@ -132,6 +133,17 @@ def _with_sinks(view: Segments, k_sink: torch.Tensor) -> Segments:
     ``dataclasses.replace``'s full constructor (480 a step at 16 rows x 30 layers)."""
     object.__setattr__(view, "k_sink", k_sink)
     return view
+
+
+def _halves(keys: torch.Tensor, values: torch.Tensor) -> tuple | None:
+    """A ragged step's keys and values (1, H_kv, N, D) cast to float16 in one C call, or None where that cannot
+    be done or some cast value is not finite (a value beyond float16's range: each row then casts and checks its
+    own tokens, and the one that holds it raises as a batch-1 cache would). A row's slice of the result is the
+    bits of casting that row alone (the cast is per element; ``to_half_finite`` rounds as ``x.to(float16)``)."""
+    if keys.dtype != torch.float32 or not keys.is_cpu:
+        return None
+    fast = cpu_kernels.to_half_finite(keys.contiguous(), values.contiguous())
+    return fast[0] if fast is not None and fast[1] else None
 
 
 def _batched_flushes(stores: dict) -> dict:
@@ -219,6 +231,12 @@ class RaggedLayer(CacheLayerMixin):
         # One finiteness check for the whole step (a sync per layer, not per row); where it fails, each row
         # checks its own tokens: a bad row raises as a batch-1 cache would, or is dropped (module docstring).
         finite = bool(torch.isfinite(key_states).all() & torch.isfinite(value_states).all())
+        one = key_states[:, :, :1]  # where some one-token row's token goes into a float16 residual: the layer cast once
+        wanted = any(
+            c is not None and owner.spans[b][1] == 1 and c.layers[self.layer_idx].store.k.half_residual(one)
+            for b, c in enumerate(owner.caches)
+        )
+        halves = _halves(key_states, value_states) if finite and wanted else None
         flushed = _batched_flushes(
             {
                 b: cache.layers[self.layer_idx].store
@@ -248,6 +266,7 @@ class RaggedLayer(CacheLayerMixin):
                     rope=rope,
                     finite_checked=finite,
                     encoded=flushed.get(b),
+                    halves=None if halves is None or n != 1 else (halves[0][:, :, start : start + 1], halves[1][:, :, start : start + 1]),
                 )
             except Exception as e:  # noqa: BLE001 - one row's failure, kept to that row when the caller asks
                 owner.drop(b, e)

@@ -12,6 +12,7 @@ import sys
 
 from .. import threads
 from .common import (
+    LINEAR_ROUTES,
     UserError,
     add_model_flags,
     check_bias_file,
@@ -164,6 +165,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-chunk", type=int, default=None, metavar="N", help="with --serve: the server's "
                         "--prefill-chunk (prompt tokens a step carries beside the decoding rows; its default if "
                         "not given)")
+    parser.add_argument("--linears", choices=LINEAR_ROUTES, default="torch", help="with --concurrency: the engine rows' (and "
+                        "--serve's) linear layers (kvslim.engine.linears; default torch)")
     parser.add_argument(
         "--no-continuous-batching",
         action="store_true",
@@ -213,6 +216,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--compile and --concurrency do not combine yet (the batch engine steps eagerly)")
     if args.join is not None and (not args.serve or args.join < 1):
         raise UserError(f"--join {args.join}: a prompt length of at least 1 token, with --serve")
+    if args.linears != "torch" and not args.concurrency:
+        raise UserError(f"--linears {args.linears} applies to --concurrency's engine rows; add --concurrency C,...")
     if args.prefill_chunk is not None and (not args.serve or args.prefill_chunk < 1):
         raise UserError(f"--prefill-chunk {args.prefill_chunk}: a chunk of at least 1 token, with --serve")
     if args.serve and args.concurrency is None:
@@ -306,6 +311,7 @@ def _run_concurrency(args, model, configs, settings, policy) -> int:
         seed=args.seed,
         continuous_batching=not args.no_continuous_batching,
         log=log,
+        linears=args.linears,
     )
     extra: dict = {}
 
@@ -316,7 +322,8 @@ def _run_concurrency(args, model, configs, settings, policy) -> int:
         from ..bench.join import join_after, render_join
         from ..bench.serve import run_serve
 
-        flags = ["--dtype", args.dtype, "--device", args.device, *(["--model", args.model] if args.model else [])]
+        flags = ["--dtype", args.dtype, "--device", args.device, *(["--model", args.model] if args.model else []),
+                 "--linears", args.linears]
         joins: list = []  # a prompt of --join tokens joins each spec's streams (kvslim.bench.join)
         join = args.join and tokens(model, args.join, args.seed + 1)[0].tolist()
         try:
@@ -353,7 +360,7 @@ def _run_concurrency(args, model, configs, settings, policy) -> int:
                 "concurrency": [r.to_dict() for r in rows],
                 "settings": {"lengths": settings["lengths"], "concurrency": args.concurrency, "steps": settings["steps"],
                              "threads": args.threads, "configs": list(configs), "serve": args.serve,
-                             "dtype": args.dtype, "cpu_bf16": bf16_instructions()},
+                             "dtype": args.dtype, "cpu_bf16": bf16_instructions(), "linears": args.linears},
                 "thread_policy": _after(policy),
                 **extra,
             },

@@ -13,6 +13,7 @@ import re
 
 from .. import threads
 from .common import (
+    LINEAR_ROUTES,
     UserError,
     add_cache_flags,
     add_model_flags,
@@ -159,6 +160,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "a long prompt holds the others back by at most a chunk or two)"
     )
     parser.add_argument(
+        "--linears", choices=LINEAR_ROUTES, default="torch",
+        help="which library runs the model's linear layers in a step: torch (default), onednn, or packed (oneDNN "
+        "with a second, reordered copy of the weights: the weights' bytes once more; docs/performance.md)",
+    )
+    parser.add_argument(
         "--served-model-name",
         default=None,
         metavar="NAME",
@@ -247,6 +253,7 @@ def run(args: argparse.Namespace) -> int:
         bind_host=args.host,
         shutdown_grace=args.shutdown_grace,
         allow_other_model=args.kv_mean_center_any_model,
+        linears=args.linears,
     )
     host = f"[{args.host}]" if ":" in args.host else args.host
     say(
@@ -256,7 +263,8 @@ def run(args: argparse.Namespace) -> int:
         f"{_hours(args.session_ttl)} idle, in {args.session_dir or 'memory only'}; "
         f"{'API key required' if key else 'no API key'})"
     )
-    say(f"kvslim: {threads.banner(threads.describe(getattr(args, 'thread_policy', None)))}")
+    say(f"kvslim: {threads.banner(threads.describe(getattr(args, 'thread_policy', None)))}; "
+        f"{app.state.runner.engine.linears}")
     run_server(app, host=args.host, port=args.port, grace=args.shutdown_grace)
     return 0
 

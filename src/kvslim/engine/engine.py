@@ -54,6 +54,7 @@ from ..checks import check_int
 from ..config import CacheConfig, parse_spec
 from .errors import InputRefusal, QueueFull, RequestLimits, describe
 from .gate import BATCH_DEPENDENT_ROPE, Gate  # noqa: F401 - BATCH_DEPENDENT_ROPE re-exported
+from .linears import Linears
 from .request import FINISH_REASONS, Event, Request, Result
 from .scheduler import Row, Scheduler
 from .sessions import SessionStore
@@ -87,7 +88,9 @@ class Engine(Stepping):
     keep_decoded: a prompt of more than one chunk keeps its cache's bodies decoded between its chunks
     (:meth:`kvslim.SlimCache.keep_decoded`: a chunk decodes only what the last one encoded, the same bits); the
     copy's bytes are reserved on top of the cache's until the prompt is read, and a prompt whose copy would not fit
-    the budget alone, or whose cache's window is shorter than the prompt, goes without.
+    the budget alone, or whose cache's window is shorter than the prompt, goes without. linears: which library
+    runs the model's linear layers inside a step (:mod:`kvslim.engine.linears`: ``torch``, the default; ``onednn``;
+    ``packed``, oneDNN with a second copy of the weights); outside a step the model is untouched.
     """
 
     def __init__(
@@ -106,6 +109,7 @@ class Engine(Stepping):
         session_ttl: float | None = None,
         allow_other_model: bool = False,
         keep_decoded: bool = True,
+        linears: str = "torch",
     ):
         self.default_cache = parse_spec(cache) if isinstance(cache, str) else cache
         if not isinstance(self.default_cache, CacheConfig):
@@ -124,6 +128,8 @@ class Engine(Stepping):
             raise ValueError(f"keep_decoded must be True or False, got {keep_decoded!r}")
         if not isinstance(allow_other_model, bool):
             raise ValueError(f"allow_other_model must be True or False, got {allow_other_model!r}")
+        # reads the model only (a refused route leaves it untouched); packs the weights for "packed"
+        routes = Linears(model, linears, batch_hint=max(4, -(-max_batch // 4) * 4))
         self.gate = Gate(
             model,
             self.default_cache,
@@ -137,6 +143,7 @@ class Engine(Stepping):
         self.scheduler = Scheduler(memory_budget, max_batch)
         self.prefill_chunk = prefill_chunk
         self.keep_decoded = keep_decoded
+        self.linears = routes
         self.max_queue = max_queue
         self.max_prompt_tokens = max_prompt_tokens
         self.request_limits = request_limits
@@ -473,6 +480,7 @@ class Engine(Stepping):
             return {
                 "cache_bytes": sum(r.cache.nbytes() for r in active if r.cache is not None),
                 "kept_decoded_bytes": sum(r.cache.kept_nbytes() for r in active if r.cache is not None),
+                "packed_weight_bytes": self.linears.nbytes,
                 "reserved_bytes": self.scheduler.reserved,
                 "session_bytes": self.sessions.held(),
                 "memory_budget": self.scheduler.memory_budget,

@@ -64,7 +64,7 @@ def sample(row: Row, logits: torch.Tensor, is_finite: bool | None = None):
 
 class Stepping:
     """The step half of :class:`~kvslim.engine.engine.Engine`: its one forward and each row's share of it. Reads
-    the engine's ``model``, ``scheduler``, ``prefill_chunk``, ``results``, ``prefilled_tokens``; ends rows through its
+    the engine's ``model``, ``linears``, ``scheduler``, ``prefill_chunk``, ``results``, ``prefilled_tokens``; ends rows through its
     ``_fail`` and hands tokens to its ``_emit``."""
 
     def _forward(self, prefilled: list[Row], rows: list[Row], events: list) -> None:
@@ -76,7 +76,8 @@ class Stepping:
         for r in prefilled:
             self.scheduler.start_prefill(r, self.prefill_chunk)
         try:
-            ends, logits = forward(self.model, prefilled, rows, self.prefill_chunk, errors)
+            with self.linears.routed():  # the model's linear layers through the engine's route (kvslim.engine.linears)
+                ends, logits = forward(self.model, prefilled, rows, self.prefill_chunk, errors)
             ok = finite(logits).tolist()  # one sync for the step
         except Exception as e:  # noqa: BLE001 - the forward failed as a whole: its rows end, the engine goes on
             for b, r in enumerate(everyone):

@@ -47,6 +47,7 @@ def build_app(
     max_body: int = MAX_BODY,
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
     allow_other_model: bool = False,
+    linears: str = "torch",
 ):
     """The ASGI app serving ``(model, tokenizer)``: a :class:`~kvslim.engine.Engine` (cache, memory_budget,
     max_batch=max_concurrency, prefill_chunk, session_dir, max_queue, max_prompt_tokens — None: the model's
@@ -56,7 +57,8 @@ def build_app(
     server listens on; when it is loopback (the default), requests whose Host header names anything but
     loopback are refused (421), so pass the real address when binding elsewhere. max_body: the largest
     request body, bytes. allow_other_model: take a ``mean_center`` bias file calibrated for another model (the
-    engine reads and checks it once, here). The runner is ``app.state.runner``."""
+    engine reads and checks it once, here). linears: the engine's route for the model's linear layers
+    (:mod:`kvslim.engine.linears`). The runner is ``app.state.runner``."""
     from .app import create_app
     from .runner import Runner
     from .security import is_loopback_host
@@ -77,6 +79,7 @@ def build_app(
         max_sessions=max_sessions,
         session_ttl=session_ttl,
         allow_other_model=allow_other_model,
+        linears=linears,
     )
     app = create_app(
         runner,

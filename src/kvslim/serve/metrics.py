@@ -31,6 +31,8 @@ def prometheus(m: dict) -> str:
     metric("kvslim_reserved_bytes", "gauge", "bytes reserved by admission for running requests", [("", mem["reserved_bytes"])])
     metric("kvslim_kept_decoded_bytes", "gauge", "bytes of the decoded K/V copies kept while long prompts are read",
            [("", mem["kept_decoded_bytes"])])
+    metric("kvslim_packed_weight_bytes", "gauge", "bytes of the weights' second copy packed for oneDNN (--linears packed)",
+           [("", mem["packed_weight_bytes"])])
     if mem["memory_budget"] is not None:
         metric("kvslim_memory_budget_bytes", "gauge", "the memory budget", [("", mem["memory_budget"])])
     metric("kvslim_sessions", "gauge", "sessions kept", [('{where="memory"}', mem["sessions_kept"]),

@@ -1,0 +1,226 @@
+"""Which library runs a model's linear layers inside an engine step: torch's default (MKL on this CPU) or
+oneDNN, with the weights as they are or reordered ("packed") for it.
+
+Why. The engine's many-row step multiplies every row's hidden state by every weight matrix, ~211 products a
+step for the embedded model, with 4 to a few hundred rows each. For that shape, torch's ``linear`` (MKL's
+sgemm on a float32 CPU model) runs far below the machine's rates: at 16 rows the embedded model's
+lm_head takes ~25 ms through MKL and ~14 ms through oneDNN on the same weights, and the step's products
+~110 ms in all (docs/performance.md, "The weights' products"). oneDNN is inside every torch CPU wheel
+(``torch.ops.mkldnn._linear_pointwise``, what torch.compile's CPU freezing path calls); kvslim routes a
+step's fp32 CPU ``nn.Linear`` layers through it:
+
+- ``onednn``: the weights as they are. No memory is added.
+- ``packed``: each weight reordered once into oneDNN's blocked layout (``_reorder_linear_weight``), a second
+  copy of every routed weight held beside the model's (:attr:`Linears.nbytes`). Faster again, at the cost of
+  the weights' bytes once more: opt-in. A weight changed in place or replaced after packing is packed again
+  before the next step (its version counter and address are checked), never used stale.
+- ``torch`` (the default): torch's own ``linear``, untouched.
+
+Measured (docs/performance.md, "The weights' products"): under the torch profiler the step's linear ops take
+105-127 ms with torch's route, ~93 with ``onednn``, 75-90 with ``packed`` (16 rows, the embedded model), but a
+whole step under ``OMP_WAIT_POLICY=PASSIVE`` (the CLI's default) gains 0-5% with ``onednn`` and 0-7% with
+``packed``, within the machine's noise: each of oneDNN's ~211 calls a step wakes the sleeping OpenMP threads.
+With the runtime's own wait policy the gains were 7% and 11%. So the default stays torch's.
+
+Bit-identity. The engine's rows are bit for bit what they are in a step of their own because the library
+rounds a row of a product the same whatever the row count, for multiples of 4 (:mod:`kvslim.cache.ragged`,
+"Filler rows"). oneDNN's products keep that property on this machine (every multiple of 4 from 4 to 4,400
+rows, 1 and 2 threads, the embedded model's shapes: ``python scripts/blas_row_invariance.py``), and the
+engine's tests check the rows' logits across steps with the route on. A route's bits differ from torch's by
+rounding (~1e-6 a product), so a request's greedy tokens match kvslim's single-stream loop (torch's route)
+as closely as before, not by construction.
+
+Scope. A route holds only inside :meth:`Linears.routed` (a context manager), and only for the thread (the
+context) that entered it: the routed modules get a dispatching ``forward`` while some block is open (reference
+counted, removed when the last one closes), which runs the route of the block open in the calling context and
+torch's own forward everywhere else. So the model outside the engine's steps, and on any other thread (a
+baseline measured in the same process, a user's own calls, a second engine with another route), runs as it
+would without kvslim. Routed: plain ``nn.Linear`` modules (not a subclass with its own forward, not
+parametrized) whose weight is a plain float32 CPU tensor (not a tensor subclass such as a DTensor). A call takes
+torch's own forward where its input is not a float32 CPU tensor, its bias is not contiguous, or autograd is
+recording (oneDNN's op has no backward). A module with an instance ``forward`` of somebody else's is left
+alone. The module knows nothing about caches or rows.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import torch
+
+#: the routes a user may ask for (module docstring)
+ROUTES = ("torch", "onednn", "packed")
+
+#: the Linears whose block is open in this context (None: torch's own forward)
+_ACTIVE: ContextVar = ContextVar("kvslim_linears", default=None)
+#: id(module) -> [module, open blocks routing it]: the dispatching forwards installed
+_INSTALLED: dict[int, list] = {}
+_LOCK = threading.Lock()
+
+
+def onednn_ready() -> bool:
+    """Whether this torch can run a linear layer through oneDNN (``torch.ops.mkldnn._linear_pointwise``)."""
+    try:
+        return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _plain_fp32_cpu(t) -> bool:
+    """A plain (not a subclass such as a DTensor) strided float32 CPU tensor or Parameter."""
+    return (
+        type(t) in (torch.Tensor, torch.nn.Parameter)
+        and t.dtype == torch.float32
+        and t.device.type == "cpu"
+        and t.layout == torch.strided
+    )
+
+
+def _routable(module: torch.nn.Module) -> bool:
+    """A plain ``nn.Linear`` (a subclass with its own forward, such as an adapter layer, keeps it; so does a
+    parametrized one) with a plain float32 CPU weight."""
+    return (
+        isinstance(module, torch.nn.Linear)
+        and type(module).forward is torch.nn.Linear.forward
+        and not torch.nn.utils.parametrize.is_parametrized(module)
+        and _plain_fp32_cpu(module.__dict__.get("_parameters", {}).get("weight"))
+    )
+
+
+def _dispatcher(module: torch.nn.Linear):
+    """The ``forward`` installed on a routed module: the route of the block open in the calling context, else
+    the module's own forward."""
+    stock = type(module).forward.__get__(module)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        route = _ACTIVE.get()
+        return stock(x) if route is None else route._forward(module, x, stock)
+
+    forward.kvslim_linears = True
+    return forward
+
+
+def _install(modules) -> list:
+    """Give each module the dispatching forward (or count one more block on it); returns those handled."""
+    done = []
+    with _LOCK:
+        for m in modules:
+            mine = _INSTALLED.get(id(m))
+            if mine is not None and mine[0] is m:
+                mine[1] += 1
+            elif "forward" in m.__dict__:  # somebody else's instance forward (a hook library): leave it be
+                continue
+            else:
+                m.forward = _dispatcher(m)
+                _INSTALLED[id(m)] = [m, 1]
+            done.append(m)
+    return done
+
+
+def _uninstall(modules) -> None:
+    with _LOCK:
+        for m in modules:
+            mine = _INSTALLED[id(m)]
+            mine[1] -= 1
+            if mine[1] == 0:
+                del _INSTALLED[id(m)]
+                m.__dict__.pop("forward", None)
+
+
+def _version(w: torch.Tensor):
+    try:
+        return w._version
+    except RuntimeError:  # an inference tensor keeps no version counter: identity and address only
+        return None
+
+
+class Linears:
+    """How ``model``'s linear layers run inside :meth:`routed` (module docstring). route: one of
+    :data:`ROUTES`; ``batch_hint``: the row count oneDNN's packed layout is chosen for (``packed`` only;
+    every row count is computed, this one fastest). Raises ValueError for an unknown route, for
+    ``onednn``/``packed`` where torch has no oneDNN, and where the model has no layer the route can take
+    (a bfloat16 or GPU model: nothing would change). Reads the model; changes nothing until :meth:`routed`."""
+
+    def __init__(self, model, route: str = "torch", *, batch_hint: int = 16):
+        if route not in ROUTES:
+            raise ValueError(f"linears must be one of {', '.join(ROUTES)}, got {route!r}")
+        if route != "torch" and not onednn_ready():
+            raise ValueError(
+                f"linears={route!r} needs torch's oneDNN (torch.backends.mkldnn), which this torch does not have; "
+                "use 'torch'"
+            )
+        self.route = route
+        self.batch_hint = int(batch_hint)
+        self.modules = [] if route == "torch" else [m for m in model.modules() if _routable(m)]
+        if route != "torch" and not self.modules:
+            p = next(iter(model.parameters()), None)
+            raise ValueError(
+                f"linears={route!r} routes float32 CPU nn.Linear layers, and this model has none "
+                f"({'no parameters' if p is None else f'{p.dtype} on {p.device}'}); use 'torch'"
+            )
+        self._ids = {id(m) for m in self.modules}
+        self._packed: dict[int, tuple[torch.Tensor, tuple, int]] = {}  # id(module) -> (packed, key, bytes)
+        if route == "packed":
+            with torch.no_grad():
+                for m in self.modules:
+                    self._pack(m)
+
+    def __repr__(self) -> str:
+        return f"Linears(route={self.route!r}, modules={len(self.modules)}, nbytes={self.nbytes})"
+
+    def __str__(self) -> str:
+        extra = f", {self.nbytes / 2**20:.0f} MiB packed beside the model" if self.route == "packed" else ""
+        return f"linear layers: {self.route} ({len(self.modules)} routed{extra})"
+
+    @staticmethod
+    def _key(module) -> tuple:
+        w = module.weight
+        return (id(w), w.data_ptr(), _version(w), tuple(w.shape))
+
+    def _pack(self, module) -> torch.Tensor:
+        p = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), self.batch_hint)
+        self._packed[id(module)] = (p, self._key(module), int(torch.ops.mkldnn._nbytes(p)))
+        return p
+
+    def _weight(self, module) -> torch.Tensor:
+        """The weight oneDNN gets: the module's own, or its packed copy (packed again if the weight changed in
+        place or was replaced since it was packed)."""
+        if self.route != "packed":
+            return module.weight
+        p, key, _ = self._packed[id(module)]
+        if key != self._key(module):
+            with torch.no_grad():
+                p = self._pack(module)
+        return p
+
+    def _forward(self, module, x: torch.Tensor, stock) -> torch.Tensor:
+        w, bias = module.weight, module.bias
+        usable = (
+            id(module) in self._ids
+            and _plain_fp32_cpu(x)
+            and _plain_fp32_cpu(w)
+            and (bias is None or (_plain_fp32_cpu(bias) and bias.is_contiguous()))
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+        )
+        if not usable:
+            return stock(x)
+        return torch.ops.mkldnn._linear_pointwise(x, self._weight(module), bias, "none", [], "")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this object holds beside the model: the packed weights (0 for the other routes)."""
+        return sum(b for _, _, b in self._packed.values())
+
+    @contextmanager
+    def routed(self):
+        """Within the block, and in the calling thread (context) only, the routed modules run this route
+        (``torch``: their own forward, whatever an outer block routes)."""
+        token = _ACTIVE.set(self)
+        handled = _install(self.modules)
+        try:
+            yield self
+        finally:
+            _uninstall(handled)
+            _ACTIVE.reset(token)

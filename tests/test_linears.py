@@ -1,0 +1,243 @@
+"""The engine's route for a model's linear layers (kvslim.engine.linears): oneDNN, with the weights as they are
+or packed, installed around a step and removed after it; rows still bit-identical whatever shares the step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvslim
+from conftest import tiny_model
+from kvslim import SlimCache
+from kvslim import generate as gen
+from kvslim.engine import Engine, Request
+from kvslim.engine import linears as lin
+
+pytestmark = pytest.mark.skipif(not lin.onednn_ready(), reason="this torch has no oneDNN")
+
+ROUTED = ("onednn", "packed")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return kvslim.enable(tiny_model("llama"))
+
+
+def _onednn(x, w, b=None):
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
+def test_routes_and_their_errors(model):
+    """The default, the error for an unknown route, and an engine that refuses a route before it touches the model."""
+    assert lin.Linears(model).route == "torch" and lin.Linears(model).modules == []  # the default
+    n = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert len(lin.Linears(model, "onednn").modules) == n
+    with pytest.raises(ValueError, match="linears must be one of torch, onednn, packed, got 'mkl'"):
+        lin.Linears(model, "mkl")
+    with pytest.raises(ValueError, match="linears must be one of"):
+        Engine(model, linears="fast")
+    fresh = tiny_model("llama", seed=5)
+    with pytest.raises(ValueError, match="linears='onednn' routes float32"):
+        Engine(fresh.half(), linears="onednn")
+    assert fresh.config._attn_implementation == "sdpa"  # refused before kvslim.enable
+
+
+def test_the_cli_offers_the_routes():
+    from kvslim.cli.common import LINEAR_ROUTES
+
+    assert LINEAR_ROUTES == lin.ROUTES
+
+
+@pytest.mark.parametrize("route", ROUTED)
+def test_routed_only_inside_the_block(model, route):
+    """Inside routed(): oneDNN's product (close to torch's); after it, even after an error, the modules' own
+    forward again."""
+    routes = lin.Linears(model, route)
+    layer = model.model.layers[0].mlp.up_proj
+    x = torch.randn(2, 8, layer.in_features)
+    with torch.inference_mode():
+        ref = layer(x)
+        with routes.routed():
+            assert "forward" in layer.__dict__
+            got = layer(x)
+        assert "forward" not in layer.__dict__
+        assert torch.equal(got, _onednn(x, layer.weight, layer.bias))
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        with pytest.raises(RuntimeError, match="boom"), routes.routed():
+            raise RuntimeError("boom")
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_packed_weights_follow_the_model(model):
+    """A weight changed in place, or replaced, after packing is packed again before it is used: never stale."""
+    m = tiny_model("llama", seed=3)
+    routes = lin.Linears(m, "packed", batch_hint=4)
+    assert routes.nbytes >= sum(x.weight.numel() * 4 for x in routes.modules)
+    layer = m.model.layers[1].self_attn.o_proj
+    x = torch.randn(4, layer.in_features)
+    with torch.inference_mode():
+        with routes.routed():
+            before = layer(x)
+        assert torch.equal(before, _onednn(x, layer.weight))
+    with torch.no_grad():
+        layer.weight.mul_(2.0)
+    with torch.inference_mode(), routes.routed():
+        assert torch.equal(layer(x), _onednn(x, layer.weight))
+        assert not torch.equal(layer(x), before)
+    layer.weight = torch.nn.Parameter(torch.randn_like(layer.weight))
+    with torch.inference_mode(), routes.routed():
+        assert torch.equal(layer(x), _onednn(x, layer.weight))
+
+
+def test_the_route_holds_only_in_the_thread_that_opened_it():
+    """Another thread calling the model while a block is open runs torch's forward; a torch block inside an oneDNN
+    one runs torch's; one thread closing its block leaves another thread's block routed."""
+    import threading
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(576, 1536))
+    x = torch.randn(16, 576)
+    stock = torch.nn.functional.linear(x, net[0].weight, net[0].bias)
+    onednn = _onednn(x, net[0].weight, net[0].bias)
+    assert not torch.equal(stock, onednn)  # the two routes are told apart by their bits here
+    a, b = lin.Linears(net, "onednn"), lin.Linears(net, "packed")
+    seen: dict = {}
+    opened, closed, done = threading.Event(), threading.Event(), threading.Event()
+
+    def other():
+        with torch.inference_mode():
+            seen["outside"] = net(x)  # while the main thread's block is open
+            with b.routed():
+                opened.set()
+                closed.wait(10)
+                seen["own block"] = net(x)  # the main thread's block has closed meanwhile
+        done.set()
+
+    with torch.inference_mode():
+        with a.routed():
+            t = threading.Thread(target=other)
+            t.start()
+            opened.wait(10)
+            assert torch.equal(net(x), onednn)
+            with lin.Linears(net, "torch").routed():
+                assert torch.equal(net(x), stock)
+        closed.set()
+        done.wait(10)
+        t.join()
+    assert torch.equal(seen["outside"], stock)
+    assert torch.equal(seen["own block"], _onednn(x, net[0].weight, net[0].bias))
+    assert "forward" not in net[0].__dict__ and not lin._INSTALLED
+
+
+def test_what_is_not_routed():
+    """A subclass with its own forward, a half-precision weight, and a call with a half-precision input keep
+    torch's route."""
+
+    class Scaled(torch.nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    net = torch.nn.Sequential(Scaled(32, 32), torch.nn.Linear(32, 32).half(), torch.nn.Linear(32, 32))
+    routes = lin.Linears(net, "onednn")
+    assert routes.modules == [net[2]]
+    x = torch.randn(4, 32)
+    with torch.inference_mode(), routes.routed():
+        assert torch.equal(net[0](x), 2 * torch.nn.functional.linear(x, net[0].weight, net[0].bias))
+        y = net[2](x.half().float())
+        assert torch.equal(y, _onednn(x.half().float(), net[2].weight, net[2].bias))
+        with pytest.raises(RuntimeError):  # torch's own error for a half input against a float weight
+            net[2](x.half())
+    # a non-contiguous bias, autograd recording, an inference-mode weight, a model with nothing to route
+    odd = torch.nn.Linear(32, 16)
+    odd.bias = torch.nn.Parameter(torch.randn(32)[::2], requires_grad=False)
+    with torch.inference_mode(), lin.Linears(odd, "onednn").routed():
+        assert torch.equal(odd(x), torch.nn.functional.linear(x, odd.weight, odd.bias))
+    xg = x.clone().requires_grad_()
+    with lin.Linears(net, "onednn").routed():
+        net[2](xg).sum().backward()
+    assert xg.grad is not None and net[2].weight.grad is not None
+    with torch.inference_mode():
+        frozen = torch.nn.Linear(32, 8)
+    routes = lin.Linears(frozen, "packed")
+    with torch.inference_mode(), routes.routed():
+        assert torch.equal(frozen(x), _onednn(x, frozen.weight, frozen.bias))
+    with pytest.raises(ValueError, match="linears='onednn' routes float32 CPU nn.Linear layers, and this model has none"):
+        lin.Linears(torch.nn.Linear(4, 4).half(), "onednn")
+
+
+@pytest.mark.parametrize("shape", [(576, 576), (576, 192), (576, 1536), (1536, 576), (128, 256)])
+@pytest.mark.parametrize("route", ROUTED)
+def test_a_row_rounds_the_same_for_every_multiple_of_4(shape, route):
+    """What the engine's bit-identity rests on (kvslim.cache.ragged, "Filler rows"): through oneDNN, a row of
+    a product is the same bits whatever multiple of 4 rows the product has."""
+    k, n = shape
+    g = torch.Generator().manual_seed(0)
+    net = torch.nn.Linear(k, n, bias=False)
+    with torch.no_grad():
+        net.weight.copy_(torch.randn(n, k, generator=g) / k**0.5)
+    x = torch.randn(1100, k, generator=g)
+    routes = lin.Linears(net, route, batch_hint=16)
+    with torch.inference_mode(), routes.routed():
+        ref = net(x[:4])
+        for m in (8, 12, 16, 20, 36, 64, 132, 260, 1028, 1100):
+            assert torch.equal(net(x[:m])[:4], ref), m
+
+
+@pytest.mark.parametrize("route", ROUTED)
+def test_ragged_rows_are_bit_identical_with_the_route(model, route):
+    """forward_rows under each route: a row's logits do not depend on the other rows."""
+    from test_engine import _requests
+
+    routes = lin.Linears(model, route)
+    reqs = _requests()[:5]
+    caches = [SlimCache.from_config(r.cache, config=model.config) for r in reqs]
+    copies = [SlimCache.from_config(r.cache, config=model.config) for r in reqs]
+    with torch.inference_mode(), routes.routed():
+        for r, c, d in zip(reqs, caches, copies, strict=True):
+            gen.prefill(model, torch.tensor([r.prompt]), c)
+            gen.prefill(model, torch.tensor([r.prompt]), d)
+        together = gen.forward_rows(model, [7] * 5, caches)
+        for b in range(5):
+            alone = gen.forward_rows(model, [7], [copies[b]])
+            assert torch.equal(alone[0], together[b])
+
+
+@pytest.mark.parametrize("route", ROUTED)
+def test_engine_greedy_equals_each_request_alone(model, route):
+    """The engine under each route: every request's tokens equal the request run alone through it, and the
+    model is left on torch's route between steps."""
+    from test_engine import _requests
+
+    reqs = _requests(n_new=12)[:6]
+    engine = Engine(model, max_batch=3, prefill_chunk=32, linears=route)
+    seen = []  # whether each q_proj call of the engine's steps went through the route
+    hook = model.model.layers[0].self_attn.q_proj.register_forward_pre_hook(lambda m, a: seen.append("forward" in m.__dict__))
+    try:
+        together = engine.run(reqs)
+    finally:
+        hook.remove()
+    assert seen and all(seen)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert (engine.memory()["packed_weight_bytes"] > 0) == (route == "packed")
+    for req, got in zip(reqs, together, strict=True):
+        alone = Engine(model, prefill_chunk=32, linears=route).run([req])[0]
+        assert got.tokens == alone.tokens, req.cache.to_spec()
+
+
+def test_concurrency_bench_takes_the_route(model):
+    from kvslim.bench.concurrency import measure_concurrency
+    from kvslim.bench.modes import build_modes
+
+    modes, _ = build_modes(model, ["int4"])
+    for route in ("torch", "packed"):
+        rows = measure_concurrency(model, modes, 24, 4, 1, warmup=0, continuous_batching=False, linears=route)
+        assert [r.mode for r in rows] == [m.name for m in modes] and all(r.aggregate_tok_s > 0 for r in rows)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_engine_requests_of_the_real_route_match_torch_route_tokens(model):
+    """On the tiny model the routes' rounding differences do not change greedy tokens (a guard that the route
+    computes the same products, not a promise for every model)."""
+    req = Request(list(range(3, 40)), max_new_tokens=10, cache="int4")
+    got = {r: Engine(model, prefill_chunk=16, linears=r).run([req])[0].tokens for r in ("torch", *ROUTED)}
+    assert got["onednn"] == got["torch"] == got["packed"]
