@@ -55,12 +55,18 @@ def test_concurrent_greedy_equals_each_request_alone(model):
         assert got.finish_reason == "length" and len(got.tokens) == req.max_new_tokens
 
 
-def test_ragged_rows_are_bit_identical_whatever_shares_the_step(model):
-    """forward_rows: a row's logits do not depend on the other rows (filler rows pad small steps)."""
+@pytest.mark.parametrize("route", ["torch", "onednn", "packed"])
+def test_ragged_rows_are_bit_identical_whatever_shares_the_step(model, route):
+    """forward_rows, the linear layers on each route (kvslim.engine.linears): a row's logits do not depend on the
+    other rows (filler rows pad small steps)."""
+    from kvslim.engine.linears import Linears, onednn_ready
+
+    if route != "torch" and not onednn_ready():
+        pytest.skip("this torch has no oneDNN")
     reqs = _requests()[:5]
     caches = [SlimCache.from_config(r.cache, config=model.config) for r in reqs]
     copies = [SlimCache.from_config(r.cache, config=model.config) for r in reqs]
-    with torch.inference_mode():
+    with torch.inference_mode(), Linears(model, route).routed():
         for r, c, d in zip(reqs, caches, copies, strict=True):
             gen.prefill(model, torch.tensor([r.prompt]), c)
             gen.prefill(model, torch.tensor([r.prompt]), d)

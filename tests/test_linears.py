@@ -8,8 +8,6 @@ import torch
 
 import kvslim
 from conftest import tiny_model
-from kvslim import SlimCache
-from kvslim import generate as gen
 from kvslim.engine import Engine, Request
 from kvslim.engine import linears as lin
 
@@ -181,25 +179,6 @@ def test_a_row_rounds_the_same_for_every_multiple_of_4(shape, route):
         ref = net(x[:4])
         for m in (8, 12, 16, 20, 36, 64, 132, 260, 1028, 1100):
             assert torch.equal(net(x[:m])[:4], ref), m
-
-
-@pytest.mark.parametrize("route", ROUTED)
-def test_ragged_rows_are_bit_identical_with_the_route(model, route):
-    """forward_rows under each route: a row's logits do not depend on the other rows."""
-    from test_engine import _requests
-
-    routes = lin.Linears(model, route)
-    reqs = _requests()[:5]
-    caches = [SlimCache.from_config(r.cache, config=model.config) for r in reqs]
-    copies = [SlimCache.from_config(r.cache, config=model.config) for r in reqs]
-    with torch.inference_mode(), routes.routed():
-        for r, c, d in zip(reqs, caches, copies, strict=True):
-            gen.prefill(model, torch.tensor([r.prompt]), c)
-            gen.prefill(model, torch.tensor([r.prompt]), d)
-        together = gen.forward_rows(model, [7] * 5, caches)
-        for b in range(5):
-            alone = gen.forward_rows(model, [7], [copies[b]])
-            assert torch.equal(alone[0], together[b])
 
 
 @pytest.mark.parametrize("route", ROUTED)
