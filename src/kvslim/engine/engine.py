@@ -90,7 +90,7 @@ class Engine(Stepping):
     copy's bytes are reserved on top of the cache's until the prompt is read, and a prompt whose copy would not fit
     the budget alone, or whose cache's window is shorter than the prompt, goes without. linears: which library
     runs the model's linear layers inside a step (:mod:`kvslim.engine.linears`: ``torch``, the default; ``onednn``;
-    ``packed``, oneDNN with a second copy of the weights); outside a step the model is untouched.
+    ``packed``, oneDNN with a second copy of the weights); outside a step, and on other threads, torch's own.
     """
 
     def __init__(
