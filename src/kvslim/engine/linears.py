@@ -17,10 +17,10 @@ step's fp32 CPU ``nn.Linear`` layers through it:
 - ``torch`` (the default): torch's own ``linear``, untouched.
 
 Measured (docs/performance.md, "The weights' products"): under the torch profiler the step's linear ops take
-105-127 ms with torch's route, ~93 with ``onednn``, 75-90 with ``packed`` (16 rows, the embedded model), but a
-whole step under ``OMP_WAIT_POLICY=PASSIVE`` (the CLI's default) gains 0-5% with ``onednn`` and 0-7% with
-``packed``, within the machine's noise: each of oneDNN's ~211 calls a step wakes the sleeping OpenMP threads.
-With the runtime's own wait policy the gains were 7% and 11%. So the default stays torch's.
+126-130 ms a step with torch's route, 89-110 with ``onednn``, 84-97 with ``packed`` (16 rows, the embedded
+model), but a whole step under ``OMP_WAIT_POLICY=PASSIVE`` (the CLI's default) gains 0-4% with ``onednn`` and
+0-7% with ``packed``, within the machine's noise (where the rest goes is not explained yet). With the runtime's
+own wait policy the gains were 7% and 11%. So the default stays torch's.
 
 Bit-identity. The engine's rows are bit for bit what they are in a step of their own because the library
 rounds a row of a product the same whatever the row count, for multiples of 4 (:mod:`kvslim.cache.ragged`,
