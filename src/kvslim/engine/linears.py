@@ -85,7 +85,7 @@ def _routable(module: torch.nn.Module) -> bool:
         isinstance(module, torch.nn.Linear)
         and type(module).forward is torch.nn.Linear.forward
         and not torch.nn.utils.parametrize.is_parametrized(module)
-        and _plain_fp32_cpu(module.__dict__.get("_parameters", {}).get("weight"))
+        and _plain_fp32_cpu(module._parameters.get("weight"))
     )
 
 
@@ -98,7 +98,6 @@ def _dispatcher(module: torch.nn.Linear):
         route = _ACTIVE.get()
         return stock(x) if route is None else route._forward(module, x, stock)
 
-    forward.kvslim_linears = True
     return forward
 
 
