@@ -271,10 +271,11 @@ class SlimLayer:
             and self.v.half_residual(values)
         ):
             self.check(keys, values, finite_checked=True)  # shapes and dtypes
-            fast = (given, True) if given is not None else cpu_kernels.to_half_finite(keys, values)  # None: torch
-            halves, finite = fast if fast is not None else ((keys.to(torch.float16), values.to(torch.float16)), None)
-            if finite is None:
-                finite = bool(torch.isfinite(halves[0]).all() & torch.isfinite(halves[1]).all())
+            fast = (given, True) if given is not None else cpu_kernels.to_half_finite(keys, values)
+            if fast is None:  # the C library cannot here: cast with torch
+                halves = (keys.to(torch.float16), values.to(torch.float16))
+                fast = halves, bool(torch.isfinite(halves[0]).all() & torch.isfinite(halves[1]).all())
+            halves, finite = fast
             if not finite:
                 self.check(keys, values)  # a non-finite input: raises
                 self.k.cast(keys), self.v.cast(values)  # a value beyond float16's range: raises
