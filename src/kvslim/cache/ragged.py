@@ -231,12 +231,9 @@ class RaggedLayer(CacheLayerMixin):
         # One finiteness check for the whole step (a sync per layer, not per row); where it fails, each row
         # checks its own tokens: a bad row raises as a batch-1 cache would, or is dropped (module docstring).
         finite = bool(torch.isfinite(key_states).all() & torch.isfinite(value_states).all())
-        one = key_states[:, :, :1]  # where some one-token row's token goes into a float16 residual: the layer cast once
-        wanted = any(
-            c is not None and owner.spans[b][1] == 1 and c.layers[self.layer_idx].store.k.half_residual(one)
-            for b, c in enumerate(owner.caches)
-        )
-        halves = _halves(key_states, value_states) if finite and wanted else None
+        # the one-token rows' float16 residual tokens, cast once for the layer (a row that does not keep float16
+        # ignores its slice; casting the step's few tokens costs less than asking every row whether it does)
+        halves = _halves(key_states, value_states) if finite else None
         flushed = _batched_flushes(
             {
                 b: cache.layers[self.layer_idx].store
