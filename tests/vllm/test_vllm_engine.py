@@ -35,7 +35,7 @@ pytestmark = pytest.mark.slow
 
 PREFILL, FORCED = 24, 16
 #: The specs run in this process, one engine each (None: no kvslim spec, so vLLM's own backend runs).
-SPECS = ("none", "q4_0", "int8", None)
+SPECS = ("none", "q4_0", "int8", "q4_0,rotate=none", None)
 
 
 def _kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -56,6 +56,7 @@ def reference():
     from kvslim.evaluate.modes import cache_maker
     from kvslim.evaluate.perplexity import perplexity_through_cache
     from kvslim.models import load_model
+    from kvslim.vllm import basis
 
     model, tokenizer = load_model(None)
     ids = tokenizer(helpers.TEXT.read_text(encoding="utf-8")).input_ids
@@ -64,15 +65,21 @@ def reference():
     with torch.inference_mode():
         logits = [model(torch.tensor([s])).logits[0, PREFILL - 1 : -1].float() for s in segments]
         own = {}
-        # rotate=none: the same codes as the pages (kvslim's auto rotates q4_0); group=1: every token encoded as it
-        # arrives, as a page is; "q4_0,g32": kvslim's default group, its newest <= 31 tokens at full precision
-        for name, spec in (("q4_0", "q4_0,group=1"), ("q8_0", "q8_0,group=1"), ("q4_0,g32", "q4_0")):
+        # rotate=auto (Hadamard, as the pages' own auto: kvslim.vllm.basis) or none; group=1: every token encoded as
+        # it arrives, as a page is; "g32": kvslim's default group, its newest <= 31 tokens at full precision
+        owns = (
+            ("q4_0", "q4_0,group=1,rotate=none"),
+            ("q8_0", "q8_0,group=1,rotate=none"),
+            ("q4_0,g32", "q4_0" if basis.AUTO else "q4_0,rotate=none"),
+            ("q4_0,g32,rotate=none", "q4_0,rotate=none"),
+        )
+        for name, spec in owns:
             own[name] = torch.cat(
                 [
                     perplexity_through_cache(
                         model,
                         torch.tensor([s]),
-                        lambda spec=spec: make(parse_spec(f"{spec},residual=0,rotate=none")),
+                        lambda spec=spec: make(parse_spec(f"{spec},residual=0")),
                         prefill=PREFILL,
                         reference_logits=ref,
                         progress=False,
@@ -197,10 +204,13 @@ def test_kl_through_vllm_is_kvslims_own_on_the_same_codes(engines, stock, refere
     stock_kl = _kl(ref, stock["logits"]).mean().item()  # vLLM's model against transformers', no quantization
     q4 = _kl(ref, engines["q4_0"]["logits"]).mean().item()
     own = reference["own_kl"]["q4_0,g32"].mean().item()
+    q4_plain = _kl(ref, engines["q4_0,rotate=none"]["logits"]).mean().item()
+    own_plain = reference["own_kl"]["q4_0,g32,rotate=none"].mean().item()
     int8 = _kl(ref, engines["int8"]["logits"]).mean().item()
     print(
         f"\nKL vs transformers (mean over {ref.shape[0]} forced tokens): stock vLLM {stock_kl:.2e}, "
-        f"kvslim-in-vLLM q4_0 {q4:.4f}, kvslim's own q4_0 (default group 32) {own:.4f}, kvslim-in-vLLM int8 "
+        f"kvslim-in-vLLM q4_0 {q4:.4f} (rotate=none {q4_plain:.4f}), kvslim's own q4_0 (default group 32) {own:.4f} "
+        f"(rotate=none {own_plain:.4f}), kvslim-in-vLLM int8 "
         f"{int8:.5f}, kvslim's own q8_0 group 1 {reference['own_kl']['q8_0'].mean().item():.5f}, kvslim's own "
         f"q4_0 group 1 (every token encoded as it arrives) {reference['own_kl']['q4_0'].mean().item():.4f}"
     )
@@ -214,6 +224,7 @@ def test_kl_through_vllm_is_kvslims_own_on_the_same_codes(engines, stock, refere
         )
     assert stock_kl < 0.1 * own
     assert q4 <= 1.10 * own, (q4, own)
+    assert q4_plain <= 1.10 * own_plain, (q4_plain, own_plain)
     assert int8 < q4
     # every key at full precision until the first page fills (the prompt's 24 tokens and the next ones, staged),
     # including the step of its 32nd token (position 31, forced token 8): as exact as stock vLLM; then its codes

@@ -52,7 +52,6 @@ def test_bad_specs_say_what_slimcaches_say():
         ("q4_0,sink=4,window=60", "KV-cache manager"),
         ("q4_0,window=60", "KV-cache manager"),
         ("int4,residual=64", "residual"),
-        ("q4_0,rotate=kv", "rotation"),
         ("int2", "per-channel"),
         ("fp8", "page layout"),
         ("q4_0,keep_layers=first", "per-layer"),
@@ -63,9 +62,10 @@ def test_what_a_page_cannot_honour_is_refused(spec, words):
     assert words in _message({"kvslim": spec})
 
 
-def test_rotate_and_pre_rope_auto_resolve_to_off():
+def test_rotate_and_pre_rope_auto_are_taken():
+    """pre_rope=auto resolves to off in vLLM; rotate=auto is resolved on the page layout (tests/test_vllm_basis.py)."""
     config = from_sources({"kvslim": "int4,v=int2,rotate=auto,pre_rope=auto"}, {})
-    assert (config.k_format, config.v_format) == ("int4", "int2")
+    assert (config.k_format, config.v_format, config.rotate) == ("int4", "int2", "auto")
 
 
 def test_version_is_pinned():

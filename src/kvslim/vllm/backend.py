@@ -52,6 +52,8 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from . import attend as paged
+from .basis import PageBasis
+from .basis import attend as attend_in_basis
 from .pages import PAGE_TOKENS, PageLayout
 from .spec import from_sources, given
 from .staging import Stager, pool_bytes, slots_from_env
@@ -60,6 +62,8 @@ logger = init_logger("vllm.kvslim")  # under vLLM's configured "vllm" logger, so
 
 #: The page layout built last in this process, by head size (what customize_spec reads).
 _LAYOUTS: dict[int, PageLayout] = {}
+#: The rotation of the pages built last in this process, by head size (for the start-up line).
+_BASES: dict[int, PageBasis] = {}
 #: Whether the engine built last in this process gave a kvslim spec ("active"), for the calls made without vLLM's
 #: current config set.
 _STATE: dict[str, bool] = {}
@@ -76,14 +80,21 @@ def active() -> bool:
 
 def layout_for(vllm_config: VllmConfig, head_size: int) -> PageLayout:
     """The page layout of this engine's spec for ``head_size`` (ValueError in one line for a bad spec)."""
+    return _pages_for(vllm_config, head_size)[0]
+
+
+def _pages_for(vllm_config: VllmConfig, head_size: int) -> tuple[PageLayout, PageBasis]:
+    """The page layout of this engine's spec for ``head_size`` and the rotation its pages are stored in (ValueError
+    in one line for a bad spec, a rotation included)."""
     config = from_sources(vllm_config.additional_config)
     model_dtype = vllm_config.model_config.dtype
     try:
         layout = PageLayout.of(config.k_format, config.v_format, head_size, model_dtype)
     except ValueError as e:
         raise ValueError(f"kvslim: {' '.join(str(e).split())}") from None
-    _LAYOUTS[head_size] = layout
-    return layout
+    rotation = PageBasis.of(config, layout)
+    _LAYOUTS[head_size], _BASES[head_size] = layout, rotation
+    return layout, rotation
 
 
 class KvslimCPUBackend(CPUAttentionBackend):
@@ -136,13 +147,16 @@ class KvslimCPUBackend(CPUAttentionBackend):
             raise ValueError(
                 f"kvslim: K and V head sizes differ ({spec.head_size}, {spec.head_size_v}): not supported"
             )
+        rotated = _BASES.get(spec.head_size)
         logger.info_once(
-            "kvslim pages: K %s, V %s, %d bytes per token and KV head (%s bytes in %s); attention: %s",
+            "kvslim pages: K %s, V %s, %d bytes per token and KV head (%s bytes in %s), Hadamard-rotated: %s; "
+            "attention: %s",
             layout.k.name,
             layout.v.name,
             layout.row_bytes,
             2 * spec.head_size * spec.dtype.itemsize,
             spec.dtype,
+            "?" if rotated is None else rotated.name,
             paged.status(),
         )
         return replace(spec, dtype=torch.uint8, state_content_bytes=layout.row_bytes)
@@ -243,7 +257,7 @@ class KvslimCPUImpl(AttentionImpl):
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         config = get_current_vllm_config()
-        self.layout = layout_for(config, head_size)
+        self.layout, self.basis = _pages_for(config, head_size)
         self.stage_layout = PageLayout.of("none", "none", head_size, config.model_config.dtype)
         self.staged: torch.Tensor | None = None  # this layer's staging pool, made on first use
 
@@ -268,6 +282,8 @@ class KvslimCPUImpl(AttentionImpl):
         # The step's own tokens are attended on their raw K/V, the history on the pages' codes (kvslim.vllm.attend);
         # a layer sharing another's KV cache has no K/V of its own: everything from the pages.
         raw = key is not None and value is not None and self.kv_sharing_target_layer_name is None
+        # A rotated cache (kvslim.vllm.basis): the step's K/V and the queries in the stored basis, the output back
+        keys, values = (self.basis.keys(key[:n]), self.basis.values(value[:n])) if raw else (None, None)
         staged = None
         if raw and attn_metadata.stage_map is not None:  # this step's tokens into their staging slots first
             if self.staged is None:
@@ -278,9 +294,10 @@ class KvslimCPUImpl(AttentionImpl):
                     self.stage_layout.row_bytes,
                 )
                 self.staged = torch.empty(shape, dtype=torch.uint8)  # a row is read only once written
-            paged.store(self.stage_layout, self.staged, key[:n], value[:n], attn_metadata.stage_dest)
+            paged.store(self.stage_layout, self.staged, keys, values, attn_metadata.stage_dest)
             staged = paged.Staged(self.staged, self.stage_layout, attn_metadata.stage_map)
-        paged.attend(
+        attend_in_basis(
+            self.basis,
             self.layout,
             kv_cache,
             query[:n],
@@ -289,8 +306,8 @@ class KvslimCPUImpl(AttentionImpl):
             self.scale,
             self.sliding_window,
             attn_metadata.causal,
-            key[:n] if raw else None,
-            value[:n] if raw else None,
+            keys,
+            values,
             staged,
         )
         return output
@@ -303,5 +320,5 @@ class KvslimCPUImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        """key, value: (N, H_kv, D): encoded once and stored in their slots."""
-        paged.store(self.layout, kv_cache, key, value, slot_mapping)
+        """key, value: (N, H_kv, D): encoded once (in the pages' basis) and stored in their slots."""
+        paged.store(self.layout, kv_cache, self.basis.keys(key), self.basis.values(value), slot_mapping)

@@ -17,8 +17,10 @@ choose which tokens are kept, when a token is quantized, or which layers are spe
 :class:`~kvslim.config.CacheConfig` that decide those are refused here, one line each (:func:`check_supported`):
 ``sink``/``window`` (StreamingLLM eviction is the KV-cache manager's business: docs/vllm.md), ``residual``
 (every token is encoded as it is written, as llama.cpp does: residual 0), ``keep_layers``, ``positions``,
-``residual_dtype``, and, until they are built, ``rotate`` (Hadamard), ``pre_rope`` and ``mean_center``.
-``rotate=auto`` and ``pre_rope=auto`` resolve to off.
+``residual_dtype``, and, until they are built, ``pre_rope`` and ``mean_center`` (and so ``rotate=fitted``, whose
+matrices come with a ``mean_center`` file).
+``pre_rope=auto`` resolves to off; ``rotate`` (Hadamard) is honoured inside the backend (:mod:`.basis`, which
+checks it against the page layout).
 
 This module imports nothing of vLLM.
 """
@@ -109,11 +111,6 @@ def check_supported(config: CacheConfig) -> None:
     for name, why in _REFUSED.items():
         if getattr(config, name) != getattr(defaults, name):
             raise ValueError(f"kvslim: {name}={getattr(config, name)!r} is not supported in vLLM: {why}")
-    if config.rotate not in ("auto", "none"):
-        raise ValueError(
-            f"kvslim: rotate={config.rotate!r} is not supported in vLLM yet (Hadamard rotation inside the backend "
-            f"is not built); use rotate=none or leave it at auto"
-        )
     if config.pre_rope is True:
         raise ValueError(
             "kvslim: pre_rope=1 is not supported in vLLM (K is written after RoPE by vLLM's model)"

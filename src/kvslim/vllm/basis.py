@@ -1,0 +1,131 @@
+"""Hadamard rotation of kvslim pages inside vLLM's backend: which roles are rotated, and the four places it applies.
+
+kvslim's own cache stores its quantized K and V rotated by an orthonormal Hadamard matrix (QuaRot, llama.cpp since
+PR #21038; :mod:`kvslim.cache.hadamard`): a channel's outlier is spread over its block before a scale is chosen.
+Attention does not change, because ``H`` is orthonormal and its own inverse: ``(H q) . (H k) = q . k`` and
+``sum_i p_i (H v_i) = H (sum_i p_i v_i)``. Inside vLLM the backend keeps the whole stored history in the rotated
+basis, and rotates only what crosses its border:
+
+- the K and V a step writes (:meth:`PageBasis.keys`, :meth:`PageBasis.values`), before they are encoded into
+  their pages or copied into a staging slot (:mod:`.staging`), so a page's codes, a staged page and the step's own
+  raw K/V are all in one basis;
+- the queries, by K's matrix (:meth:`PageBasis.queries`), before the kernel scores them;
+- the attention output, by V's matrix (:meth:`PageBasis.output`), after the kernel sums the values.
+
+The matrix is kvslim's own (:class:`~kvslim.cache.hadamard.Hadamard`: Sylvester, block the largest power of two
+dividing head_dim), so a rotated page holds byte for byte the codes kvslim's own cache encodes for the same K/V
+with the same rotation (tests/test_vllm_basis.py). Rotated values are float32; the encoders take them as they are.
+
+``rotate``: ``none``; ``k``, ``v``, ``kv``: those roles (each must be stored encoded: a rotation of fp16/bf16/fp32
+values only adds rounding, and is refused as kvslim's own cache refuses it); ``auto``: every encoded role whose
+head_dim allows a rotation, as kvslim's own cache resolves it (:data:`AUTO`); ``fitted`` is refused (its matrices
+come from a calibration file, not read here).
+
+This module imports nothing of vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..cache.hadamard import Hadamard
+from ..config import CacheConfig
+from . import attend as paged
+from .pages import PageLayout
+
+#: Whether ``rotate=auto`` rotates the encoded roles in pages, as it does in kvslim's own cache (docs/vllm.md,
+#: "Hadamard rotation": measured through vLLM on the embedded model).
+AUTO = True
+
+
+@dataclass(frozen=True)
+class PageBasis:
+    """The rotation of each role (None: stored as given)."""
+
+    k: Hadamard | None = None
+    v: Hadamard | None = None
+
+    @classmethod
+    def of(cls, config: CacheConfig, layout: PageLayout) -> PageBasis:
+        """The rotations ``config.rotate`` asks for on ``layout``'s parts; ValueError in one line (prefixed
+        ``kvslim:``) for a rotation that cannot be honoured."""
+        rotate = config.rotate
+        if rotate == "fitted":  # (its file is a mean_center file, which the spec refuses first)
+            raise ValueError(
+                "kvslim: rotate='fitted' is not supported in vLLM (its matrices come from a calibration file the "
+                "plugin does not read); use rotate=auto, k, v or kv (a Hadamard rotation)"
+            )
+        encoded = {role: getattr(layout, role).family != "cast" for role in "kv"}
+        if rotate == "auto":
+            roles = [r for r in "kv" if AUTO and encoded[r]]
+        else:
+            roles = [r for r in "kv" if r in rotate.replace("none", "")]
+            plain = [r for r in roles if not encoded[r]]
+            if plain:
+                names = " and ".join(f"{r.upper()} ({getattr(layout, r).name})" for r in plain)
+                raise ValueError(
+                    f"kvslim: rotate={rotate!r}: {names} is stored as plain values in pages, which a rotation would "
+                    f"only round: only encoded (quantized) tensors are stored rotated"
+                )
+        rotations = {}
+        for role in roles:
+            try:
+                rotations[role] = Hadamard.for_head_dim(layout.head_dim)
+            except ValueError as e:
+                if rotate == "auto":
+                    continue  # a head_dim without a Hadamard block: auto leaves it as it is, as kvslim's own cache does
+                raise ValueError(f"kvslim: rotate={rotate!r}: {' '.join(str(e).split())}") from None
+        return cls(rotations.get("k"), rotations.get("v"))
+
+    @property
+    def name(self) -> str:
+        """``none``, ``k``, ``v`` or ``kv``: what is rotated."""
+        return "".join(r for r in "kv" if getattr(self, r) is not None) or "none"
+
+    def keys(self, x: torch.Tensor) -> torch.Tensor:
+        """Keys (N, H_kv, D) as the pages store them: rotated to float32 by K's matrix, or as given."""
+        return x if self.k is None else self.k.apply(x)
+
+    def values(self, x: torch.Tensor) -> torch.Tensor:
+        """Values (N, H_kv, D) as the pages store them: rotated to float32 by V's matrix, or as given."""
+        return x if self.v is None else self.v.apply(x)
+
+    def queries(self, q: torch.Tensor) -> torch.Tensor:
+        """Queries (N, H_q, D) in the keys' basis (float32), or as given."""
+        return q if self.k is None else self.k.apply(q)
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """The kernel's output (N, H_q, D), a sum of stored values, back to the model's basis (float32; ``H`` is its
+        own inverse), or as given."""
+        return o if self.v is None else self.v.inverse(o)
+
+
+def attend(
+    basis: PageBasis,
+    layout: PageLayout,
+    kv_cache: torch.Tensor,
+    query: torch.Tensor,
+    out: torch.Tensor,
+    rows: paged.Rows,
+    scale: float,
+    window: int = 0,
+    causal: bool = True,
+    keys: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    staged: paged.Staged | None = None,
+) -> None:
+    """:func:`kvslim.vllm.attend.attend` on pages stored in ``basis``: the queries rotated into K's basis, the output
+    written into ``out`` in the model's basis. ``keys``, ``values``: the step's raw K/V already in the basis
+    (:meth:`PageBasis.keys`, :meth:`PageBasis.values`), as the staging slots hold them."""
+    if basis.v is None:
+        paged.attend(
+            layout, kv_cache, basis.queries(query), out, rows, scale, window, causal, keys, values, staged
+        )
+        return
+    summed = torch.empty(out.shape, dtype=torch.float32)  # the values' sum, in V's basis
+    paged.attend(
+        layout, kv_cache, basis.queries(query), summed, rows, scale, window, causal, keys, values, staged
+    )
+    out.copy_(basis.output(summed))
