@@ -64,7 +64,10 @@ def test_rotating_plain_values_is_refused_in_one_line(spec, words):
 def test_a_hadamard_rotation_is_taken_and_a_fitted_one_refused():
     assert from_sources({"kvslim": "q4_0,rotate=kv"}, {}).rotate == "kv"
     with pytest.raises(ValueError, match=r"^kvslim: rotate='fitted' is not supported in vLLM"):
-        PageBasis.of(SimpleNamespace(rotate="fitted"), PageLayout.of("q4_0", "q4_0", 64, torch.float32))
+        PageBasis.of(
+            SimpleNamespace(rotate="fitted", mean_center=None),
+            PageLayout.of("q4_0", "q4_0", 64, torch.float32),
+        )
 
 
 def _kv(n: int, h: int, d: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,7 +133,7 @@ def _pages(layout, basis, kv_lens, q_lens, h_q, h_kv, d=64, seed=0):
         write(
             layout,
             pages,
-            basis.keys(k[: n - m]),
+            basis.keys(k[: n - m], 0),
             basis.values(v[: n - m]),
             table[r, pos // T].long() * T + pos % T,
         )
@@ -141,7 +144,7 @@ def _pages(layout, basis, kv_lens, q_lens, h_q, h_kv, d=64, seed=0):
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     query = torch.randn(int(starts[-1]), h_q, d, generator=g)
     rows = paged.Rows.of(starts, torch.tensor(kv_lens, dtype=torch.int32), table)
-    raw = (basis.keys(torch.cat(new_k)), basis.values(torch.cat(new_v)))
+    raw = (basis.keys(torch.cat(new_k), 0), basis.values(torch.cat(new_v)))
     return pages, query, rows, raw, (ks, vs)
 
 
@@ -199,3 +202,91 @@ def test_rotated_low_bit_pages_attend_closer_to_the_exact_values(fmt):
         vb.attend(basis, layout, pages, query, out, rows, 0.125, 0, True, key, value)
         errors[name] = ((out - _exact(query, rows, ks, vs, 0.125)) ** 2).mean().item()
     assert errors["kv"] < 0.7 * errors["none"], errors
+
+
+# ------------------------------------------------------------------ K mean-centering (mean_center=FILE)
+
+
+def _bias_file(tmp_path, n_layers=2, h=3, d=64, k_rot=True, pre_rope=False, seed=0, name="b.gguf"):
+    from kvslim.calibration.biasfile import write_bias_file
+    from kvslim.calibration.biasset import BiasSet
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = [torch.randn(h, d, generator=g) * 3 for _ in range(n_layers)]
+    path = tmp_path / name
+    write_bias_file(
+        path,
+        BiasSet(tensors, k_rot=k_rot, pre_rope=pre_rope, cache_type="q4_0", channel_order="transformers"),
+    )
+    return str(path), tensors
+
+
+def _centered(spec, path, n_layers=2, h=3, d=64):
+    config = parse_spec(f"{spec},mean_center={path}")
+    layout = PageLayout.of(config.k_format, config.v_format, d, torch.float32)
+    return PageBasis.of(config, layout, vb.ModelShape(n_layers, h, "llama"))
+
+
+def test_a_centered_layer_stores_its_keys_minus_its_bias_in_the_files_basis(tmp_path):
+    rot, tensors = _bias_file(tmp_path, k_rot=True)
+    basis = _centered("q4_0", rot)
+    assert basis.name == "kv" and len(basis.k_bias) == 2
+    x = torch.randn(5, 3, 64)
+    torch.testing.assert_close(basis.keys(x, 1), basis.k.apply(x) - tensors[1])
+    assert torch.equal(basis.values(x), basis.v.apply(x))  # V is not centered
+    plain, tensors = _bias_file(tmp_path, k_rot=False, name="plain.gguf")
+    basis = _centered("q4_0", plain)
+    assert basis.name == "v"  # rotate=auto: K as the file records it (unrotated), V rotated
+    torch.testing.assert_close(basis.keys(x, 0), x - tensors[0])
+
+
+@pytest.mark.parametrize(
+    "make,spec,words",
+    [
+        (
+            lambda p: _bias_file(p, k_rot=False)[0],
+            "q4_0,rotate=kv",
+            "k_rot=false",
+        ),  # the file's basis is not K's
+        (lambda p: _bias_file(p, pre_rope=True)[0], "q4_0", "before RoPE"),
+        (lambda p: _bias_file(p, n_layers=3)[0], "q4_0", "layer"),
+        (lambda p: str(p / "absent.gguf"), "q4_0", "absent.gguf"),
+    ],
+)
+def test_a_bias_file_that_does_not_fit_is_refused_in_one_line(tmp_path, make, spec, words):
+    with pytest.raises(ValueError) as e:
+        _centered(spec, make(tmp_path))
+    text = str(e.value)
+    assert text.startswith("kvslim: ") and words in text and "\n" not in text, text
+
+
+def test_a_ranks_share_of_the_heads_is_refused(tmp_path):
+    path, _ = _bias_file(tmp_path)
+    basis = _centered("q4_0", path)
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        basis.keys(torch.randn(4, 1, 64), 0)  # one of three KV heads
+    with pytest.raises(ValueError, match="no K bias for layer 2"):
+        basis.keys(torch.randn(4, 3, 64), 2)
+
+
+@pytest.mark.parametrize("reference", [False, True], ids=["kernel", "reference"])
+def test_attention_over_centered_pages_is_attention_over_the_keys(tmp_path, reference, monkeypatch):
+    """Every key centered alike (the pages' and the step's raw ones): each query's scores move by q . bias, which the
+    softmax ignores; fp32 pages, decode rows and a prefill chunk."""
+    if reference:
+        monkeypatch.setenv(paged.KERNEL_ENV, "reference")
+    elif paged.library() is None:
+        pytest.skip(f"C kernels unavailable: {paged.status()}")
+    path, tensors = _bias_file(tmp_path, n_layers=1, k_rot=False)
+    basis = PageBasis(k_bias=(tensors[0] * 5,))  # large, so that forgetting one side would show
+    layout = PageLayout.of("none", "none", 64, torch.float32)
+    kv_lens, q_lens = [70, 33, 1, 100], [1, 1, 1, 37]
+    pages, query, rows, (key, value), (ks, vs) = _pages(layout, basis, kv_lens, q_lens, 9, 3)
+    out = torch.full(query.shape, float("nan"))
+    vb.attend(basis, layout, pages, query, out, rows, 0.125, 0, True, key, value)
+    torch.testing.assert_close(out, _exact(query, rows, ks, vs, 0.125), atol=2e-4, rtol=2e-4)
+    uncentered_raw = PageBasis()  # the step's own keys left uncentered: no longer one shift for every key
+    wrong = torch.zeros(query.shape)
+    raw_k = torch.cat([k[n - m :] for k, n, m in zip(ks, kv_lens, q_lens, strict=True)])
+    vb.attend(uncentered_raw, layout, pages, query, wrong, rows, 0.125, 0, True, raw_k, value)
+    assert (wrong - _exact(query, rows, ks, vs, 0.125)).abs().max() > 1e-2

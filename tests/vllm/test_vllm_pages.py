@@ -427,3 +427,63 @@ def test_the_staging_pool_is_sized_by_max_num_seqs_or_the_environment():
         slots_from_env(64, {"KVSLIM_VLLM_STAGED_SLOTS": "-3"})
     # bf16, SmolLM2-135M (30 layers, 3 KV heads, D 64), 64 slots: 45 MiB (docs/vllm.md)
     assert pool_bytes(64, 30, 3, 64, 2) == 45 * 2**20
+
+
+# ------------------------------------------------------------------------------------------------- sink pages
+
+
+def test_a_sink_page_stays_staged_while_a_running_sequence_starts_with_it():
+    t = PAGE_TOKENS
+    st = Stager(3, sink_pages=1)
+    # a 40-token prefill: its first page (5) filled in one step is staged all the same, as a sink; page 7 starts
+    dest = st.plan(torch.cat([5 * t + torch.arange(32), 7 * t + torch.arange(8)]), sinks=[5])
+    s5 = int(st.map[5])
+    assert s5 >= 0 and dest[:32].tolist() == [s5 * t + i for i in range(32)]
+    for off in range(8, 32):  # page 7 fills; page 5 stays
+        st.plan(torch.tensor([7 * t + off]), sinks=[5])
+    st.plan(torch.tensor([9 * t]), sinks=[5])  # page 7 released (full, not a sink); page 5 held
+    assert int(st.map[7]) == -1 and int(st.map[5]) == s5 and int(st.map[9]) >= 0
+    # two pages start: one takes the free slot, the other evicts page 9 (least recently written), never page 5
+    st.plan(torch.tensor([11 * t, 12 * t]), sinks=[5])
+    assert int(st.map[5]) == s5 and int(st.map[11]) >= 0 and int(st.map[12]) >= 0 and int(st.map[9]) == -1
+    # three pages start with two slots not a sink's: one is not staged
+    dest = st.plan(torch.tensor([15 * t, 16 * t, 17 * t]), sinks=[5])
+    assert int(st.map[5]) == s5 and (dest >= 0).sum() == 2
+    for _ in range(3):  # idle steps: the least recently written slot would be page 5's, were it not a sink
+        st.plan(torch.tensor([13 * t + 0]), sinks=[5])
+    assert int(st.map[5]) == s5
+    # the sequence ends: at the first step no running sequence starts with page 5, its slot is released
+    st.plan(torch.tensor([14 * t]), sinks=[])
+    assert int(st.map[5]) == -1
+
+
+def test_a_reused_sink_page_id_is_staged_anew():
+    t = PAGE_TOKENS
+    st = Stager(4, sink_pages=1)
+    st.plan(3 * t + torch.arange(32), sinks=[3])  # request A's sink page, full, staged
+    st.plan(torch.tensor([4 * t]), sinks=[3])
+    slot = int(st.map[3])
+    # A finished; request B gets page 3 as its first page again and prefills 10 tokens: staged from offset 0 anew
+    dest = st.plan(3 * t + torch.arange(10), sinks=[3])
+    assert int(st.map[3]) == slot and dest.tolist() == [slot * t + i for i in range(10)]
+
+
+def test_sink_pages_are_the_first_pages_each_sequence_has():
+    from kvslim.vllm.staging import sink_pages_of
+
+    table = torch.tensor([[4, 9, 2], [7, 1, 0], [3, 0, 0]], dtype=torch.int32)
+    lens = torch.tensor([70, 33, 5])  # 3, 2 and 1 pages
+    assert sink_pages_of(table, lens, 1) == [4, 7, 3]
+    assert sink_pages_of(table, lens, 2) == [4, 9, 7, 1, 3]  # the third row has one page so far
+    assert sink_pages_of(table, lens[:2], 1) == [4, 7]  # rows beyond the running ones are not read
+    assert sink_pages_of(table, lens, 0) == []
+
+
+def test_sink_is_taken_and_a_window_refused():
+    from kvslim.vllm.spec import from_sources, sink_pages
+
+    assert sink_pages(from_sources({"kvslim": "q4_0,sink=4"}, {})) == 1
+    assert sink_pages(from_sources({"kvslim": "q4_0,sink=64"}, {})) == 2
+    assert sink_pages(from_sources({"kvslim": "q4_0"}, {})) == 0
+    with pytest.raises(ValueError, match="window=60 is not supported in vLLM"):
+        from_sources({"kvslim": "q4_0,sink=4,window=60"}, {})

@@ -52,11 +52,11 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from . import attend as paged
-from .basis import PageBasis
+from .basis import ModelShape, PageBasis
 from .basis import attend as attend_in_basis
 from .pages import PAGE_TOKENS, PageLayout
-from .spec import from_sources, given
-from .staging import Stager, pool_bytes, slots_from_env
+from .spec import from_sources, given, sink_pages
+from .staging import Stager, pool_bytes, sink_pages_of, slots_from_env
 
 logger = init_logger("vllm.kvslim")  # under vLLM's configured "vllm" logger, so its INFO lines show
 
@@ -92,7 +92,11 @@ def _pages_for(vllm_config: VllmConfig, head_size: int) -> tuple[PageLayout, Pag
         layout = PageLayout.of(config.k_format, config.v_format, head_size, model_dtype)
     except ValueError as e:
         raise ValueError(f"kvslim: {' '.join(str(e).split())}") from None
-    rotation = PageBasis.of(config, layout)
+    mc = vllm_config.model_config
+    model = ModelShape(
+        mc.hf_text_config.num_hidden_layers, mc.get_total_num_kv_heads(), getattr(mc.hf_config, "model_type", None)
+    )
+    rotation = PageBasis.of(config, layout, model)
     _LAYOUTS[head_size], _BASES[head_size] = layout, rotation
     return layout, rotation
 
@@ -189,9 +193,16 @@ class KvslimMetadataBuilder(AttentionMetadataBuilder[KvslimMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         # one Stager per engine (this builder's layers share it); lossless pages need no staging
         layout = layout_for(vllm_config, kv_cache_spec.head_size)
-        slots = slots_from_env(vllm_config.scheduler_config.max_num_seqs)
+        sinks = sink_pages(from_sources(vllm_config.additional_config))
+        # a slot per running sequence for its partly filled page, and one per sink page (kvslim.vllm.staging)
+        slots = slots_from_env(vllm_config.scheduler_config.max_num_seqs * (1 + sinks))
         lossy = layout.k.family != "cast" or layout.v.family != "cast"
-        self.stager = Stager(slots) if lossy and slots > 0 else None
+        if sinks and lossy and slots == 0:
+            raise ValueError(
+                "kvslim: sink keeps each sequence's first pages in the staging pool, which "
+                "$KVSLIM_VLLM_STAGED_SLOTS=0 turns off; give it slots or drop sink"
+            )
+        self.stager = Stager(slots, sink_pages=sinks) if lossy and slots > 0 else None
         if self.stager is not None:
             size = vllm_config.model_config.dtype.itemsize
             per_layer = pool_bytes(slots, 1, kv_cache_spec.num_kv_heads, kv_cache_spec.head_size, size)
@@ -213,7 +224,8 @@ class KvslimMetadataBuilder(AttentionMetadataBuilder[KvslimMetadata]):
         rows = paged.Rows.of(m.query_start_loc_cpu, m.seq_lens.cpu(), m.block_table_tensor)
         meta = KvslimMetadata(m.num_actual_tokens, rows, m.slot_mapping, bool(m.causal))
         if self.stager is not None:
-            meta.stage_dest = self.stager.plan(m.slot_mapping[: m.num_actual_tokens])
+            sinks = sink_pages_of(m.block_table_tensor, m.seq_lens, self.stager.sink_pages)
+            meta.stage_dest = self.stager.plan(m.slot_mapping[: m.num_actual_tokens], sinks)
             meta.stage_map, meta.stage_slots = self.stager.map, self.stager.slots
         return meta
 
@@ -260,6 +272,7 @@ class KvslimCPUImpl(AttentionImpl):
         self.layout, self.basis = _pages_for(config, head_size)
         self.stage_layout = PageLayout.of("none", "none", head_size, config.model_config.dtype)
         self.staged: torch.Tensor | None = None  # this layer's staging pool, made on first use
+        self._layer: int | None = None  # the model layer (its K bias), read from the first call's layer name
 
     def forward(
         self,
@@ -283,7 +296,10 @@ class KvslimCPUImpl(AttentionImpl):
         # a layer sharing another's KV cache has no K/V of its own: everything from the pages.
         raw = key is not None and value is not None and self.kv_sharing_target_layer_name is None
         # A rotated cache (kvslim.vllm.basis): the step's K/V and the queries in the stored basis, the output back
-        keys, values = (self.basis.keys(key[:n]), self.basis.values(value[:n])) if raw else (None, None)
+        if raw:
+            keys, values = self.basis.keys(key[:n], self._layer_index(layer)), self.basis.values(value[:n])
+        else:
+            keys = values = None
         staged = None
         if raw and attn_metadata.stage_map is not None:  # this step's tokens into their staging slots first
             if self.staged is None:
@@ -321,4 +337,16 @@ class KvslimCPUImpl(AttentionImpl):
         slot_mapping: torch.Tensor,
     ) -> None:
         """key, value: (N, H_kv, D): encoded once (in the pages' basis) and stored in their slots."""
-        paged.store(self.layout, kv_cache, self.basis.keys(key), self.basis.values(value), slot_mapping)
+        keys = self.basis.keys(key, self._layer_index(layer))
+        paged.store(self.layout, kv_cache, keys, self.basis.values(value), slot_mapping)
+
+    def _layer_index(self, layer) -> int | None:
+        """The model layer of vLLM's attention ``layer`` (its name, ``model.layers.12.self_attn.attn``), read once: which
+        K bias its keys take (None where the pages are not centered)."""
+        if self.basis.k_bias is None:
+            return None
+        if self._layer is None:
+            from vllm.model_executor.models.utils import extract_layer_index
+
+            self._layer = extract_layer_index(layer.layer_name)
+        return self._layer

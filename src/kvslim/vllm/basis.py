@@ -16,6 +16,15 @@ The matrix is kvslim's own (:class:`~kvslim.cache.hadamard.Hadamard`: Sylvester,
 dividing head_dim), so a rotated page holds byte for byte the codes kvslim's own cache encodes for the same K/V
 with the same rotation (tests/test_vllm_basis.py). Rotated values are float32; the encoders take them as they are.
 
+K mean-centering (``mean_center=FILE``, a bias file of ``kvslim calibrate`` for keys after RoPE, as vLLM hands
+them): each layer's bias is subtracted from every key the backend stores or reads raw, after the rotation (the
+file records the basis it was calibrated in; ``rotate=auto`` rotates K as the file records it, kvslim's own rule).
+Attention needs no correction: every key a query scores is centered alike, so its scores all move by ``q . bias``,
+which the softmax ignores. (kvslim's own cache centers a per-token format's token only where that lowers its
+error, and adds ``q . bias`` back to the centered ones; a page has no room for that choice: every key is
+centered.) The model fingerprint a file records is not checked here (vLLM's weights are not transformers'
+module tree); the layers, heads, head_dim, K format, basis and channel order are.
+
 ``rotate``: ``none``; ``k``, ``v``, ``kv``: those roles (each must be stored encoded: a rotation of fp16/bf16/fp32
 values only adds rounding, and is refused as kvslim's own cache refuses it); ``auto``: every encoded role whose
 head_dim allows a rotation, as kvslim's own cache resolves it (:data:`AUTO`); ``fitted`` is refused (its matrices
@@ -31,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.hadamard import Hadamard
+from ..cache.levers import bias_basis
 from ..config import CacheConfig
 from . import attend as paged
 from .pages import PageLayout
@@ -41,17 +51,39 @@ AUTO = True
 
 
 @dataclass(frozen=True)
+class ModelShape:
+    """What a bias file is checked against: the model's layers, total KV heads and ``config.model_type``."""
+
+    n_layers: int
+    n_kv_heads: int
+    model_type: str | None = None
+
+
+@dataclass(frozen=True)
 class PageBasis:
-    """The rotation of each role (None: stored as given)."""
+    """The rotation of each role (None: stored as given), and the K bias of each layer (None: no centering)."""
 
     k: Hadamard | None = None
     v: Hadamard | None = None
+    #: per model layer, the K mean-centering bias (H_kv, D) float32 in K's stored basis (:func:`load_biases`)
+    k_bias: tuple[torch.Tensor, ...] | None = None
 
     @classmethod
-    def of(cls, config: CacheConfig, layout: PageLayout) -> PageBasis:
-        """The rotations ``config.rotate`` asks for on ``layout``'s parts; ValueError in one line (prefixed
-        ``kvslim:``) for a rotation that cannot be honoured."""
+    def of(cls, config: CacheConfig, layout: PageLayout, model: ModelShape | None = None) -> PageBasis:
+        """The rotations ``config.rotate`` asks for on ``layout``'s parts, and the K biases of ``config.mean_center``
+        (checked against ``model``, which a bias file needs); ValueError in one line (prefixed ``kvslim:``) for a
+        rotation or a bias that cannot be honoured."""
         rotate = config.rotate
+        recorded = None  # the bias file's (k_rot, pre_rope)
+        if config.mean_center is not None:
+            recorded = bias_basis(config.mean_center)
+            if recorded is None:  # unreadable: loading it below says why
+                recorded = (False, False)
+            if recorded[1]:
+                raise ValueError(
+                    f"kvslim: mean_center={config.mean_center!r} was calibrated for keys stored before RoPE "
+                    f"(k_pre_rope); vLLM hands the backend its keys after RoPE: calibrate without --kv-pre-rope"
+                )
         if rotate == "fitted":  # (its file is a mean_center file, which the spec refuses first)
             raise ValueError(
                 "kvslim: rotate='fitted' is not supported in vLLM (its matrices come from a calibration file the "
@@ -60,6 +92,8 @@ class PageBasis:
         encoded = {role: getattr(layout, role).family != "cast" for role in "kv"}
         if rotate == "auto":
             roles = [r for r in "kv" if AUTO and encoded[r]]
+            if recorded is not None and not recorded[0]:  # K as the bias file records it (kvslim's own rule)
+                roles = [r for r in roles if r != "k"]
         else:
             roles = [r for r in "kv" if r in rotate.replace("none", "")]
             plain = [r for r in roles if not encoded[r]]
@@ -77,16 +111,35 @@ class PageBasis:
                 if rotate == "auto":
                     continue  # a head_dim without a Hadamard block: auto leaves it as it is, as kvslim's own cache does
                 raise ValueError(f"kvslim: rotate={rotate!r}: {' '.join(str(e).split())}") from None
-        return cls(rotations.get("k"), rotations.get("v"))
+        biases = None
+        if config.mean_center is not None:
+            if model is None:
+                raise ValueError("kvslim: mean_center needs the model's shape to check the bias file against")
+            biases = load_biases(config.mean_center, model, layout, k_rot="k" in rotations)
+        return cls(rotations.get("k"), rotations.get("v"), biases)
 
     @property
     def name(self) -> str:
         """``none``, ``k``, ``v`` or ``kv``: what is rotated."""
         return "".join(r for r in "kv" if getattr(self, r) is not None) or "none"
 
-    def keys(self, x: torch.Tensor) -> torch.Tensor:
-        """Keys (N, H_kv, D) as the pages store them: rotated to float32 by K's matrix, or as given."""
-        return x if self.k is None else self.k.apply(x)
+    def keys(self, x: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        """Keys (N, H_kv, D) of model layer ``layer`` as the pages store them: rotated to float32 by K's matrix,
+        minus the layer's bias (float32), or as given."""
+        y = x if self.k is None else self.k.apply(x)
+        if self.k_bias is None:
+            return y
+        if layer is None or not 0 <= layer < len(self.k_bias):
+            raise ValueError(
+                f"kvslim: no K bias for layer {layer!r} (the bias file has {len(self.k_bias)} layers)"
+            )
+        bias = self.k_bias[layer]
+        if tuple(bias.shape) != tuple(y.shape[1:]):
+            raise ValueError(
+                f"kvslim: layer {layer}'s K bias is {tuple(bias.shape)} but its keys are {tuple(y.shape[1:])} per "
+                f"token (a tensor-parallel rank holds a share of the KV heads: mean_center is not supported there)"
+            )
+        return y.float() - bias
 
     def values(self, x: torch.Tensor) -> torch.Tensor:
         """Values (N, H_kv, D) as the pages store them: rotated to float32 by V's matrix, or as given."""
@@ -100,6 +153,38 @@ class PageBasis:
         """The kernel's output (N, H_q, D), a sum of stored values, back to the model's basis (float32; ``H`` is its
         own inverse), or as given."""
         return o if self.v is None else self.v.inverse(o)
+
+
+def load_biases(path, model: ModelShape, layout: PageLayout, k_rot: bool) -> tuple[torch.Tensor, ...]:
+    """Every layer's K bias of the file at ``path`` (H_kv, D) float32, checked as kvslim's own cache checks it
+    (:func:`kvslim.calibration.meancenter.load_mean_center`: layers, shapes, values, the K format, the basis
+    ``k_rot``, the channel order), except the model fingerprint: vLLM's weights are not transformers' module tree,
+    so the fingerprint kvslim records cannot be computed here (docs/vllm.md). Read once per process and path."""
+    key = (str(path), model, layout.k.name, layout.head_dim, k_rot)
+    got = _BIASES.get(key)
+    if got is None:
+        from ..calibration.meancenter import load_mean_center
+
+        try:
+            got = tuple(
+                load_mean_center(
+                    path,
+                    n_layers=model.n_layers,
+                    n_kv_heads=model.n_kv_heads,
+                    head_dim=layout.head_dim,
+                    model_type=model.model_type,
+                    k_format=layout.k.name,
+                    k_rot=k_rot,
+                    pre_rope=False,
+                )
+            )
+        except (OSError, ValueError) as e:
+            raise ValueError(f"kvslim: mean_center={str(path)!r}: {' '.join(str(e).split())}") from None
+        _BIASES[key] = got
+    return got
+
+
+_BIASES: dict = {}
 
 
 def attend(

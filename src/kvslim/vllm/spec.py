@@ -15,12 +15,13 @@ in the model's dtype, lossless).
 A vLLM attention backend stores what vLLM's scheduler and KV-cache manager decide to keep; it does not
 choose which tokens are kept, when a token is quantized, or which layers are special. So the options of
 :class:`~kvslim.config.CacheConfig` that decide those are refused here, one line each (:func:`check_supported`):
-``sink``/``window`` (StreamingLLM eviction is the KV-cache manager's business: docs/vllm.md), ``residual``
+``window`` (StreamingLLM eviction is the KV-cache manager's business: docs/vllm.md; ``sink`` without a window is
+taken: the first pages of every sequence kept at full precision, :mod:`.staging`), ``residual``
 (every token is encoded as it is written, as llama.cpp does: residual 0), ``keep_layers``, ``positions``,
-``residual_dtype``, and, until they are built, ``pre_rope`` and ``mean_center`` (and so ``rotate=fitted``, whose
-matrices come with a ``mean_center`` file).
-``pre_rope=auto`` resolves to off; ``rotate`` (Hadamard) is honoured inside the backend (:mod:`.basis`, which
-checks it against the page layout).
+``residual_dtype``, and, until they are built, ``pre_rope`` and ``rotate=fitted`` (whose matrices come with a
+``mean_center`` file). ``rotate`` (Hadamard) and ``mean_center`` (a post-RoPE K bias file) are honoured inside
+the backend (:mod:`.basis`, which checks them against the page layout and the model).
+``pre_rope=auto`` resolves to off.
 
 This module imports nothing of vLLM.
 """
@@ -31,6 +32,7 @@ import os
 
 from ..config import CacheConfig, parse_spec
 from ..formats import get_format
+from .pages import PAGE_TOKENS
 
 #: The environment variable holding a one-line spec.
 ENV = "KVSLIM_VLLM_SPEC"
@@ -45,8 +47,6 @@ PER_TOKEN_K_BITS = (8, 4)
 
 #: CacheConfig options a page cannot honour, with why (their value must stay at the default).
 _REFUSED = {
-    "sink": "StreamingLLM eviction is the business of vLLM's KV-cache manager, not of an attention backend "
-    "(docs/vllm.md); use kvslim's own engine for sinks + window",
     "window": "StreamingLLM eviction is the business of vLLM's KV-cache manager, not of an attention backend "
     "(docs/vllm.md); use kvslim's own engine for sinks + window",
     "residual": "vLLM's pages encode every token as it is written (residual 0)",
@@ -56,7 +56,6 @@ _REFUSED = {
     "keep_format": "per-layer formats are not built in the vLLM plugin",
     "positions": "positions are vLLM's",
     "residual_dtype": "pages keep no full-precision residual",
-    "mean_center": "K mean-centering is not built in the vLLM plugin yet",
     "clip": "range clipping is not built in the vLLM pages yet (they encode min-max ranges, whatever auto chooses)",
     "codebook": "Lloyd-Max codebooks are not built in the vLLM pages (they decode even grids, whatever auto chooses)",
 }
@@ -103,6 +102,12 @@ def from_sources(additional_config: dict | None, environ: os._Environ | dict | N
         raise ValueError(f"kvslim: {_one_line(e)}") from None
     check_supported(config)
     return config
+
+
+def sink_pages(config: CacheConfig) -> int:
+    """How many of each sequence's first pages are kept staged at full precision: ``ceil(sink / 32)``
+    (:mod:`.staging`, "Sink pages")."""
+    return -(-config.sink // PAGE_TOKENS)
 
 
 def check_supported(config: CacheConfig) -> None:

@@ -22,8 +22,17 @@ The page-to-slot map is one per engine (every layer writes the same slots each s
   a page filled in the very step that starts it (a prefill) needs no slot;
 - a full page (the only kind vLLM's prefix cache shares) has no slot, so a shared page is always read from
   its codes;
-- when every slot is taken, the one written least recently (not in this step) is evicted: its page falls back
-  to its codes.
+- when every slot is taken, the one written least recently (not in this step, not a sink page) is evicted: its
+  page falls back to its codes.
+
+Sink pages (``sink=N`` in the spec, no window): the first ``ceil(N / 32)`` pages of every running sequence stay
+staged once filled, so the attention sink (a sequence's first tokens, which draw a large share of every query's
+attention) is read at full precision for as long as a running sequence starts with that page — kvslim's own
+cache's ``sink`` without a window (RotateKV's attention-sink-aware quantization), whole pages at a time. The
+builder hands each step's sink page ids (:meth:`Stager.plan`); a sink page is staged from its first write (also
+when a prefill fills it in one step), never evicted while it is some running sequence's, and released at the
+first step no running sequence starts with it. A page that was already full when it became a sink (a prefix-cache
+hit on a page no running sequence held) has no staged copy and is read from its codes.
 
 Memory: ``slots x layers x H_kv x 32 x 2 x D x dtype size`` bytes outside vLLM's KV space, ``slots`` =
 vLLM's ``max_num_seqs`` unless ``$KVSLIM_VLLM_STAGED_SLOTS`` says otherwise (0: no staging); docs/vllm.md
@@ -69,10 +78,13 @@ class Stager:
     ``map``: int32 (pages seen,) page id -> slot or -1, handed to the kernel as is (a page beyond its end has
     no slot)."""
 
-    def __init__(self, slots: int, tokens: int = PAGE_TOKENS) -> None:
+    def __init__(self, slots: int, tokens: int = PAGE_TOKENS, sink_pages: int = 0) -> None:
         if slots < 1:
             raise ValueError(f"kvslim: a staging pool needs at least one slot, got {slots}")
         self.slots, self.tokens = slots, tokens
+        #: the first pages of every sequence kept staged (module docstring, "Sink pages")
+        self.sink_pages = sink_pages
+        self._held: set[int] = set()  # full sink pages kept staged
         self.map = torch.full((0,), -1, dtype=torch.int32)
         self._page = [-1] * slots  # slot -> page
         self._last = [0] * slots  # slot -> the step that last wrote it
@@ -93,27 +105,38 @@ class Stager:
             self._page[slot] = -1
             self._free.append(slot)
 
-    def _take(self, page: int) -> int:
-        """A slot for ``page`` (free, else the least recently written one not written this step), or -1."""
+    def _take(self, page: int, pinned: set) -> int:
+        """A slot for ``page`` (free, else the least recently written one neither written this step nor holding a
+        sink page in ``pinned``), or -1."""
         if self._free:
             slot = self._free.pop()
         else:
-            slot = min(range(self.slots), key=self._last.__getitem__)
-            if self._last[slot] == self._step:
-                return -1  # more pages being filled in this step than slots: the rest read their codes
+            free = [i for i in range(self.slots) if self._last[i] != self._step and self._page[i] not in pinned]
+            if not free:
+                return -1  # more pages being filled (or sinks) in this step than slots: the rest read their codes
+            slot = min(free, key=self._last.__getitem__)
             self.map[self._page[slot]] = -1
+            self._held.discard(self._page[slot])
         self.map[page] = slot
         self._page[slot] = page
         return slot
 
-    def plan(self, slot_mapping: torch.Tensor) -> torch.Tensor:
+    def plan(self, slot_mapping: torch.Tensor, sinks=()) -> torch.Tensor:
         """One step's writes: slot_mapping (N,) integer (vLLM's: slot ``s`` = page ``s // T``, offset ``s % T``;
         negative: padding) -> (N,) int64, each token's row in the staging pool (``slot * T + offset``) or -1
-        (not staged). Updates :attr:`map` for this step."""
+        (not staged). sinks: the page ids that are the first :attr:`sink_pages` pages of a running sequence in this
+        step (:func:`sink_pages_of`). Updates :attr:`map` for this step."""
         self._step += 1
+        pinned = set(sinks)
         for page in self._release:
-            self._drop(page)
+            if page in pinned:
+                self._held.add(page)  # a sink page stays staged, full
+            else:
+                self._drop(page)
         self._release = []
+        for page in [p for p in self._held if p not in pinned]:  # no running sequence starts with it any more
+            self._held.discard(page)
+            self._drop(page)
         s = slot_mapping.long().cpu()
         dest = torch.full_like(s, -1)
         valid = s >= 0
@@ -129,11 +152,12 @@ class Stager:
         for i, (page, a, b) in enumerate(zip(uniq.tolist(), first.tolist(), last.tolist())):
             slot = int(self.map[page])
             if a == 0:  # the page starts (new, or a reused page id: a stale copy is dropped)
-                if b == t - 1:  # filled in the step that starts it: nothing to stage
+                self._held.discard(page)
+                if b == t - 1 and page not in pinned:  # filled in the step that starts it: nothing to stage
                     self._drop(page)
                     continue
                 if slot < 0:
-                    slot = self._take(page)
+                    slot = self._take(page, pinned)
                     if slot < 0:
                         continue
             elif slot < 0:  # not staged (evicted, or begun without a slot): its codes
@@ -166,3 +190,15 @@ def overlay(
             k[:, j * t : j * t + n] = sk[slot, :, :n]
             v[:, j * t : j * t + n] = sv[slot, :, :n]
     return k, v
+
+
+def sink_pages_of(block_table: torch.Tensor, seq_lens: torch.Tensor, n: int) -> list[int]:
+    """The page ids of the first ``n`` pages of each running sequence that has reached them: block_table (R', B)
+    integer (R' >= R rows), seq_lens (R,) tokens per sequence (its pages beyond ``ceil(len / 32)`` are not its yet)."""
+    if n <= 0 or seq_lens.numel() == 0:
+        return []
+    r = seq_lens.shape[0]
+    pages = block_table[:r, :n].long().cpu()
+    have = (seq_lens.long().cpu()[:, None] + PAGE_TOKENS - 1) // PAGE_TOKENS  # pages each sequence has
+    keep = torch.arange(pages.shape[1])[None, :] < have
+    return pages[keep].tolist()
