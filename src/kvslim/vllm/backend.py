@@ -270,6 +270,11 @@ class KvslimCPUImpl(AttentionImpl):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         config = get_current_vllm_config()
         self.layout, self.basis = _pages_for(config, head_size)
+        if self.basis.k_bias is not None and self.basis.k_bias[0].shape[0] != num_kv_heads:
+            raise ValueError(
+                f"kvslim: mean_center holds a bias for {self.basis.k_bias[0].shape[0]} KV heads, this layer has "
+                f"{num_kv_heads} (a tensor-parallel rank holds a share of them): not supported with tensor parallel"
+            )
         self.stage_layout = PageLayout.of("none", "none", head_size, config.model_config.dtype)
         self.staged: torch.Tensor | None = None  # this layer's staging pool, made on first use
         self._layer: int | None = None  # the model layer (its K bias), read from the first call's layer name

@@ -84,7 +84,7 @@ class PageBasis:
                     f"kvslim: mean_center={config.mean_center!r} was calibrated for keys stored before RoPE "
                     f"(k_pre_rope); vLLM hands the backend its keys after RoPE: calibrate without --kv-pre-rope"
                 )
-        if rotate == "fitted":  # (its file is a mean_center file, which the spec refuses first)
+        if rotate == "fitted":  # its matrices are in the mean_center file, beside the bias the plugin reads
             raise ValueError(
                 "kvslim: rotate='fitted' is not supported in vLLM (its matrices come from a calibration file the "
                 "plugin does not read); use rotate=auto, k, v or kv (a Hadamard rotation)"
