@@ -35,7 +35,7 @@ first step no running sequence starts with it. A page that was already full when
 hit on a page no running sequence held) has no staged copy and is read from its codes.
 
 Memory: ``slots x layers x H_kv x 32 x 2 x D x dtype size`` bytes outside vLLM's KV space, ``slots`` =
-vLLM's ``max_num_seqs`` unless ``$KVSLIM_VLLM_STAGED_SLOTS`` says otherwise (0: no staging); docs/vllm.md
+vLLM's ``max_num_seqs`` times (1 + sink pages) unless ``$KVSLIM_VLLM_STAGED_SLOTS`` says otherwise (0: no staging); docs/vllm.md
 counts it against the capacity.
 
 This module imports nothing of vLLM.
