@@ -253,3 +253,33 @@ def text_path() -> str:
 def license_text():
     with open(TEXT_PATH, encoding="utf-8") as f:
         return f.read()
+
+
+def _blas_rows_invariant() -> bool:
+    """Whether this CPU's BLAS (torch's ``linear`` and ``mm``, MKL on x86) rounds a row of a product the same whatever
+    the number of rows, for multiples of 4 (the batch engine's filler rows, ``kvslim.cache.ragged``): measured on the
+    shapes of the tiny test models and a Hadamard block. On an AVX2 CPU it does (scripts/blas_row_invariance.py, to
+    4,400 rows); on an AVX-512-FP16 Xeon (Sapphire Rapids) MKL rounds rows of 8, 12, 16... rows differently from 4
+    (2026-12-03), so bit-identity across steps of different sizes does not hold for MKL's products there."""
+    g = torch.Generator().manual_seed(0)
+    for k, n in ((128, 128), (128, 256), (256, 128), (64, 64), (576, 576)):
+        w = torch.randn(n, k, generator=g) / k**0.5
+        x = torch.randn(132, k, generator=g)
+        ref = torch.nn.functional.linear(x[:4], w)
+        for m in (8, 12, 16, 36, 64, 132):
+            if not torch.equal(torch.nn.functional.linear(x[:m], w)[:4], ref):
+                return False
+            if not torch.equal(torch.mm(x[:m], w.t())[:4], torch.mm(x[:4], w.t())):
+                return False
+    return True
+
+
+#: The tests whose claim is bit-identity of a row across products of different row counts through torch's BLAS:
+#: expected to fail where that BLAS does not give it (docs/performance.md, "Rows and the BLAS"), run everywhere.
+BLAS_ROWS_INVARIANT = _blas_rows_invariant()
+blas_row_identity = pytest.mark.xfail(
+    not BLAS_ROWS_INVARIANT,
+    reason="this CPU's BLAS rounds a row differently by the product's row count (MKL on AVX-512-FP16): "
+    "bit-identity across steps holds there only through oneDNN (--linears onednn)",
+    strict=False,
+)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kvslim
-from conftest import family_model, tiny_model
+from conftest import blas_row_identity, family_model, tiny_model
 from kvslim import SlimCache
 from kvslim import generate as gen
 from kvslim.engine import Engine, Request
@@ -59,6 +59,7 @@ CHUNKS = [
 ]
 
 
+@blas_row_identity
 def test_prompt_chunks_and_decode_tokens_in_one_forward_are_bit_identical(model):
     """forward_step with 4 decode rows and 6 prompt chunks in ONE forward: every row's logits, and its cache's
     next decode step, equal the same row fed in a step of its own (torch.equal)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import save_tiny_word_model, tiny_model
+from conftest import blas_row_identity, save_tiny_word_model, tiny_model
 from kvslim import SlimCache, StaticSlimCache
 from kvslim.compiled import check_compileable, compile_decode, compiled_decode, uncompile
 from kvslim.formats import make_codec
@@ -61,6 +61,7 @@ def _run(model, cache, ids, steps=45, tokens=None):
     return torch.stack(out, dim=1)
 
 
+@blas_row_identity
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
 def test_static_cache_stores_and_reads_what_a_slimcache_does(model, spec):
     uncompile(model)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kvslim
-from conftest import tiny_config, tiny_model
+from conftest import blas_row_identity, tiny_config, tiny_model
 from kvslim import SlimCache
 from kvslim import generate as gen
 from kvslim.cache.rotary import Rotary
@@ -82,6 +82,7 @@ ROWS = [
 ]
 
 
+@blas_row_identity
 def test_windowed_rows_in_a_step_equal_each_row_alone_with_angles_once_a_step(monkeypatch):
     """Ragged decode steps of windowed rows (every step moves their sinks, evicts, and now and then encodes a
     group) on a 4-layer model: each row's logits are bit for bit the row's alone, step after step, and the sinks'
@@ -127,6 +128,7 @@ SYNCED = [
 ]
 
 
+@blas_row_identity
 def test_rows_that_flush_together_encode_in_one_call_with_each_rows_bits(monkeypatch):
     """Rows that flush a residual group in the same step (copies of one prompt) are encoded in one call per stream
     and configuration; each row's logits, step after step, are bit for bit the row's stepped alone, and its stored
