@@ -452,9 +452,12 @@ def test_a_sink_page_stays_staged_while_a_running_sequence_starts_with_it():
     for _ in range(3):  # idle steps: the least recently written slot would be page 5's, were it not a sink
         st.plan(torch.tensor([13 * t + 0]), sinks=[5])
     assert int(st.map[5]) == s5
-    # the sequence ends: at the first step no running sequence starts with page 5, its slot is released
-    st.plan(torch.tensor([14 * t]), sinks=[])
-    assert int(st.map[5]) == -1
+    # a step that does not name page 5 (its sequence finished, or was not scheduled): it stays staged, but its slot
+    # is evictable again, least recently written first
+    st.plan(torch.tensor([13 * t + 1]), sinks=[])
+    assert int(st.map[5]) == s5
+    dest = st.plan(torch.tensor([18 * t, 19 * t, 20 * t]), sinks=[])
+    assert int(st.map[5]) == -1 and (dest >= 0).sum() == 3
 
 
 def test_a_reused_sink_page_id_is_staged_anew():

@@ -294,6 +294,7 @@ class KvslimCPUImpl(AttentionImpl):
         """query: (N, H_q, D); kv_cache: uint8 (pages, H_kv, 32, row_bytes); output: (N, H_q, D)."""
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("kvslim: fused output quantization is not supported")
+        layer_idx = self._layer_index(layer)  # read at the warm-up call: a bad layer name fails at engine start
         if attn_metadata is None:  # warm-up
             return output
         n = attn_metadata.num_actual_tokens
@@ -302,7 +303,7 @@ class KvslimCPUImpl(AttentionImpl):
         raw = key is not None and value is not None and self.kv_sharing_target_layer_name is None
         # A rotated cache (kvslim.vllm.basis): the step's K/V and the queries in the stored basis, the output back
         if raw:
-            keys, values = self.basis.keys(key[:n], self._layer_index(layer)), self.basis.values(value[:n])
+            keys, values = self.basis.keys(key[:n], layer_idx), self.basis.values(value[:n])
         else:
             keys = values = None
         staged = None
@@ -353,5 +354,15 @@ class KvslimCPUImpl(AttentionImpl):
         if self._layer is None:
             from vllm.model_executor.models.utils import extract_layer_index
 
-            self._layer = extract_layer_index(layer.layer_name)
+            name = getattr(layer, "layer_name", None)
+            try:
+                index = extract_layer_index(name)
+            except Exception:  # noqa: BLE001 - vLLM asserts on a name without one layer index
+                index = None
+            if index is None or not 0 <= index < len(self.basis.k_bias):
+                raise ValueError(
+                    f"kvslim: mean_center: attention layer {name!r} is not one of the {len(self.basis.k_bias)} model "
+                    f"layers the bias file has (draft / MTP layers are not supported with mean_center)"
+                )
+            self._layer = index
         return self._layer

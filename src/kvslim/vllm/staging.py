@@ -29,10 +29,13 @@ Sink pages (``sink=N`` in the spec, no window): the first ``ceil(N / 32)`` pages
 staged once filled, so the attention sink (a sequence's first tokens, which draw a large share of every query's
 attention) is read at full precision for as long as a running sequence starts with that page — kvslim's own
 cache's ``sink`` without a window (RotateKV's attention-sink-aware quantization), whole pages at a time. The
-builder hands each step's sink page ids (:meth:`Stager.plan`); a sink page is staged from its first write (also
-when a prefill fills it in one step), never evicted while it is some running sequence's, and released at the
-first step no running sequence starts with it. A page that was already full when it became a sink (a prefix-cache
-hit on a page no running sequence held) has no staged copy and is read from its codes.
+builder hands each step's sink page ids (:meth:`Stager.plan`: the first pages of the sequences scheduled in that
+step); a sink page is staged from its first write (also when a prefill fills it in one step) and kept when it
+fills. It is never evicted in a step that names it; in a step that does not (its sequence finished, or was not
+scheduled in that step) it stays staged but may be evicted like any slot, least recently written first. Kept
+staged is always correct: a page id's content changes only through a new first write at offset 0, which stages it
+anew, and a prefix-cache hit on a still-staged sink page reads the same tokens at full precision. A page that was
+already full and unstaged when it became a sink is read from its codes.
 
 Memory: ``slots x layers x H_kv x 32 x 2 x D x dtype size`` bytes outside vLLM's KV space, ``slots`` =
 vLLM's ``max_num_seqs`` times (1 + sink pages) unless ``$KVSLIM_VLLM_STAGED_SLOTS`` says otherwise (0: no staging); docs/vllm.md
@@ -134,9 +137,6 @@ class Stager:
             else:
                 self._drop(page)
         self._release = []
-        for page in [p for p in self._held if p not in pinned]:  # no running sequence starts with it any more
-            self._held.discard(page)
-            self._drop(page)
         s = slot_mapping.long().cpu()
         dest = torch.full_like(s, -1)
         valid = s >= 0
