@@ -87,7 +87,6 @@ class Stager:
         self.slots, self.tokens = slots, tokens
         #: the first pages of every sequence kept staged (module docstring, "Sink pages")
         self.sink_pages = sink_pages
-        self._held: set[int] = set()  # full sink pages kept staged
         self.map = torch.full((0,), -1, dtype=torch.int32)
         self._page = [-1] * slots  # slot -> page
         self._last = [0] * slots  # slot -> the step that last wrote it
@@ -119,7 +118,6 @@ class Stager:
                 return -1  # more pages being filled (or sinks) in this step than slots: the rest read their codes
             slot = min(free, key=self._last.__getitem__)
             self.map[self._page[slot]] = -1
-            self._held.discard(self._page[slot])
         self.map[page] = slot
         self._page[slot] = page
         return slot
@@ -132,9 +130,7 @@ class Stager:
         self._step += 1
         pinned = set(sinks)
         for page in self._release:
-            if page in pinned:
-                self._held.add(page)  # a sink page stays staged, full
-            else:
+            if page not in pinned:  # a sink page stays staged, full
                 self._drop(page)
         self._release = []
         s = slot_mapping.long().cpu()
@@ -152,7 +148,6 @@ class Stager:
         for i, (page, a, b) in enumerate(zip(uniq.tolist(), first.tolist(), last.tolist())):
             slot = int(self.map[page])
             if a == 0:  # the page starts (new, or a reused page id: a stale copy is dropped)
-                self._held.discard(page)
                 if b == t - 1 and page not in pinned:  # filled in the step that starts it: nothing to stage
                     self._drop(page)
                     continue
