@@ -53,6 +53,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's weights")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
 
@@ -61,7 +62,7 @@ def main() -> None:
     from kvslim.generate import forward_rows, prefill
     from kvslim.models.load import load_model
 
-    model = load_model(None)[0]
+    model = load_model(None, dtype=getattr(torch, a.dtype))[0]
     kvslim.enable(model)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (1, a.length), generator=g)
@@ -103,7 +104,7 @@ def main() -> None:
             kernels.cpu.attend_rows, attention._segments_attention = real_rows, real_row
         med = statistics.median(step_ms)
         n = len(step_ms)
-        print(f"\n{a.rows} rows x {a.length} tokens, {a.config}, {a.threads} threads: step median {med:.1f} ms "
+        print(f"\n{a.rows} rows x {a.length} tokens, {a.config}, {a.dtype}, {a.threads} threads: step median {med:.1f} ms "
               f"(min {min(step_ms):.1f}, max {max(step_ms):.1f})")
         print(f"  attention, C rows call: {spent['attend_rows'] / n * 1e3:.1f} ms/step "
               f"({100 * spent['attend_rows'] / n * 1e3 / med:.0f}%), {calls['attend_rows'] / n:.0f} calls/step")

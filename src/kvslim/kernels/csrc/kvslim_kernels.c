@@ -653,7 +653,10 @@ static void transform_rows(const kv_tr *tr, float *restrict rows, int n, int D, 
  * channels x 3 queries in 12 accumulators), so nothing is written to memory between the codes and the products. The
  * arithmetic is the tile path's, operation for operation (the same conversions, the same FMAs in the same order for
  * every output): results are bit for bit the tile path's (kv_run's test switch compares them). More than 3 queries
- * take several passes over the codes. */
+ * take several passes over the codes. Built for AVX-512 (-march=native on such a CPU), the same loops run 16 lanes
+ * wide (v_direct16, k_direct16, v_ggml16, k_ggml16 below), lane for lane the same arithmetic, with the codes of
+ * the tokens ahead prefetched: 1.24-1.44x the 8-lane loops' rows call at 16 rows x 4,096 tokens (Sapphire Rapids,
+ * docs/performance.md, "16 lanes"). */
 
 #if defined(__AVX2__) && defined(__FMA__)
 /* Units u .. u + 7 of a token's packed codes c, the plane of shift sh: 8 codes as floats. */
@@ -700,11 +703,136 @@ KV_INLINE void k_direct(int bits, int NM, int TB, const float *restrict qq, int 
     }
 }
 
+#if defined(__AVX512F__)
+/* With AVX-512 the same loops run 16 lanes wide, and every lane's arithmetic stays the 8-lane loops': V's channels
+ * are independent lanes (v_direct16: 64 channels of a token a register row, the same conversions and FMAs in token
+ * order), and K's 8-lane dot products ride two to a register (k_direct16: the lower half one token's, the upper
+ * half the next token's, the queries broadcast to both halves), summed by the same hsum4. The results are bit for
+ * bit the 8-lane loops' (and so the tiles'): kv_run's test switch and tests/test_kernels.py compare them. */
+
+/* Units u .. u + 15 of a token's packed codes c, the plane of shift sh: 16 codes as floats. */
+KV_INLINE __m512 codes16(const uint8_t *restrict c, int u, int sh, int bits) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + u)));
+    if (bits == 8) return _mm512_cvtepi32_ps(v);
+    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(v, _mm_cvtsi32_si128(sh)),
+                                               _mm512_set1_epi32((1 << bits) - 1)));
+}
+
+/* Units u .. u + 7 of two tokens' packed codes (c: lanes 0-7, c2: lanes 8-15), the plane of shift sh, as floats. */
+KV_INLINE __m512 codes8x2(const uint8_t *restrict c, const uint8_t *restrict c2, int u, int sh, int bits) {
+    const __m128i b = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(c + u)),
+                                         _mm_loadl_epi64((const __m128i *)(c2 + u)));
+    const __m512i v = _mm512_cvtepu8_epi32(b);
+    if (bits == 8) return _mm512_cvtepi32_ps(v);
+    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(v, _mm_cvtsi32_si128(sh)),
+                                               _mm512_set1_epi32((1 << bits) - 1)));
+}
+
+/* v_direct, 64 channels (4 registers of 16) at a time: np % 16 == 0, run % 16 == 0, D % 64 == 0. */
+KV_INLINE void v_direct16(int bits, int NM, const float *restrict pb, int64_t ps, const uint8_t *c0, int64_t cs,
+                          const kv_part *sc, const kv_part *zr, int b, int h, int t0, int t1, int np, int run, int D,
+                          float *restrict acc) {
+    const int sdt = sc->dtype, zdt = zr->dtype;
+    const uint8_t *s0 = at(sc, b, h, 0), *z0 = at(zr, b, h, 0);
+    const int64_t ss = sc->s2 * dtype_size(sdt), zs = zr->s2 * dtype_size(zdt);
+    for (int kb = 0; kb < D; kb += 64) {
+        int sh[4], uu[4], gg[4];
+        for (int x = 0; x < 4; x++) {
+            const int k = kb + 16 * x, i = k / np;
+            sh[x] = bits * i, uu[x] = k - i * np, gg[x] = uu[x] / run;
+        }
+        __m512 a[3][4];
+        for (int m = 0; m < NM; m++)
+            for (int x = 0; x < 4; x++) a[m][x] = _mm512_loadu_ps(acc + (int64_t)m * D + kb + 16 * x);
+        if (gg[0] == gg[1] && gg[1] == gg[2] && gg[2] == gg[3]) {
+            const int g0 = gg[0];
+            for (int t = t0; t < t1; t++) {
+                const uint8_t *c = c0 + cs * t;
+                _mm_prefetch((const char *)(c + 48 * cs), _MM_HINT_T0);
+                _mm_prefetch((const char *)(s0 + ss * (t + 64)), _MM_HINT_T0);
+                _mm_prefetch((const char *)(z0 + zs * (t + 64)), _MM_HINT_T0);
+                const __m512 sv = _mm512_set1_ps(ldf(s0 + ss * t, g0, sdt)), zv = _mm512_set1_ps(ldf(z0 + zs * t, g0, zdt));
+                __m512 w[3];
+                for (int m = 0; m < NM; m++) w[m] = _mm512_set1_ps(pb[m * ps + t]);
+                for (int x = 0; x < 4; x++) {
+                    const __m512 f = _mm512_fmadd_ps(codes16(c, uu[x], sh[x], bits), sv, zv);
+                    for (int m = 0; m < NM; m++) a[m][x] = _mm512_fmadd_ps(w[m], f, a[m][x]);
+                }
+            }
+        } else {
+            for (int t = t0; t < t1; t++) {
+                const uint8_t *c = c0 + cs * t;
+                __m512 w[3];
+                for (int m = 0; m < NM; m++) w[m] = _mm512_set1_ps(pb[m * ps + t]);
+                for (int x = 0; x < 4; x++) {
+                    const __m512 f = _mm512_fmadd_ps(codes16(c, uu[x], sh[x], bits),
+                                                     _mm512_set1_ps(ldf(s0 + ss * t, gg[x], sdt)),
+                                                     _mm512_set1_ps(ldf(z0 + zs * t, gg[x], zdt)));
+                    for (int m = 0; m < NM; m++) a[m][x] = _mm512_fmadd_ps(w[m], f, a[m][x]);
+                }
+            }
+        }
+        for (int m = 0; m < NM; m++)
+            for (int x = 0; x < 4; x++) _mm512_storeu_ps(acc + (int64_t)m * D + kb + 16 * x, a[m][x]);
+    }
+}
+
+/* The upper 8 lanes of a. */
+KV_INLINE __m256 hi8(__m512 a) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)); }
+
+/* k_direct with two tokens a register: TB tokens (4 or 8) in TB / 2 registers per query. */
+KV_INLINE void k_direct16(int bits, int NM, int TB, const float *restrict qq, int D, const float *restrict cst,
+                          const uint8_t *c0, int64_t cs, int np, int n, float *restrict o, int64_t os) {
+    const int per = codes_per_unit(bits);
+    for (int j = 0; j < n; j += TB) {
+        const uint8_t *cp[8];
+        for (int x = 0; x < TB; x++) {
+            cp[x] = c0 + cs * (j + x < n ? j + x : n - 1);
+            _mm_prefetch((const char *)(cp[x] + 64 * cs), _MM_HINT_T0); /* the codes 64 tokens on */
+        }
+        __m512 a[3][4];
+        for (int m = 0; m < NM; m++)
+            for (int y = 0; y < TB / 2; y++) a[m][y] = _mm512_setzero_ps();
+        for (int i = 0; i < per; i++)
+            for (int u = 0; u < np; u += 8) {
+                const float *qk = qq + i * np + u;
+                __m512 qv[3];
+                for (int m = 0; m < NM; m++) qv[m] = _mm512_broadcast_f32x8(_mm256_loadu_ps(qk + m * D));
+                for (int y = 0; y < TB / 2; y++) {
+                    const __m512 f = codes8x2(cp[2 * y], cp[2 * y + 1], u, bits * i, bits);
+                    for (int m = 0; m < NM; m++) a[m][y] = _mm512_fmadd_ps(qv[m], f, a[m][y]);
+                }
+            }
+        for (int m = 0; m < NM; m++)
+            for (int y = 0; y < TB / 2; y += 2) {
+                const __m128 sv = hsum4(_mm512_castps512_ps256(a[m][y]), hi8(a[m][y]), _mm512_castps512_ps256(a[m][y + 1]),
+                                        hi8(a[m][y + 1]), _mm_set1_ps(cst ? cst[m] : 0.0f));
+                float *dst = o + m * os + j + 2 * y;
+                const int left = n - j - 2 * y;
+                if (left >= 4) {
+                    _mm_storeu_ps(dst, sv);
+                } else if (left > 0) {
+                    float tmp[4];
+                    _mm_storeu_ps(tmp, sv);
+                    for (int e = 0; e < left; e++) dst[e] = tmp[e];
+                }
+            }
+    }
+}
+#endif
+
 /* k_direct for M queries: 3 at a time (1 query: 8 tokens at a time, enough FMA chains for both pipes). */
 KV_INLINE void k_direct_all(int bits, int M, const float *restrict qq, int D, const float *restrict cst,
                             const uint8_t *c0, int64_t cs, int np, int n, float *restrict o, int64_t os) {
     for (int m = 0; m < M; m += 3) {
         const float *c = cst ? cst + m : NULL;
+#if defined(__AVX512F__)
+        switch (M - m) {
+        case 1: k_direct16(bits, 1, 8, qq + (int64_t)m * D, D, c, c0, cs, np, n, o + m * os, os); continue;
+        case 2: k_direct16(bits, 2, 8, qq + (int64_t)m * D, D, c, c0, cs, np, n, o + m * os, os); continue;
+        default: k_direct16(bits, 3, 8, qq + (int64_t)m * D, D, c, c0, cs, np, n, o + m * os, os); continue;
+        }
+#endif
         switch (M - m) {
         case 1: k_direct(bits, 1, 8, qq + (int64_t)m * D, D, c, c0, cs, np, n, o + m * os, os); break;
         case 2: k_direct(bits, 2, 4, qq + (int64_t)m * D, D, c, c0, cs, np, n, o + m * os, os); break;
@@ -720,6 +848,12 @@ KV_INLINE void k_direct_all(int bits, int M, const float *restrict qq, int D, co
 KV_INLINE void v_direct(int bits, int NM, const float *restrict pb, int64_t ps, const uint8_t *c0, int64_t cs,
                         const kv_part *sc, const kv_part *zr, int b, int h, int t0, int t1, int np, int run, int D,
                         float *restrict acc) {
+#if defined(__AVX512F__)
+    if (np % 16 == 0 && run % 16 == 0 && D % 64 == 0) {
+        v_direct16(bits, NM, pb, ps, c0, cs, sc, zr, b, h, t0, t1, np, run, D, acc);
+        return;
+    }
+#endif
     const int sdt = sc->dtype, zdt = zr->dtype;
     const uint8_t *s0 = at(sc, b, h, 0), *z0 = at(zr, b, h, 0);
     const int64_t ss = sc->s2 * dtype_size(sdt), zs = zr->s2 * dtype_size(zdt);
@@ -780,10 +914,114 @@ KV_INLINE __m256 ggml8(int fmt, const uint8_t *restrict src, int e) {
     return _mm256_mul_ps(_mm256_set1_ps(h2f(ld_u16(p))), _mm256_cvtepi32_ps(_mm256_sub_epi32(c, _mm256_set1_epi32(8))));
 }
 
+#if defined(__AVX512F__)
+/* Elements 16e .. 16e + 15 of a q8_0 / q4_0 / sym8 row: ggml8's lanes of e2 = 2e and 2e + 1, lane for lane. */
+KV_INLINE __m512 ggml16(int fmt, const uint8_t *restrict src, int e) {
+    if (fmt == R_SYM8) {
+        const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 2 + 16 * e)));
+        return _mm512_mul_ps(_mm512_set1_ps(h2f(ld_u16(src))), _mm512_cvtepi32_ps(v));
+    }
+    const int blk = e >> 1, half = e & 1;
+    if (fmt == R_Q8_0) {
+        const uint8_t *p = src + Q8_0_BYTES * blk;
+        const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 2 + 16 * half)));
+        return _mm512_mul_ps(_mm512_set1_ps(h2f(ld_u16(p))), _mm512_cvtepi32_ps(v));
+    }
+    const uint8_t *p = src + Q4_0_BYTES * blk; /* elements j < 16: low nibbles of qs[j]; 16 + j: high nibbles */
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 2)));
+    const __m512i c = half ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(15));
+    return _mm512_mul_ps(_mm512_set1_ps(h2f(ld_u16(p))), _mm512_cvtepi32_ps(_mm512_sub_epi32(c, _mm512_set1_epi32(8))));
+}
+
+/* ggml8(fmt, a, e) in lanes 0-7 and ggml8(fmt, b, e) in lanes 8-15, lane for lane. */
+KV_INLINE __m512 ggml8x2(int fmt, const uint8_t *restrict a, const uint8_t *restrict b, int e) {
+    const uint8_t *pa, *pb;
+    if (fmt == R_SYM8) {
+        pa = a, pb = b;
+    } else {
+        const int blk = e >> 2, bytes = fmt == R_Q8_0 ? Q8_0_BYTES : Q4_0_BYTES;
+        pa = a + bytes * blk, pb = b + bytes * blk;
+    }
+    const int off = fmt == R_SYM8 ? 2 + 8 * e : fmt == R_Q8_0 ? 2 + 8 * (e & 3) : 2 + 8 * (e & 1);
+    const __m128i x = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(pa + off)),
+                                         _mm_loadl_epi64((const __m128i *)(pb + off)));
+    const __m512 d = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_set1_ps(h2f(ld_u16(pa))))),
+                                                         _mm256_castps_pd(_mm256_set1_ps(h2f(ld_u16(pb)))), 1));
+    if (fmt != R_Q4_0) return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x)));
+    const __m512i v = _mm512_cvtepu8_epi32(x);
+    const __m512i c = (e & 3) < 2 ? _mm512_and_si512(v, _mm512_set1_epi32(15)) : _mm512_srli_epi32(v, 4);
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(c, _mm512_set1_epi32(8))));
+}
+
+/* k_ggml with two tokens a register (k_direct16's scheme). */
+KV_INLINE void k_ggml16(int fmt, int NM, int TB, const float *restrict qq, int64_t qs, int D, const uint8_t *x0,
+                        int64_t xs, int n, float *restrict o, int64_t os) {
+    for (int j = 0; j < n; j += TB) {
+        const uint8_t *cp[8];
+        for (int x = 0; x < TB; x++) {
+            cp[x] = x0 + xs * (j + x < n ? j + x : n - 1);
+            _mm_prefetch((const char *)(cp[x] + 32 * xs), _MM_HINT_T0);
+        }
+        __m512 a[3][4];
+        for (int m = 0; m < NM; m++)
+            for (int y = 0; y < TB / 2; y++) a[m][y] = _mm512_setzero_ps();
+        for (int e = 0; e < D / 8; e++) {
+            __m512 qv[3];
+            for (int m = 0; m < NM; m++) qv[m] = _mm512_broadcast_f32x8(_mm256_loadu_ps(qq + m * qs + 8 * e));
+            for (int y = 0; y < TB / 2; y++) {
+                const __m512 f = ggml8x2(fmt, cp[2 * y], cp[2 * y + 1], e);
+                for (int m = 0; m < NM; m++) a[m][y] = _mm512_fmadd_ps(qv[m], f, a[m][y]);
+            }
+        }
+        for (int m = 0; m < NM; m++)
+            for (int y = 0; y < TB / 2; y += 2) {
+                const __m128 sv = hsum4(_mm512_castps512_ps256(a[m][y]), hi8(a[m][y]), _mm512_castps512_ps256(a[m][y + 1]),
+                                        hi8(a[m][y + 1]), _mm_set1_ps(0.0f));
+                float *dst = o + m * os + j + 2 * y;
+                const int left = n - j - 2 * y;
+                if (left >= 4) {
+                    _mm_storeu_ps(dst, sv);
+                } else if (left > 0) {
+                    float tmp[4];
+                    _mm_storeu_ps(tmp, sv);
+                    for (int i = 0; i < left; i++) dst[i] = tmp[i];
+                }
+            }
+    }
+}
+
+/* v_ggml, 64 channels (4 registers of 16) at a time: D % 64 == 0. */
+KV_INLINE void v_ggml16(int fmt, int NM, const float *restrict pb, int64_t ps, const uint8_t *x0, int64_t xs, int t0,
+                        int t1, int D, float *restrict acc) {
+    for (int kb = 0; kb < D; kb += 64) {
+        __m512 a[3][4];
+        for (int m = 0; m < NM; m++)
+            for (int x = 0; x < 4; x++) a[m][x] = _mm512_loadu_ps(acc + (int64_t)m * D + kb + 16 * x);
+        for (int t = t0; t < t1; t++) {
+            const uint8_t *c = x0 + xs * t;
+            _mm_prefetch((const char *)(c + 24 * xs), _MM_HINT_T0);
+            __m512 w[3];
+            for (int m = 0; m < NM; m++) w[m] = _mm512_set1_ps(pb[m * ps + t]);
+            for (int x = 0; x < 4; x++) {
+                const __m512 f = ggml16(fmt, c, kb / 16 + x);
+                for (int m = 0; m < NM; m++) a[m][x] = _mm512_fmadd_ps(w[m], f, a[m][x]);
+            }
+        }
+        for (int m = 0; m < NM; m++)
+            for (int x = 0; x < 4; x++) _mm512_storeu_ps(acc + (int64_t)m * D + kb + 16 * x, a[m][x]);
+    }
+}
+#endif
+
 /* k_direct for q8_0 / q4_0 rows: scores o[m * os + j] = q[m] . row(j) for NM queries (rows of stride qs, natural
  * order) and the n tokens at x0 (byte stride xs). */
 KV_INLINE void k_ggml(int fmt, int NM, int TB, const float *restrict qq, int64_t qs, int D, const uint8_t *x0,
                       int64_t xs, int n, float *restrict o, int64_t os) {
+#if defined(__AVX512F__)
+    (void)TB;
+    k_ggml16(fmt, NM, 8, qq, qs, D, x0, xs, n, o, os);
+    return;
+#endif
     for (int j = 0; j < n; j += TB) {
         const uint8_t *cp[8];
         for (int x = 0; x < TB; x++) cp[x] = x0 + xs * (j + x < n ? j + x : n - 1);
@@ -815,6 +1053,12 @@ KV_INLINE void k_ggml(int fmt, int NM, int TB, const float *restrict qq, int64_t
  * 32 channels (a block) at a time in registers; v_tile's FMAs in its order. */
 KV_INLINE void v_ggml(int fmt, int NM, const float *restrict pb, int64_t ps, const uint8_t *x0, int64_t xs, int t0,
                       int t1, int D, float *restrict acc) {
+#if defined(__AVX512F__)
+    if (D % 64 == 0) {
+        v_ggml16(fmt, NM, pb, ps, x0, xs, t0, t1, D, acc);
+        return;
+    }
+#endif
     for (int kb = 0; kb < D; kb += 32) {
         __m256 a[3][4];
         for (int m = 0; m < NM; m++)
@@ -1372,13 +1616,30 @@ KV_INLINE __m256d exp_pd(__m256d x) {
 }
 #endif
 
-/* One row of T scores -> probabilities, in place: e^(x - max) summed in order, then scaled. With AVX2 the maximum
- * is taken 8 lanes at a time (the same value: max is exact) and the exponentials are exp_pd's, 8 at a time; libm's
- * expf elsewhere. The sum stays one running sum: summed in lanes, the probabilities move by a few ulps, and
- * tests/test_attention.py's fused-against-op-by-op check at int4 with residual 0 (every token quantized as it
- * arrives, so an ulp can flip a code downstream) then fails its 2e-4 tolerance. */
-static KV_NOINLINE void softmax_row(float *restrict x, int T) {
-    float mx = x[0], sum = 0.0f;
+#if defined(__AVX512F__)
+/* exp_pd for 8 doubles: the same operations, lane for lane. */
+KV_INLINE __m512d exp_pd8(__m512d x) {
+    x = _mm512_max_pd(_mm512_set1_pd(-104.0), x); /* max(-104, NaN) is NaN */
+    const __m512d n = _mm512_roundscale_pd(_mm512_mul_pd(x, _mm512_set1_pd(1.4426950408889634)),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512d r = _mm512_fnmadd_pd(n, _mm512_set1_pd(0x1.62e42fefa39efp-1), x);
+    r = _mm512_fnmadd_pd(n, _mm512_set1_pd(0x1.abc9e3b39803fp-56), r);
+    static const double C[12] = {1.0 / 39916800.0, 1.0 / 3628800.0, 1.0 / 362880.0, 1.0 / 40320.0, 1.0 / 5040.0,
+                                 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0};
+    __m512d y = _mm512_set1_pd(C[0]);
+    for (int i = 1; i < 12; i++) y = _mm512_fmadd_pd(y, r, _mm512_set1_pd(C[i]));
+    const __m512i e = _mm512_slli_epi64(
+        _mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_cvtpd_epi32(n)), _mm512_set1_epi64(1023)), 52);
+    return _mm512_mul_pd(y, _mm512_castsi512_pd(e));
+}
+#endif
+
+static void exp_from(float *restrict x, int T, float mx);
+
+/* x[t] = e^(x[t] - max) in place; the maximum 8 lanes at a time with AVX2 (the same value: max is exact), the
+ * exponentials exp_pd's (16 at a time with AVX-512: the same lanes' arithmetic), libm's expf for the tail. */
+static KV_NOINLINE void exp_row(float *restrict x, int T) {
+    float mx = x[0];
     int t = 0;
 #if defined(__AVX2__) && defined(__FMA__)
     if (T >= 8) {
@@ -1390,22 +1651,66 @@ static KV_NOINLINE void softmax_row(float *restrict x, int T) {
     }
 #endif
     for (; t < T; t++) mx = x[t] > mx ? x[t] : mx;
-    t = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-    if (T >= 8) {
-        for (; t + 8 <= T; t += 8) {
-            /* x - mx rounded to float first, as expf(x[t] - mx) takes it */
-            const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(x + t), _mm256_set1_ps(mx));
-            _mm_storeu_ps(x + t, _mm256_cvtpd_ps(exp_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(d)))));
-            _mm_storeu_ps(x + t + 4, _mm256_cvtpd_ps(exp_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(d, 1)))));
-            for (int i = 0; i < 8; i++) sum += x[t + i];
-        }
+    exp_from(x, T, mx);
+}
+
+/* x[t] = e^(x[t] - mx) for t < T: exp_pd's 16 at a time with AVX-512 (lane for lane the AVX2 loop's), 8 at a time
+ * with AVX2, libm's expf for the tail and elsewhere. */
+static void exp_from(float *restrict x, int T, float mx) {
+    int t = 0;
+#if defined(__AVX512F__)
+    for (; t + 16 <= T; t += 16) { /* x - mx rounded to float first, as expf(x[t] - mx) takes it */
+        const __m512 d = _mm512_sub_ps(_mm512_loadu_ps(x + t), _mm512_set1_ps(mx));
+        _mm256_storeu_ps(x + t, _mm512_cvtpd_ps(exp_pd8(_mm512_cvtps_pd(_mm512_castps512_ps256(d)))));
+        _mm256_storeu_ps(x + t + 8, _mm512_cvtpd_ps(exp_pd8(_mm512_cvtps_pd(hi8(d)))));
     }
 #endif
-    for (; t < T; t++) sum += (x[t] = expf(x[t] - mx));
-    const float inv = 1.0f / sum;
-    KV_SIMD
-    for (int i = 0; i < T; i++) x[i] *= inv;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; t + 8 <= T; t += 8) {
+        const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(x + t), _mm256_set1_ps(mx));
+        _mm_storeu_ps(x + t, _mm256_cvtpd_ps(exp_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(d)))));
+        _mm_storeu_ps(x + t + 4, _mm256_cvtpd_ps(exp_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(d, 1)))));
+    }
+#endif
+    for (; t < T; t++) x[t] = expf(x[t] - mx);
+}
+
+/* R rows of T scores (T apart) -> probabilities, in place: each row's e^(x - max) (exp_row) summed in token order,
+ * then scaled. The sum stays one running sum per row: summed in lanes, the probabilities move by a few ulps, and
+ * tests/test_attention.py's fused-against-op-by-op check at int4 with residual 0 (every token quantized as it
+ * arrives, so an ulp can flip a code downstream) then fails its 2e-4 tolerance. Up to 4 rows' sums run
+ * interleaved, so their chains of dependent adds overlap; each row's sum is the same as alone. */
+static KV_NOINLINE void softmax_rows(float *restrict x, int R, int T) {
+    for (int r0 = 0; r0 < R; r0 += 4) {
+        const int nr = R - r0 < 4 ? R - r0 : 4;
+        float *y = x + (int64_t)r0 * T;
+        for (int r = 0; r < nr; r++) exp_row(y + (int64_t)r * T, T);
+        float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (nr == 4) {
+            const float *y0 = y, *y1 = y + T, *y2 = y + 2 * (int64_t)T, *y3 = y + 3 * (int64_t)T;
+            float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+            for (int t = 0; t < T; t++) s0 += y0[t], s1 += y1[t], s2 += y2[t], s3 += y3[t];
+            sum[0] = s0, sum[1] = s1, sum[2] = s2, sum[3] = s3;
+        } else if (nr == 3) {
+            const float *y0 = y, *y1 = y + T, *y2 = y + 2 * (int64_t)T;
+            float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f;
+            for (int t = 0; t < T; t++) s0 += y0[t], s1 += y1[t], s2 += y2[t];
+            sum[0] = s0, sum[1] = s1, sum[2] = s2;
+        } else if (nr == 2) {
+            const float *y0 = y, *y1 = y + T;
+            float s0 = 0.0f, s1 = 0.0f;
+            for (int t = 0; t < T; t++) s0 += y0[t], s1 += y1[t];
+            sum[0] = s0, sum[1] = s1;
+        } else {
+            for (int t = 0; t < T; t++) sum[0] += y[t];
+        }
+        for (int r = 0; r < nr; r++) {
+            float *restrict z = y + (int64_t)r * T;
+            const float inv = 1.0f / sum[r];
+            KV_SIMD
+            for (int i = 0; i < T; i++) z[i] *= inv;
+        }
+    }
 }
 
 /* (b, h)'s output rows: its ncv V chunks' partial sums (part: (ncv, M, D), plane order of vper) summed in chunk
@@ -1519,7 +1824,7 @@ int kv_attend(const int64_t *a) {
         }
         /* 2. softmax of every row */
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < (int64_t)BH * M; r++) softmax_row(scores + r * T, T);
+        for (int64_t r = 0; r < (int64_t)BH; r++) softmax_rows(scores + r * M * T, M, T);
         /* 3. V: the body's chunks, each into its own partial sum */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < (int64_t)BH * ncv; task++)
@@ -1838,7 +2143,7 @@ int kv_attend_rows(int64_t *a) {
             for (int64_t i = 0; i < nheads; i++) {
                 const rt_row *w = &rows[i / H];
                 float *sb = w->scores + (i % H) * M * w->T;
-                for (int m = 0; m < M; m++) softmax_row(sb + (int64_t)m * w->T, w->T);
+                softmax_rows(sb, M, w->T);
             }
             /* 3. V: body chunks, each into its own partial sum */
 #pragma omp for schedule(dynamic, 1)
@@ -2073,20 +2378,12 @@ void kvs_v_ggml(int kind, int M, const float *p, int64_t ps, const uint8_t *x0, 
 #endif
 }
 
-/* x[i] = e^(x[i] - mx) for i < n, and their sum added in index order (softmax_row's exponentials: exp_pd's eight
- * at a time with AVX2, libm's expf elsewhere). Returns the sum. */
+/* x[i] = e^(x[i] - mx) for i < n (softmax_rows' exponentials, exp_from), and their sum added in index order.
+ * Returns the sum. */
 float kvs_exp_sum(float *x, int n, float mx) {
+    exp_from(x, n, mx);
     float sum = 0.0f;
-    int t = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-    for (; t + 8 <= n; t += 8) {
-        const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(x + t), _mm256_set1_ps(mx));
-        _mm_storeu_ps(x + t, _mm256_cvtpd_ps(exp_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(d)))));
-        _mm_storeu_ps(x + t + 4, _mm256_cvtpd_ps(exp_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(d, 1)))));
-        for (int i = 0; i < 8; i++) sum += x[t + i];
-    }
-#endif
-    for (; t < n; t++) sum += (x[t] = expf(x[t] - mx));
+    for (int t = 0; t < n; t++) sum += x[t];
     return sum;
 }
 
