@@ -1582,10 +1582,88 @@ static void unfit_row(float *restrict o, const float *restrict rot, int D, float
     for (int e = 0; e < D; e++) axpy(o, tmp[e], rot + (int64_t)e * D, D);
 }
 
+#if defined(__AVX512F__)
+/* Channels 8e .. 8e + 7 of the fp rows a (lanes 0-7) and b (lanes 8-15) of dtype dt, as load_floats reads them. */
+KV_INLINE __m512 fp8x2(const uint8_t *a, const uint8_t *b, int e, int dt) {
+    if (dt == DT_F32)
+        return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps((const float *)a + 8 * e))),
+                                                   _mm256_castps_pd(_mm256_loadu_ps((const float *)b + 8 * e)), 1));
+    const __m256i x = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a + 16 * e))),
+                                              _mm_loadu_si128((const __m128i *)(b + 16 * e)), 1);
+    if (dt == DT_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+    return _mm512_cvtph_ps(x);
+}
+
+/* Channels 16e .. 16e + 15 of the fp row a of dtype dt, as load_floats reads them. */
+KV_INLINE __m512 fp16x1(const uint8_t *a, int e, int dt) {
+    if (dt == DT_F32) return _mm512_loadu_ps((const float *)a + 16 * e);
+    const __m256i x = _mm256_loadu_si256((const __m256i *)(a + 32 * e));
+    if (dt == DT_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+    return _mm512_cvtph_ps(x);
+}
+
+/* The scores of n fp key rows (tokens 0 .. n of part x at (b, h)) for NM queries (rows qs apart), into columns
+ * col .. col + n of the score rows sb (T apart): k_direct16's scheme (two tokens a register, 8 at a time, hsum4). */
+KV_INLINE void fp_direct16(int NM, const float *restrict qm, int64_t qs, int D, const kv_part *x, int b, int h, int n,
+                           float *restrict sb, int64_t T, int col) {
+    for (int j = 0; j < n; j += 8) {
+        const uint8_t *cp[8];
+        for (int t = 0; t < 8; t++) cp[t] = at(x, b, h, j + t < n ? j + t : n - 1);
+        __m512 a[3][4];
+        for (int m = 0; m < NM; m++)
+            for (int y = 0; y < 4; y++) a[m][y] = _mm512_setzero_ps();
+        for (int e = 0; e < D / 8; e++) {
+            __m512 qv[3];
+            for (int m = 0; m < NM; m++) qv[m] = _mm512_broadcast_f32x8(_mm256_loadu_ps(qm + m * qs + 8 * e));
+            for (int y = 0; y < 4; y++) {
+                const __m512 f = fp8x2(cp[2 * y], cp[2 * y + 1], e, x->dtype);
+                for (int m = 0; m < NM; m++) a[m][y] = _mm512_fmadd_ps(qv[m], f, a[m][y]);
+            }
+        }
+        for (int m = 0; m < NM; m++)
+            for (int y = 0; y < 4; y += 2) {
+                const __m128 sv = hsum4(_mm512_castps512_ps256(a[m][y]), hi8(a[m][y]), _mm512_castps512_ps256(a[m][y + 1]),
+                                        hi8(a[m][y + 1]), _mm_set1_ps(0.0f));
+                float *dst = sb + m * T + col + j + 2 * y;
+                const int left = n - j - 2 * y;
+                if (left >= 4) {
+                    _mm_storeu_ps(dst, sv);
+                } else if (left > 0) {
+                    float tmp[4];
+                    _mm_storeu_ps(tmp, sv);
+                    for (int i = 0; i < left; i++) dst[i] = tmp[i];
+                }
+            }
+    }
+}
+
+/* fp_direct16 for M queries, 3 at a time. */
+static void fp_direct(const float *restrict qbh, int64_t qs, int M, int D, const kv_part *x, int b, int h, int n,
+                      float *restrict sb, int64_t T, int col) {
+    for (int m = 0; m < M && n > 0; m += 3) {
+        const float *qm = qbh + (int64_t)m * qs;
+        float *sm = sb + (int64_t)m * T;
+        switch (M - m) {
+        case 1: fp_direct16(1, qm, qs, D, x, b, h, n, sm, T, col); break;
+        case 2: fp_direct16(2, qm, qs, D, x, b, h, n, sm, T, col); break;
+        default: fp_direct16(3, qm, qs, D, x, b, h, n, sm, T, col); break;
+        }
+    }
+}
+#endif
+
 /* Scores of (b, h)'s sink and residual keys: columns 0 .. S and S + NK .. T of its M score rows sb (M, T). */
 static KV_NOINLINE void fp_scores(const kv_part *q, const kv_part *ksk, const kv_part *kres, int b, int h, int M,
                                   int D, int S, int NK, int RK, int T, float *restrict sb, float *restrict row) {
     const float *qbh = (const float *)at(q, b, h, 0);
+#if defined(__AVX512F__)
+    if (D % 8 == 0) { /* in registers (fp_direct16); otherwise a row converted at a time, M dots */
+        (void)row;
+        fp_direct(qbh, q->s2, M, D, ksk, b, h, S, sb, T, 0);
+        fp_direct(qbh, q->s2, M, D, kres, b, h, RK, sb, T, S + NK);
+        return;
+    }
+#endif
     for (int j = 0; j < S + RK; j++) {
         const int col = j < S ? j : S + NK + (j - S);
         load_floats(j < S ? at(ksk, b, h, j) : at(kres, b, h, j - S), j < S ? ksk->dtype : kres->dtype, row, D);
@@ -1735,6 +1813,22 @@ static KV_NOINLINE void finish_head(const float *restrict part, int ncv, const k
         hadamard_blocks(o, D, vhb);
         if (vrot && ncv) unfit_row(o, vrot, D, acc);
         const float *pm = pbh + (int64_t)m * T;
+#if defined(__AVX512F__)
+        if (D % 16 == 0 && D <= 256) { /* axpy's FMAs, token by token, with o's 16-lane rows held in registers */
+            __m512 acc16[16];
+            const int nv = D / 16;
+            for (int x = 0; x < nv; x++) acc16[x] = _mm512_loadu_ps(o + 16 * x);
+            for (int j = 0; j < S + RV; j++) {
+                const int col = j < S ? j : S + NV + (j - S);
+                const kv_part *src = j < S ? vsk : vres;
+                const uint8_t *r = at(src, b, h, j < S ? j : j - S);
+                const __m512 pv = _mm512_set1_ps(pm[col]);
+                for (int x = 0; x < nv; x++) acc16[x] = _mm512_fmadd_ps(pv, fp16x1(r, x, src->dtype), acc16[x]);
+            }
+            for (int x = 0; x < nv; x++) _mm512_storeu_ps(o + 16 * x, acc16[x]);
+            continue;
+        }
+#endif
         for (int j = 0; j < S + RV; j++) {
             const int col = j < S ? j : S + NV + (j - S);
             load_floats(j < S ? at(vsk, b, h, j) : at(vres, b, h, j - S), j < S ? vsk->dtype : vres->dtype, row, D);
