@@ -655,7 +655,7 @@ static void transform_rows(const kv_tr *tr, float *restrict rows, int n, int D, 
  * every output): results are bit for bit the tile path's (kv_run's test switch compares them). More than 3 queries
  * take several passes over the codes. Built for AVX-512 (-march=native on such a CPU), the same loops run 16 lanes
  * wide (v_direct16, k_direct16, v_ggml16, k_ggml16 below), lane for lane the same arithmetic, with the codes of
- * the tokens ahead prefetched: 1.24-1.44x the 8-lane loops' rows call at 16 rows x 4,096 tokens (Sapphire Rapids,
+ * the tokens ahead prefetched: 1.26-1.51x the 8-lane loops' rows call at 16 rows x 4,096 tokens (Sapphire Rapids,
  * docs/performance.md, "16 lanes"). */
 
 #if defined(__AVX2__) && defined(__FMA__)
