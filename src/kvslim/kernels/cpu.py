@@ -10,6 +10,7 @@ that is not contiguous is copied first. Nothing here raises at import; an unusab
 from __future__ import annotations
 
 import array
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -338,24 +339,68 @@ def _row_pieces(pieces, h: int, m: int, d: int, role: str, vals: list, held: lis
         codec, enc, offset = piece[:3]
         qk = piece[3] if len(piece) > 3 else None
         tr = piece[4] if len(piece) > 4 else None
-        p, parts, vn = _body_args(codec, enc, 1, h, d, offset, role)
-        if role == "v":
-            first = first or p[:2]
-            if p[:2] != first:
-                raise ValueError(
-                    f"attention rows: a row's V pieces must share one format, got {first} and {p[:2]}"
-                )
-            if vn is not None:  # the V factors' offset in their group (a plain V piece's offset field stays 0)
+        rec = _memo_get(codec, enc, offset, h, m, d, role) if qk is None and tr is None else None
+        if rec is None:
+            p, parts, vn = _body_args(codec, enc, 1, h, d, offset, role)
+            held += (*parts, vn)  # a part copied to make its rows contiguous lives until the call returns
+            if role == "v" and vn is not None:  # the V factors' offset in their group (a plain V piece's stays 0)
                 p = (*p[:3], offset, p[4])
-        vals += (*p, codec.token_group if role == "v" and vn is not None else 0)
-        for t in parts:
-            vals += _part(t)
-        vals += (0, 0, 0, 0, _DT[torch.uint8]) if vn is None else _part(vn)
-        vals += _piece_queries(qk, h, m, d, role)
-        vals += _flags_part(enc, h, p[4], role)
-        vals += _piece_transform(tr, h, d, p[4], role, held)
-        tokens += p[4]
+            rec = [*p, codec.token_group if role == "v" and vn is not None else 0]
+            for t in parts:
+                rec += _part(t)
+            rec += (0, 0, 0, 0, _DT[torch.uint8]) if vn is None else _part(vn)
+            rec += _piece_queries(qk, h, m, d, role)
+            rec += _flags_part(enc, h, p[4], role)
+            rec += _piece_transform(tr, h, d, p[4], role, held)
+            rec = tuple(rec)
+            if qk is None and tr is None:
+                _memo_put(codec, enc, offset, h, m, d, role, rec)
+        if role == "v":
+            first = first or rec[:2]
+            if rec[:2] != first:
+                raise ValueError(f"attention rows: a row's V pieces must share one format, got {first} and {rec[:2]}")
+        vals += rec
+        tokens += rec[4]
     return len(pieces), tokens
+
+
+#: The attribute of a body's first token part under which :func:`_row_pieces` keeps the piece record it built
+#: from that body, with what it was built from: a decode step reads every row's unchanged body again (the cache
+#: hands out the same view tensors until the body changes), and the record's checks and pointers cost ~30 us a
+#: piece in Python. The record lives and dies with the tensor; it holds the body's other parts (never the tensor
+#: itself: no reference cycle keeps a freed body's memory alive).
+_MEMO = "_kvslim_piece_record"
+
+
+def _memo_key(codec: Codec, enc: Encoded, offset: int, h: int, m: int, d: int, role: str):
+    """(the body's first token part, the call's shape, the body's other parts) for a body whose every part the
+    record points into directly (dims 3.. contiguous: nothing copied for the call), else None. A view's data
+    pointer, shape, strides and dtype never change, so the same tensors give the same record."""
+    if not enc.token:
+        return None
+    parts = (*enc.token.values(), *enc.group.values())
+    for t in parts:
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or (t.shape[3] > 1 and t.stride(3) != 1):
+            return None
+    return parts[0], (codec, offset, h, m, d, role, tuple(enc.token), tuple(enc.group)), parts[1:]
+
+
+def _memo_get(codec: Codec, enc: Encoded, offset: int, h: int, m: int, d: int, role: str) -> tuple | None:
+    key = _memo_key(codec, enc, offset, h, m, d, role)
+    held = None if key is None else getattr(key[0], _MEMO, None)
+    if held is None:
+        return None
+    shape, others, rec = held
+    if shape != key[1] or len(others) != len(key[2]) or any(a is not b for a, b in zip(others, key[2])):
+        return None
+    return rec
+
+
+def _memo_put(codec: Codec, enc: Encoded, offset: int, h: int, m: int, d: int, role: str, rec: tuple) -> None:
+    key = _memo_key(codec, enc, offset, h, m, d, role)
+    if key is not None:
+        with contextlib.suppress(AttributeError, RuntimeError, TypeError):  # a tensor that takes no attributes
+            setattr(key[0], _MEMO, (key[1], key[2], rec))
 
 
 def attend_rows(q: torch.Tensor, rows, out: torch.Tensor, lib=None) -> list[int]:
