@@ -431,6 +431,17 @@ KV_INLINE __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m128 c) {
     const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
     return _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), c);
 }
+
+/* The 4 scores sv at dst, only the first left of them where fewer than 4 are left. */
+KV_INLINE void store4(float *dst, __m128 sv, int left) {
+    if (left >= 4) {
+        _mm_storeu_ps(dst, sv);
+    } else if (left > 0) {
+        float tmp[4];
+        _mm_storeu_ps(tmp, sv);
+        for (int i = 0; i < left; i++) dst[i] = tmp[i];
+    }
+}
 #endif
 
 /* K: rows (n <= TILE, rows beyond n are readable garbage), qq (M, D) with row stride qs; cst may be NULL. */
@@ -690,15 +701,7 @@ KV_INLINE void k_direct(int bits, int NM, int TB, const float *restrict qq, int 
         for (int m = 0; m < NM; m++)
             for (int x = 0; x < TB; x += 4) {
                 const __m128 sv = hsum4(a[m][x], a[m][x + 1], a[m][x + 2], a[m][x + 3], _mm_set1_ps(cst ? cst[m] : 0.0f));
-                float *dst = o + m * os + j + x;
-                const int left = n - j - x;
-                if (left >= 4) {
-                    _mm_storeu_ps(dst, sv);
-                } else if (left > 0) {
-                    float tmp[4];
-                    _mm_storeu_ps(tmp, sv);
-                    for (int e = 0; e < left; e++) dst[e] = tmp[e];
-                }
+                store4(o + m * os + j + x, sv, n - j - x);
             }
     }
 }
@@ -780,6 +783,11 @@ KV_INLINE void v_direct16(int bits, int NM, const float *restrict pb, int64_t ps
 /* The upper 8 lanes of a. */
 KV_INLINE __m256 hi8(__m512 a) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)); }
 
+/* hsum4 of the four 8-lane halves of a and b (tokens j, j + 1 in a; j + 2, j + 3 in b), plus c. */
+KV_INLINE __m128 hsum2x2(__m512 a, __m512 b, float c) {
+    return hsum4(_mm512_castps512_ps256(a), hi8(a), _mm512_castps512_ps256(b), hi8(b), _mm_set1_ps(c));
+}
+
 /* k_direct with two tokens a register: TB tokens (4 or 8) in TB / 2 registers per query. */
 KV_INLINE void k_direct16(int bits, int NM, int TB, const float *restrict qq, int D, const float *restrict cst,
                           const uint8_t *c0, int64_t cs, int np, int n, float *restrict o, int64_t os) {
@@ -805,17 +813,8 @@ KV_INLINE void k_direct16(int bits, int NM, int TB, const float *restrict qq, in
             }
         for (int m = 0; m < NM; m++)
             for (int y = 0; y < TB / 2; y += 2) {
-                const __m128 sv = hsum4(_mm512_castps512_ps256(a[m][y]), hi8(a[m][y]), _mm512_castps512_ps256(a[m][y + 1]),
-                                        hi8(a[m][y + 1]), _mm_set1_ps(cst ? cst[m] : 0.0f));
-                float *dst = o + m * os + j + 2 * y;
-                const int left = n - j - 2 * y;
-                if (left >= 4) {
-                    _mm_storeu_ps(dst, sv);
-                } else if (left > 0) {
-                    float tmp[4];
-                    _mm_storeu_ps(tmp, sv);
-                    for (int e = 0; e < left; e++) dst[e] = tmp[e];
-                }
+                const __m128 sv = hsum2x2(a[m][y], a[m][y + 1], cst ? cst[m] : 0.0f);
+                store4(o + m * os + j + 2 * y, sv, n - j - 2 * y);
             }
     }
 }
@@ -975,17 +974,8 @@ KV_INLINE void k_ggml16(int fmt, int NM, int TB, const float *restrict qq, int64
         }
         for (int m = 0; m < NM; m++)
             for (int y = 0; y < TB / 2; y += 2) {
-                const __m128 sv = hsum4(_mm512_castps512_ps256(a[m][y]), hi8(a[m][y]), _mm512_castps512_ps256(a[m][y + 1]),
-                                        hi8(a[m][y + 1]), _mm_set1_ps(0.0f));
-                float *dst = o + m * os + j + 2 * y;
-                const int left = n - j - 2 * y;
-                if (left >= 4) {
-                    _mm_storeu_ps(dst, sv);
-                } else if (left > 0) {
-                    float tmp[4];
-                    _mm_storeu_ps(tmp, sv);
-                    for (int i = 0; i < left; i++) dst[i] = tmp[i];
-                }
+                const __m128 sv = hsum2x2(a[m][y], a[m][y + 1], 0.0f);
+                store4(o + m * os + j + 2 * y, sv, n - j - 2 * y);
             }
     }
 }
@@ -1036,15 +1026,7 @@ KV_INLINE void k_ggml(int fmt, int NM, int TB, const float *restrict qq, int64_t
         for (int m = 0; m < NM; m++)
             for (int x = 0; x < TB; x += 4) {
                 const __m128 sv = hsum4(a[m][x], a[m][x + 1], a[m][x + 2], a[m][x + 3], _mm_set1_ps(0.0f));
-                float *dst = o + m * os + j + x;
-                const int left = n - j - x;
-                if (left >= 4) {
-                    _mm_storeu_ps(dst, sv);
-                } else if (left > 0) {
-                    float tmp[4];
-                    _mm_storeu_ps(tmp, sv);
-                    for (int i = 0; i < left; i++) dst[i] = tmp[i];
-                }
+                store4(o + m * os + j + x, sv, n - j - x);
             }
     }
 }
@@ -1622,17 +1604,8 @@ KV_INLINE void fp_direct16(int NM, const float *restrict qm, int64_t qs, int D, 
         }
         for (int m = 0; m < NM; m++)
             for (int y = 0; y < 4; y += 2) {
-                const __m128 sv = hsum4(_mm512_castps512_ps256(a[m][y]), hi8(a[m][y]), _mm512_castps512_ps256(a[m][y + 1]),
-                                        hi8(a[m][y + 1]), _mm_set1_ps(0.0f));
-                float *dst = sb + m * T + col + j + 2 * y;
-                const int left = n - j - 2 * y;
-                if (left >= 4) {
-                    _mm_storeu_ps(dst, sv);
-                } else if (left > 0) {
-                    float tmp[4];
-                    _mm_storeu_ps(tmp, sv);
-                    for (int i = 0; i < left; i++) dst[i] = tmp[i];
-                }
+                const __m128 sv = hsum2x2(a[m][y], a[m][y + 1], 0.0f);
+                store4(sb + m * T + col + j + 2 * y, sv, n - j - 2 * y);
             }
     }
 }
@@ -1678,16 +1651,17 @@ static KV_NOINLINE void fp_scores(const kv_part *q, const kv_part *ksk, const kv
  * e^x lies within a hair of a rounding tie (0.06% of 2e7 random inputs in [-110, 0], each 1 ulp off glibc's expf:
  * glibc's own error bound is 0.502 ulp). Only what such a ulp can move moves: the fused path's results stay what
  * they were with libm's expf to within a ulp of a probability. */
+/* e^r's Taylor coefficients, highest degree first (Horner), for exp_pd and exp_pd8. */
+static const double EXP_TAYLOR[12] = {1.0 / 39916800.0, 1.0 / 3628800.0, 1.0 / 362880.0, 1.0 / 40320.0, 1.0 / 5040.0,
+                                      1.0 / 720.0,      1.0 / 120.0,     1.0 / 24.0,     1.0 / 6.0,     0.5, 1.0, 1.0};
 KV_INLINE __m256d exp_pd(__m256d x) {
     x = _mm256_max_pd(_mm256_set1_pd(-104.0), x); /* max(-104, NaN) is NaN */
     const __m256d n = _mm256_round_pd(_mm256_mul_pd(x, _mm256_set1_pd(1.4426950408889634)),
                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256d r = _mm256_fnmadd_pd(n, _mm256_set1_pd(0x1.62e42fefa39efp-1), x);
     r = _mm256_fnmadd_pd(n, _mm256_set1_pd(0x1.abc9e3b39803fp-56), r);
-    static const double C[12] = {1.0 / 39916800.0, 1.0 / 3628800.0, 1.0 / 362880.0, 1.0 / 40320.0, 1.0 / 5040.0,
-                                 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0};
-    __m256d y = _mm256_set1_pd(C[0]);
-    for (int i = 1; i < 12; i++) y = _mm256_fmadd_pd(y, r, _mm256_set1_pd(C[i]));
+    __m256d y = _mm256_set1_pd(EXP_TAYLOR[0]);
+    for (int i = 1; i < 12; i++) y = _mm256_fmadd_pd(y, r, _mm256_set1_pd(EXP_TAYLOR[i]));
     const __m256i e = _mm256_slli_epi64(
         _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(n)), _mm256_set1_epi64x(1023)), 52);
     return _mm256_mul_pd(y, _mm256_castsi256_pd(e));
@@ -1702,10 +1676,8 @@ KV_INLINE __m512d exp_pd8(__m512d x) {
                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512d r = _mm512_fnmadd_pd(n, _mm512_set1_pd(0x1.62e42fefa39efp-1), x);
     r = _mm512_fnmadd_pd(n, _mm512_set1_pd(0x1.abc9e3b39803fp-56), r);
-    static const double C[12] = {1.0 / 39916800.0, 1.0 / 3628800.0, 1.0 / 362880.0, 1.0 / 40320.0, 1.0 / 5040.0,
-                                 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0};
-    __m512d y = _mm512_set1_pd(C[0]);
-    for (int i = 1; i < 12; i++) y = _mm512_fmadd_pd(y, r, _mm512_set1_pd(C[i]));
+    __m512d y = _mm512_set1_pd(EXP_TAYLOR[0]);
+    for (int i = 1; i < 12; i++) y = _mm512_fmadd_pd(y, r, _mm512_set1_pd(EXP_TAYLOR[i]));
     const __m512i e = _mm512_slli_epi64(
         _mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_cvtpd_epi32(n)), _mm512_set1_epi64(1023)), 52);
     return _mm512_mul_pd(y, _mm512_castsi512_pd(e));
