@@ -780,6 +780,9 @@ KV_INLINE void v_direct16(int bits, int NM, const float *restrict pb, int64_t ps
     }
 }
 
+/* v in both 8-lane halves (AVX512F only: _mm512_broadcast_f32x8 would need AVX512DQ). */
+KV_INLINE __m512 bcast8x2(__m256 v) { return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(v))); }
+
 /* The upper 8 lanes of a. */
 KV_INLINE __m256 hi8(__m512 a) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)); }
 
@@ -805,7 +808,7 @@ KV_INLINE void k_direct16(int bits, int NM, int TB, const float *restrict qq, in
             for (int u = 0; u < np; u += 8) {
                 const float *qk = qq + i * np + u;
                 __m512 qv[3];
-                for (int m = 0; m < NM; m++) qv[m] = _mm512_broadcast_f32x8(_mm256_loadu_ps(qk + m * D));
+                for (int m = 0; m < NM; m++) qv[m] = bcast8x2(_mm256_loadu_ps(qk + m * D));
                 for (int y = 0; y < TB / 2; y++) {
                     const __m512 f = codes8x2(cp[2 * y], cp[2 * y + 1], u, bits * i, bits);
                     for (int m = 0; m < NM; m++) a[m][y] = _mm512_fmadd_ps(qv[m], f, a[m][y]);
@@ -966,7 +969,7 @@ KV_INLINE void k_ggml16(int fmt, int NM, int TB, const float *restrict qq, int64
             for (int y = 0; y < TB / 2; y++) a[m][y] = _mm512_setzero_ps();
         for (int e = 0; e < D / 8; e++) {
             __m512 qv[3];
-            for (int m = 0; m < NM; m++) qv[m] = _mm512_broadcast_f32x8(_mm256_loadu_ps(qq + m * qs + 8 * e));
+            for (int m = 0; m < NM; m++) qv[m] = bcast8x2(_mm256_loadu_ps(qq + m * qs + 8 * e));
             for (int y = 0; y < TB / 2; y++) {
                 const __m512 f = ggml8x2(fmt, cp[2 * y], cp[2 * y + 1], e);
                 for (int m = 0; m < NM; m++) a[m][y] = _mm512_fmadd_ps(qv[m], f, a[m][y]);
@@ -1596,7 +1599,7 @@ KV_INLINE void fp_direct16(int NM, const float *restrict qm, int64_t qs, int D, 
             for (int y = 0; y < 4; y++) a[m][y] = _mm512_setzero_ps();
         for (int e = 0; e < D / 8; e++) {
             __m512 qv[3];
-            for (int m = 0; m < NM; m++) qv[m] = _mm512_broadcast_f32x8(_mm256_loadu_ps(qm + m * qs + 8 * e));
+            for (int m = 0; m < NM; m++) qv[m] = bcast8x2(_mm256_loadu_ps(qm + m * qs + 8 * e));
             for (int y = 0; y < 4; y++) {
                 const __m512 f = fp8x2(cp[2 * y], cp[2 * y + 1], e, x->dtype);
                 for (int m = 0; m < NM; m++) a[m][y] = _mm512_fmadd_ps(qv[m], f, a[m][y]);
@@ -1645,15 +1648,16 @@ static KV_NOINLINE void fp_scores(const kv_part *q, const kv_part *ksk, const kv
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
+/* e^r's Taylor coefficients, highest degree first (Horner), for exp_pd and exp_pd8. */
+static const double EXP_TAYLOR[12] = {1.0 / 39916800.0, 1.0 / 3628800.0, 1.0 / 362880.0, 1.0 / 40320.0, 1.0 / 5040.0,
+                                      1.0 / 720.0,      1.0 / 120.0,     1.0 / 24.0,     1.0 / 6.0,     0.5, 1.0, 1.0};
+
 /* e^x in double for 4 floats x (widened): x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts), e^r by its Taylor
  * polynomial to degree 11 (truncation below 1e-14 relative), times 2^n built in the exponent bits; x below -104
  * (where expf is 0) is taken as -104. Rounded to float by the caller, this is expf's value but for inputs whose
  * e^x lies within a hair of a rounding tie (0.06% of 2e7 random inputs in [-110, 0], each 1 ulp off glibc's expf:
  * glibc's own error bound is 0.502 ulp). Only what such a ulp can move moves: the fused path's results stay what
  * they were with libm's expf to within a ulp of a probability. */
-/* e^r's Taylor coefficients, highest degree first (Horner), for exp_pd and exp_pd8. */
-static const double EXP_TAYLOR[12] = {1.0 / 39916800.0, 1.0 / 3628800.0, 1.0 / 362880.0, 1.0 / 40320.0, 1.0 / 5040.0,
-                                      1.0 / 720.0,      1.0 / 120.0,     1.0 / 24.0,     1.0 / 6.0,     0.5, 1.0, 1.0};
 KV_INLINE __m256d exp_pd(__m256d x) {
     x = _mm256_max_pd(_mm256_set1_pd(-104.0), x); /* max(-104, NaN) is NaN */
     const __m256d n = _mm256_round_pd(_mm256_mul_pd(x, _mm256_set1_pd(1.4426950408889634)),
