@@ -5,6 +5,8 @@ have to copy, is checked and recorded again; a piece with its own queries is nev
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from kvslim.formats import Encoded
@@ -38,16 +40,21 @@ def _call(q, rows) -> torch.Tensor:
     return out
 
 
+def _mapped(rows, fn):
+    """The rows with every body part replaced by fn(part)."""
+
+    def body(pieces):
+        return tuple(
+            (c, Encoded({n: fn(t) for n, t in e.token.items()}, {n: fn(t) for n, t in e.group.items()}), o)
+            for c, e, o in pieces
+        )
+
+    return [r._replace(k_body=body(r.k_body), v_body=body(r.v_body)) for r in rows]
+
+
 def _fresh(rows):
     """The same bodies as new view tensors (as a cache hands them out after a change): nothing kept applies."""
-    out = []
-    for r in rows:
-        k = [(c, Encoded({n: t[:, :, :] for n, t in e.token.items()}, {n: t[:, :, :] for n, t in e.group.items()}), o)
-             for c, e, o in r.k_body]
-        v = [(c, Encoded({n: t[:, :, :] for n, t in e.token.items()}, {n: t[:, :, :] for n, t in e.group.items()}), o)
-             for c, e, o in r.v_body]
-        out.append(r._replace(k_body=tuple(k), v_body=tuple(v)))
-    return out
+    return _mapped(rows, lambda t: t[:, :, :])
 
 
 def test_an_unchanged_body_reuses_its_record_with_the_same_bits(monkeypatch):
@@ -108,3 +115,17 @@ def test_a_piece_with_its_own_queries_is_never_kept(monkeypatch):
     n = len(calls)
     b = _call(q, rows2)
     assert torch.equal(a, b) and len(calls) - n == 1  # the own-queries K piece only, again
+
+
+def test_a_deep_copy_of_a_body_gets_its_own_record():
+    """A deep copy carries the kept record (a tensor's attributes are copied) to new memory: the copy must not be
+    read through the original's pointers."""
+    rows, q = _rows()
+    _call(q, rows)  # records kept on the originals
+    twin = copy.deepcopy(rows)
+    for r in rows:  # the originals change after the copy: the twin's answer must not
+        for _, enc, _ in (*r.k_body, *r.v_body):
+            for t in (*enc.token.values(), *enc.group.values()):
+                t.zero_()
+    expected = _call(q, _mapped(twin, torch.clone))
+    assert torch.equal(_call(q, twin), expected)

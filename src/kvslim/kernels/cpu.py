@@ -368,7 +368,8 @@ def _row_pieces(pieces, h: int, m: int, d: int, role: str, vals: list, held: lis
 #: from that body, with what it was built from: a decode step reads every row's unchanged body again (the cache
 #: hands out the same view tensors until the body changes), and the record's checks and pointers cost ~30 us a
 #: piece in Python. The record lives and dies with the tensor; it holds the body's other parts (never the tensor
-#: itself: no reference cycle keeps a freed body's memory alive).
+#: itself: no reference cycle keeps a freed body's memory alive) and every part's data pointer (a deep copy of the
+#: tensor carries the attribute to new memory: the pointers differ, the record is built again).
 _MEMO = "_kvslim_piece_record"
 
 
@@ -382,7 +383,8 @@ def _memo_key(codec: Codec, enc: Encoded, offset: int, h: int, m: int, d: int, r
     for t in parts:
         if not isinstance(t, torch.Tensor) or t.dim() != 4 or (t.shape[3] > 1 and t.stride(3) != 1):
             return None
-    return parts[0], (codec, offset, h, m, d, role, tuple(enc.token), tuple(enc.group)), parts[1:]
+    ptrs = tuple(t.data_ptr() for t in parts)  # a copy (deepcopy, pickle) carries the attribute, not the memory
+    return parts[0], (codec, offset, h, m, d, role, tuple(enc.token), tuple(enc.group), ptrs), parts[1:]
 
 
 def _memo_get(codec: Codec, enc: Encoded, offset: int, h: int, m: int, d: int, role: str) -> tuple | None:
