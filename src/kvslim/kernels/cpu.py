@@ -339,7 +339,8 @@ def _row_pieces(pieces, h: int, m: int, d: int, role: str, vals: list, held: lis
         codec, enc, offset = piece[:3]
         qk = piece[3] if len(piece) > 3 else None
         tr = piece[4] if len(piece) > 4 else None
-        rec = _memo_get(codec, enc, offset, h, m, d, role) if qk is None and tr is None else None
+        key = _memo_key(codec, enc, offset, h, m, d, role) if qk is None and tr is None else None
+        rec = _memo_get(key)
         if rec is None:
             p, parts, vn = _body_args(codec, enc, 1, h, d, offset, role)
             held += (*parts, vn)  # a part copied to make its rows contiguous lives until the call returns
@@ -353,8 +354,7 @@ def _row_pieces(pieces, h: int, m: int, d: int, role: str, vals: list, held: lis
             rec += _flags_part(enc, h, p[4], role)
             rec += _piece_transform(tr, h, d, p[4], role, held)
             rec = tuple(rec)
-            if qk is None and tr is None:
-                _memo_put(codec, enc, offset, h, m, d, role, rec)
+            _memo_put(key, rec)
         if role == "v":
             first = first or rec[:2]
             if rec[:2] != first:
@@ -387,8 +387,8 @@ def _memo_key(codec: Codec, enc: Encoded, offset: int, h: int, m: int, d: int, r
     return parts[0], (codec, offset, h, m, d, role, tuple(enc.token), tuple(enc.group), ptrs), parts[1:]
 
 
-def _memo_get(codec: Codec, enc: Encoded, offset: int, h: int, m: int, d: int, role: str) -> tuple | None:
-    key = _memo_key(codec, enc, offset, h, m, d, role)
+def _memo_get(key) -> tuple | None:
+    """The record kept for ``key`` (:func:`_memo_key`; None: nothing is kept for that piece), or None."""
     held = None if key is None else getattr(key[0], _MEMO, None)
     if held is None:
         return None
@@ -398,8 +398,7 @@ def _memo_get(codec: Codec, enc: Encoded, offset: int, h: int, m: int, d: int, r
     return rec
 
 
-def _memo_put(codec: Codec, enc: Encoded, offset: int, h: int, m: int, d: int, role: str, rec: tuple) -> None:
-    key = _memo_key(codec, enc, offset, h, m, d, role)
+def _memo_put(key, rec: tuple) -> None:
     if key is not None:
         with contextlib.suppress(AttributeError, RuntimeError, TypeError):  # a tensor that takes no attributes
             setattr(key[0], _MEMO, (key[1], key[2], rec))

@@ -713,22 +713,23 @@ KV_INLINE void k_direct(int bits, int NM, int TB, const float *restrict qq, int 
  * half the next token's, the queries broadcast to both halves), summed by the same hsum4. The results are bit for
  * bit the 8-lane loops' (and so the tiles'): kv_run's test switch and tests/test_kernels.py compare them. */
 
-/* Units u .. u + 15 of a token's packed codes c, the plane of shift sh: 16 codes as floats. */
-KV_INLINE __m512 codes16(const uint8_t *restrict c, int u, int sh, int bits) {
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + u)));
+/* 16 packed units (bytes, widened) -> the codes of the plane of shift sh, as floats (codes8's arithmetic). */
+KV_INLINE __m512 plane16(__m128i units, int sh, int bits) {
+    const __m512i v = _mm512_cvtepu8_epi32(units);
     if (bits == 8) return _mm512_cvtepi32_ps(v);
     return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(v, _mm_cvtsi32_si128(sh)),
                                                _mm512_set1_epi32((1 << bits) - 1)));
 }
 
+/* Units u .. u + 15 of a token's packed codes c, the plane of shift sh: 16 codes as floats. */
+KV_INLINE __m512 codes16(const uint8_t *restrict c, int u, int sh, int bits) {
+    return plane16(_mm_loadu_si128((const __m128i *)(c + u)), sh, bits);
+}
+
 /* Units u .. u + 7 of two tokens' packed codes (c: lanes 0-7, c2: lanes 8-15), the plane of shift sh, as floats. */
 KV_INLINE __m512 codes8x2(const uint8_t *restrict c, const uint8_t *restrict c2, int u, int sh, int bits) {
-    const __m128i b = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(c + u)),
-                                         _mm_loadl_epi64((const __m128i *)(c2 + u)));
-    const __m512i v = _mm512_cvtepu8_epi32(b);
-    if (bits == 8) return _mm512_cvtepi32_ps(v);
-    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(v, _mm_cvtsi32_si128(sh)),
-                                               _mm512_set1_epi32((1 << bits) - 1)));
+    return plane16(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(c + u)), _mm_loadl_epi64((const __m128i *)(c2 + u))),
+                   sh, bits);
 }
 
 /* v_direct, 64 channels (4 registers of 16) at a time: np % 16 == 0, run % 16 == 0, D % 64 == 0. */
@@ -780,7 +781,12 @@ KV_INLINE void v_direct16(int bits, int NM, const float *restrict pb, int64_t ps
     }
 }
 
-/* v in both 8-lane halves (AVX512F only: _mm512_broadcast_f32x8 would need AVX512DQ). */
+/* lo in lanes 0-7, hi in lanes 8-15 (AVX512F only: the f32x8 forms would need AVX512DQ). */
+KV_INLINE __m512 join8x2(__m256 lo, __m256 hi) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+}
+
+/* v in both 8-lane halves. */
 KV_INLINE __m512 bcast8x2(__m256 v) { return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(v))); }
 
 /* The upper 8 lanes of a. */
@@ -830,16 +836,17 @@ KV_INLINE void k_direct_all(int bits, int M, const float *restrict qq, int D, co
         const float *c = cst ? cst + m : NULL;
 #if defined(__AVX512F__)
         switch (M - m) {
-        case 1: k_direct16(bits, 1, 8, qq + (int64_t)m * D, D, c, c0, cs, np, n, o + m * os, os); continue;
-        case 2: k_direct16(bits, 2, 8, qq + (int64_t)m * D, D, c, c0, cs, np, n, o + m * os, os); continue;
-        default: k_direct16(bits, 3, 8, qq + (int64_t)m * D, D, c, c0, cs, np, n, o + m * os, os); continue;
+        case 1: k_direct16(bits, 1, 8, qq + (int64_t)m * D, D, c, c0, cs, np, n, o + m * os, os); break;
+        case 2: k_direct16(bits, 2, 8, qq + (int64_t)m * D, D, c, c0, cs, np, n, o + m * os, os); break;
+        default: k_direct16(bits, 3, 8, qq + (int64_t)m * D, D, c, c0, cs, np, n, o + m * os, os); break;
         }
-#endif
+#else
         switch (M - m) {
         case 1: k_direct(bits, 1, 8, qq + (int64_t)m * D, D, c, c0, cs, np, n, o + m * os, os); break;
         case 2: k_direct(bits, 2, 4, qq + (int64_t)m * D, D, c, c0, cs, np, n, o + m * os, os); break;
         default: k_direct(bits, 3, 4, qq + (int64_t)m * D, D, c, c0, cs, np, n, o + m * os, os); break;
         }
+#endif
     }
 }
 
@@ -947,8 +954,7 @@ KV_INLINE __m512 ggml8x2(int fmt, const uint8_t *restrict a, const uint8_t *rest
     const int off = fmt == R_SYM8 ? 2 + 8 * e : fmt == R_Q8_0 ? 2 + 8 * (e & 3) : 2 + 8 * (e & 1);
     const __m128i x = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(pa + off)),
                                          _mm_loadl_epi64((const __m128i *)(pb + off)));
-    const __m512 d = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_set1_ps(h2f(ld_u16(pa))))),
-                                                         _mm256_castps_pd(_mm256_set1_ps(h2f(ld_u16(pb)))), 1));
+    const __m512 d = join8x2(_mm256_set1_ps(h2f(ld_u16(pa))), _mm256_set1_ps(h2f(ld_u16(pb))));
     if (fmt != R_Q4_0) return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x)));
     const __m512i v = _mm512_cvtepu8_epi32(x);
     const __m512i c = (e & 3) < 2 ? _mm512_and_si512(v, _mm512_set1_epi32(15)) : _mm512_srli_epi32(v, 4);
@@ -1011,10 +1017,9 @@ KV_INLINE void v_ggml16(int fmt, int NM, const float *restrict pb, int64_t ps, c
 KV_INLINE void k_ggml(int fmt, int NM, int TB, const float *restrict qq, int64_t qs, int D, const uint8_t *x0,
                       int64_t xs, int n, float *restrict o, int64_t os) {
 #if defined(__AVX512F__)
-    (void)TB;
+    (void)TB; /* 8 tokens at a time, two a register */
     k_ggml16(fmt, NM, 8, qq, qs, D, x0, xs, n, o, os);
-    return;
-#endif
+#else
     for (int j = 0; j < n; j += TB) {
         const uint8_t *cp[8];
         for (int x = 0; x < TB; x++) cp[x] = x0 + xs * (j + x < n ? j + x : n - 1);
@@ -1032,6 +1037,7 @@ KV_INLINE void k_ggml(int fmt, int NM, int TB, const float *restrict qq, int64_t
                 store4(o + m * os + j + x, sv, n - j - x);
             }
     }
+#endif
 }
 
 /* v_direct for q8_0 / q4_0 rows: acc[m] += p[m, t] * row(t) for NM queries over tokens t0 .. t1 (rows at x0 + xs * t),
@@ -1570,9 +1576,7 @@ static void unfit_row(float *restrict o, const float *restrict rot, int D, float
 #if defined(__AVX512F__)
 /* Channels 8e .. 8e + 7 of the fp rows a (lanes 0-7) and b (lanes 8-15) of dtype dt, as load_floats reads them. */
 KV_INLINE __m512 fp8x2(const uint8_t *a, const uint8_t *b, int e, int dt) {
-    if (dt == DT_F32)
-        return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps((const float *)a + 8 * e))),
-                                                   _mm256_castps_pd(_mm256_loadu_ps((const float *)b + 8 * e)), 1));
+    if (dt == DT_F32) return join8x2(_mm256_loadu_ps((const float *)a + 8 * e), _mm256_loadu_ps((const float *)b + 8 * e));
     const __m256i x = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a + 16 * e))),
                                               _mm_loadu_si128((const __m128i *)(b + 16 * e)), 1);
     if (dt == DT_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
@@ -1688,26 +1692,6 @@ KV_INLINE __m512d exp_pd8(__m512d x) {
 }
 #endif
 
-static void exp_from(float *restrict x, int T, float mx);
-
-/* x[t] = e^(x[t] - max) in place; the maximum 8 lanes at a time with AVX2 (the same value: max is exact), the
- * exponentials exp_pd's (16 at a time with AVX-512: the same lanes' arithmetic), libm's expf for the tail. */
-static KV_NOINLINE void exp_row(float *restrict x, int T) {
-    float mx = x[0];
-    int t = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-    if (T >= 8) {
-        __m256 vm = _mm256_set1_ps(mx);
-        for (; t + 8 <= T; t += 8) vm = _mm256_max_ps(_mm256_loadu_ps(x + t), vm); /* x > m ? x : m, as below */
-        float lanes[8];
-        _mm256_storeu_ps(lanes, vm);
-        for (int i = 0; i < 8; i++) mx = lanes[i] > mx ? lanes[i] : mx;
-    }
-#endif
-    for (; t < T; t++) mx = x[t] > mx ? x[t] : mx;
-    exp_from(x, T, mx);
-}
-
 /* x[t] = e^(x[t] - mx) for t < T: exp_pd's 16 at a time with AVX-512 (lane for lane the AVX2 loop's), 8 at a time
  * with AVX2, libm's expf for the tail and elsewhere. */
 static void exp_from(float *restrict x, int T, float mx) {
@@ -1729,6 +1713,24 @@ static void exp_from(float *restrict x, int T, float mx) {
     for (; t < T; t++) x[t] = expf(x[t] - mx);
 }
 
+/* x[t] = e^(x[t] - max) in place; the maximum 8 lanes at a time with AVX2 (the same value: max is exact), the
+ * exponentials exp_pd's (16 at a time with AVX-512: the same lanes' arithmetic), libm's expf for the tail. */
+static KV_NOINLINE void exp_row(float *restrict x, int T) {
+    float mx = x[0];
+    int t = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (T >= 8) {
+        __m256 vm = _mm256_set1_ps(mx);
+        for (; t + 8 <= T; t += 8) vm = _mm256_max_ps(_mm256_loadu_ps(x + t), vm); /* x > m ? x : m, as below */
+        float lanes[8];
+        _mm256_storeu_ps(lanes, vm);
+        for (int i = 0; i < 8; i++) mx = lanes[i] > mx ? lanes[i] : mx;
+    }
+#endif
+    for (; t < T; t++) mx = x[t] > mx ? x[t] : mx;
+    exp_from(x, T, mx);
+}
+
 /* R rows of T scores (T apart) -> probabilities, in place: each row's e^(x - max) (exp_row) summed in token order,
  * then scaled. The sum stays one running sum per row: summed in lanes, the probabilities move by a few ulps, and
  * tests/test_attention.py's fused-against-op-by-op check at int4 with residual 0 (every token quantized as it
@@ -1739,25 +1741,12 @@ static KV_NOINLINE void softmax_rows(float *restrict x, int R, int T) {
         const int nr = R - r0 < 4 ? R - r0 : 4;
         float *y = x + (int64_t)r0 * T;
         for (int r = 0; r < nr; r++) exp_row(y + (int64_t)r * T, T);
-        float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        if (nr == 4) {
-            const float *y0 = y, *y1 = y + T, *y2 = y + 2 * (int64_t)T, *y3 = y + 3 * (int64_t)T;
-            float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-            for (int t = 0; t < T; t++) s0 += y0[t], s1 += y1[t], s2 += y2[t], s3 += y3[t];
-            sum[0] = s0, sum[1] = s1, sum[2] = s2, sum[3] = s3;
-        } else if (nr == 3) {
-            const float *y0 = y, *y1 = y + T, *y2 = y + 2 * (int64_t)T;
-            float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f;
-            for (int t = 0; t < T; t++) s0 += y0[t], s1 += y1[t], s2 += y2[t];
-            sum[0] = s0, sum[1] = s1, sum[2] = s2;
-        } else if (nr == 2) {
-            const float *y0 = y, *y1 = y + T;
-            float s0 = 0.0f, s1 = 0.0f;
-            for (int t = 0; t < T; t++) s0 += y0[t], s1 += y1[t];
-            sum[0] = s0, sum[1] = s1;
-        } else {
-            for (int t = 0; t < T; t++) sum[0] += y[t];
-        }
+        /* four chains always: a missing row's chain re-reads the first row and is not used */
+        const float *y0 = y, *y1 = y + (nr > 1) * (int64_t)T, *y2 = y + (nr > 2) * 2 * (int64_t)T;
+        const float *y3 = y + (nr > 3) * 3 * (int64_t)T;
+        float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+        for (int t = 0; t < T; t++) s0 += y0[t], s1 += y1[t], s2 += y2[t], s3 += y3[t];
+        const float sum[4] = {s0, s1, s2, s3};
         for (int r = 0; r < nr; r++) {
             float *restrict z = y + (int64_t)r * T;
             const float inv = 1.0f / sum[r];
