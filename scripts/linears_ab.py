@@ -34,19 +34,20 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--chunk", type=int, default=0, help="a joining prompt's chunk carried by every step (0: none)")
-    p.add_argument("--routes", nargs="+", default=["torch", "onednn", "packed"])
+    p.add_argument("--routes", nargs="+", default=None, help="default: every route this torch runs")
     p.add_argument("--profile", action="store_true", help="also the linear ops' self time under the torch profiler")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
 
     import kvslim
-    from kvslim.engine.linears import Linears
+    from kvslim.engine.linears import ROUTES, Linears, mkl_ready, onednn_ready, step_rows
     from kvslim.generate import forward_step, prefill
     from kvslim.models.load import load_model
 
     model = load_model(None)[0]
     kvslim.enable(model)
-    routes = {r: Linears(model, r, batch_hint=a.rows) for r in a.routes}
+    a.routes = a.routes or [r for r in ROUTES if r == "torch" or (mkl_ready() if r == "mkl" else onednn_ready())]
+    routes = {r: Linears(model, r, batch_hint=step_rows(a.rows)) for r in a.routes}
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (1, a.length), generator=g)

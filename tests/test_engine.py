@@ -55,14 +55,16 @@ def test_concurrent_greedy_equals_each_request_alone(model):
         assert got.finish_reason == "length" and len(got.tokens) == req.max_new_tokens
 
 
-@pytest.mark.parametrize("route", [pytest.param("torch", marks=blas_row_identity), "onednn", "packed"])
+@pytest.mark.parametrize(
+    "route", [pytest.param("torch", marks=blas_row_identity), "onednn", "packed", pytest.param("mkl", marks=blas_row_identity)]
+)
 def test_ragged_rows_are_bit_identical_whatever_shares_the_step(model, route):
     """forward_rows, the linear layers on each route (kvslim.engine.linears): a row's logits do not depend on the
     other rows (filler rows pad small steps)."""
-    from kvslim.engine.linears import Linears, onednn_ready
+    from kvslim.engine.linears import Linears, mkl_ready, onednn_ready
 
-    if route != "torch" and not onednn_ready():
-        pytest.skip("this torch has no oneDNN")
+    if route in ("onednn", "packed") and not onednn_ready() or route == "mkl" and not mkl_ready():
+        pytest.skip(f"this torch cannot run the {route} route")
     reqs = _requests()[:5]
     caches = [SlimCache.from_config(r.cache, config=model.config) for r in reqs]
     copies = [SlimCache.from_config(r.cache, config=model.config) for r in reqs]

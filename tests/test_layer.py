@@ -187,3 +187,94 @@ def test_layer_pads_are_set_explicitly():
     layer.append(_x(6, b=2), _x(6, b=2))
     # row 1 has 2 pads: its sink is its first real token (position 2), row 0's is position 0
     assert layer.sink_k[:, 0, 0, 0].tolist() == [0.0, 2.0]
+
+
+@pytest.mark.parametrize(
+    "sink, window, residual, group, v_fmt, first, routed",
+    [
+        (0, None, 6, 4, "int4", 7, True),
+        (2, 9, 4, 2, "int4", 7, True),
+        (0, 12, 5, 4, "int4", 7, True),
+        (4, 10, 4, 2, "int4", 1, True),  # decode tokens while the sinks still fill: the full path until they are full
+        (0, None, 4, 2, "int8", 3, True),  # K and V in two formats
+        (0, None, 4, 2, "none", 3, False),  # a lossless V stores its token as given: the full path
+        (3, None, 0, 1, "int4", 7, False),  # no residual: every token is encoded on arrival
+    ],
+)
+def test_a_decode_token_committed_without_planning_leaves_what_planning_leaves(
+    monkeypatch, sink, window, residual, group, v_fmt, first, routed
+):
+    """SlimLayer.append's one-token route (a ragged step's decode token, cast to float16 and checked by the caller:
+    kvslim.cache.layercheck.one_token) against the full path on a twin layer fed the same tokens: the same stored
+    state, the same Segments, the same sink deltas after every append, flushes, sinks and evictions included
+    (those take the full path), and the route really taken by append where it applies."""
+    from kvslim.cache import layercheck, layerstate
+
+    asked = []
+    real = layercheck.one_token
+    monkeypatch.setattr(layercheck, "one_token", lambda *a: asked.append(real(*a)) or asked[-1])
+
+    def make():
+        k = make_codec("int4", "k", group_size=group)
+        v = make_codec(v_fmt, "v", group_size=group)
+        return SlimLayer(KeepPolicy(sink=sink, window=window), k, v, residual, group, fp_dtype="auto")
+
+    fast, slow = make(), make()
+    g = torch.Generator().manual_seed(4)
+    for n in [first, *[1] * 16, 3, *[1] * 6]:
+        k, v = torch.randn(1, 2, n, 32, generator=g), torch.randn(1, 2, n, 32, generator=g)
+        halves = (k.half(), v.half()) if n == 1 else None
+        a, da = fast.append(k, v, segments=True, defer_sinks=True, base=0, finite_checked=True, halves=halves)
+        b, db = slow.append(k, v, segments=True, defer_sinks=True, base=0)
+        assert da == db
+        for name in ("k_sink", "v_sink", "k_res", "v_res", "length", "kv_shape", "dtype", "k_runs", "k_offset"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y), name
+        for x, y in zip(a.materialize(), b.materialize(), strict=True):
+            assert torch.equal(x, y)
+        sa, sb = layerstate.layer_state(fast), layerstate.layer_state(slow)
+        assert sa.keys() == sb.keys()
+        for key in sa:
+            assert _same(sa[key], sb[key]), key
+    taken = sum(asked)
+    assert (taken >= 8) == routed and (taken == 0) == (not routed)  # append took the route where it applies
+    if sink and first < sink:
+        assert not asked[0]  # the first decode token still fills a sink
+    k = torch.randn(1, 2, 1, 32)
+    assert not real(fast, k.double(), k.double())  # another dtype: the full path says why
+    assert not real(fast, torch.randn(1, 3, 1, 32), torch.randn(1, 3, 1, 32))
+
+
+def _same(x, y) -> bool:
+    """Equal bit for bit, through tensors, Encoded bodies, tuples, lists and dicts."""
+    from kvslim.formats import Encoded
+
+    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+        return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
+    if isinstance(x, Encoded):
+        return isinstance(y, Encoded) and _same(x.token, y.token) and _same(x.group, y.group)
+    if isinstance(x, dict):
+        return isinstance(y, dict) and x.keys() == y.keys() and all(_same(x[k], y[k]) for k in x)
+    if isinstance(x, (tuple, list)):
+        return type(x) is type(y) and len(x) == len(y) and all(_same(a, b) for a, b in zip(x, y))
+    return x == y
+
+
+def test_segments_of_is_the_constructor():
+    """Segments.of (a layer's view, built without the frozen dataclass' per-field setattr) makes what the
+    constructor makes, still frozen; a field left out or unknown is an error, never a view missing a field."""
+    from dataclasses import fields as dc_fields
+
+    from kvslim.cache.segments import Segments
+
+    layer = _layer()
+    layer.append(torch.randn(1, 2, 9, 32), torch.randn(1, 2, 9, 32))
+    seg = layer.segments()
+    values = {f.name: getattr(seg, f.name) for f in dc_fields(Segments)}
+    assert Segments.of(**values) == Segments(**values) == seg
+    with pytest.raises(AttributeError):
+        Segments.of(**values).length = 0
+    with pytest.raises(TypeError, match=r"missing \['v_stream'\], unknown \[\]"):
+        Segments.of(**{k: v for k, v in values.items() if k != "v_stream"})
+    with pytest.raises(TypeError, match=r"unknown \['extra'\]"):
+        Segments.of(**values, extra=1)

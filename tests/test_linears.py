@@ -7,13 +7,14 @@ import pytest
 import torch
 
 import kvslim
-from conftest import tiny_model
+from conftest import blas_row_identity, tiny_model
 from kvslim.engine import Engine, Request
 from kvslim.engine import linears as lin
 
 pytestmark = pytest.mark.skipif(not lin.onednn_ready(), reason="this torch has no oneDNN")
 
 ROUTED = ("onednn", "packed")
+needs_mkl = pytest.mark.skipif(not lin.mkl_ready(), reason="this torch has no MKL")
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +31,8 @@ def test_routes_and_their_errors(model):
     assert lin.Linears(model).route == "torch" and lin.Linears(model).modules == []  # the default
     n = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert len(lin.Linears(model, "onednn").modules) == n
-    with pytest.raises(ValueError, match="linears must be one of torch, onednn, packed, got 'mkl'"):
-        lin.Linears(model, "mkl")
+    with pytest.raises(ValueError, match="linears must be one of torch, onednn, packed, mkl, got 'blas'"):
+        lin.Linears(model, "blas")
     with pytest.raises(ValueError, match="linears must be one of"):
         Engine(model, linears="fast")
     fresh = tiny_model("llama", seed=5)
@@ -181,7 +182,7 @@ def test_a_row_rounds_the_same_for_every_multiple_of_4(shape, route):
             assert torch.equal(net(x[:m])[:4], ref), m
 
 
-@pytest.mark.parametrize("route", ROUTED)
+@pytest.mark.parametrize("route", [*ROUTED, pytest.param("mkl", marks=[blas_row_identity, needs_mkl])])
 def test_engine_greedy_equals_each_request_alone(model, route):
     """The engine under each route: every request's tokens equal the request run alone through it, and the
     model is left on torch's route between steps."""
@@ -197,7 +198,7 @@ def test_engine_greedy_equals_each_request_alone(model, route):
         hook.remove()
     assert seen and all(seen)
     assert not any("forward" in m.__dict__ for m in model.modules())
-    assert (engine.memory()["packed_weight_bytes"] > 0) == (route == "packed")
+    assert (engine.memory()["packed_weight_bytes"] > 0) == (route in ("packed", "mkl"))
     for req, got in zip(reqs, together, strict=True):
         alone = Engine(model, prefill_chunk=32, linears=route).run([req])[0]
         assert got.tokens == alone.tokens, req.cache.to_spec()
@@ -218,5 +219,70 @@ def test_engine_requests_of_the_real_route_match_torch_route_tokens(model):
     """On the tiny model the routes' rounding differences do not change greedy tokens (a guard that the route
     computes the same products, not a promise for every model)."""
     req = Request(list(range(3, 40)), max_new_tokens=10, cache="int4")
-    got = {r: Engine(model, prefill_chunk=16, linears=r).run([req])[0].tokens for r in ("torch", *ROUTED)}
-    assert got["onednn"] == got["torch"] == got["packed"]
+    routes = ("torch", *ROUTED, *(("mkl",) if lin.mkl_ready() else ()))
+    got = {r: Engine(model, prefill_chunk=16, linears=r).run([req])[0].tokens for r in routes}
+    assert all(tokens == got["torch"] for tokens in got.values()), got
+
+
+@needs_mkl
+@pytest.mark.parametrize("shape", [(576, 576), (576, 192), (576, 1536), (1536, 576), (128, 256), (64, 64)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_mkl_packed_products_are_torchs_bits(shape, threads):
+    """The mkl route's claim: at its batch_hint rows MKL's packed sgemm gives the bits of torch's linear (the
+    unpacked MKL product) on the same rows; at any other row count it is torch's linear. So the route changes the
+    speed, never a row."""
+    k, n = shape
+    g = torch.Generator().manual_seed(1)
+    net = torch.nn.Linear(k, n, bias=n != 64)
+    with torch.no_grad():
+        net.weight.copy_(torch.randn(n, k, generator=g) / k**0.5)
+    x = torch.randn(1, 40, k, generator=g)  # the engine's layout: one packed sequence of rows
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        routes = lin.Linears(net, "mkl", batch_hint=16)
+        assert routes.nbytes == n * k * 4  # the weight's bytes (MKL reserves more than it fills)
+        with torch.inference_mode():
+            stock = {m: net(x[:, :m]) for m in (4, 12, 16, 20, 40)}
+            with routes.routed():
+                for m, ref in stock.items():
+                    assert torch.equal(net(x[:, :m]), ref), m
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_mkl
+def test_mkl_route_packs_and_follows_the_weights():
+    """The packed weight is what a product of batch_hint rows reads (a weight changed in place is packed again,
+    never stale), only inside the block; the packed copies are counted."""
+    net = torch.nn.Sequential(torch.nn.Linear(64, 96, bias=False), torch.nn.Linear(96, 32))
+    routes = lin.Linears(net, "mkl", batch_hint=8)
+    assert routes.nbytes == (64 * 96 + 96 * 32) * 4 and "mkl" in str(routes)
+    x = torch.randn(8, 64)
+    with torch.inference_mode():
+        with routes.routed():
+            first = net(x)
+        assert torch.equal(first, net(x))
+    with torch.no_grad():
+        net[0].weight.mul_(-1.0)
+    with torch.inference_mode():
+        with routes.routed():
+            again = net(x)
+        assert torch.equal(again, net(x)) and not torch.equal(again, first)
+        key = id(net[0])
+        packed = routes._packed[key][0]
+        with routes.routed():  # the packed product really runs: a packed weight of another matrix shows in the bits
+            routes._packed[key] = (torch.ops.mkl._mkl_reorder_linear_weight(torch.zeros(96, 64), 8), routes._packed[key][1], 0)
+            assert torch.equal(net[0](x), torch.zeros(8, 96))
+            assert not torch.equal(net[0](x[:4]), torch.zeros(4, 96))  # another row count: torch's own linear
+        routes._packed[key] = (packed, routes._packed[key][1], 0)
+    assert not any("forward" in m.__dict__ for m in net.modules())
+    with torch.inference_mode(), routes.routed(), pytest.raises(RuntimeError):
+        net(torch.randn(8, 32))  # a width that does not fit: torch's own error (never a read past the input)
+    assert lin.step_rows(1) == 4 and lin.step_rows(6) == 8 and lin.step_rows(16) == 16
+
+
+def test_mkl_route_refused_without_mkl(monkeypatch):
+    monkeypatch.setattr(lin, "mkl_ready", lambda: False)
+    with pytest.raises(ValueError, match="linears='mkl' needs torch built with MKL"):
+        lin.Linears(torch.nn.Linear(4, 4), "mkl")

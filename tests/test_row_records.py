@@ -129,3 +129,21 @@ def test_a_deep_copy_of_a_body_gets_its_own_record():
                 t.zero_()
     expected = _call(q, _mapped(twin, torch.clone))
     assert torch.equal(_call(q, twin), expected)
+
+
+def test_a_part_at_the_same_address_read_otherwise_is_recorded_again():
+    """A kept record holds a part's strides as well as its pointer: another tensor over the same memory (the same
+    data pointer) read with other strides is another part, and the record is built again for it (the record is
+    found by the parts' identity, not their pointers alone)."""
+    rows, q = _rows()
+    before = _call(q, rows)
+    codec, enc, off = rows[0].v_body[0]
+    scale = enc.token["scale"]
+    s = scale.stride()
+    alias = scale.as_strided(scale.shape, (s[0], s[1], 0, s[3]))  # the same address, every token its first scale
+    assert alias.data_ptr() == scale.data_ptr() and not torch.equal(alias, scale)
+    rows2 = [rows[0]._replace(v_body=((codec, Encoded({**enc.token, "scale": alias}, dict(enc.group)), off),)), *rows[1:]]
+    out = _call(q, rows2)
+    alone = torch.zeros_like(q)
+    assert cpu.attend_rows(q, [_fresh(rows2)[0]], alone) == []
+    assert torch.equal(out[0], alone[0]) and not torch.equal(out[0], before[0])

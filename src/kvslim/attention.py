@@ -273,6 +273,10 @@ def _packed_attention(module, query, key, dropout, scaling, kwargs):
     n_all = query.shape[2]
     out = None
     single = [b for b, (_, n) in enumerate(key.spans) if n == 1 and key.rows[b] is not None]
+    if len(single) == n_all:  # every token a real row's decode token, in order: views, no gather or scatter
+        q1 = query[0].transpose(0, 1).unsqueeze(2)  # (N, Hq, 1, D)
+        o, _ = _ragged_attention(module, q1, type(key)(key.rows, key.drop, shared=key.shared), dropout, scaling, kwargs)
+        return o.reshape(1, n_all, o.shape[2], o.shape[3]), None
     if single:
         idx = torch.tensor([key.spans[b][0] for b in single], device=query.device)
         q1 = query[0].index_select(1, idx).transpose(0, 1).unsqueeze(2)  # (R, Hq, 1, D)

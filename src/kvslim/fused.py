@@ -269,12 +269,16 @@ def ragged_fused(query, key, scaling, real: list[int]):
             rest.append(b)
     if not rows:
         return None, real
-    flat = torch.zeros_like(qf)  # rows the call does not write (fillers, rows left) stay 0
+    # rows the call does not write (fillers, rows left to the caller) are 0; where it writes every row, nothing is
+    # left unwritten but the rows it refuses, which the caller writes over
+    flat = torch.empty_like(qf) if len(rows) == b_all else torch.zeros_like(qf)
     try:
         left = backend.attend_rows(qf, rows, flat)
     except Exception:  # noqa: BLE001 - every row runs alone instead, where a failure stays with its row
         left = range(len(rows))
     rest = sorted(rest + [rows[i].qrow for i in left])
+    if q_len == 1 and query.dtype == flat.dtype:  # (B, Hq, 1, D) is (B, 1, Hq, D) in memory: a view
+        return flat.view(b_all, 1, hq, d), rest
     out = flat.reshape(b_all, hq, q_len, d).to(query.dtype).transpose(1, 2).contiguous()  # (B, q, Hq, D)
     return out, rest
 

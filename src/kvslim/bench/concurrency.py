@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..engine.linears import Linears
+from ..engine.linears import Linears, step_rows
 from ..generate import decode_one_token, forward_rows, prefill
 from .memory import cache_nbytes
 from .modes import DYNAMIC, Mode
@@ -88,7 +88,7 @@ def measure_concurrency(
     the kvslim rows' route for the linear layers, as the engine's (a route name or a built
     :class:`~kvslim.engine.linears.Linears`)."""
     log = log or quiet
-    route = linears if isinstance(linears, Linears) else Linears(model, linears, batch_hint=concurrency)
+    route = linears if isinstance(linears, Linears) else Linears(model, linears, batch_hint=step_rows(concurrency))
     device = next(model.parameters()).device
     ids = _tokens(model, length, seed)
     g = torch.Generator().manual_seed(seed * 1_000_003 + length + 1)
@@ -272,7 +272,7 @@ def run_concurrency(
 ) -> list[ConcurrencyRow]:
     """:func:`measure_concurrency` at every length and concurrency (``linears``: the kvslim rows' route)."""
     rows = []
-    route = Linears(model, linears, batch_hint=max(concurrencies))
+    route = Linears(model, linears, batch_hint=step_rows(max(concurrencies)))
     for length in lengths:
         built = prefilled(model, modes, length, seed=seed, log=log)
         for c in concurrencies:

@@ -42,7 +42,7 @@ import torch
 
 from ..formats import Codec
 from ..kernels import cpu as cpu_kernels
-from . import layerbytes, layerstate
+from . import layerbytes, layercheck, layerstate
 from .basis import BodyBasis
 from .frames import Frames, fed_positions
 from .hadamard import Hadamard
@@ -196,39 +196,10 @@ class SlimLayer:
         self.pads = None if pads is None else pads.to(dtype=torch.long)
 
     def check(self, keys: torch.Tensor, values: torch.Tensor, *, finite_checked: bool = False) -> None:
-        """Raise ValueError (changing nothing) unless keys/values (B, H, C, D) can be appended.
-        finite_checked: the caller already checked that every value is finite (a ragged step checks its
-        whole batch at once)."""
-        if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
-            raise ValueError(
-                f"keys and values must be tensors, got {type(keys).__name__} and {type(values).__name__}"
-            )
-        if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
-            raise ValueError(
-                f"keys and values must be (B, H, T, D) with equal B, H, T; got {tuple(keys.shape)} and "
-                f"{tuple(values.shape)}"
-            )
-        if not keys.dtype.is_floating_point or values.dtype != keys.dtype:
-            raise ValueError(
-                f"keys and values must share one floating dtype, got {keys.dtype} and {values.dtype}"
-            )
-        if self.kv_shape is not None:
-            b, h, d = self.kv_shape
-            if (keys.shape[0], keys.shape[1], keys.shape[3]) != (b, h, d) or values.shape[3] != self._v_dim:
-                raise ValueError(
-                    f"this layer stores batch {b} x {h} KV heads x head_dim {d}; got keys {tuple(keys.shape)}, "
-                    f"values {tuple(values.shape)} (a new batch or model needs a new cache, or reset())"
-                )
-            if keys.dtype != self.dtype:
-                raise ValueError(
-                    f"this layer stores {self.dtype} K/V; got {keys.dtype} (a new model needs a new cache)"
-                )
-        if not finite_checked and not bool(torch.isfinite(keys).all() & torch.isfinite(values).all()):
-            bad = "keys" if not bool(torch.isfinite(keys).all()) else "values"
-            raise ValueError(
-                f"{bad} have non-finite values (NaN or inf) in a tensor of shape {tuple(keys.shape)}: the model "
-                f"produced them; nothing was stored"
-            )
+        """Raise ValueError (changing nothing) unless keys/values (B, H, T, D) can be appended
+        (:func:`kvslim.cache.layercheck.check`). finite_checked: the caller already checked that every value is
+        finite (a ragged step checks its whole batch at once)."""
+        layercheck.check(self, keys, values, finite_checked=finite_checked)
 
     def append(
         self,
@@ -258,6 +229,18 @@ class SlimLayer:
         None in either place: made by a ragged step for many rows at once (:meth:`Stream.plan`). halves: ``(keys,
         values)`` cast to float16, every value finite (a ragged step casts its whole layer in one call), or None.
         """
+        if halves is not None and segments and layercheck.one_token(self, keys, values):
+            # a decode token of a ragged step (cast and checked by the caller) into both residuals, nothing leaving
+            # them, no sink to fill: what the steps below do for it, without asking again what the caller and
+            # layercheck.one_token know (~10 us a row and layer at 16 rows x 30 layers)
+            self.k.fp.append(halves[0])
+            self.v.fp.append(halves[1])
+            self.frames.add_run(1, base)
+            self.seen += 1
+            self.frames.serve(base, self.rotary if rope is None else rope)
+            out = self.segments(defer_sinks=defer_sinks)
+            self._evict()
+            return out
         batch, n_new = keys.shape[0], keys.shape[2]
         # A decode step whose token goes into float16 residuals: one finiteness check of the cast values covers
         # the input's (a NaN/inf stays one) and the residual's range (a finite value beyond float16's becomes
@@ -349,7 +332,7 @@ class SlimLayer:
         return self._view(self.sink_k if delta is None else self.rotary.move(self.sink_k, delta))
 
     def _view(self, k_sink: torch.Tensor | None) -> Segments:
-        return Segments(
+        return Segments.of(
             k_sink=k_sink,
             v_sink=self.sink_v,
             k_codec=self.k.codec,
@@ -369,6 +352,8 @@ class SlimLayer:
             v_basis=self.v.basis,
             k_pos=self.frames.read_positions(self.seen - len(self.k), len(self.k), self.pads),
             rope=self.frames.rope if self.pre_rope else None,
+            k_stream=None,
+            v_stream=None,
         )
 
     def read(self, dtype: torch.dtype, kept: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -135,15 +135,26 @@ def _with_sinks(view: Segments, k_sink: torch.Tensor) -> Segments:
     return view
 
 
+def _token_rows(x: torch.Tensor) -> torch.Tensor:
+    """A ragged step's keys or values (1, H_kv, N, D) as (N, H_kv, 1, D), contiguous: ``split(1)`` gives token ``i``
+    laid out as a one-token row alone holds it (one copy and one split for the layer, where a slice and a copy a
+    row cost ~10 us each of Python and dispatch at 16 rows x 30 layers)."""
+    # (contiguous(): a model's fused projection can hand keys whose reshape is a strided view of its output)
+    return x.transpose(1, 2).reshape(x.shape[2], x.shape[1], 1, x.shape[3]).contiguous()
+
+
 def _halves(keys: torch.Tensor, values: torch.Tensor) -> tuple | None:
-    """A ragged step's keys and values (1, H_kv, N, D) cast to float16 in one C call, or None where that cannot
-    be done or some cast value is not finite (a value beyond float16's range: each row then casts and checks its
-    own tokens, and the one that holds it raises as a batch-1 cache would). A row's slice of the result is the
-    bits of casting that row alone (the cast is per element; ``to_half_finite`` rounds as ``x.to(float16)``)."""
+    """A ragged step's token rows (:func:`_token_rows`) cast to float16 in one C call, each split into its
+    tokens: ``(keys, values)``, tuples of (1, H_kv, 1, D) float16, or None where that cannot be done or some cast
+    value is not finite (a value beyond float16's range: each row then casts and checks its own tokens, and the one
+    that holds it raises as a batch-1 cache would). A token's cast is the bits of casting it alone (the cast is per
+    element; ``to_half_finite`` rounds as ``x.to(float16)``)."""
     if keys.dtype != torch.float32 or not keys.is_cpu:
         return None
-    fast = cpu_kernels.to_half_finite(keys.contiguous(), values.contiguous())
-    return fast[0] if fast is not None and fast[1] else None
+    fast = cpu_kernels.to_half_finite(keys, values)
+    if fast is None or not fast[1]:
+        return None
+    return tuple(h.split(1) for h in fast[0])
 
 
 def _batched_flushes(stores: dict) -> dict:
@@ -231,9 +242,14 @@ class RaggedLayer(CacheLayerMixin):
         # One finiteness check for the whole step (a sync per layer, not per row); where it fails, each row
         # checks its own tokens: a bad row raises as a batch-1 cache would, or is dropped (module docstring).
         finite = bool(torch.isfinite(key_states).all() & torch.isfinite(value_states).all())
-        # the one-token rows' float16 residual tokens, cast once for the layer (a row that does not keep float16
-        # ignores its slice; casting the step's few tokens costs less than asking every row whether it does)
-        halves = _halves(key_states, value_states) if finite else None
+        # a step of one-token rows only (a decode step): every row's K and V laid out as alone in one copy a layer
+        tokens = halves = None
+        if owner.n_tokens == len(owner.spans):
+            whole = (_token_rows(key_states), _token_rows(value_states))
+            tokens = (whole[0].split(1), whole[1].split(1))
+            # the float16 residual tokens, cast once for the layer (a row that does not keep float16 ignores its
+            # own; casting the step's few tokens costs less than asking every row whether it does)
+            halves = _halves(*whole) if finite else None
         flushed = _batched_flushes(
             {
                 b: cache.layers[self.layer_idx].store
@@ -254,16 +270,21 @@ class RaggedLayer(CacheLayerMixin):
                 # a one-token row reads its Segments (the rows kernel); a chunk gets what a batch-1 forward of it
                 # gets: Segments up to FAST_MAX_QUERY tokens (if its cache attends on codes), else (K, V)
                 view = n == 1 or (cache.compressed_attention and n <= FAST_MAX_QUERY)
+                k_row, v_row = (
+                    (key_states[:, :, start : start + n].contiguous(), value_states[:, :, start : start + n].contiguous())
+                    if tokens is None
+                    else (tokens[0][start], tokens[1][start])
+                )  # (1, H_kv, n, D), laid out as alone
                 got = store.append(  # a transaction: a row it refuses stores nothing in this layer
-                    key_states[:, :, start : start + n].contiguous(),  # (1, H_kv, n, D), laid out as alone
-                    value_states[:, :, start : start + n].contiguous(),
+                    k_row,
+                    v_row,
                     segments=view,
                     defer_sinks=view,
                     base=owner.bases[b],
                     rope=rope,
                     finite_checked=finite,
                     encoded=flushed.get(b),
-                    halves=None if halves is None or n != 1 else (halves[0][:, :, start : start + 1], halves[1][:, :, start : start + 1]),
+                    halves=None if halves is None else (halves[0][start], halves[1][start]),
                 )
             except Exception as e:  # noqa: BLE001 - one row's failure, kept to that row when the caller asks
                 owner.drop(b, e)

@@ -161,8 +161,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--linears", choices=LINEAR_ROUTES, default="torch",
-        help="which library runs the model's linear layers in a step: torch (default), onednn, or packed (oneDNN "
-        "with a second, reordered copy of the weights: the weights' bytes once more; docs/performance.md)",
+        help="which library runs the model's linear layers in a step: torch (default), onednn, packed (oneDNN "
+        "with a second, reordered copy of the weights: the weights' bytes once more), or mkl (MKL's packed sgemm "
+        "at a full step's rows, torch's bits, the weights' bytes once more; docs/performance.md)",
     )
     parser.add_argument(
         "--served-model-name",

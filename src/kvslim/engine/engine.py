@@ -54,7 +54,7 @@ from ..checks import check_int
 from ..config import CacheConfig, parse_spec
 from .errors import InputRefusal, QueueFull, RequestLimits, describe
 from .gate import BATCH_DEPENDENT_ROPE, Gate  # noqa: F401 - BATCH_DEPENDENT_ROPE re-exported
-from .linears import Linears
+from .linears import Linears, step_rows
 from .request import FINISH_REASONS, Event, Request, Result
 from .scheduler import Row, Scheduler
 from .sessions import SessionStore
@@ -90,7 +90,8 @@ class Engine(Stepping):
     copy's bytes are reserved on top of the cache's until the prompt is read, and a prompt whose copy would not fit
     the budget alone, or whose cache's window is shorter than the prompt, goes without. linears: which library
     runs the model's linear layers inside a step (:mod:`kvslim.engine.linears`: ``torch``, the default; ``onednn``;
-    ``packed``, oneDNN with a second copy of the weights); outside a step, and on other threads, torch's own.
+    ``packed``, oneDNN with a second copy of the weights; ``mkl``, MKL's packed sgemm at a full step's rows, torch's
+    bits); outside a step, and on other threads, torch's own.
     """
 
     def __init__(
@@ -129,7 +130,7 @@ class Engine(Stepping):
         if not isinstance(allow_other_model, bool):
             raise ValueError(f"allow_other_model must be True or False, got {allow_other_model!r}")
         # reads the model only (a refused route leaves it untouched); packs the weights for "packed"
-        routes = Linears(model, linears, batch_hint=max(4, -(-max_batch // 4) * 4))
+        routes = Linears(model, linears, batch_hint=step_rows(max_batch))
         self.gate = Gate(
             model,
             self.default_cache,

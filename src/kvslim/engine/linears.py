@@ -14,13 +14,23 @@ step's fp32 CPU ``nn.Linear`` layers through it:
   copy of every routed weight held beside the model's (:attr:`Linears.nbytes`). Faster again, at the cost of
   the weights' bytes once more: opt-in. A weight changed in place or replaced after packing is packed again
   before the next step (its version counter and address are checked), never used stale.
+- ``mkl``: each weight packed once by MKL (``cblas_sgemm_pack``, through ``torch.ops.mkl._mkl_reorder_linear_weight``,
+  what torch.compile's CPU freezing path uses for float32) for the engine's row count (``batch_hint``); a product of
+  exactly that many rows (:func:`step_rows` of the engine's batch) runs MKL's packed sgemm (``torch.ops.mkl._mkl_linear``), any other row count torch's own
+  ``linear`` on the model's weight. MKL's packed product rounds as its unpacked one (the same kernels, tested bit
+  for bit on the model's shapes, tests/test_linears.py), so this route's bits are torch's route's: only the speed
+  and the memory change. A second copy of the routed weights (the process grows by about their bytes: +514 MiB for
+  the embedded model's 540 MiB; MKL reserves more address space than it touches, :attr:`Linears.nbytes` counts the
+  weights' bytes). Opt-in, as ``packed``; a weight changed after packing is packed again, as there.
 - ``torch`` (the default): torch's own ``linear``, untouched.
 
 Measured (docs/performance.md, "The weights' products"): under the torch profiler the step's linear ops take
 126-130 ms a step with torch's route, 89-110 with ``onednn``, 84-97 with ``packed`` (16 rows, the embedded
 model), but a whole step under ``OMP_WAIT_POLICY=PASSIVE`` (the CLI's default) gains 0-4% with ``onednn`` and
 0-7% with ``packed``, within the machine's noise (where the rest goes is not explained yet). With the runtime's
-own wait policy the gains were 7% and 11%. So the default stays torch's.
+own wait policy the gains were 7% and 11%. So the default stays torch's. ``mkl`` (2026-12-03, 16 x 4,096 int4,
+the AVX-512 rows kernels): the weights' products alone 37-40 ms a step against torch's 46.5, a whole step 0.97-1.03x
+torch's route, the same bits (docs/performance.md, "MKL's packed weights").
 
 Bit-identity. The engine's rows are bit for bit what they are in a step of their own because the library
 rounds a row of a product the same whatever the row count, for multiples of 4 (:mod:`kvslim.cache.ragged`,
@@ -51,7 +61,7 @@ from contextvars import ContextVar
 import torch
 
 #: the routes a user may ask for (module docstring)
-ROUTES = ("torch", "onednn", "packed")
+ROUTES = ("torch", "onednn", "packed", "mkl")
 
 #: the Linears whose block is open in this context (None: torch's own forward)
 _ACTIVE: ContextVar = ContextVar("kvslim_linears", default=None)
@@ -64,6 +74,20 @@ def onednn_ready() -> bool:
     """Whether this torch can run a linear layer through oneDNN (``torch.ops.mkldnn._linear_pointwise``)."""
     try:
         return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def step_rows(rows: int) -> int:
+    """The rows of an engine step that carries ``rows`` one-token rows: padded to a multiple of 4, at least 4
+    (:mod:`kvslim.cache.ragged`, "Filler rows"); the ``batch_hint`` that makes the ``mkl`` route serve that step."""
+    return max(4, -(-int(rows) // 4) * 4)
+
+
+def mkl_ready() -> bool:
+    """Whether this torch can pack a weight for MKL's sgemm and run it (``torch.ops.mkl._mkl_linear``)."""
+    try:
+        return bool(torch.backends.mkl.is_available()) and hasattr(torch.ops.mkl, "_mkl_linear")
     except (AttributeError, RuntimeError):
         return False
 
@@ -137,19 +161,22 @@ def _version(w: torch.Tensor):
 
 class Linears:
     """How ``model``'s linear layers run inside :meth:`routed` (module docstring). route: one of
-    :data:`ROUTES`; ``batch_hint``: the row count oneDNN's packed layout is chosen for (``packed`` only;
-    every row count is computed, this one fastest). Raises ValueError for an unknown route, for
-    ``onednn``/``packed`` where torch has no oneDNN, and where the model has no layer the route can take
-    (a bfloat16 or GPU model: nothing would change). Reads the model; changes nothing until :meth:`routed`."""
+    :data:`ROUTES`; ``batch_hint``: the row count the packed weights are chosen for (``packed``: every row count is
+    computed, this one fastest; ``mkl``: the only row count its packed weights serve, the others take torch's
+    ``linear``). Raises ValueError for an unknown route, for ``onednn``/``packed`` where torch has no oneDNN, for
+    ``mkl`` where it has no MKL, and where the model has no layer the route can take (a bfloat16 or GPU model:
+    nothing would change). Reads the model; changes nothing until :meth:`routed`."""
 
     def __init__(self, model, route: str = "torch", *, batch_hint: int = 16):
         if route not in ROUTES:
             raise ValueError(f"linears must be one of {', '.join(ROUTES)}, got {route!r}")
-        if route != "torch" and not onednn_ready():
+        if route in ("onednn", "packed") and not onednn_ready():
             raise ValueError(
                 f"linears={route!r} needs torch's oneDNN (torch.backends.mkldnn), which this torch does not have; "
                 "use 'torch'"
             )
+        if route == "mkl" and not mkl_ready():
+            raise ValueError("linears='mkl' needs torch built with MKL (torch.backends.mkl), which this torch is not; use 'torch'")
         self.route = route
         self.batch_hint = int(batch_hint)
         self.modules = [] if route == "torch" else [m for m in model.modules() if _routable(m)]
@@ -161,7 +188,7 @@ class Linears:
             )
         self._ids = {id(m) for m in self.modules}
         self._packed: dict[int, tuple[torch.Tensor, tuple, int]] = {}  # id(module) -> (packed, key, bytes)
-        if route == "packed":
+        if route in ("packed", "mkl"):
             with torch.no_grad():
                 for m in self.modules:
                     self._pack(m)
@@ -170,7 +197,7 @@ class Linears:
         return f"Linears(route={self.route!r}, modules={len(self.modules)}, nbytes={self.nbytes})"
 
     def __str__(self) -> str:
-        extra = f", {self.nbytes / 2**20:.0f} MiB packed beside the model" if self.route == "packed" else ""
+        extra = f", {self.nbytes / 2**20:.0f} MiB packed beside the model" if self.route in ("packed", "mkl") else ""
         return f"linear layers: {self.route} ({len(self.modules)} routed{extra})"
 
     @staticmethod
@@ -179,14 +206,19 @@ class Linears:
         return (id(w), w.data_ptr(), _version(w), tuple(w.shape))
 
     def _pack(self, module) -> torch.Tensor:
-        p = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), self.batch_hint)
-        self._packed[id(module)] = (p, self._key(module), int(torch.ops.mkldnn._nbytes(p)))
+        w = module.weight.detach()
+        if self.route == "mkl":  # MKL reserves more than it fills: the weight's bytes are what the process grows by
+            p, nbytes = torch.ops.mkl._mkl_reorder_linear_weight(w, self.batch_hint), w.numel() * w.element_size()
+        else:
+            p = torch.ops.mkldnn._reorder_linear_weight(w, self.batch_hint)
+            nbytes = int(torch.ops.mkldnn._nbytes(p))
+        self._packed[id(module)] = (p, self._key(module), nbytes)
         return p
 
     def _weight(self, module) -> torch.Tensor:
         """The weight oneDNN gets: the module's own, or its packed copy (packed again if the weight changed in
         place or was replaced since it was packed)."""
-        if self.route != "packed":
+        if self.route not in ("packed", "mkl"):
             return module.weight
         p, key, _ = self._packed[id(module)]
         if key != self._key(module):
@@ -205,6 +237,10 @@ class Linears:
         )
         if not usable:
             return stock(x)
+        if self.route == "mkl":  # MKL's packed sgemm at batch_hint rows (x flattened to rows), torch's linear else
+            if x.dim() == 0 or x.shape[-1] != w.shape[1] or x.numel() // max(1, x.shape[-1]) != self.batch_hint:
+                return stock(x)  # (a width that does not fit: torch's own error, never a read past x)
+            return torch.ops.mkl._mkl_linear(x, self._weight(module), w, bias, self.batch_hint)
         return torch.ops.mkldnn._linear_pointwise(x, self._weight(module), bias, "none", [], "")
 
     @property

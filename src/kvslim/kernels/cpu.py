@@ -339,8 +339,10 @@ def _row_pieces(pieces, h: int, m: int, d: int, role: str, vals: list, held: lis
         codec, enc, offset = piece[:3]
         qk = piece[3] if len(piece) > 3 else None
         tr = piece[4] if len(piece) > 4 else None
-        key = _memo_key(codec, enc, offset, h, m, d, role) if qk is None and tr is None else None
-        rec = _memo_get(key)
+        rec = key = None
+        if qk is None and tr is None:
+            rec = _memo_hit(codec, enc, offset, h, m, d, role)
+            key = None if rec is not None else _memo_key(codec, enc, offset, h, m, d, role)
         if rec is None:
             p, parts, vn = _body_args(codec, enc, 1, h, d, offset, role)
             held += (*parts, vn)  # a part copied to make its rows contiguous lives until the call returns
@@ -387,15 +389,17 @@ def _memo_key(codec: Codec, enc: Encoded, offset: int, h: int, m: int, d: int, r
     return parts[0], (codec, offset, h, m, d, role, tuple(enc.token), tuple(enc.group), ptrs), parts[1:]
 
 
-def _memo_get(key) -> tuple | None:
-    """The record kept for ``key`` (:func:`_memo_key`; None: nothing is kept for that piece), or None."""
-    held = None if key is None else getattr(key[0], _MEMO, None)
+def _memo_hit(codec: Codec, enc: Encoded, offset: int, h: int, m: int, d: int, role: str) -> tuple | None:
+    """The record kept on ``enc``'s first token part if built from these very tensors (the same objects: the shapes
+    and strides it checked) at these pointers for this call (:func:`_memo_key`'s key), else None."""
+    held = getattr(next(iter(enc.token.values()), None), _MEMO, None)
     if held is None:
         return None
-    shape, others, rec = held
-    if shape != key[1] or len(others) != len(key[2]) or any(a is not b for a, b in zip(others, key[2])):
+    parts = (*enc.token.values(), *enc.group.values())
+    if len(held[1]) != len(parts) - 1 or any(a is not b for a, b in zip(held[1], parts[1:])):
         return None
-    return rec
+    ok = held[0] == (codec, offset, h, m, d, role, tuple(enc.token), tuple(enc.group), tuple(t.data_ptr() for t in parts))
+    return held[2] if ok else None
 
 
 def _memo_put(key, rec: tuple) -> None:
