@@ -14,10 +14,11 @@ step's fp32 CPU ``nn.Linear`` layers through it:
   copy of every routed weight held beside the model's (:attr:`Linears.nbytes`). Faster again, at the cost of
   the weights' bytes once more: opt-in. A weight changed in place or replaced after packing is packed again
   before the next step (its version counter and address are checked), never used stale.
-- ``mkl``: each weight packed once by MKL (``cblas_sgemm_pack``, through ``torch.ops.mkl._mkl_reorder_linear_weight``,
-  what torch.compile's CPU freezing path uses for float32) for the engine's row count (``batch_hint``); a product of
-  exactly that many rows (:func:`step_rows` of the engine's batch) runs MKL's packed sgemm (``torch.ops.mkl._mkl_linear``), any other row count torch's own
-  ``linear`` on the model's weight. MKL's packed product rounds as its unpacked one (the same kernels, tested bit
+- ``mkl``: each weight packed once by MKL (``cblas_sgemm_pack``, through
+  ``torch.ops.mkl._mkl_reorder_linear_weight``, what torch.compile's CPU freezing path uses for float32) for the
+  engine's full step (``batch_hint``: :func:`step_rows` of its batch); a product of exactly that many rows runs
+  MKL's packed sgemm (``torch.ops.mkl._mkl_linear``), any other row count torch's own ``linear`` on the model's
+  weight. MKL's packed product rounds as its unpacked one (the same kernels, tested bit
   for bit on the model's shapes, tests/test_linears.py), so this route's bits are torch's route's: only the speed
   and the memory change. A second copy of the routed weights (the process grows by about their bytes: +514 MiB for
   the embedded model's 540 MiB; MKL reserves more address space than it touches, :attr:`Linears.nbytes` counts the
