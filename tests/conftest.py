@@ -280,6 +280,6 @@ BLAS_ROWS_INVARIANT = _blas_rows_invariant()
 blas_row_identity = pytest.mark.xfail(
     not BLAS_ROWS_INVARIANT,
     reason="this CPU's BLAS rounds a row differently by the product's row count (MKL on AVX-512-FP16): "
-    "bit-identity across steps holds there only through oneDNN (--linears onednn)",
+    "bit-identity across steps holds there only through oneDNN (--linears onednn; the default, auto, takes it there)",
     strict=False,
 )

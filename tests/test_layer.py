@@ -98,6 +98,30 @@ def test_time_buffer_gives_memory_back_after_a_big_drop():
     assert torch.equal(buf.view(), _x(5, 995))
 
 
+@pytest.mark.parametrize("capacity, chunk, drop", [(10, 1, 1), (10, 3, 1), (33, 32, 1), (40, 1, 32), (9, 4, 4), (8, 2, 5)])
+def test_capped_time_buffer_compacts_in_place_as_a_tensor_model(capacity, chunk, drop):
+    """A ring at its capacity moves its live entries to the front in place whatever the gap against the live
+    entries (shorter: overlapping chunks copied front to back; as long or longer: one copy), never reallocating."""
+    buf = TimeBuffer(min_slack=1, capacity=capacity)
+    ref = torch.empty(2, 3, 0, 4)
+    t, block = 0, None
+    for step in range(60):
+        n = min(chunk, capacity - len(buf))
+        x = _x(n, t, b=2, h=3) * torch.arange(1, 7.0).view(2, 3, 1, 1)  # every (row, head) block its own values
+        buf.append(x)
+        ref = torch.cat([ref, x], dim=2)
+        t += n
+        if len(buf) + chunk > capacity:
+            k = min(drop, len(buf))
+            buf.drop_front(k)
+            ref = ref[:, :, k:]
+        assert torch.equal(buf.view(), ref), step
+        if buf.data is not None and buf.data.shape[2] == capacity:
+            block = buf.data if block is None else block
+            assert buf.data is block  # full: never reallocated again
+    assert block is not None
+
+
 def test_time_buffer_rejects_bad_drops():
     buf = TimeBuffer()
     buf.append(_x(3))

@@ -28,10 +28,11 @@ def _onednn(x, w, b=None):
 
 def test_routes_and_their_errors(model):
     """The default, the error for an unknown route, and an engine that refuses a route before it touches the model."""
-    assert lin.Linears(model).route == "torch" and lin.Linears(model).modules == []  # the default
+    assert lin.Linears(model).asked == "auto" and lin.Linears(model).route in ("torch", "onednn")  # the default
+    assert lin.Linears(model, "torch").modules == [] and lin.Linears(model, "torch").reason == ""
     n = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert len(lin.Linears(model, "onednn").modules) == n
-    with pytest.raises(ValueError, match="linears must be one of torch, onednn, packed, mkl, got 'blas'"):
+    with pytest.raises(ValueError, match="linears must be one of auto, torch, onednn, packed, mkl, got 'blas'"):
         lin.Linears(model, "blas")
     with pytest.raises(ValueError, match="linears must be one of"):
         Engine(model, linears="fast")
@@ -39,6 +40,68 @@ def test_routes_and_their_errors(model):
     with pytest.raises(ValueError, match="linears='onednn' routes float32"):
         Engine(fresh.half(), linears="onednn")
     assert fresh.config._attn_implementation == "sdpa"  # refused before kvslim.enable
+
+
+def _auto(model, torch_ok: bool, onednn_ok: bool, monkeypatch, ready: bool = True) -> lin.Linears:
+    monkeypatch.setattr(lin, "rows_invariant", lambda modules, route, rows: torch_ok if route == "torch" else onednn_ok)
+    monkeypatch.setattr(lin, "onednn_ready", lambda: ready)
+    return lin.Linears(model, "auto", batch_hint=8)
+
+
+def test_auto_takes_torch_where_its_rows_are_invariant_else_onednn(model, monkeypatch):
+    """auto: torch where torch's linear rounds a row alike at every step size; else oneDNN where it does; else torch,
+    saying why (and so does the route's line in a banner)."""
+    got = _auto(model, True, True, monkeypatch)
+    assert (got.asked, got.route, got.modules) == ("auto", "torch", []) and "alike" in got.reason
+    got = _auto(model, False, True, monkeypatch)
+    assert got.route == "onednn" and len(got.modules) > 0 and "oneDNN does not" in got.reason
+    assert str(got).startswith("linear layers: onednn (") and "auto: torch's linear (MKL) rounds" in str(got)
+    got = _auto(model, False, False, monkeypatch)
+    assert got.route == "torch" and "neither" in got.reason
+    got = _auto(model, False, True, monkeypatch, ready=False)
+    assert got.route == "torch" and "no oneDNN" in got.reason
+    half = tiny_model("llama", seed=5).half()
+    got = lin.Linears(half, "auto")  # nothing to route: torch, never an error (an explicit onednn is one)
+    assert got.route == "torch" and "no float32" in got.reason
+
+
+def test_auto_is_the_default_of_the_engine_and_the_clis():
+    import inspect
+
+    from kvslim.bench import concurrency
+    from kvslim.serve import build_app
+
+    for fn in (Engine.__init__, concurrency.measure_concurrency, concurrency.run_concurrency, build_app):
+        assert inspect.signature(fn).parameters["linears"].default == "auto", fn
+
+
+def test_rows_invariant_probes_the_models_shapes_once(model, monkeypatch):
+    """The probe compares a row's bits at every multiple of 4 up to the step's rows and at the mixed steps' sizes,
+    once per process; a product that rounds a row by the step's size is found."""
+    modules = [m for m in model.modules() if lin._routable(m)]
+    shapes = {tuple(m.weight.shape) for m in modules}
+    calls = []
+    real = lin._product
+
+    def spy(route, x, w, bias):
+        calls.append((route, x.shape[0], tuple(w.shape)))
+        return real(route, x, w, bias)
+
+    monkeypatch.setattr(lin, "_product", spy)
+    monkeypatch.setattr(lin, "_PROBED", {})
+    assert lin.rows_invariant(modules, "onednn", 12)  # oneDNN: every multiple of 4 alike (tested below too)
+    sizes = {n for _, n, _ in calls}
+    assert sizes == {4, 8, 12, *lin.PROBE_ROWS} and {s for _, _, s in calls} == shapes
+    n = len(calls)
+    assert lin.rows_invariant(modules, "onednn", 12) and len(calls) == n  # remembered
+
+    def by_size(route, x, w, bias):  # a product whose rounding depends on the row count
+        return real(route, x, w, bias) * (1 + 1e-7 * (x.shape[0] > 8))
+
+    monkeypatch.setattr(lin, "_product", by_size)
+    assert not lin.rows_invariant(modules, "torch", 12)
+    assert not lin.rows_invariant(modules, "torch", 4)  # steps of 4 rows alone: found at PROBE_ROWS
+    assert not lin.rows_invariant(modules, "onednn", 16)
 
 
 def test_the_cli_offers_the_routes():

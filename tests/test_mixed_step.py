@@ -13,6 +13,7 @@ from conftest import blas_row_identity, family_model, tiny_model
 from kvslim import SlimCache
 from kvslim import generate as gen
 from kvslim.engine import Engine, Request
+from kvslim.engine.linears import Linears
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +60,21 @@ CHUNKS = [
 ]
 
 
-@blas_row_identity
 def test_prompt_chunks_and_decode_tokens_in_one_forward_are_bit_identical(model):
     """forward_step with 4 decode rows and 6 prompt chunks in ONE forward: every row's logits, and its cache's
-    next decode step, equal the same row fed in a step of its own (torch.equal)."""
+    next decode step, equal the same row fed in a step of its own (torch.equal), the linear layers on the engine's
+    default route (a row's bits alike at every step size, on any CPU: kvslim.engine.linears)."""
+    with Linears(model, "auto").routed():
+        _chunks_and_tokens_in_one_forward(model)
+
+
+@blas_row_identity
+def test_prompt_chunks_and_decode_tokens_on_torchs_route(model):
+    """The same on torch's own route: bit for bit only where its BLAS rounds a row alike at every row count."""
+    _chunks_and_tokens_in_one_forward(model)
+
+
+def _chunks_and_tokens_in_one_forward(model):
     decode_specs = ["int4", "q4_0,sink=4,window=50", "none", "int8"]
 
     def build():

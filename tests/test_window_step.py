@@ -11,10 +11,11 @@ import pytest
 import torch
 
 import kvslim
-from conftest import blas_row_identity, tiny_config, tiny_model
+from conftest import tiny_config, tiny_model
 from kvslim import SlimCache
 from kvslim import generate as gen
 from kvslim.cache.rotary import Rotary
+from kvslim.engine.linears import Linears
 
 H, D = 2, 32  # the tiny llama's KV heads and head dim
 
@@ -82,7 +83,6 @@ ROWS = [
 ]
 
 
-@blas_row_identity
 def test_windowed_rows_in_a_step_equal_each_row_alone_with_angles_once_a_step(monkeypatch):
     """Ragged decode steps of windowed rows (every step moves their sinks, evicts, and now and then encodes a
     group) on a 4-layer model: each row's logits are bit for bit the row's alone, step after step, and the sinks'
@@ -104,7 +104,7 @@ def test_windowed_rows_in_a_step_equal_each_row_alone_with_angles_once_a_step(mo
     )
     steps = 12
     tokens = torch.randint(3, 120, (steps, len(ROWS)), generator=g).tolist()
-    with torch.inference_mode():
+    with torch.inference_mode(), Linears(model, "auto").routed():  # the engine's default route: rows alike on any CPU
         for s in range(steps):
             calls.clear()
             together = gen.forward_rows(model, tokens[s], caches)
@@ -128,7 +128,6 @@ SYNCED = [
 ]
 
 
-@blas_row_identity
 def test_rows_that_flush_together_encode_in_one_call_with_each_rows_bits(monkeypatch):
     """Rows that flush a residual group in the same step (copies of one prompt) are encoded in one call per stream
     and configuration; each row's logits, step after step, are bit for bit the row's stepped alone, and its stored
@@ -151,7 +150,7 @@ def test_rows_that_flush_together_encode_in_one_call_with_each_rows_bits(monkeyp
     monkeypatch.setattr(Stream, "_encode", lambda self, x: encodes.append(x.shape[0]) or real(self, x))
     tokens = torch.randint(3, 120, (20, len(caches)), generator=g).tolist()
     batched, seen = 0, []
-    with torch.inference_mode():
+    with torch.inference_mode(), Linears(model, "auto").routed():
         for s in range(20):
             encodes.clear()
             together = gen.forward_rows(model, tokens[s], caches)

@@ -80,7 +80,7 @@ def measure_concurrency(
     continuous_batching: bool = True,
     log: Callable[[str], None] | None = None,
     built: dict | None = None,
-    linears: Linears | str = "torch",
+    linears: Linears | str = "auto",
 ) -> list[ConcurrencyRow]:
     """One :class:`ConcurrencyRow` per mode (``modes[0]`` is ``dynamic``), plus transformers' continuous
     batching when asked and it runs here (else a row with a note saying why not). built: mode name ->
@@ -268,11 +268,12 @@ def run_concurrency(
     seed: int = 0,
     continuous_batching: bool = True,
     log: Callable[[str], None] | None = None,
-    linears: str = "torch",
+    linears: Linears | str = "auto",
 ) -> list[ConcurrencyRow]:
-    """:func:`measure_concurrency` at every length and concurrency (``linears``: the kvslim rows' route)."""
+    """:func:`measure_concurrency` at every length and concurrency (``linears``: the kvslim rows' route, a name or a
+    built :class:`~kvslim.engine.linears.Linears`)."""
     rows = []
-    route = Linears(model, linears, batch_hint=step_rows(max(concurrencies)))
+    route = linears if isinstance(linears, Linears) else Linears(model, linears, batch_hint=step_rows(max(concurrencies)))
     for length in lengths:
         built = prefilled(model, modes, length, seed=seed, log=log)
         for c in concurrencies:

@@ -10,6 +10,8 @@ whatever tensors it is given (:mod:`kvslim.cache.stream` builds a K or V stream 
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 
@@ -69,11 +71,23 @@ class TimeBuffer:
 
     def _compact(self) -> None:
         """Move the live entries to the front of the block, in place (fixed mode)."""
-        live = len(self)
-        if self.start and live:
-            src = self.data[:, :, self.start : self.end]
-            # overlapping source and target: copy through a temporary when they overlap
-            self.data[:, :, :live] = src.clone() if self.start < live else src
+        live, gap = len(self), self.start
+        if gap and live:
+            data = self.data
+            if data.is_cpu and data.is_contiguous() and gap < live:
+                # Source and target overlap (a full ring: a bounded stream's body compacts at every flush, ~30x
+                # its flushed tokens): one memmove per (batch, head) block, in place, where a clone made two
+                # passes and an allocation (a 16-row flush step: ~190 ms of compaction) and torch's copy_ has no
+                # defined order for overlapping memory.
+                per = data.stride(2) * data.element_size()  # bytes of one entry
+                block = data.stride(1) * data.element_size()  # bytes of one (batch, head) block
+                base = data.data_ptr()
+                for i in range(data.shape[0] * data.shape[1]):
+                    row = base + i * block
+                    ctypes.memmove(row, row + gap * per, live * per)
+            else:  # no overlap (or not a contiguous CPU block): one copy, through a temporary when they overlap
+                src = data[:, :, gap : self.end]
+                data[:, :, :live] = src.clone() if gap < live else src
         self.start, self.end = 0, live
 
     def _realloc(self, need: int, like: torch.Tensor) -> None:

@@ -165,8 +165,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-chunk", type=int, default=None, metavar="N", help="with --serve: the server's "
                         "--prefill-chunk (prompt tokens a step carries beside the decoding rows; its default if "
                         "not given)")
-    parser.add_argument("--linears", choices=LINEAR_ROUTES, default="torch", help="with --concurrency: the engine rows' (and "
-                        "--serve's) linear layers (kvslim.engine.linears; default torch)")
+    parser.add_argument("--linears", choices=LINEAR_ROUTES, default="auto", help="with --concurrency: the engine rows' (and "
+                        "--serve's) linear layers (kvslim.engine.linears; default auto, as the engine's)")
     parser.add_argument(
         "--no-continuous-batching",
         action="store_true",
@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--compile and --concurrency do not combine yet (the batch engine steps eagerly)")
     if args.join is not None and (not args.serve or args.join < 1):
         raise UserError(f"--join {args.join}: a prompt length of at least 1 token, with --serve")
-    if args.linears != "torch" and not args.concurrency:
+    if args.linears != "auto" and not args.concurrency:
         raise UserError(f"--linears {args.linears} applies to --concurrency's engine rows; add --concurrency C,...")
     if args.prefill_chunk is not None and (not args.serve or args.prefill_chunk < 1):
         raise UserError(f"--prefill-chunk {args.prefill_chunk}: a chunk of at least 1 token, with --serve")
@@ -296,11 +296,14 @@ def _run_concurrency(args, model, configs, settings, policy) -> int:
     from ..bench.concurrency import link_ratios, render_concurrency, run_concurrency, tokens
     from ..bench.modes import build_modes
     from ..bench.suite import _logger
+    from ..engine.linears import Linears, step_rows
     from ..kernels.clib import bf16_instructions
 
     kvslim.enable(model)  # the engine's ragged steps attend on each row's codes
     modes, _ = build_modes(model, configs)
     log = _logger(not args.quiet)
+    route = Linears(model, args.linears, batch_hint=step_rows(max(args.concurrency)))
+    log(str(route))
     rows = run_concurrency(
         model,
         modes,
@@ -311,7 +314,7 @@ def _run_concurrency(args, model, configs, settings, policy) -> int:
         seed=args.seed,
         continuous_batching=not args.no_continuous_batching,
         log=log,
-        linears=args.linears,
+        linears=route,
     )
     extra: dict = {}
 
@@ -360,7 +363,8 @@ def _run_concurrency(args, model, configs, settings, policy) -> int:
                 "concurrency": [r.to_dict() for r in rows],
                 "settings": {"lengths": settings["lengths"], "concurrency": args.concurrency, "steps": settings["steps"],
                              "threads": args.threads, "configs": list(configs), "serve": args.serve,
-                             "dtype": args.dtype, "cpu_bf16": bf16_instructions(), "linears": args.linears},
+                             "dtype": args.dtype, "cpu_bf16": bf16_instructions(), "linears": args.linears,
+                             "linears_route": route.route, "linears_reason": route.reason},
                 "thread_policy": _after(policy),
                 **extra,
             },

@@ -160,8 +160,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "a long prompt holds the others back by at most a chunk or two)"
     )
     parser.add_argument(
-        "--linears", choices=LINEAR_ROUTES, default="torch",
-        help="which library runs the model's linear layers in a step: torch (default), onednn, packed (oneDNN "
+        "--linears", choices=LINEAR_ROUTES, default="auto",
+        help="which library runs the model's linear layers in a step: auto (default: torch, or onednn where torch's "
+        "linear rounds a row differently by the step's size, as MKL does on AVX-512-FP16 Xeons), torch, onednn, packed (oneDNN "
         "with a second, reordered copy of the weights: the weights' bytes once more), or mkl (MKL's packed sgemm "
         "at a full step's rows, torch's bits, the weights' bytes once more; docs/performance.md)",
     )

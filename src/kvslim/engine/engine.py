@@ -89,9 +89,11 @@ class Engine(Stepping):
     (:meth:`kvslim.SlimCache.keep_decoded`: a chunk decodes only what the last one encoded, the same bits); the
     copy's bytes are reserved on top of the cache's until the prompt is read, and a prompt whose copy would not fit
     the budget alone, or whose cache's window is shorter than the prompt, goes without. linears: which library
-    runs the model's linear layers inside a step (:mod:`kvslim.engine.linears`: ``torch``, the default; ``onednn``;
-    ``packed``, oneDNN with a second copy of the weights; ``mkl``, MKL's packed sgemm at a full step's rows, torch's
-    bits); outside a step, and on other threads, torch's own.
+    runs the model's linear layers inside a step (:mod:`kvslim.engine.linears`: ``auto``, the default: ``torch``, or
+    ``onednn`` where torch's linear rounds a row differently by the step's row count, which would make a row's
+    bits depend on its neighbours; ``torch``; ``onednn``; ``packed``, oneDNN with a second copy of the weights;
+    ``mkl``, MKL's packed sgemm at a full step's rows, torch's bits); outside a step, and on other threads,
+    torch's own.
     """
 
     def __init__(
@@ -110,7 +112,7 @@ class Engine(Stepping):
         session_ttl: float | None = None,
         allow_other_model: bool = False,
         keep_decoded: bool = True,
-        linears: str = "torch",
+        linears: str = "auto",
     ):
         self.default_cache = parse_spec(cache) if isinstance(cache, str) else cache
         if not isinstance(self.default_cache, CacheConfig):

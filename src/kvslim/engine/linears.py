@@ -23,7 +23,13 @@ step's fp32 CPU ``nn.Linear`` layers through it:
   and the memory change. A second copy of the routed weights (the process grows by about their bytes: +514 MiB for
   the embedded model's 540 MiB; MKL reserves more address space than it touches, :attr:`Linears.nbytes` counts the
   weights' bytes). Opt-in, as ``packed``; a weight changed after packing is packed again, as there.
-- ``torch`` (the default): torch's own ``linear``, untouched.
+- ``torch``: torch's own ``linear``, untouched.
+- ``auto`` (the default of the engine, ``kvslim serve`` and ``kvslim bench --concurrency``): ``torch`` where its
+  ``linear`` rounds a row of a product the same whatever the step's row count (checked once, on the model's own
+  weights, :func:`rows_invariant`), else ``onednn`` where oneDNN does, else ``torch`` (said in
+  :attr:`Linears.reason`). On an AVX2 CPU that is torch's route; on an AVX-512-FP16 Xeon (Sapphire Rapids), where
+  MKL rounds rows of 8, 12, 16... differently from 4, it is oneDNN: the engine's rows stay bit for bit what they
+  are alone, for 0.98x of torch's step there (docs/performance.md, "The default route: rows bit for bit").
 
 Measured (docs/performance.md, "The weights' products"): under the torch profiler the step's linear ops take
 126-130 ms a step with torch's route, 89-110 with ``onednn``, 84-97 with ``packed`` (16 rows, the embedded
@@ -62,7 +68,11 @@ from contextvars import ContextVar
 import torch
 
 #: the routes a user may ask for (module docstring)
-ROUTES = ("torch", "onednn", "packed", "mkl")
+ROUTES = ("auto", "torch", "onednn", "packed", "mkl")
+
+#: The step sizes :func:`rows_invariant` compares a row at, beside every multiple of 4 up to the step's rows: a
+#: mixed step carries prompt chunks too (a row per token).
+PROBE_ROWS = (64, 132, 256)
 
 #: the Linears whose block is open in this context (None: torch's own forward)
 _ACTIVE: ContextVar = ContextVar("kvslim_linears", default=None)
@@ -91,6 +101,43 @@ def mkl_ready() -> bool:
         return bool(torch.backends.mkl.is_available()) and hasattr(torch.ops.mkl, "_mkl_linear")
     except (AttributeError, RuntimeError):
         return False
+
+
+def rows_invariant(modules, route: str, rows: int) -> bool:
+    """Whether ``route``'s product (``torch`` or ``onednn``, as :class:`Linears` runs it) gives the first 4 rows of
+    every distinct weight shape of ``modules`` (routable ``nn.Linear``) the same bits at every step size the engine
+    makes (multiples of 4 up to :func:`step_rows` of ``rows``, and :data:`PROBE_ROWS`), at the current thread count.
+    Measured on each shape's first module's own weight with seeded inputs; remembered per process (shapes, sizes,
+    threads and route)."""
+    sizes = sorted({*range(4, step_rows(rows) + 1, 4), *PROBE_ROWS})
+    first: dict = {}
+    for m in modules:
+        first.setdefault(tuple(m.weight.shape), m)
+    key = (route, tuple(sorted(first)), tuple(sizes), torch.get_num_threads())
+    if key not in _PROBED:
+        _PROBED[key] = _probe(first.values(), route, sizes)
+    return _PROBED[key]
+
+
+_PROBED: dict = {}
+
+
+def _product(route: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if route == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+    return torch.nn.functional.linear(x, w, bias)
+
+
+def _probe(modules, route: str, sizes) -> bool:
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for m in modules:
+            w, bias = m.weight.detach(), None if m.bias is None else m.bias.detach().contiguous()
+            x = torch.randn(max(sizes), w.shape[1], generator=g)
+            ref = _product(route, x[:4], w, bias)
+            if any(not torch.equal(_product(route, x[:n], w, bias)[:4], ref) for n in sizes if n > 4):
+                return False
+    return True
 
 
 def _plain_fp32_cpu(t) -> bool:
@@ -168,9 +215,13 @@ class Linears:
     ``mkl`` where it has no MKL, and where the model has no layer the route can take (a bfloat16 or GPU model:
     nothing would change). Reads the model; changes nothing until :meth:`routed`."""
 
-    def __init__(self, model, route: str = "torch", *, batch_hint: int = 16):
+    def __init__(self, model, route: str = "auto", *, batch_hint: int = 16):
         if route not in ROUTES:
             raise ValueError(f"linears must be one of {', '.join(ROUTES)}, got {route!r}")
+        #: what was asked (``auto`` or a route) and, for ``auto``, why it chose what it did
+        self.asked, self.reason = route, ""
+        if route == "auto":
+            route, self.reason = _choose(model, int(batch_hint))
         if route in ("onednn", "packed") and not onednn_ready():
             raise ValueError(
                 f"linears={route!r} needs torch's oneDNN (torch.backends.mkldnn), which this torch does not have; "
@@ -195,11 +246,12 @@ class Linears:
                     self._pack(m)
 
     def __repr__(self) -> str:
-        return f"Linears(route={self.route!r}, modules={len(self.modules)}, nbytes={self.nbytes})"
+        return f"Linears(route={self.route!r}, asked={self.asked!r}, modules={len(self.modules)}, nbytes={self.nbytes})"
 
     def __str__(self) -> str:
         extra = f", {self.nbytes / 2**20:.0f} MiB packed beside the model" if self.route in ("packed", "mkl") else ""
-        return f"linear layers: {self.route} ({len(self.modules)} routed{extra})"
+        why = f"; auto: {self.reason}" if self.asked == "auto" else ""
+        return f"linear layers: {self.route} ({len(self.modules)} routed{extra}{why})"
 
     @staticmethod
     def _key(module) -> tuple:
@@ -260,3 +312,17 @@ class Linears:
         finally:
             _uninstall(handled)
             _ACTIVE.reset(token)
+
+
+def _choose(model, rows: int) -> tuple[str, str]:
+    """``auto``'s route for ``model`` at steps of up to ``rows`` rows, and why (module docstring)."""
+    modules = [m for m in model.modules() if _routable(m)]
+    if not modules:
+        return "torch", "no float32 CPU linear layer to route"
+    if rows_invariant(modules, "torch", rows):
+        return "torch", "torch's linear rounds a row alike at every step size here"
+    if not onednn_ready():
+        return "torch", "torch's linear rounds a row differently by the step's size here, and this torch has no oneDNN"
+    if rows_invariant(modules, "onednn", rows):
+        return "onednn", "torch's linear (MKL) rounds a row differently by the step's size here; oneDNN does not"
+    return "torch", "neither torch's linear nor oneDNN rounds a row alike at every step size here"

@@ -10,7 +10,6 @@ that is not contiguous is copied first. Nothing here raises at import; an unusab
 from __future__ import annotations
 
 import array
-import contextlib
 from typing import NamedTuple
 
 import torch
@@ -18,7 +17,9 @@ import torch
 from ..formats import Codec, Encoded
 from ..formats.layout import body_layout, rows_contiguous
 from ..formats.varnorm import factor_part
+from . import records
 from .clib import NAMED_ROWS, ROWS_LAYOUT, library, row_code, status  # noqa: F401 - the dispatcher reads cpu.status
+from .cpu_parts import CENTERED
 from .cpu_parts import DT as _DT
 from .cpu_parts import bias_part as _bias_part
 from .cpu_parts import flags_part as _flags_part
@@ -333,30 +334,26 @@ def _row_pieces(pieces, h: int, m: int, d: int, role: str, vals: list, held: lis
     variance-normalized affine piece carries its factors (and, for V, their token group, ``offset`` being where
     the piece's first token sits in it), read in place as :func:`attend` reads them; a K piece may carry its own
     queries (a fourth element, :class:`AttendRow`) and a key transform (a fifth; tensors made for it go to ``held``,
-    which the caller keeps until the call returns)."""
+    which the caller keeps until the call returns). A record is found again where it can be
+    (:mod:`kvslim.kernels.records`: kept on an unchanged body, or a template of the same signature) and built
+    and checked otherwise."""
     tokens, first = 0, None
     for piece in pieces:
         codec, enc, offset = piece[:3]
         qk = piece[3] if len(piece) > 3 else None
         tr = piece[4] if len(piece) > 4 else None
-        rec = key = None
-        if qk is None and tr is None:
-            rec = _memo_hit(codec, enc, offset, h, m, d, role)
-            key = None if rec is not None else _memo_key(codec, enc, offset, h, m, d, role)
+        rec = key = sig = None
+        if tr is None:
+            if qk is None:
+                rec = records.kept(codec, enc, offset, h, m, d, role)
+                key = None if rec is not None else records.kept_key(codec, enc, offset, h, m, d, role)
+            if rec is None:
+                sig = records.template_key(codec, enc, offset, h, m, d, role, qk)
+                rec = None if sig is None else records.from_template(sig, enc, qk)
         if rec is None:
-            p, parts, vn = _body_args(codec, enc, 1, h, d, offset, role)
-            held += (*parts, vn)  # a part copied to make its rows contiguous lives until the call returns
-            if role == "v" and vn is not None:  # the V factors' offset in their group (a plain V piece's stays 0)
-                p = (*p[:3], offset, p[4])
-            rec = [*p, codec.token_group if role == "v" and vn is not None else 0]
-            for t in parts:
-                rec += _part(t)
-            rec += (0, 0, 0, 0, _DT[torch.uint8]) if vn is None else _part(vn)
-            rec += _piece_queries(qk, h, m, d, role)
-            rec += _flags_part(enc, h, p[4], role)
-            rec += _piece_transform(tr, h, d, p[4], role, held)
-            rec = tuple(rec)
-            _memo_put(key, rec)
+            rec, pointers = _piece_record(codec, enc, offset, h, m, d, role, qk, tr, held)
+            records.put_template(sig, rec, pointers, enc, qk)
+        records.keep(key, rec)
         if role == "v":
             first = first or rec[:2]
             if rec[:2] != first:
@@ -366,46 +363,28 @@ def _row_pieces(pieces, h: int, m: int, d: int, role: str, vals: list, held: lis
     return len(pieces), tokens
 
 
-#: The attribute of a body's first token part under which :func:`_row_pieces` keeps the piece record it built
-#: from that body, with what it was built from: a decode step reads every row's unchanged body again (the cache
-#: hands out the same view tensors until the body changes), and the record's checks and pointers cost ~30 us a
-#: piece in Python. The record lives and dies with the tensor; it holds the body's other parts (never the tensor
-#: itself: no reference cycle keeps a freed body's memory alive) and every part's data pointer (a deep copy of the
-#: tensor carries the attribute to new memory: the pointers differ, the record is built again).
-_MEMO = "_kvslim_piece_record"
-
-
-def _memo_key(codec: Codec, enc: Encoded, offset: int, h: int, m: int, d: int, role: str):
-    """(the body's first token part, the call's shape, the body's other parts) for a body whose every part the
-    record points into directly (dims 3.. contiguous: nothing copied for the call), else None. A view's data
-    pointer, shape, strides and dtype never change, so the same tensors give the same record."""
-    if not enc.token:
-        return None
-    parts = (*enc.token.values(), *enc.group.values())
-    for t in parts:
-        if not isinstance(t, torch.Tensor) or t.dim() != 4 or (t.shape[3] > 1 and t.stride(3) != 1):
-            return None
-    ptrs = tuple(t.data_ptr() for t in parts)  # a copy (deepcopy, pickle) carries the attribute, not the memory
-    return parts[0], (codec, offset, h, m, d, role, tuple(enc.token), tuple(enc.group), ptrs), parts[1:]
-
-
-def _memo_hit(codec: Codec, enc: Encoded, offset: int, h: int, m: int, d: int, role: str) -> tuple | None:
-    """The record kept on ``enc``'s first token part if built from these very tensors (the same objects: the shapes
-    and strides it checked) at these pointers for this call (:func:`_memo_key`'s key), else None."""
-    held = getattr(next(iter(enc.token.values()), None), _MEMO, None)
-    if held is None:
-        return None
-    parts = (*enc.token.values(), *enc.group.values())
-    if len(held[1]) != len(parts) - 1 or any(a is not b for a, b in zip(held[1], parts[1:])):
-        return None
-    ok = held[0] == (codec, offset, h, m, d, role, tuple(enc.token), tuple(enc.group), tuple(t.data_ptr() for t in parts))
-    return held[2] if ok else None
-
-
-def _memo_put(key, rec: tuple) -> None:
-    if key is not None:
-        with contextlib.suppress(AttributeError, RuntimeError, TypeError):  # a tensor that takes no attributes
-            setattr(key[0], _MEMO, (key[1], key[2], rec))
+def _piece_record(codec: Codec, enc: Encoded, offset: int, h: int, m: int, d: int, role: str, qk, tr, held: list):
+    """A piece's record, checked and built (:func:`_row_pieces`), and ``(field index, tensor)`` of each of its
+    pointer fields but a transform's."""
+    p, parts, vn = _body_args(codec, enc, 1, h, d, offset, role)
+    held += (*parts, vn)  # a part copied to make its rows contiguous lives until the call returns
+    if role == "v" and vn is not None:  # the V factors' offset in their group (a plain V piece's stays 0)
+        p = (*p[:3], offset, p[4])
+    rec = [*p, codec.token_group if role == "v" and vn is not None else 0]
+    pointers = []
+    for t in (*parts, vn):
+        if t is not None:
+            pointers.append((len(rec), t))
+        rec += (0, 0, 0, 0, _DT[torch.uint8]) if t is None else _part(t)
+    if qk is not None:
+        pointers.append((len(rec), qk))
+    rec += _piece_queries(qk, h, m, d, role)
+    flags = _flags_part(enc, h, p[4], role)
+    if flags[0]:
+        pointers.append((len(rec), enc.token[CENTERED]))
+    rec += flags
+    rec += _piece_transform(tr, h, d, p[4], role, held)
+    return tuple(rec), pointers
 
 
 def attend_rows(q: torch.Tensor, rows, out: torch.Tensor, lib=None) -> list[int]:

@@ -47,7 +47,7 @@ def build_app(
     max_body: int = MAX_BODY,
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
     allow_other_model: bool = False,
-    linears: str = "torch",
+    linears: str = "auto",
 ):
     """The ASGI app serving ``(model, tokenizer)``: a :class:`~kvslim.engine.Engine` (cache, memory_budget,
     max_batch=max_concurrency, prefill_chunk, session_dir, max_queue, max_prompt_tokens — None: the model's
