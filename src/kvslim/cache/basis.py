@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from ..formats import Codec, Encoded
+from ..formats.base import tracing
+from ..kernels import encode as c_encode
 from .hadamard import Hadamard
 
 #: Name of the per-token part an adaptively centered body carries: 1 where the token was stored centered.
@@ -66,7 +68,7 @@ class BodyBasis:
         closer (ties: centered); the choice is the ``centered`` token part (B, H, T, 1) uint8."""
         y = self.hadamard.apply(x) if self.hadamard is not None else x.float()
         b = self._bias(y)
-        centered, plain = codec.encode(y - b), codec.encode(y)
+        centered, plain = encode(codec, y - b), encode(codec, y)
         err_c = (codec.decode(centered, torch.float32) - (y - b)).pow(2).sum(-1)  # (B, H, T)
         err_p = (codec.decode(plain, torch.float32) - y).pow(2).sum(-1)
         flag = err_c <= err_p
@@ -100,7 +102,18 @@ def encode_in_basis(codec: Codec, basis: BodyBasis | None, x: torch.Tensor) -> E
     """Tokens leaving a residual (B, H, n, D) -> their encoding, in the body's ``basis`` (None: as given;
     centered per token where the codec is per token, :meth:`BodyBasis.encode_adaptive`)."""
     if basis is None:
-        return codec.encode(x)
+        return encode(codec, x)
     if basis.bias is not None and codec.token_group == 1:
         return basis.encode_adaptive(codec, x)
-    return codec.encode(basis.encode(x))
+    return encode(codec, basis.encode(x))
+
+
+def encode(codec: Codec, x: torch.Tensor) -> Encoded:
+    """``codec.encode(x)``: through the C affine encoder where it applies (:func:`kvslim.kernels.encode.affine`,
+    the same bytes without torch's per-op dispatch: a decode step's flushes are a few thousand values each), the
+    codec's own encoder elsewhere (and inside a compiled graph, which a ctypes call would break)."""
+    if not tracing():
+        enc = c_encode.affine(codec, x)
+        if enc is not None:
+            return enc
+    return codec.encode(x)

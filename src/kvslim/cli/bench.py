@@ -305,16 +305,8 @@ def _run_concurrency(args, model, configs, settings, policy) -> int:
     route = Linears(model, args.linears, batch_hint=step_rows(max(args.concurrency)))
     log(str(route))
     rows = run_concurrency(
-        model,
-        modes,
-        settings["lengths"],
-        args.concurrency,
-        settings["steps"],
-        warmup=settings["warmup"],
-        seed=args.seed,
-        continuous_batching=not args.no_continuous_batching,
-        log=log,
-        linears=route,
+        model, modes, settings["lengths"], args.concurrency, settings["steps"], warmup=settings["warmup"],
+        seed=args.seed, continuous_batching=not args.no_continuous_batching, log=log, linears=route,
     )
     extra: dict = {}
 

@@ -260,6 +260,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kv_rows_layout.restype = None
     lib.kv_to_half_finite.argtypes = [ctypes.c_void_p]
     lib.kv_to_half_finite.restype = _I
+    if hasattr(lib, "kv_encode_affine"):  # csrc/kvslim_encode.c (absent from a baseline build of older sources)
+        lib.kv_encode_affine.argtypes = [ctypes.c_void_p]
+        lib.kv_encode_affine.restype = _I
     lib.kv_row_format.argtypes = [
         ctypes.c_char_p,
         ctypes.POINTER(ctypes.c_int32),

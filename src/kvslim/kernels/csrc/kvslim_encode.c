@@ -1,0 +1,136 @@
+/* kvslim affine encoders: KIVI's int8/int4/int2 codes with fp16 scale and zero, per channel over token groups
+ * (K) or per token over channel groups (V), the very bytes kvslim/formats/affine.py's quantize_per_channel /
+ * quantize_per_token give (tested equal, tests/test_encode_c.py).
+ *
+ * Why. A decode step's rows leave their residuals a group at a time; torch's encoder spends ~0.2 ms of op
+ * dispatch a stream and layer on a few thousand values (a row's flush: ~13 ms over the embedded model's 30
+ * layers, a 16-row flush step ~95 ms). Here it is a loop over the values.
+ *
+ * The arithmetic is the reference's, operation for operation, in fp32 (no contraction is possible: a subtraction
+ * then a division):
+ *   zero  = fp16(min) rounded toward -inf   (round to nearest even, then one fp16 step down if it landed above)
+ *   scale = fp16(max((max - zero) / levels, 1e-5f)) rounded toward +inf
+ *   code  = clamp(nearbyint((x - zero) / scale), 0, levels)   (round half to even, as torch.round)
+ * packed low bits first along the channels (int4: two codes a byte, int2: four). A non-finite input, or a scale or
+ * zero beyond fp16, returns 1 and writes nothing meaningful: the caller runs the reference, which raises its own
+ * error. Without F16C (the fp16 conversions) it returns -1 and the caller runs the reference.
+ *
+ * args (int64): role (0: K per channel, 1: V per token), bits (8, 4, 2), rows (B * H), T, D, group (K: tokens
+ * per group, T a multiple of it; V: channels per group, dividing D), then the pointers x (rows, T, D) fp32,
+ * codes (rows, T, D * bits / 8) uint8, scale and zero fp16 (K: (rows, T / group, D); V: (rows, T, D / group)),
+ * all contiguous.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+
+static inline uint16_t enc_f2h(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline float enc_h2f(uint16_t h) { return _cvtsh_ss(h); }
+
+/* the next fp16 toward +inf (up) or -inf, as torch.nextafter on halves (a zero of either sign steps to the
+ * smallest subnormal of the direction) */
+static inline uint16_t enc_next(uint16_t h, int up) {
+    if ((h & 0x7fff) == 0) return up ? 0x0001 : 0x8001;
+    return (up != (h >> 15)) ? (uint16_t)(h + 1) : (uint16_t)(h - 1);
+}
+
+static inline int enc_finite_h(uint16_t h) { return (h & 0x7c00) != 0x7c00; }
+
+/* scale and zero (fp16 bits) of a slice's min and max; 0 where either is not finite */
+static inline int enc_params(float mn, float mx, float levels, uint16_t *scale, uint16_t *zero) {
+    uint16_t z = enc_f2h(mn);
+    if (enc_h2f(z) > mn) z = enc_next(z, 0);
+    float s = (mx - enc_h2f(z)) / levels;
+    if (s < 1e-5f) s = 1e-5f;
+    uint16_t sh = enc_f2h(s);
+    if (enc_h2f(sh) < s) sh = enc_next(sh, 1);
+    *scale = sh;
+    *zero = z;
+    return enc_finite_h(sh) && enc_finite_h(z);
+}
+
+static inline uint8_t enc_code(float x, float zero, float scale, float levels) {
+    float q = nearbyintf((x - zero) / scale);
+    if (q < 0.0f) q = 0.0f;
+    if (q > levels) q = levels;
+    return (uint8_t)q;
+}
+
+/* codes (n of them, n a multiple of 8 / bits) packed low bits first into out */
+static inline void enc_pack(const uint8_t *codes, int64_t n, int bits, uint8_t *out) {
+    if (bits == 8) {
+        for (int64_t i = 0; i < n; i++) out[i] = codes[i];
+    } else if (bits == 4) {
+        for (int64_t i = 0; i < n / 2; i++) out[i] = (uint8_t)(codes[2 * i] | (codes[2 * i + 1] << 4));
+    } else {
+        for (int64_t i = 0; i < n / 4; i++)
+            out[i] = (uint8_t)(codes[4 * i] | (codes[4 * i + 1] << 2) | (codes[4 * i + 2] << 4) | (codes[4 * i + 3] << 6));
+    }
+}
+#endif
+
+int kv_encode_affine(const int64_t *args) {
+#if defined(__F16C__)
+    const int64_t role = args[0], bits = args[1], rows = args[2], T = args[3], D = args[4], group = args[5];
+    const float *x = (const float *)(intptr_t)args[6];
+    uint8_t *codes = (uint8_t *)(intptr_t)args[7];
+    uint16_t *scale = (uint16_t *)(intptr_t)args[8];
+    uint16_t *zero = (uint16_t *)(intptr_t)args[9];
+    if ((bits != 8 && bits != 4 && bits != 2) || group < 1 || D < 1 || D > 4096 || (D * bits) % 8) return -1;
+    if (role == 0 ? T % group : D % group) return -1;
+    const float levels = (float)((1 << bits) - 1);
+    const int64_t packed = D * bits / 8;
+    uint8_t line[4096];
+    for (int64_t i = 0; i < rows * T * D; i++)
+        if (!isfinite(x[i])) return 1;
+    if (role == 0) { /* K: per channel, over groups of `group` tokens */
+        const int64_t ng = T / group;
+        for (int64_t r = 0; r < rows; r++) {
+            for (int64_t gi = 0; gi < ng; gi++) {
+                const float *xg = x + (r * T + gi * group) * D;
+                uint16_t *sg = scale + (r * ng + gi) * D, *zg = zero + (r * ng + gi) * D;
+                for (int64_t c = 0; c < D; c++) {
+                    float mn = xg[c], mx = xg[c];
+                    for (int64_t t = 1; t < group; t++) {
+                        const float v = xg[t * D + c];
+                        mn = v < mn ? v : mn;
+                        mx = v > mx ? v : mx;
+                    }
+                    if (!enc_params(mn, mx, levels, sg + c, zg + c)) return 1;
+                }
+                for (int64_t t = 0; t < group; t++) {
+                    const float *xt = xg + t * D;
+                    for (int64_t c = 0; c < D; c++) line[c] = enc_code(xt[c], enc_h2f(zg[c]), enc_h2f(sg[c]), levels);
+                    enc_pack(line, D, (int)bits, codes + (r * T + gi * group + t) * packed);
+                }
+            }
+        }
+    } else { /* V: per token, over groups of `group` channels */
+        const int64_t nc = D / group;
+        for (int64_t r = 0; r < rows * T; r++) {
+            const float *xt = x + r * D;
+            for (int64_t ci = 0; ci < nc; ci++) {
+                const float *xc = xt + ci * group;
+                float mn = xc[0], mx = xc[0];
+                for (int64_t c = 1; c < group; c++) {
+                    mn = xc[c] < mn ? xc[c] : mn;
+                    mx = xc[c] > mx ? xc[c] : mx;
+                }
+                uint16_t s, z;
+                if (!enc_params(mn, mx, levels, &s, &z)) return 1;
+                scale[r * nc + ci] = s;
+                zero[r * nc + ci] = z;
+                const float zf = enc_h2f(z), sf = enc_h2f(s);
+                for (int64_t c = 0; c < group; c++) line[ci * group + c] = enc_code(xc[c], zf, sf, levels);
+            }
+            enc_pack(line, D, (int)bits, codes + r * packed);
+        }
+    }
+    return 0;
+#else
+    (void)args;
+    return -1;
+#endif
+}
