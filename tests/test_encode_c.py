@@ -1,5 +1,5 @@
 """The affine encoders in C (kvslim.kernels.encode, csrc/kvslim_encode.c): the very bytes of the torch reference
-(quantize_per_channel / quantize_per_token through the codecs) for int8/int4/int2 K and V, every group setting,
+(quantize_per_channel / quantize_per_token through the codecs) for int8/int4/int3/int2 K and V, every group setting,
 on data that reaches each rounding rule: a tie (x.5 codes), a constant slice (the 1e-5 scale floor), a zero's sign,
 an fp16 step down for the zero and up for the scale, subnormal ranges, a float16 input; refusal (None) for what it
 does not take, so the codec encodes and raises its own errors; and the cache's flushes going through it."""
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not status()[0], reason="the C library is not bu
 
 
 def _codecs():
-    for name in ("int8", "int4", "int2"):
+    for name in ("int8", "int4", "int3", "int2"):
         for grp in (32, 8):
             yield pytest.param(make_codec(name, "k", group_size=grp), id=f"{name}-k-g{grp}")
         for grp in (None, 32, 16):
@@ -66,7 +66,6 @@ def test_the_c_encoder_gives_the_references_bytes(codec, kind):
 
 def test_what_it_does_not_take_goes_to_the_codec():
     x = torch.randn(1, 3, 32, 64)
-    assert encode.affine(make_codec("int3", "k"), x) is None  # int3's 3-byte units: the codec's
     assert encode.affine(make_codec("q4_0", "k"), x) is None
     clipped = make_codec("int4", "v")
     clipped.clip = True

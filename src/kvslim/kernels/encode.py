@@ -1,5 +1,5 @@
-"""The affine encoders in C (``csrc/kvslim_encode.c``): KIVI's int8/int4/int2 codes with fp16 scales and zeros,
-the very bytes :func:`kvslim.formats.affine.quantize_per_channel` (K) and
+"""The affine encoders in C (``csrc/kvslim_encode.c``): KIVI's int8/int4/int3/int2 codes with fp16 scales and
+zeros, the very bytes :func:`kvslim.formats.affine.quantize_per_channel` (K) and
 :func:`~kvslim.formats.affine.quantize_per_token` (V) give, without torch's per-op dispatch: a decode step's rows
 leave their residuals a group at a time, a few thousand values a stream and layer, where torch's encoder spends
 ~0.2 ms of dispatch (a row's flush ~13 ms over the embedded model's 30 layers; a 16-row flush step ~95 ms).
@@ -20,13 +20,13 @@ from ..formats import Codec, Encoded
 from ..formats.affine import _AffineKCodec, _AffineVCodec
 from .clib import library, status
 
-#: the bit widths the C encoder packs (int3's 3-byte units are not built: the codec encodes them)
-BITS = (8, 4, 2)
+#: the bit widths the C encoder packs (int3: eight codes in three bytes, as formats.affine packs them)
+BITS = (8, 4, 3, 2)
 
 
 def applies(codec: Codec) -> bool:
     """Whether :func:`affine` can encode for ``codec``: a plain affine K or V codec (not variance-normalized,
-    no clipping, no level table) of 8, 4 or 2 bits with fp16 scales."""
+    no clipping, no level table) of 8, 4, 3 or 2 bits with fp16 scales."""
     return (
         type(codec) in (_AffineKCodec, _AffineVCodec)
         and codec.bits in BITS

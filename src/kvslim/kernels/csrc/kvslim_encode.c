@@ -1,6 +1,6 @@
-/* kvslim affine encoders: KIVI's int8/int4/int2 codes with fp16 scale and zero, per channel over token groups
+/* kvslim affine encoders: KIVI's int8/int4/int3/int2 codes with fp16 scale and zero, per channel over token groups
  * (K) or per token over channel groups (V), the very bytes kvslim/formats/affine.py's quantize_per_channel /
- * quantize_per_token give (tested equal, tests/test_encode_c.py).
+ * quantize_per_token give (tested equal, tests/test_encode_c.py); int3 too (8 codes in 3 bytes).
  *
  * Why. A decode step's rows leave their residuals a group at a time; torch's encoder spends ~0.2 ms of op
  * dispatch a stream and layer on a few thousand values (a row's flush: ~13 ms over the embedded model's 30
@@ -11,11 +11,11 @@
  *   zero  = fp16(min) rounded toward -inf   (round to nearest even, then one fp16 step down if it landed above)
  *   scale = fp16(max((max - zero) / levels, 1e-5f)) rounded toward +inf
  *   code  = clamp(nearbyint((x - zero) / scale), 0, levels)   (round half to even, as torch.round)
- * packed low bits first along the channels (int4: two codes a byte, int2: four). A non-finite input, or a scale or
+ * packed low bits first along the channels (int4: two codes a byte, int2: four, int3: eight in a 24-bit word). A non-finite input, or a scale or
  * zero beyond fp16, returns 1 and writes nothing meaningful: the caller runs the reference, which raises its own
  * error. Without F16C (the fp16 conversions) it returns -1 and the caller runs the reference.
  *
- * args (int64): role (0: K per channel, 1: V per token), bits (8, 4, 2), rows (B * H), T, D, group (K: tokens
+ * args (int64): role (0: K per channel, 1: V per token), bits (8, 4, 3, 2), rows (B * H), T, D, group (K: tokens
  * per group, T a multiple of it; V: channels per group, dividing D), then the pointers x (rows, T, D) fp32,
  * codes (rows, T, D * bits / 8) uint8, scale and zero fp16 (K: (rows, T / group, D); V: (rows, T, D / group)),
  * all contiguous.
@@ -64,6 +64,14 @@ static inline void enc_pack(const uint8_t *codes, int64_t n, int bits, uint8_t *
         for (int64_t i = 0; i < n; i++) out[i] = codes[i];
     } else if (bits == 4) {
         for (int64_t i = 0; i < n / 2; i++) out[i] = (uint8_t)(codes[2 * i] | (codes[2 * i + 1] << 4));
+    } else if (bits == 3) { /* each unit of 8 codes one 24-bit word, written as its 3 little-endian bytes */
+        for (int64_t i = 0; i < n / 8; i++) {
+            uint32_t word = 0;
+            for (int j = 0; j < 8; j++) word |= (uint32_t)codes[8 * i + j] << (3 * j);
+            out[3 * i] = (uint8_t)(word & 0xff);
+            out[3 * i + 1] = (uint8_t)((word >> 8) & 0xff);
+            out[3 * i + 2] = (uint8_t)(word >> 16);
+        }
     } else {
         for (int64_t i = 0; i < n / 4; i++)
             out[i] = (uint8_t)(codes[4 * i] | (codes[4 * i + 1] << 2) | (codes[4 * i + 2] << 4) | (codes[4 * i + 3] << 6));
@@ -78,7 +86,7 @@ int kv_encode_affine(const int64_t *args) {
     uint8_t *codes = (uint8_t *)(intptr_t)args[7];
     uint16_t *scale = (uint16_t *)(intptr_t)args[8];
     uint16_t *zero = (uint16_t *)(intptr_t)args[9];
-    if ((bits != 8 && bits != 4 && bits != 2) || group < 1 || D < 1 || D > 4096 || (D * bits) % 8) return -1;
+    if ((bits != 8 && bits != 4 && bits != 3 && bits != 2) || group < 1 || D < 1 || D > 4096 || (D * bits) % 8) return -1;
     if (role == 0 ? T % group : D % group) return -1;
     const float levels = (float)((1 << bits) - 1);
     const int64_t packed = D * bits / 8;
