@@ -236,3 +236,8 @@ def test_cli_rejects_bad_lengths(model_dir, capsys):
     err = capsys.readouterr().err
     assert "--lengths takes comma-separated integers" in err and len(err.strip().splitlines()) == 1
     assert main(["bench", "--model", str(model_dir), "--steps", "0"]) == 2
+    capsys.readouterr()
+    for route in ("auto", "torch"):  # any route named, the default's name too: it applies to --concurrency only
+        assert main(["bench", "--model", str(model_dir), "--linears", route]) == 2
+        err = capsys.readouterr().err
+        assert f"--linears {route} applies to --concurrency" in err and len(err.strip().splitlines()) == 1

@@ -17,12 +17,14 @@ from kvslim.kernels.clib import status
 pytestmark = pytest.mark.skipif(not status()[0], reason="the C library is not built here")
 
 
-def _codecs():
+def _codecs() -> list:
+    out = []
     for name in ("int8", "int4", "int3", "int2"):
         for grp in (32, 8):
-            yield pytest.param(make_codec(name, "k", group_size=grp), id=f"{name}-k-g{grp}")
+            out.append(pytest.param(make_codec(name, "k", group_size=grp), id=f"{name}-k-g{grp}"))
         for grp in (None, 32, 16):
-            yield pytest.param(make_codec(name, "v", v_group_size=grp), id=f"{name}-v-g{grp}")
+            out.append(pytest.param(make_codec(name, "v", v_group_size=grp), id=f"{name}-v-g{grp}"))
+    return out
 
 
 def _data(kind: str, shape, gen) -> torch.Tensor:
@@ -37,7 +39,8 @@ def _data(kind: str, shape, gen) -> torch.Tensor:
         "float16": x.half(),
         "channels": x * torch.logspace(-3, 3, d),
         "subnormal": x * 1e-6,
-        "zeros": torch.where(x > 0, x, -torch.zeros(())),  # slices whose min is a zero of either sign
+        # slices whose min is a zero, of both signs in one slice (amin's choice of sign is its own: +0 is stored)
+        "zeros": torch.where(x > 0, x, torch.where(torch.rand(shape, generator=gen) < 0.5, 0.0, -0.0)),
     }[kind]
 
 

@@ -74,17 +74,18 @@ class TimeBuffer:
         live, gap = len(self), self.start
         if gap and live:
             data = self.data
-            if data.is_cpu and data.is_contiguous() and gap < live:
+            if data.is_cpu and data.is_contiguous() and data.numel() and gap < live:
                 # Source and target overlap (a full ring: a bounded stream's body compacts at every flush, ~30x
                 # its flushed tokens): one memmove per (batch, head) block, in place, where a clone made two
                 # passes and an allocation (a 16-row flush step: ~190 ms of compaction) and torch's copy_ has no
                 # defined order for overlapping memory.
-                per = data.stride(2) * data.element_size()  # bytes of one entry
-                block = data.stride(1) * data.element_size()  # bytes of one (batch, head) block
+                size = data.element_size()
+                per = data.stride(2) * size  # bytes of one entry
                 base = data.data_ptr()
-                for i in range(data.shape[0] * data.shape[1]):
-                    row = base + i * block
-                    ctypes.memmove(row, row + gap * per, live * per)
+                for b in range(data.shape[0]):
+                    for h in range(data.shape[1]):  # each (batch, head) block at its own strides
+                        row = base + (b * data.stride(0) + h * data.stride(1)) * size
+                        ctypes.memmove(row, row + gap * per, live * per)
             else:  # no overlap (or not a contiguous CPU block): one copy, through a temporary when they overlap
                 src = data[:, :, gap : self.end]
                 data[:, :, :live] = src.clone() if gap < live else src

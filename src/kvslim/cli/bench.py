@@ -165,7 +165,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-chunk", type=int, default=None, metavar="N", help="with --serve: the server's "
                         "--prefill-chunk (prompt tokens a step carries beside the decoding rows; its default if "
                         "not given)")
-    parser.add_argument("--linears", choices=LINEAR_ROUTES, default="auto", help="with --concurrency: the engine rows' (and "
+    parser.add_argument("--linears", choices=LINEAR_ROUTES, default=None, help="with --concurrency: the engine rows' (and "
                         "--serve's) linear layers (kvslim.engine.linears; default auto, as the engine's)")
     parser.add_argument(
         "--no-continuous-batching",
@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--compile and --concurrency do not combine yet (the batch engine steps eagerly)")
     if args.join is not None and (not args.serve or args.join < 1):
         raise UserError(f"--join {args.join}: a prompt length of at least 1 token, with --serve")
-    if args.linears != "auto" and not args.concurrency:
+    if args.linears is not None and not args.concurrency:
         raise UserError(f"--linears {args.linears} applies to --concurrency's engine rows; add --concurrency C,...")
     if args.prefill_chunk is not None and (not args.serve or args.prefill_chunk < 1):
         raise UserError(f"--prefill-chunk {args.prefill_chunk}: a chunk of at least 1 token, with --serve")
@@ -302,6 +302,7 @@ def _run_concurrency(args, model, configs, settings, policy) -> int:
     kvslim.enable(model)  # the engine's ragged steps attend on each row's codes
     modes, _ = build_modes(model, configs)
     log = _logger(not args.quiet)
+    args.linears = args.linears or "auto"
     route = Linears(model, args.linears, batch_hint=step_rows(max(args.concurrency)))
     log(str(route))
     rows = run_concurrency(

@@ -70,9 +70,12 @@ import torch
 #: the routes a user may ask for (module docstring)
 ROUTES = ("auto", "torch", "onednn", "packed", "mkl")
 
-#: The step sizes :func:`rows_invariant` compares a row at, beside every multiple of 4 up to the step's rows: a
-#: mixed step carries prompt chunks too (a row per token).
-PROBE_ROWS = (64, 132, 256)
+#: The step sizes :func:`rows_invariant` compares rows at, beside every multiple of 4 up to the step's rows (up to
+#: 64, then the step's rows themselves): a mixed step carries a prompt chunk's tokens too (a row each; 256 by
+#: default beside 16 decode rows), sampled here.
+PROBE_ROWS = (36, 64, 132, 272, 516)
+#: the multiples of 4 compared one by one up to here; past it, the step's rows and PROBE_ROWS
+DENSE_ROWS = 64
 
 #: the Linears whose block is open in this context (None: torch's own forward)
 _ACTIVE: ContextVar = ContextVar("kvslim_linears", default=None)
@@ -104,12 +107,13 @@ def mkl_ready() -> bool:
 
 
 def rows_invariant(modules, route: str, rows: int) -> bool:
-    """Whether ``route``'s product (``torch`` or ``onednn``, as :class:`Linears` runs it) gives the first 4 rows of
-    every distinct weight shape of ``modules`` (routable ``nn.Linear``) the same bits at every step size the engine
-    makes (multiples of 4 up to :func:`step_rows` of ``rows``, and :data:`PROBE_ROWS`), at the current thread count.
-    Measured on each shape's first module's own weight with seeded inputs; remembered per process (shapes, sizes,
-    threads and route)."""
-    sizes = sorted({*range(4, step_rows(rows) + 1, 4), *PROBE_ROWS})
+    """Whether ``route``'s product (``torch`` or ``onednn``, as :class:`Linears` runs it) gives every row of every
+    distinct weight shape of ``modules`` (routable ``nn.Linear``) the same bits in a step of any size the engine
+    makes as in a step of 4 rows (multiples of 4 up to :data:`DENSE_ROWS`, :func:`step_rows` of ``rows``, and
+    :data:`PROBE_ROWS`), at the current thread count. Measured on each shape's first module's own weight with seeded
+    inputs; remembered per process (shapes, sizes, threads and route)."""
+    top = step_rows(rows)
+    sizes = sorted({*range(4, min(top, DENSE_ROWS) + 1, 4), top, *PROBE_ROWS})
     first: dict = {}
     for m in modules:
         first.setdefault(tuple(m.weight.shape), m)
@@ -134,8 +138,9 @@ def _probe(modules, route: str, sizes) -> bool:
         for m in modules:
             w, bias = m.weight.detach(), None if m.bias is None else m.bias.detach().contiguous()
             x = torch.randn(max(sizes), w.shape[1], generator=g)
-            ref = _product(route, x[:4], w, bias)
-            if any(not torch.equal(_product(route, x[:n], w, bias)[:4], ref) for n in sizes if n > 4):
+            # every row as it comes out of a step of 4 (the engine's smallest), whatever its place in a bigger one
+            ref = torch.cat([_product(route, x[i : i + 4], w, bias) for i in range(0, max(sizes), 4)])
+            if any(not torch.equal(_product(route, x[:n], w, bias), ref[:n]) for n in sizes if n > 4):
                 return False
     return True
 

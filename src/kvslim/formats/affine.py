@@ -202,7 +202,9 @@ def _affine_params(
     # without a full isfinite pass over it.
     mn, mx = xf.amin(dim, keepdim=True), xf.amax(dim, keepdim=True)
     lo, hi = clipped_range(xf, dim, bits, mn, mx, EPS, table) if clip else (mn, mx)
-    zero = _round_to(lo, scale_dtype, -math.inf)
+    # + 0.0: a slice whose min is a zero stores +0.0 whichever sign amin met first (its vector order is its own;
+    # the C encoder, kvslim.kernels.encode, does the same, so both give the same bytes)
+    zero = _round_to(lo + 0.0, scale_dtype, -math.inf)
     scale = _round_to(torch.clamp((hi - zero.float()) / levels, min=EPS), scale_dtype, math.inf)
     # One host sync for both checks; diagnose only on failure.
     if not tracing() and not bool(

@@ -112,7 +112,7 @@ def from_template(key, enc, qk) -> tuple | None:
     try:
         rec, slots = _TEMPLATES[key]
         _TEMPLATES.move_to_end(key)
-    except (KeyError, TypeError):  # none kept (or dropped by another thread meanwhile), or a key that cannot hash
+    except (KeyError, TypeError, RuntimeError):  # none kept (or dropped meanwhile); a key that cannot hash or compare
         return None
     parts = (*enc.token.values(), *enc.group.values(), qk)
     out = list(rec)
@@ -128,6 +128,8 @@ def put_template(key, rec: tuple, pointers, enc, qk) -> None:
     if key is None:
         return
     parts = (*enc.token.values(), *enc.group.values(), qk)
+    if len({id(p) for p in parts if p is not None}) < sum(p is not None for p in parts):
+        return  # a part given twice: a slot would name the first, and a piece with two parts would read one
     slots = []
     for at, t in pointers:
         which = next((i for i, p in enumerate(parts) if p is t), None)
@@ -136,7 +138,7 @@ def put_template(key, rec: tuple, pointers, enc, qk) -> None:
         slots.append((at, which))
     try:
         _TEMPLATES[key] = (rec, tuple(slots))
-    except TypeError:  # a codec attribute that cannot be hashed: no template
+    except (TypeError, RuntimeError):  # a codec attribute that cannot be hashed (or compared): no template
         return
     while len(_TEMPLATES) > TEMPLATES_KEPT:
         with contextlib.suppress(KeyError):

@@ -8,7 +8,8 @@
  *
  * The arithmetic is the reference's, operation for operation, in fp32 (no contraction is possible: a subtraction
  * then a division):
- *   zero  = fp16(min) rounded toward -inf   (round to nearest even, then one fp16 step down if it landed above)
+ *   zero  = fp16(min + 0) rounded toward -inf   (a zero min is +0; round to nearest even, then one fp16 step down
+ *           if it landed above)
  *   scale = fp16(max((max - zero) / levels, 1e-5f)) rounded toward +inf
  *   code  = clamp(nearbyint((x - zero) / scale), 0, levels)   (round half to even, as torch.round)
  * packed low bits first along the channels (int4: two codes a byte, int2: four, int3: eight in a 24-bit word). A non-finite input, or a scale or
@@ -40,6 +41,7 @@ static inline int enc_finite_h(uint16_t h) { return (h & 0x7c00) != 0x7c00; }
 
 /* scale and zero (fp16 bits) of a slice's min and max; 0 where either is not finite */
 static inline int enc_params(float mn, float mx, float levels, uint16_t *scale, uint16_t *zero) {
+    mn = mn + 0.0f; /* a zero min stored as +0.0 whichever sign came first, as the reference does */
     uint16_t z = enc_f2h(mn);
     if (enc_h2f(z) > mn) z = enc_next(z, 0);
     float s = (mx - enc_h2f(z)) / levels;
