@@ -60,6 +60,54 @@ static inline uint8_t enc_code(float x, float zero, float scale, float levels) {
     return (uint8_t)q;
 }
 
+/* min and max of n finite values (in any order: a zero's sign is made +0 after, enc_params) */
+static inline void enc_minmax(const float *x, int64_t n, float *lo, float *hi) {
+    int64_t c = 1;
+    float l = x[0], h = x[0];
+#if defined(__AVX__)
+    if (n >= 8) {
+        __m256 vl = _mm256_loadu_ps(x), vh = vl;
+        for (c = 8; c + 8 <= n; c += 8) {
+            const __m256 v = _mm256_loadu_ps(x + c);
+            vl = _mm256_min_ps(vl, v);
+            vh = _mm256_max_ps(vh, v);
+        }
+        float a[8], b[8];
+        _mm256_storeu_ps(a, vl);
+        _mm256_storeu_ps(b, vh);
+        l = a[0], h = b[0];
+        for (int j = 1; j < 8; j++) {
+            l = a[j] < l ? a[j] : l;
+            h = b[j] > h ? b[j] : h;
+        }
+    }
+#endif
+    for (; c < n; c++) {
+        l = x[c] < l ? x[c] : l;
+        h = x[c] > h ? x[c] : h;
+    }
+    *lo = l;
+    *hi = h;
+}
+
+/* the codes of n values x with per-value zeros zf and scales sf (floats): enc_code for each, 8 at a time in AVX
+ * (the same operations: a subtraction, a division, round to nearest even, a clamp) */
+static inline void enc_codes(const float *x, const float *zf, const float *sf, float levels, int64_t n, uint8_t *out) {
+    int64_t c = 0;
+#if defined(__AVX__)
+    const __m256 lo = _mm256_setzero_ps(), hi = _mm256_set1_ps(levels);
+    int32_t q8[8];
+    for (; c + 8 <= n; c += 8) {
+        __m256 q = _mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(x + c), _mm256_loadu_ps(zf + c)), _mm256_loadu_ps(sf + c));
+        q = _mm256_round_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q = _mm256_min_ps(_mm256_max_ps(q, lo), hi);
+        _mm256_storeu_si256((__m256i *)q8, _mm256_cvtps_epi32(q));
+        for (int j = 0; j < 8; j++) out[c + j] = (uint8_t)q8[j];
+    }
+#endif
+    for (; c < n; c++) out[c] = enc_code(x[c], zf[c], sf[c], levels);
+}
+
 /* codes (n of them, n a multiple of 8 / bits) packed low bits first into out */
 static inline void enc_pack(const uint8_t *codes, int64_t n, int bits, uint8_t *out) {
     if (bits == 8) {
@@ -93,26 +141,31 @@ int kv_encode_affine(const int64_t *args) {
     const float levels = (float)((1 << bits) - 1);
     const int64_t packed = D * bits / 8;
     uint8_t line[4096];
-    for (int64_t i = 0; i < rows * T * D; i++)
-        if (!isfinite(x[i])) return 1;
+    float mn[4096], mx[4096], zf[4096], sf[4096];
+    int bad = 0;
+    for (int64_t i = 0; i < rows * T * D; i++) bad |= !((x[i] - x[i]) == 0.0f); /* an inf or a NaN */
+    if (bad) return 1;
     if (role == 0) { /* K: per channel, over groups of `group` tokens */
         const int64_t ng = T / group;
         for (int64_t r = 0; r < rows; r++) {
             for (int64_t gi = 0; gi < ng; gi++) {
                 const float *xg = x + (r * T + gi * group) * D;
                 uint16_t *sg = scale + (r * ng + gi) * D, *zg = zero + (r * ng + gi) * D;
-                for (int64_t c = 0; c < D; c++) {
-                    float mn = xg[c], mx = xg[c];
-                    for (int64_t t = 1; t < group; t++) {
-                        const float v = xg[t * D + c];
-                        mn = v < mn ? v : mn;
-                        mx = v > mx ? v : mx;
+                for (int64_t c = 0; c < D; c++) mn[c] = mx[c] = xg[c];
+                for (int64_t t = 1; t < group; t++) {
+                    const float *xt = xg + t * D;
+                    for (int64_t c = 0; c < D; c++) {
+                        mn[c] = xt[c] < mn[c] ? xt[c] : mn[c];
+                        mx[c] = xt[c] > mx[c] ? xt[c] : mx[c];
                     }
-                    if (!enc_params(mn, mx, levels, sg + c, zg + c)) return 1;
+                }
+                for (int64_t c = 0; c < D; c++) {
+                    if (!enc_params(mn[c], mx[c], levels, sg + c, zg + c)) return 1;
+                    zf[c] = enc_h2f(zg[c]);
+                    sf[c] = enc_h2f(sg[c]);
                 }
                 for (int64_t t = 0; t < group; t++) {
-                    const float *xt = xg + t * D;
-                    for (int64_t c = 0; c < D; c++) line[c] = enc_code(xt[c], enc_h2f(zg[c]), enc_h2f(sg[c]), levels);
+                    enc_codes(xg + t * D, zf, sf, levels, D, line);
                     enc_pack(line, D, (int)bits, codes + (r * T + gi * group + t) * packed);
                 }
             }
@@ -123,18 +176,19 @@ int kv_encode_affine(const int64_t *args) {
             const float *xt = x + r * D;
             for (int64_t ci = 0; ci < nc; ci++) {
                 const float *xc = xt + ci * group;
-                float mn = xc[0], mx = xc[0];
-                for (int64_t c = 1; c < group; c++) {
-                    mn = xc[c] < mn ? xc[c] : mn;
-                    mx = xc[c] > mx ? xc[c] : mx;
-                }
+                float lo, hi;
+                enc_minmax(xc, group, &lo, &hi);
                 uint16_t s, z;
-                if (!enc_params(mn, mx, levels, &s, &z)) return 1;
+                if (!enc_params(lo, hi, levels, &s, &z)) return 1;
                 scale[r * nc + ci] = s;
                 zero[r * nc + ci] = z;
-                const float zf = enc_h2f(z), sf = enc_h2f(s);
-                for (int64_t c = 0; c < group; c++) line[ci * group + c] = enc_code(xc[c], zf, sf, levels);
+                const float zv = enc_h2f(z), sv = enc_h2f(s);
+                for (int64_t c = 0; c < group; c++) {
+                    zf[ci * group + c] = zv;
+                    sf[ci * group + c] = sv;
+                }
             }
+            enc_codes(xt, zf, sf, levels, D, line);
             enc_pack(line, D, (int)bits, codes + r * packed);
         }
     }
