@@ -104,3 +104,26 @@ def test_the_cache_encodes_through_it(monkeypatch):
     monkeypatch.setattr(cache_basis, "tracing", lambda: True)  # inside a compiled graph: the codec's own
     cache_basis.encode_in_basis(codec, None, x)
     assert calls == [True]
+
+
+#: head widths off the 8-lane loops (a tail of single values) and V channel groups under 8 or not a multiple of it:
+#: (format, D, V groups)
+ODD = [("int8", 20, (1, 2, 4, 5, None)), ("int4", 12, (1, 2, 4, 12)), ("int3", 8, (1, 2, 4, None)),
+       ("int2", 36, (1, 2, 4, 12, 36)), ("int4", 72, (12, 24, None))]
+
+
+@pytest.mark.parametrize("name, d, v_groups", ODD, ids=[f"{n}-d{d}" for n, d, _ in ODD])
+@pytest.mark.parametrize("kind", ["normal", "ties", "zeros", "shifted"])
+def test_odd_widths_and_small_groups_give_the_references_bytes(name, d, v_groups, kind):
+    """The single-value tails of the C loops (a width not a multiple of 8, V groups of 1-5 or 12 channels)."""
+    gen = torch.Generator().manual_seed(KINDS.index(kind))
+    codecs = [make_codec(name, "k", group_size=g) for g in (32, 8)]
+    codecs += [make_codec(name, "v", v_group_size=g) for g in v_groups]
+    for codec in codecs:
+        x = _data(kind, (2, 3, 32, d), gen)
+        ref, got = codec.encode(x), encode.affine(codec, x)
+        assert got is not None, (codec.role, d)
+        for part in ("token", "group"):
+            want, have = getattr(ref, part), getattr(got, part)
+            for key in want:
+                assert torch.equal(_bits(want[key]), _bits(have[key])), (codec.role, getattr(codec, "group_size", None), key)

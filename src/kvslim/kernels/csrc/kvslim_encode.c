@@ -141,7 +141,7 @@ int kv_encode_affine(const int64_t *args) {
     const float levels = (float)((1 << bits) - 1);
     const int64_t packed = D * bits / 8;
     uint8_t line[4096];
-    float mn[4096], mx[4096], zf[4096], sf[4096];
+    float zf[4096], sf[4096]; /* K: each channel's min and max, then its zero and scale as floats */
     int bad = 0;
     for (int64_t i = 0; i < rows * T * D; i++) bad |= !((x[i] - x[i]) == 0.0f); /* an inf or a NaN */
     if (bad) return 1;
@@ -151,16 +151,16 @@ int kv_encode_affine(const int64_t *args) {
             for (int64_t gi = 0; gi < ng; gi++) {
                 const float *xg = x + (r * T + gi * group) * D;
                 uint16_t *sg = scale + (r * ng + gi) * D, *zg = zero + (r * ng + gi) * D;
-                for (int64_t c = 0; c < D; c++) mn[c] = mx[c] = xg[c];
+                for (int64_t c = 0; c < D; c++) zf[c] = sf[c] = xg[c];
                 for (int64_t t = 1; t < group; t++) {
                     const float *xt = xg + t * D;
                     for (int64_t c = 0; c < D; c++) {
-                        mn[c] = xt[c] < mn[c] ? xt[c] : mn[c];
-                        mx[c] = xt[c] > mx[c] ? xt[c] : mx[c];
+                        zf[c] = xt[c] < zf[c] ? xt[c] : zf[c];
+                        sf[c] = xt[c] > sf[c] ? xt[c] : sf[c];
                     }
                 }
                 for (int64_t c = 0; c < D; c++) {
-                    if (!enc_params(mn[c], mx[c], levels, sg + c, zg + c)) return 1;
+                    if (!enc_params(zf[c], sf[c], levels, sg + c, zg + c)) return 1;
                     zf[c] = enc_h2f(zg[c]);
                     sf[c] = enc_h2f(sg[c]);
                 }
