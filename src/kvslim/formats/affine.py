@@ -202,9 +202,7 @@ def _affine_params(
     # without a full isfinite pass over it.
     mn, mx = xf.amin(dim, keepdim=True), xf.amax(dim, keepdim=True)
     lo, hi = clipped_range(xf, dim, bits, mn, mx, EPS, table) if clip else (mn, mx)
-    # + 0.0: a slice whose min is a zero stores +0.0 whichever sign amin met first (its vector order is its own;
-    # the C encoder, kvslim.kernels.encode, does the same, so both give the same bytes)
-    zero = _round_to(lo + 0.0, scale_dtype, -math.inf)
+    zero = _round_to(lo + 0.0, scale_dtype, -math.inf)  # a zero min stored +0 whatever amin's sign (as kernels.encode)
     scale = _round_to(torch.clamp((hi - zero.float()) / levels, min=EPS), scale_dtype, math.inf)
     # One host sync for both checks; diagnose only on failure.
     if not tracing() and not bool(
