@@ -346,9 +346,10 @@ def _row_pieces(pieces, h: int, m: int, d: int, role: str, vals: list, held: lis
         if tr is None:
             if qk is None:
                 rec = records.kept(codec, enc, offset, h, m, d, role)
-                key = None if rec is not None else records.kept_key(codec, enc, offset, h, m, d, role)
             if rec is None:
-                sig = records.template_key(codec, enc, offset, h, m, d, role, qk)
+                parts = records.direct_parts(enc)  # once for both keys
+                key = None if qk is not None else records.kept_key(codec, enc, offset, h, m, d, role, parts)
+                sig = records.template_key(codec, enc, offset, h, m, d, role, qk, parts)
                 rec = None if sig is None else records.from_template(sig, enc, qk)
         if rec is None:
             rec, pointers = _piece_record(codec, enc, offset, h, m, d, role, qk, tr, held)

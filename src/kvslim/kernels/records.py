@@ -12,8 +12,8 @@ decode step. Two ways skip it, both giving the very record the checks would buil
   pure function of the codec's configuration, the call's shape, the offset, the queries' layout and each part's
   shape, strides and dtype — and of the parts' data pointers, which are fields of their own. A body whose front
   moves every step (a windowed cache evicts a token a step; a key run's piece is narrowed anew) gets new views
-  each step, but its signature repeats: the same geometry in every layer of a row, and in every row at the same phase of its groups.
-  The template keeps the record with the positions of its pointer fields and which part each names; a piece of
+  each step, but its signature repeats: the same geometry in every layer of a row, and in every row at the same
+  phase of its groups. The template keeps the record with the positions of its pointer fields and which part each names; a piece of
   the same signature gets the template's record with its own parts' pointers written in.
 
 This module knows the record only as a tuple of ints with pointer fields at known positions; what the fields
@@ -39,7 +39,7 @@ TEMPLATES_KEPT = 2048
 _TEMPLATES: OrderedDict = OrderedDict()
 
 
-def _direct_parts(enc) -> tuple | None:
+def direct_parts(enc) -> tuple | None:
     """The body's parts (token parts, then group parts) when the call reads every one in place (4-D, dims 3..
     contiguous: nothing copied for the call), else None."""
     if not enc.token:
@@ -51,11 +51,10 @@ def _direct_parts(enc) -> tuple | None:
     return parts
 
 
-def kept_key(codec, enc, offset: int, h: int, m: int, d: int, role: str):
+def kept_key(codec, enc, offset: int, h: int, m: int, d: int, role: str, parts: tuple | None):
     """(the body's first token part, what the record is built for, the body's other parts) for a body whose every
-    part the record points into directly, else None. A view's data pointer, shape, strides and dtype never change,
-    so the same tensors give the same record."""
-    parts = _direct_parts(enc)
+    part the record points into directly (``parts``: :func:`direct_parts` of ``enc``), else None. A view's data
+    pointer, shape, strides and dtype never change, so the same tensors give the same record."""
     if parts is None:
         return None
     ptrs = tuple(t.data_ptr() for t in parts)  # a copy (deepcopy, pickle) carries the attribute, not the memory
@@ -93,11 +92,11 @@ def _codec_value(codec) -> tuple:
     return type(codec), tuple(vars(codec).items())
 
 
-def template_key(codec, enc, offset: int, h: int, m: int, d: int, role: str, qk) -> tuple | None:
+def template_key(codec, enc, offset: int, h: int, m: int, d: int, role: str, qk, parts: tuple | None) -> tuple | None:
     """The signature a piece's record is a function of, pointers aside: the codec's value, the offset, the call's
     shape, the role, the parts' names and each part's shape, strides and dtype, and the piece's own queries'
-    (``qk``: None or a tensor). None where a part would be copied for the call (no template applies)."""
-    parts = _direct_parts(enc)
+    (``qk``: None or a tensor). ``parts``: :func:`direct_parts` of ``enc``; None where a part would be copied for
+    the call (no template applies)."""
     if parts is None:
         return None
     return (
