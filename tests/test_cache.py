@@ -283,7 +283,7 @@ def test_lossy_formats_stay_close(fmt):
 def test_per_tensor_formats():
     model = tiny_model("llama")
     cache = SlimCache(
-        kv_quantize="int8", k_quantize="q4_0", v_quantize="fp8", residual=0, group_size=1, config=model.config
+        kv_quantize="int8", k_quantize="q4_0", v_quantize="fp8", residual=0, group_size=1, sink=0, config=model.config
     )
     with torch.no_grad():
         model(_prompt(length=8), cache=cache)
@@ -296,7 +296,7 @@ def test_residual_and_group_bound():
     """Between residual and residual + group - 1 tokens of each stream stay in fp; bodies are whole groups."""
     model = tiny_model("llama")
     g, r = 8, 16
-    cache = SlimCache(kv_quantize="int4", group_size=g, residual=r, config=model.config)
+    cache = SlimCache(kv_quantize="int4", group_size=g, residual=r, sink=0, config=model.config)
     with torch.no_grad():
         model(_prompt(length=5), cache=cache)
         for n in range(5, 60):
@@ -310,7 +310,7 @@ def test_residual_and_group_bound():
 def test_append_never_requantizes():
     """Encoded tokens are never touched again: their codes are bit-identical after more appends."""
     model = tiny_model("llama")
-    cache = SlimCache(kv_quantize="q4_0", residual=0, group_size=1, config=model.config)
+    cache = SlimCache(kv_quantize="q4_0", residual=0, group_size=1, sink=0, config=model.config)
     with torch.no_grad():
         model(_prompt(length=10), cache=cache)
         before = cache.layers[1].store.k.tokens["blocks"].view().clone()
@@ -390,7 +390,7 @@ def test_crop_identity_matches_dynamic():
 def test_crop_refuses_what_it_cannot_undo():
     model = tiny_model("llama")
     with torch.no_grad():
-        cache = SlimCache(kv_quantize="q8_0", residual=0, group_size=1, config=model.config)
+        cache = SlimCache(kv_quantize="q8_0", residual=0, group_size=1, sink=0, config=model.config)
         model(_prompt(length=10), cache=cache)
     with pytest.raises(ValueError, match="full precision"):
         cache.crop(-2)
@@ -560,7 +560,7 @@ def test_a_decode_token_checked_once_still_raises_each_error_and_stores_nothing(
     input still raises the non-finite error naming keys or values, a finite value beyond float16's range the
     residual-dtype error; either way nothing is stored. A token that goes straight to the encoder (residual
     0, a group completing) is never cast, so a large finite value there is stored."""
-    kw = dict(kv_quantize="int4", group_size=4, residual=8)
+    kw = dict(kv_quantize="int4", group_size=4, residual=8, sink=0)
     cache = SlimCache(**kw)
     cache.update(torch.randn(1, 2, 10, 32), torch.randn(1, 2, 10, 32), 0)
     ok = torch.randn(1, 2, 1, 32)
@@ -576,7 +576,7 @@ def test_a_decode_token_checked_once_still_raises_each_error_and_stores_nothing(
         assert cache.get_seq_length() == 10 and len(cache.layers[0].store.k.fp) == held  # nothing half-stored
     cache.update(ok, ok.clone(), 0)
     assert cache.get_seq_length() == 11
-    direct = SlimCache(kv_quantize="int4", group_size=4, residual=0)
+    direct = SlimCache(kv_quantize="int4", group_size=4, residual=0, sink=0)
     direct.update(torch.randn(1, 2, 3, 32), torch.randn(1, 2, 3, 32), 0)
     direct.update(torch.full_like(ok, 7e4), torch.full_like(ok, 7e4), 0)  # the 4th token completes a group
     assert direct.get_seq_length() == 4 and len(direct.layers[0].store.k.fp) == 0

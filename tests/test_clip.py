@@ -101,7 +101,7 @@ def test_a_clipped_cache_encodes_clipped_and_a_prompt_cache_records_it(tmp_path)
     g = torch.Generator().manual_seed(3)
     cfg = tiny_config()
     caches = {
-        c: kvslim.SlimCache.from_config(kvslim.parse_spec(f"int2,residual=0,group=8,clip={c}"), config=cfg)
+        c: kvslim.SlimCache.from_config(kvslim.parse_spec(f"int2,residual=0,group=8,sink=0,clip={c}"), config=cfg)
         for c in ("v", "off")
     }
     k, v = torch.randn(1, 2, 16, 32, generator=g), torch.randn(1, 2, 16, 32, generator=g) * 3

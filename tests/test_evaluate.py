@@ -364,11 +364,11 @@ def test_long_generation_lossy_mode_own_continuation(model):
     from kvslim.generate import greedy
 
     prompts, n = [[5, 6, 7, 8, 9], [40, 41, 42]], 24
-    report = long_generation(model, None, prompts, ["int2,group=8,residual=0"], tokens=n, progress=False)
+    report = long_generation(model, None, prompts, ["int2,group=8,residual=0,sink=0"], tokens=n, progress=False)
     lossy = report.results[1]
     assert lossy.diverged >= 1  # the case below is exercised
     for prompt, ref_tokens, run in zip(prompts, report.reference_tokens, lossy.runs):
-        own = greedy(model, torch.tensor([prompt]), slim(model, "int2,group=8,residual=0")(), n)
+        own = greedy(model, torch.tensor([prompt]), slim(model, "int2,group=8,residual=0,sink=0")(), n)
         assert run.tokens == own
         first = next((i for i, (a, b) in enumerate(zip(own, ref_tokens)) if a != b), None)
         assert run.first_divergence == first
@@ -376,7 +376,7 @@ def test_long_generation_lossy_mode_own_continuation(model):
         mode_res, mode_logits = perplexity_through_cache(
             model,
             seq,
-            slim(model, "int2,group=8,residual=0"),
+            slim(model, "int2,group=8,residual=0,sink=0"),
             prefill=len(prompt),
             keep_logits=True,
             progress=False,
@@ -439,14 +439,19 @@ def test_bits_per_element_hand_counts(model):
     assert none32.bits_per_element == 32.0
     assert kv_bits(fed_cache(model, "none", 96, 4, torch.float16)).bits_per_element == 16.0
     assert kv_bits(fed_cache(model, "fp16,residual=0", 50, 3)).bits_per_element == 16.0
-    assert kv_bits(fed_cache(model, "int4,residual=0", 90, 6)).bits_per_element == 5.0  # 96 = 3 groups
-    # int4 with its default residual of 128, after 200 tokens: 64 encoded (2 groups), 136 in fp16
+    assert kv_bits(fed_cache(model, "int4,residual=0,sink=0", 90, 6)).bits_per_element == 5.0  # 96 = 3 groups
+    # int4 with its default residual of 128 and no sinks, after 200 tokens: 64 encoded (2 groups), 136 in fp16
     k = 64 * 16 + 2 * 2 * 2 * 32 + 136 * 32 * 2  # codes, scale+zero per channel per group, residual
     v = 64 * 16 + 64 * 2 * 2 + 136 * 32 * 2  # codes, scale+zero per token, residual
-    bits = kv_bits(fed_cache(model, "int4", 100, 100))
+    bits = kv_bits(fed_cache(model, "int4,sink=0", 100, 100))
     assert (bits.tokens_seen, bits.stored_tokens, bits.elements) == (200, 200, 200 * 64 * 2 * 2)
     assert bits.bytes == 2 * 2 * (k + v)  # 2 layers x 2 KV heads
     assert bits.bits_per_element == pytest.approx(8 * (k + v) / (200 * 64))  # 12.48
+    # the default int4 (sink=auto): its 16 first tokens in fp16 as well, then 32 encoded (184 = 32 + 152)
+    k = 32 * 16 + 1 * 2 * 2 * 32 + (16 + 152) * 32 * 2
+    v = 32 * 16 + 32 * 2 * 2 + (16 + 152) * 32 * 2
+    bits = kv_bits(fed_cache(model, "int4", 100, 100))
+    assert bits.bytes == 2 * 2 * (k + v)
     # a window stores sinks + window tokens, and those are the denominator (4 fp16 sinks + 100 tokens); the
     # bytes as cache_bytes counts them (the formula, itself tested against the real tensors)
     cfg = "int4,sink=4,window=100"
@@ -481,7 +486,7 @@ def test_bits_per_element_static_cache_equals_eager(spec):
 
 def test_memory_table_bits_per_element():
     shape = ModelShape(layers=30, kv_heads=3, head_dim=64, dtype=torch.float32)
-    rows = memory_table(shape, ["fp16,residual=0", "int4,residual=0"], [1024])
+    rows = memory_table(shape, ["fp16,residual=0,sink=0", "int4,residual=0,sink=0"], [1024])
     # int4 at D = 64, per token and head: K 32 code bytes + 8 of scale/zero per channel per 32 tokens, V 32 +
     # a 4-byte scale/zero: 76 bytes per 128 elements
     assert [r.bits_per_element for r in rows] == [32.0, 16.0, 76 * 8 / 128]

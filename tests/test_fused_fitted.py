@@ -131,9 +131,9 @@ def test_fused_decode_gives_the_op_by_op_logits(files, monkeypatch, spec, file, 
 #: the key's position, in the C transform kernels): fitted with and without a window and the file's K means, and
 #: the Hadamard basis (int2's default)
 PRE_ROPE_CASES = [
-    ("int4,residual=4,group=4,rotate=fitted", "pre", False),
+    ("int4,residual=4,group=4,sink=0,rotate=fitted", "pre", False),
     ("q4_0,sink=2,window=24,residual=0,group=1,rotate=fitted", "pre", True),
-    ("int2,residual=4,group=4", None, False),
+    ("int2,residual=4,group=4,sink=0", None, False),
     ("int4,sink=2,window=24,residual=4,group=4,pre_rope=1", None, False),
 ]
 

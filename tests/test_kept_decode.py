@@ -120,7 +120,7 @@ def test_the_engine_reserves_the_kept_bytes_while_a_prompt_is_read_and_gives_the
     prompt = _ids(96, 4)
     outs = []
     for keep in (True, False):
-        eng = Engine(model, cache="int4,residual=16,group=16", prefill_chunk=32, keep_decoded=keep)
+        eng = Engine(model, cache="int4,residual=16,group=16,sink=0", prefill_chunk=32, keep_decoded=keep)
         rid = eng.submit(Request(prompt=prompt, max_new_tokens=6))
         row = eng.scheduler.find(rid)
         projected = row.empty.projected_nbytes(96 + 6)

@@ -679,7 +679,7 @@ def test_encoded_tokens_are_not_rounded_to_the_residual_dtype_first():
     model = tiny_model("llama")
     k = torch.randn(1, 2, 8, 32)
     k[..., 0] = 1e5
-    cache = SlimCache(kv_quantize="q8_0", residual=0, group_size=1, config=model.config)
+    cache = SlimCache(kv_quantize="q8_0", residual=0, group_size=1, sink=0, config=model.config)
     cache.update(k, k.clone(), 0)
     keys, _ = cache.stores()[0].read(torch.float32)
     torch.testing.assert_close(keys, k, atol=1e5 / 127, rtol=0)

@@ -81,7 +81,7 @@ def test_presets_store_k_and_v_in_their_halves(models):
     assert _codecs(SlimCache(kv_quantize="k4v2", v_quantize="int3", config=cfg)) == [("int4", "int3")] * 3
     assert _codecs(SlimCache(kv_quantize="int3", k_quantize="int8", config=cfg)) == [("int8", "int3")] * 3
     # int3 codes are really 3 bits: 24 bytes per token and head of 64 channels... of head_dim 32: 12
-    cache = SlimCache(kv_quantize="int3", group_size=8, residual=0, config=cfg)
+    cache = SlimCache(kv_quantize="int3", group_size=8, residual=0, sink=0, config=cfg)
     with torch.inference_mode():
         models["kvslim"](_ids(length=16), cache=cache)
     codes = cache.layers[0].store.k.tokens["codes"].view()

@@ -90,11 +90,13 @@ def _round_trip(model, spec_or_cache, tmp_path, *, length=90, chunk=23, steps=8,
 
 @pytest.mark.parametrize("fmt", format_names())
 def test_every_format_continues_exactly(models, tmp_path, fmt):
-    """Prefill 90 tokens in chunks (groups encoded, 26 tokens in the residual), save, load, continue."""
+    """Prefill 90 tokens in chunks (sink=auto's 16 first tokens at full precision, groups encoded, 42 tokens in
+    the residual), save, load, continue."""
     cache, restored = _round_trip(models["kvslim"], f"{fmt},residual=32", tmp_path)
     store = restored.cache.layers[0].store
-    if fmt != "none":  # something really was encoded, and restored as codes
-        assert store.k.n_body >= 64 and store.v.n_body >= 64
+    if fmt != "none":  # something really was encoded, and restored as codes, beside the sinks
+        assert store.k.n_body >= 32 and store.v.n_body >= 32
+        assert store.sink_k.shape[2] == store.sink_v.shape[2] == 16
 
 
 @pytest.mark.parametrize("residual", [32, 0])
@@ -215,7 +217,7 @@ def saved(models, tmp_path):
     model = models["kvslim"]
     cache = SlimCache.from_config(parse_spec("int4,residual=32"), config=model.config)
     with torch.inference_mode():
-        prefill(model, _ids(length=70), cache)
+        prefill(model, _ids(length=100), cache)  # 16 sinks, a group encoded, 52 in the residual
     path = tmp_path / "prompt.safetensors"
     cache.save(path, model_fingerprint=FP_A)
     return model, path
@@ -261,6 +263,39 @@ def test_another_format_is_refused(saved):
         match=r"layer 0: k token part 'codes' is uint8 \(16,\) per entry, but int8 writes uint8 \(32,\)",
     ):
         pc.load(path, new_cache=SlimCache.from_config, config=model.config)
+
+
+def test_a_file_from_before_sink_auto_loads_as_it_was_saved(models, tmp_path):
+    """A file written before ``sink=auto`` (its spec names no sink, its levers no ``sink``) meant no sinks: it
+    loads with none and continues exactly as the cache it was saved from; a caller that asks for the spec as
+    written (now 16 sinks) is refused in one line naming sink=0."""
+    model = models["kvslim"]
+    cache = SlimCache.from_config(parse_spec("int4,residual=32,sink=0"), config=model.config)
+    with torch.inference_mode():
+        prefill(model, _ids(length=100), cache)
+    path = tmp_path / "old.safetensors"
+    cache.save(path, model_fingerprint=FP_A)
+
+    def old(h):
+        h.update(cache_config="int4,residual=32")
+        del h["levers"]["sink"]
+
+    _rewrite(path, old)
+    restored = pc.load(path, new_cache=SlimCache.from_config, config=model.config, model_fingerprint=FP_A).cache
+    assert restored.cache_config.sink_tokens == 0 and restored.layers[0].store.k.n_body == 64
+    for step, (x, y) in enumerate(zip(_continue(model, cache, 3), _continue(model, restored, 3), strict=True)):
+        assert torch.equal(x, y), f"step {step}"
+    with pytest.raises(ValueError, match=r"saved with cache 'int4,sink=0,residual=32', expected 'int4,residual=32'"):
+        pc.load(path, new_cache=SlimCache.from_config, config=model.config, cache_config="int4,residual=32")
+    # a file of today records the sinks it resolved, and a caller's auto that resolves to the same is the same
+    cache.save(path, model_fingerprint=FP_A)
+    assert pc.read_header(path)["levers"]["sink"] == 0
+    fresh = SlimCache.from_config(parse_spec("int4,residual=32"), config=model.config)
+    with torch.inference_mode():
+        prefill(model, _ids(length=100), fresh)
+    fresh.save(path, model_fingerprint=FP_A)
+    assert pc.read_header(path)["levers"]["sink"] == 16
+    pc.load(path, new_cache=SlimCache.from_config, config=model.config, cache_config="int4,residual=32,sink=16")
 
 
 def test_other_levers_are_refused(saved):

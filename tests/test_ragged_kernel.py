@@ -29,9 +29,9 @@ _MODULE = types.SimpleNamespace(training=False, num_key_value_groups=M, is_causa
 #: GGML q8_0/q4_0/q4_1/q5_0, fp8), mixed K/V formats, rotated and unrotated bases, sinks, windows, residual 0,
 #: bfloat16 residuals, bodies of 1 token and of several chunks. Comments: body tokens, what the row tests.
 FUSED = [
-    ("int4", 700),  # 544: 2 chunks a head alone at 2 threads, where a call of longer rows would split in 4
-    ("q4_0,residual=0,group=1", 0),  # 1: a 1-token body, no residual
-    ("int8,residual=0,group=8", 9),  # 8: one per-channel group, a 2-token residual
+    ("int4", 700),  # 16 sinks (sink=auto), 544: 2 chunks a head alone at 2 threads, where longer rows split in 4
+    ("q4_0,residual=0,group=1,sink=0", 0),  # 1: a 1-token body, no residual
+    ("int8,residual=0,group=8,sink=0", 9),  # 8: one per-channel group, a 2-token residual
     ("int4,sink=4,window=60,group=8,residual=8", 300),  # 52: sinks, a window, the first group partly evicted
     ("q8_0,sink=4,window=60,residual=0,group=1", 300),  # 61: sinks, a window, residual 0
     ("int4,k=q8_0,sink=2,window=200,residual=32", 900),  # 166: K and V in different formats
@@ -39,7 +39,7 @@ FUSED = [
     ("q5_0,rotate=none", 400),  # 256: no Hadamard basis
     ("int2,pre_rope=false,group=16,residual=16", 257),  # 240: int2
     ("q4_1,residual_dtype=bfloat16", 1500),  # 1344: 4 chunks a head, bfloat16 residual
-    ("fp8,residual=32", 64),  # 32: fp8
+    ("fp8,residual=32,sink=0", 64),  # 32: fp8
     ("int8,v=q4_0,rotate=k", 2000),  # 1856: K rotated, V not
     ("int4,varnorm=on,sink=4,window=60,group=8,residual=8", 300),  # variance-normalized, V factors entered mid-group
     ("int2,varnorm=on,pre_rope=false,group=16,residual=16", 257),  # normalized int2

@@ -233,7 +233,7 @@ def test_static_cache_needs_the_kvslim_attention():
 
 
 def test_feeding_past_max_cache_len_is_refused_and_leaves_the_cache_as_it_was(model):
-    cache = _static(model, dict(kv_quantize="int4", group_size=8, residual=8), max_cache_len=16)
+    cache = _static(model, dict(kv_quantize="int4", group_size=8, residual=8, sink=0), max_cache_len=16)
     with torch.inference_mode():
         prefill(model, torch.randint(3, 128, (1, 12)), cache)
         with pytest.raises(ValueError, match="at most max_cache_len=16"):
@@ -342,7 +342,7 @@ def test_cli_eval_greedy_compile_scores_what_eager_scores(model_dir, tmp_path, c
         out_json = tmp_path / "g.json"
         argv = ["eval", "greedy", "--model", str(model_dir), "--tokens", "12", "--no-progress", "--json", str(out_json)]
         argv += ["--prompts", str(prompts)]
-        argv += ["--config", "int4,group=4,residual=0", "--config", "q4_0,sink=2,window=8,group=4,residual=0", *flags]
+        argv += ["--config", "int4,group=4,residual=0,sink=0", "--config", "q4_0,sink=2,window=8,group=4,residual=0", *flags]
         code = main(argv)
         _, err = capsys.readouterr()
         assert code == 0, err
@@ -363,7 +363,7 @@ def test_cli_eval_greedy_compile_scores_what_eager_scores(model_dir, tmp_path, c
 
 
 def test_a_compiled_step_past_max_cache_len_is_refused(model):
-    cache = _static(model, dict(kv_quantize="int4", group_size=8, residual=8), max_cache_len=12)
+    cache = _static(model, dict(kv_quantize="int4", group_size=8, residual=8, sink=0), max_cache_len=12)
     compile_decode(model)
     try:
         with torch.inference_mode():
@@ -441,7 +441,7 @@ def test_encoders_inside_a_trace_write_the_eager_bytes(name, monkeypatch):
 
 def test_eager_decode_past_max_cache_len_is_refused(model):
     uncompile(model)
-    cache = _static(model, dict(kv_quantize="int4", group_size=8, residual=8), max_cache_len=12)
+    cache = _static(model, dict(kv_quantize="int4", group_size=8, residual=8, sink=0), max_cache_len=12)
     with torch.inference_mode():
         prefill(model, torch.randint(3, 128, (1, 12)), cache)
         with pytest.raises(ValueError, match="at most max_cache_len=12 tokens and is full"):

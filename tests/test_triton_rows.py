@@ -238,7 +238,7 @@ def test_the_engine_step_runs_one_launch_a_layer_with_each_row_as_alone():
     model = kvslim.enable(tiny_model("llama", num_hidden_layers=1))
     specs = [
         "int4,sink=2,window=40,group=8,residual=8",
-        "q4_0,residual=0,group=1",
+        "q4_0,residual=0,group=1,sink=0",
         "int4,k=q8_0,varnorm=on,group=8,residual=8",
         "int2,group=8,residual=8",  # pre-RoPE keys: the per-row path
     ]

@@ -481,8 +481,8 @@ def test_prompt_cache_records_what_auto_resolved(kvslim_model, monkeypatch):
     monkeypatch.setattr(varnorm, "AUTO", frozenset())
     cache = SlimCache.from_config(parse_spec("int2,residual=32"), config=model.config)  # varnorm=auto
     with torch.inference_mode():
-        prefill(model, torch.randint(3, 128, (1, 70), generator=torch.Generator().manual_seed(0)), cache)
-    tensors, header = pc.to_state(cache)
+        prefill(model, torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(0)), cache)
+    tensors, header = pc.to_state(cache)  # (16 sinks: sink=auto, a group of 32 encoded)
     assert header["levers"]["varnorm"] == "none"
     old = {**header, "levers": {k: v for k, v in header["levers"].items() if k not in ("varnorm", "clip")}}
     old["sha256"] = pc.content_sha256(tensors, old)

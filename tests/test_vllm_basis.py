@@ -97,7 +97,7 @@ def test_a_rotated_page_holds_kvslims_own_rotated_codes(fmt, roles):
     )  # fmt: skip
     k, v = _kv(n, h, d)
     cache = kvslim.SlimCache.from_config(
-        parse_spec(f"{fmt},residual=0,group=1,rotate=kv,pre_rope=0"), config=cfg
+        parse_spec(f"{fmt},residual=0,group=1,sink=0,rotate=kv,pre_rope=0"), config=cfg
     )
     cache.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None], 0)
     store = cache.layers[0].store

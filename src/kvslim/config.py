@@ -88,6 +88,10 @@ DEFAULT_CODEBOOK = "auto"
 DEFAULT_RESIDUAL = 128
 #: KIVI's token group (the unit tokens leave the residual in)
 DEFAULT_GROUP_SIZE = 32
+#: The first tokens a cache that quantizes keeps at full precision when it has no window (``sink="auto"``): the
+#: attention sink's short keys draw a large share of every query's attention, so their rounding moves the output
+#: most (IntactKV's pivot tokens); measured in docs/quality.md, "The attention sink at full precision"
+DEFAULT_SINK = 16
 
 
 #: The default format of the layers ``keep_layers`` names: lossless, the model's own dtype (vLLM's
@@ -103,8 +107,10 @@ class CacheConfig:
         preset (``k4v2``: K int4, V int2; :mod:`kvslim.formats.presets`).
     k_quantize / v_quantize: per-tensor overrides (None = ``kv_quantize``, or its preset's half).
     sink: the first ``sink`` tokens are kept at full precision (>= 0): StreamingLLM's attention sinks, kept
-        forever with a window; without one (RotateKV's attention-sink-aware quantization) nothing is
-        evicted and the sinks are simply never quantized.
+        forever with a window; without one (RotateKV's attention-sink-aware quantization, IntactKV's pivot
+        tokens) nothing is evicted and the sinks are simply never quantized. ``auto`` (default):
+        :data:`DEFAULT_SINK` where the cache quantizes and has no window, else 0 (:attr:`sink_tokens` is the
+        number in effect).
     window: StreamingLLM window of most recent tokens (> 0), or None for an unbounded cache.
     group_size: KIVI token group of per-channel K scales (and the unit in which tokens leave the
         full-precision residual).
@@ -167,14 +173,17 @@ class CacheConfig:
     v_quantize: str | None = option(
         None, "format", "v", flag="--v-quantize", flag_help="V storage format (overrides --kv-quantize)"
     )
-    sink: int = option(
-        0,
+    sink: int | str = option(
+        "auto",
         "int",
         "sink",
         minimum=0,
+        hint="or 'auto'",
         flag="--streaming-llm-sink",
         metavar="N",
-        flag_help="keep the first N tokens forever",
+        flag_auto=True,
+        flag_help=f"keep the first N tokens forever, at full precision (default: auto = {DEFAULT_SINK} for a cache "
+        "that quantizes and has no window, else 0)",
     )
     window: int | None = option(
         None,
@@ -407,9 +416,18 @@ class CacheConfig:
         return (min(DEFAULT_RESIDUAL, self.window // 4) // self.group_size) * self.group_size
 
     @property
+    def sink_tokens(self) -> int:
+        """The sinks in effect: ``sink``, or what ``auto`` chose: :data:`DEFAULT_SINK` where the cache quantizes
+        (K or V not ``none``) and has no window, else 0 (a window's sinks are StreamingLLM's, given explicitly)."""
+        if self.sink != "auto":
+            return self.sink
+        quantizes = self.k_format != "none" or self.v_format != "none"
+        return DEFAULT_SINK if quantizes and self.window is None else 0
+
+    @property
     def capacity(self) -> int | None:
         """Tokens stored per layer at most (sink + window), or None when unbounded."""
-        return None if self.window is None else self.sink + self.window
+        return None if self.window is None else self.sink_tokens + self.window
 
     def to_spec(self) -> str:
         """The canonical one-line spec (the options that differ from their defaults, in declaration order);

@@ -79,7 +79,8 @@ def reference():
                     perplexity_through_cache(
                         model,
                         torch.tensor([s]),
-                        lambda spec=spec: make(parse_spec(f"{spec},residual=0")),
+                        # sink=0: pages keep no sink page unless asked (sink=auto is none in vLLM)
+                        lambda spec=spec: make(parse_spec(f"{spec},residual=0,sink=0")),
                         prefill=PREFILL,
                         reference_logits=ref,
                         progress=False,

@@ -57,6 +57,7 @@ def measured(tmp_path_factory):
         own = {}
         for spec in SPECS:
             full = f"{spec},residual=0".replace("mean_center", f"mean_center={path}")
+            full += "" if "sink=" in spec else ",sink=0"  # as the pages: no sink page unless asked
             own[spec] = torch.cat(
                 [
                     perplexity_through_cache(

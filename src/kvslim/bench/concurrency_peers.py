@@ -76,7 +76,7 @@ def peer_cache(peer: str, spec: str) -> tuple[dict | None, str]:
         return None, f"OpenVINO has no {cfg.kv_quantize} KV (f32, u8, u4)"
     eviction = None
     if cfg.window is not None:
-        most = -(-(cfg.sink + cfg.window) // 32) * 32
+        most = -(-(cfg.sink_tokens + cfg.window) // 32) * 32
         recent = max(32, min(128, (most - 32) // 64 * 32))
         eviction = [32, recent, max(most, 32 + recent + 32)]  # it needs max > start + recent
     return {"kv": kv, "eviction": eviction}, ""

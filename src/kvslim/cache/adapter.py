@@ -77,7 +77,9 @@ class SlimCache(CacheAccounting, Cache):
         sink, window: StreamingLLM; after every update each layer holds at most ``sink + window``
             tokens: the first ``sink`` seen and the last ``window``. ``window=None``: unbounded; the first
             ``sink`` tokens are then still kept apart at full precision (RotateKV's attention-sink-aware
-            quantization: nothing is evicted, the sinks are never quantized).
+            quantization: nothing is evicted, the sinks are never quantized). ``sink="auto"`` (default): the
+            first 16 tokens where the cache quantizes and has no window, else none
+            (:attr:`~kvslim.config.CacheConfig.sink_tokens`).
         group_size, residual: KIVI. The newest ``residual`` tokens stay at full precision; older ones
             leave it ``group_size`` at a time and are encoded together, once (per-channel K shares
             scales across the group). Between ``residual`` and ``residual + group_size - 1`` tokens
@@ -149,7 +151,7 @@ class SlimCache(CacheAccounting, Cache):
         kv_quantize: str = "none",
         k_quantize: str | None = None,
         v_quantize: str | None = None,
-        sink: int = 0,
+        sink: int | str = "auto",
         window: int | None = None,
         group_size: int = DEFAULT_GROUP_SIZE,
         residual: int | str = "auto",

@@ -78,7 +78,7 @@ def resolve_storage(
     """Resolve ``cfg`` against the model of ``config`` (None: no model known); ``mean_center`` as given to
     :class:`~kvslim.SlimCache` (a path, a BiasSet or tensors). ValueError, with one line, for a combination the
     model or the formats cannot serve."""
-    policy = KeepPolicy(sink=cfg.sink, window=cfg.window)
+    policy = KeepPolicy(sink=cfg.sink_tokens, window=cfg.window)
     codecs = {"k": cache_codec(cfg, cfg.k_format, "k"), "v": cache_codec(cfg, cfg.v_format, "v")}
     keep_codecs = None
     shapes = None

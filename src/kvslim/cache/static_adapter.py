@@ -153,7 +153,7 @@ class StaticSlimCache(SlimCache):
             store = StaticStore(
                 k_codec,
                 v_codec,
-                sink=cfg.sink,
+                sink=cfg.sink_tokens,
                 window=cfg.window,
                 residual=cfg.residual_tokens,
                 group_size=cfg.group_size,

@@ -64,7 +64,7 @@ def nothing_quantized(args, cache_config, prompt_tokens: int) -> str | None:
         return None
     start = c.residual_tokens + c.group_size  # tokens held (beyond the sinks) when the first group is encoded
     seen = prompt_tokens + args.tokens - 1  # the last token is generated, never stored
-    held = seen - c.sink if c.window is None else min(seen - c.sink, c.window)
+    held = seen - c.sink_tokens if c.window is None else min(seen - c.sink_tokens, c.window)
     if held >= start:
         return None
     why = (
@@ -72,7 +72,7 @@ def nothing_quantized(args, cache_config, prompt_tokens: int) -> str | None:
         if c.window is not None and c.window < start
         else (
             f"this run stores at most {max(held, 0)}"
-            + (f" beyond the {c.sink} sinks" if c.sink else "")
+            + (f" beyond the {c.sink_tokens} sinks" if c.sink_tokens else "")
             + f" (prompt {prompt_tokens} + --tokens {args.tokens}, the last token never stored)"
         )
     )

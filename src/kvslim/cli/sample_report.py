@@ -39,9 +39,9 @@ def banner(args, cache_config, model, head_dim: int, quantizes: bool = True, cac
             + ("" if quantizes else " (nothing quantized in this run)")
         )
     if c.window is None:
-        parts.append("unbounded" + (f", first {c.sink} at full precision" if c.sink else ""))
+        parts.append("unbounded" + (f", first {c.sink_tokens} at full precision" if c.sink_tokens else ""))
     else:
-        parts.append(f"sink {c.sink}/window {c.window}")
+        parts.append(f"sink {c.sink_tokens}/window {c.window}")
     if cache is not None and cache.rotate != "none":
         parts.append(f"{cache.rotate.upper()} Hadamard-rotated")
     if cache is not None and cache.pre_rope:
@@ -82,7 +82,10 @@ def format_report(r: dict) -> str:
     stored = f"{r['tokens_stored']}"
     if r.get("capacity") is not None:
         cfg = r.get("config") or {}
-        stored += f" (cap sink+window = {cfg.get('sink', '?')}+{cfg.get('window', '?')} = {r['capacity']})"
+        sink = cfg.get("sink", "?")
+        if sink == "auto" and isinstance(cfg.get("window"), int):  # auto: what the capacity says it resolved to
+            sink = r["capacity"] - cfg["window"]
+        stored += f" (cap sink+window = {sink}+{cfg.get('window', '?')} = {r['capacity']})"
     fp16 = r["fp16_full_cache_bytes"]
     ratio = f"{r['cache_bytes'] / fp16:.3f}x" if fp16 else "n/a"
     live = r.get("live_bytes")

@@ -100,7 +100,7 @@ class RequestLimits:
         checks = [
             ("group", cfg.group_size, self.max_group),
             ("residual", cfg.residual_tokens, self.max_residual),
-            ("sink", cfg.sink, self.max_sink),
+            ("sink", cfg.sink_tokens, self.max_sink),
         ]
         if cfg.window is not None and max_window is not None:
             checks.append(("window", cfg.window, max_window))

@@ -167,10 +167,10 @@ def cache_bytes(
     tensors only, not the buffers' preallocated slack (see ``SlimCache.nbytes``).
     """
     check_int("seen", seen, 0, "tokens fed to the cache")
-    n_sink = min(seen, config.sink)  # with or without a window, the first tokens are kept apart
+    n_sink = min(seen, config.sink_tokens)  # with or without a window, the first tokens are kept apart
     arrived = seen - n_sink
     first = 1 if prefill is None else max(1, min(prefill, seen))
-    first_stream = first - min(first, config.sink)
+    first_stream = first - min(first, config.sink_tokens)
     # layers kept at keep_format (keep_layers=) store other formats: one count per distinct (K, V) pair
     pairs: dict[tuple[str, str], int] = {}
     for i in range(shape.layers):

@@ -60,14 +60,13 @@ class SavedCache:
         """From a prompt cache header (:func:`~kvslim.promptcache.to_state`, :func:`~.files.read_header`).
         CannotContinue (kind ``damaged``, or ``settings`` for settings this kvslim does not know) for a header
         it does not read."""
-        from ..config import parse_spec
 
         try:
             check_header(header, where=where)
         except ValueError as e:
             raise CannotContinue(str(e), "damaged") from None
         try:
-            cfg = parse_spec(header["cache_config"])
+            cfg = saved_config(header)
         except ValueError as e:
             raise CannotContinue(
                 f"{where}: its cache_config {header['cache_config']!r} is not valid here ({e})", "settings"
@@ -235,21 +234,30 @@ def check_cache_config(header: dict, cache_config, *, where: str = "prompt cache
     """ValueError unless the header's cache settings are ``cache_config`` (a CacheConfig or spec): the same
     format, policy and levers as asked, and a K bias if and only if one is asked for (a bias is compared
     by identity when the cache is loaded, not by its path)."""
+
+    check_settings(saved_config(header), header.get("mean_center") is not None, cache_config, where=where)
+
+
+def saved_config(header: dict):
+    """The CacheConfig a header's ``cache_config`` spec was saved with. A file from before ``sink=auto`` (no
+    ``levers.sink``) wrote no sink for none: its ``auto`` is pinned to the 0 it meant then."""
     from ..config import parse_spec
 
-    check_settings(
-        parse_spec(header["cache_config"]), header.get("mean_center") is not None, cache_config, where=where
-    )
+    cfg = parse_spec(header["cache_config"])
+    if cfg.sink == "auto" and "sink" not in header.get("levers", {}):
+        cfg = cfg.replace(sink=0)
+    return cfg
 
 
 def check_settings(saved, centered: bool, cache_config, *, where: str) -> None:
     """ValueError unless ``saved`` (a CacheConfig; ``centered``: it holds mean-centered keys) are the
-    settings ``cache_config`` (a CacheConfig or spec) asks for, the K bias path aside."""
+    settings ``cache_config`` (a CacheConfig or spec) asks for, the K bias path aside (sinks compared as
+    resolved: ``auto`` is the number it stands for)."""
     from ..config import parse_spec
 
     saved = saved.replace(mean_center=None)
     want = parse_spec(cache_config) if isinstance(cache_config, str) else cache_config
-    if want.replace(mean_center=None) != saved:
+    if want.replace(mean_center=None, sink=want.sink_tokens) != saved.replace(sink=saved.sink_tokens):
         raise ValueError(
             f"{where}: saved with cache {saved.to_spec()!r}, expected {want.replace(mean_center=None).to_spec()!r}"
         )

@@ -27,7 +27,7 @@ from typing import Protocol
 import torch
 
 from ..formats import Encoded
-from .continuation import check_cache_config, other_model
+from .continuation import check_cache_config, other_model, saved_config
 from .files import open_file, read_tensors, where_of, write_state
 from .header import FORMAT, FORMAT_VERSION, check_header, content_sha256, dtype_name, parse_dtype
 
@@ -141,6 +141,7 @@ def to_state(
             "positions": cache.positions,
             "residual_dtype": cache.cache_config.residual_dtype,
             "residual": cache.cache_config.residual_tokens,
+            "sink": cache.cache_config.sink_tokens,
             "residual_stored_as": fp_dtypes,
             "varnorm": cache.report()["varnorm"],
             "clip": cache.report()["clip"],
@@ -195,7 +196,6 @@ def from_state(
     cache_config: the settings the caller expects (a CacheConfig or spec; None: any): a file saved with
         others is refused (the bias is compared by identity, not by path).
     Raises ValueError (one line, starting with ``where``) naming what differs and what was expected."""
-    from ..config import parse_spec
     from ..shapes import ModelShapes
 
     def fail(msg: str) -> ValueError:
@@ -221,7 +221,7 @@ def from_state(
 
     # -- the cache, rebuilt from the header's settings ---------------------------------------------
     try:
-        cfg = parse_spec(header["cache_config"])
+        cfg = saved_config(header)
     except ValueError as e:
         raise fail(f"its cache_config {header['cache_config']!r} is not valid here ({e})") from None
     if cache_config is not None:
@@ -258,6 +258,7 @@ def from_state(
         "pre_rope": bool(cache.pre_rope),
         "positions": cache.positions,
         "residual": cache.cache_config.residual_tokens,
+        "sink": cache.cache_config.sink_tokens,
         "varnorm": cache.report()["varnorm"],
         "clip": cache.report()["clip"],
         "codebook": cache.report()["codebook"],
@@ -266,7 +267,8 @@ def from_state(
         # (a file written before varnorm was recorded: its parts are checked against the codec below; one
         # written before clip was: clipping changes only how later tokens are encoded, not how these read; one
         # written before codebook was holds uniform codes: "none", so a cache that reads a level table refuses it)
-        saved = levers.get(key, value if key in ("varnorm", "clip") else "none" if key == "codebook" else None)
+        # (one written before sink was recorded: saved_config pinned its sinks to the 0 it meant)
+        saved = levers.get(key, value if key in ("varnorm", "clip", "sink") else "none" if key == "codebook" else None)
         if saved != value:
             raise fail(
                 f"saved with {key}={saved!r}, but its settings resolve to {key}={value!r} for this model "

@@ -106,8 +106,10 @@ def from_sources(additional_config: dict | None, environ: os._Environ | dict | N
 
 def sink_pages(config: CacheConfig) -> int:
     """How many of each sequence's first pages are kept staged at full precision: ``ceil(sink / 32)``
-    (:mod:`.staging`, "Sink pages")."""
-    return -(-config.sink // PAGE_TOKENS)
+    (:mod:`.staging`, "Sink pages"). ``sink=auto`` is none here: a sink page holds a staging slot per running
+    sequence, so in vLLM the pages are asked for (``sink=N``), not kvslim's own cache's default."""
+    sink = 0 if config.sink == "auto" else config.sink
+    return -(-sink // PAGE_TOKENS)
 
 
 def check_supported(config: CacheConfig) -> None:

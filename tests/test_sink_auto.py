@@ -1,0 +1,86 @@
+"""``sink=auto`` (the default): a cache that quantizes and has no window keeps its first 16 tokens at full
+precision (the attention sink; docs/quality.md, "The attention sink at full precision"); a lossless cache, and a
+windowed one (whose sinks are StreamingLLM's, given explicitly), keep none."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from kvslim import SlimCache, parse_spec
+from kvslim.config import DEFAULT_SINK, CacheConfig
+
+
+@pytest.mark.parametrize(
+    "spec, sinks",
+    [
+        ("int4", DEFAULT_SINK),
+        ("q4_0", DEFAULT_SINK),
+        ("k4v2", DEFAULT_SINK),
+        ("fp8", DEFAULT_SINK),
+        ("none,v=int2", DEFAULT_SINK),  # V alone quantized
+        ("none", 0),
+        ("int4,window=100", 0),  # a window's sinks are asked for
+        ("int4,sink=4,window=100", 4),
+        ("int4,sink=0", 0),
+        ("int4,sink=64", 64),
+        ("int4,sink=auto", DEFAULT_SINK),
+    ],
+)
+def test_auto_resolves_by_format_and_window(spec, sinks):
+    cfg = parse_spec(spec)
+    assert cfg.sink_tokens == sinks
+    assert parse_spec(cfg.to_spec()) == cfg  # auto is the default: not written, read back as auto
+    if cfg.window is not None:
+        assert cfg.capacity == sinks + cfg.window
+
+
+def test_the_default_is_auto_everywhere():
+    assert DEFAULT_SINK == 16
+    assert CacheConfig().sink == "auto"
+    assert SlimCache(kv_quantize="int4").cache_config.sink == "auto"
+    with pytest.raises(ValueError, match="sink"):
+        parse_spec("int4,sink=-1")
+    with pytest.raises(ValueError, match="sink"):
+        parse_spec("int4,sink=many")
+
+
+def test_a_quantized_cache_keeps_its_first_tokens_at_full_precision():
+    """The first 16 tokens sit in the sinks as the residual holds tokens (float16 for a float32 model), the
+    encoded body starts at token 16, and nbytes counts them; ``sink=0`` encodes from token 0."""
+    cfg = tiny_config()
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(1, 2, 80, 32, generator=g), torch.randn(1, 2, 80, 32, generator=g)
+    auto = SlimCache(kv_quantize="int4", residual=0, config=cfg)
+    none = SlimCache(kv_quantize="int4", residual=0, sink=0, config=cfg)
+    for cache in (auto, none):
+        cache.update(k, v, 0)
+    a, n = auto.layers[0].store, none.layers[0].store
+    assert a.sink_k.shape[2] == a.sink_v.shape[2] == 16 and (n.sink_k is None or n.sink_k.shape[2] == 0)
+    assert torch.equal(a.sink_k, k[:, :, :16].to(torch.float16)) and torch.equal(a.sink_v, v[:, :, :16].half())
+    assert a.k.n_body == 64 and n.k.n_body == 64  # 80 = 16 sinks + 2 groups + 0 left / 2 groups + 16 left
+    assert len(a.k.fp) == 0 and len(n.k.fp) == 16
+    kd, vd = auto.layers[0].store.read(torch.float32)
+    assert torch.equal(kd[:, :, :16], k[:, :, :16].half().float())  # the sinks read back exactly as stored
+    assert not torch.equal(none.layers[0].store.read(torch.float32)[0][:, :, :16], kd[:, :, :16])
+
+
+def test_vllm_pages_take_sinks_only_when_asked():
+    from kvslim.vllm.spec import sink_pages
+
+    assert sink_pages(parse_spec("q4_0")) == 0  # auto: a sink page holds a staging slot per sequence
+    assert sink_pages(parse_spec("q4_0,sink=16")) == 1 and sink_pages(parse_spec("q4_0,sink=33")) == 2
+
+
+def test_the_cli_flag_takes_auto_and_numbers():
+    import argparse
+
+    from kvslim.cli.common import add_cache_flags, cache_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_cache_flags(p)
+    assert cache_config_from_args(p.parse_args(["--kv-quantize", "int4"])).sink_tokens == DEFAULT_SINK
+    assert cache_config_from_args(p.parse_args(["--kv-quantize", "int4", "--streaming-llm-sink", "0"])).sink_tokens == 0
+    args = p.parse_args(["--kv-quantize", "int4", "--streaming-llm-sink", "auto", "--streaming-llm-window", "64"])
+    assert cache_config_from_args(args).sink_tokens == 0
