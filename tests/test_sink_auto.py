@@ -56,6 +56,7 @@ def test_a_quantized_cache_keeps_its_first_tokens_at_full_precision():
     none = SlimCache(kv_quantize="int4", residual=0, sink=0, config=cfg)
     for cache in (auto, none):
         cache.update(k, v, 0)
+    assert auto.report()["sink"] == 16 and none.report()["sink"] == 0 and auto.report()["config"]["sink"] == "auto"
     a, n = auto.layers[0].store, none.layers[0].store
     assert a.sink_k.shape[2] == a.sink_v.shape[2] == 16 and (n.sink_k is None or n.sink_k.shape[2] == 0)
     assert torch.equal(a.sink_k, k[:, :, :16].to(torch.float16)) and torch.equal(a.sink_v, v[:, :, :16].half())

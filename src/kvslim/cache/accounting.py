@@ -168,6 +168,7 @@ class CacheAccounting:
             "clip": "".join(r for r in "kv" if getattr(self._codecs[r], "clip", False)) or "none",
             "codebook": "".join(r for r in "kv" if getattr(self._codecs[r], "levels", None)) or "none",
             "residual": self.cache_config.residual_tokens,
+            "sink": self.cache_config.sink_tokens,
         }
 
 
