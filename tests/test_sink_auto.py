@@ -85,3 +85,25 @@ def test_the_cli_flag_takes_auto_and_numbers():
     assert cache_config_from_args(p.parse_args(["--kv-quantize", "int4", "--streaming-llm-sink", "0"])).sink_tokens == 0
     args = p.parse_args(["--kv-quantize", "int4", "--streaming-llm-sink", "auto", "--streaming-llm-window", "64"])
     assert cache_config_from_args(args).sink_tokens == 0
+
+
+@pytest.mark.parametrize("positions", ["cache", "original"])
+def test_an_unbounded_caches_sinks_are_asked_once_and_a_rebase_still_moves_them(positions):
+    """Frames.sink_delta remembers that no sink moves (an unbounded cache asks every step and layer) for these
+    sinks, this base and this first stream slot only: a new base or first slot, or new sinks, are worked out
+    again (a remembered answer that ignored them would leave a re-based cache's sinks unmoved)."""
+    from kvslim.cache.frames import Frames
+    from kvslim.cache.rotary import Rotary
+
+    f = Frames(positions, Rotary(1.0 / 10000 ** (torch.arange(0, 32, 2).float() / 32)), pre_rope=False)
+    f.sink_rot = torch.arange(4)[None]
+    sinks = torch.zeros(1, 2, 4, 32)
+    for _ in range(3):
+        assert f.sink_delta(sinks, first_stream_slot=4, pads=None, sink_start=None) is None
+    f.base = 8  # a re-base: the sinks sit 8 positions off the new frame
+    assert f.sink_delta(sinks, first_stream_slot=4, pads=None, sink_start=None, host=True) == ((-8, -8, -8, -8),)
+    f.base = 0
+    moved = f.sink_delta(sinks, first_stream_slot=10, pads=None, sink_start=None, host=True)
+    assert moved == (((6, 6, 6, 6),) if positions == "cache" else None)
+    f.sink_rot = torch.tensor([[0, 1, 2, 5]])  # new sinks: their own answer
+    assert f.sink_delta(sinks, first_stream_slot=4, pads=None, sink_start=None, host=True) == ((0, 0, 0, -2),)
