@@ -107,3 +107,28 @@ def test_an_unbounded_caches_sinks_are_asked_once_and_a_rebase_still_moves_them(
     assert moved == (((6, 6, 6, 6),) if positions == "cache" else None)
     f.sink_rot = torch.tensor([[0, 1, 2, 5]])  # new sinks: their own answer
     assert f.sink_delta(sinks, first_stream_slot=4, pads=None, sink_start=None, host=True) == ((0, 0, 0, -2),)
+
+
+def test_a_left_padded_batch_with_default_sinks_reads_what_it_reads_without():
+    """An unbounded cache keeps its first 16 slots as sinks, pads included (a padded row's sinks hold its pads and
+    first real tokens). With fp16 storage a token's values are the same in the sinks and in the body, so a
+    left-padded batch's logits through ``generate`` equal those of the same cache without sinks: the mask reaches the
+    sink segment as it reaches the stream's."""
+    from conftest import tiny_model
+
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 128, (3, 24), generator=g)
+    mask = torch.ones_like(ids)
+    for b, p in enumerate([0, 5, 19]):  # the last row: its 5 real tokens are all sinks
+        ids[b, :p], mask[b, :p] = 0, 0
+    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0, attention_mask=mask)
+    out = {}
+    for sink in ("auto", 0):
+        cache = SlimCache(kv_quantize="fp16", group_size=4, residual=4, sink=sink, config=model.config)
+        with torch.no_grad():
+            res = model.generate(ids, cache=cache, output_logits=True, return_dict_in_generate=True, **kw)
+        assert cache.report()["sink"] == (16 if sink == "auto" else 0)
+        out[sink] = (res.sequences, torch.stack(res.logits))
+    assert torch.equal(out["auto"][0], out[0][0])
+    torch.testing.assert_close(out["auto"][1], out[0][1], atol=1e-5, rtol=1e-5)
