@@ -5,7 +5,8 @@ usage: python scripts/levers_print.py OUT_DIR [SPEC...]   (no SPEC: every result
 Columns: the spec (bias paths shortened to their file name), bits per element at the run's length (the cache's
 bytes per stored K/V element, scales and residual included), ppl ratio, KLD mean / p99, top-1, the KLD as a
 fraction of the plain row of its format (the same spec with every lever off: rotate=none, pre_rope=0, no
-mean_center, no sink), and a ``varnorm=on`` row's KLD as a fraction of its ``varnorm=off`` twin (the same spec
+mean_center, sink=0 — written out since 2026-12-04, when sink=auto became the default; results written before, whose
+plain rows named no sink, print nan there), and a ``varnorm=on`` row's KLD as a fraction of its ``varnorm=off`` twin (the same spec
 otherwise), when those rows were run.
 """
 
@@ -59,7 +60,8 @@ def _split(spec: str) -> tuple[str, bool]:
         levers.get("rotate") == "none"
         and levers.get("pre_rope", "").lower() in ("0", "false", "no", "off")
         and "mean_center" not in levers
-        and levers.get("sink", "0") == "0"
+        # sinks off: said (sink=auto, the default since 2026-12-04, keeps 16 in a quantized cache without a window)
+        and (levers.get("sink") == "0" or (levers.get("sink", "auto") == "auto" and "window=" in spec))
     )
     return fmt, off
 

@@ -35,7 +35,7 @@ def bucket_ppl(model, ids, spec: str, start: int, *, bucket: int, warm: int, chu
     cfg = parse_spec(spec)
     cache = SlimCache.from_config(cfg, config=model.config)
     cache.set_left_padding(None)
-    sink = cfg.sink if cfg.window is not None else 0
+    sink = cfg.sink_tokens  # a window's sinks, or an unbounded quantized cache's (sink=auto): the text's first tokens
     with torch.inference_mode():
         if sink:
             forward(model, ids[:, :sink], cache)  # the sinks: the text's first tokens, positions 0..sink-1

@@ -359,6 +359,7 @@ def test_request_limits_bound_a_requests_own_cache_settings(model):
         ("none,group=2048", ["group=2048", "1024"]),
         ("int4,residual=8192", ["residual=8192", "4096"]),
         ("int4,sink=16,window=100", ["sink=16", "8"]),
+        ("int4", ["sink=16 (sink=auto's default; ask sink=8 or less)", "maximum of 8"]),
         ("int4,sink=4,window=1000", ["window=1000", "512"]),
         ("int4,group=128,window=64", ["group=128", "window=64"]),
     ]:

@@ -285,8 +285,9 @@ def test_a_file_from_before_sink_auto_loads_as_it_was_saved(models, tmp_path):
     assert restored.cache_config.sink_tokens == 0 and restored.layers[0].store.k.n_body == 64
     for step, (x, y) in enumerate(zip(_continue(model, cache, 3), _continue(model, restored, 3), strict=True)):
         assert torch.equal(x, y), f"step {step}"
-    with pytest.raises(ValueError, match=r"saved with cache 'int4,sink=0,residual=32', expected 'int4,residual=32'"):
+    with pytest.raises(ValueError, match=r"saved with cache 'int4,sink=0,residual=32', expected 'int4,residual=32'") as e:
         pc.load(path, new_cache=SlimCache.from_config, config=model.config, cache_config="int4,residual=32")
+    assert "it holds 0 sinks, the settings ask 16" in str(e.value) and "ask sink=0)" in str(e.value)
     # a file of today records the sinks it resolved, and a caller's auto that resolves to the same is the same
     cache.save(path, model_fingerprint=FP_A)
     assert pc.read_header(path)["levers"]["sink"] == 0

@@ -100,6 +100,10 @@ def test_an_unbounded_caches_sinks_are_asked_once_and_a_rebase_still_moves_them(
     sinks = torch.zeros(1, 2, 4, 32)
     for _ in range(3):
         assert f.sink_delta(sinks, first_stream_slot=4, pads=None, sink_start=None) is None
+    assert f._still == (0, 0, 4)  # remembered: the next calls read no rotation
+    f._rot_host = [[9, 9, 9, 9]]  # (were the rotations read again, these would move every sink)
+    assert f.sink_delta(sinks, first_stream_slot=4, pads=None, sink_start=None) is None
+    f._rot_host = None
     f.base = 8  # a re-base: the sinks sit 8 positions off the new frame
     assert f.sink_delta(sinks, first_stream_slot=4, pads=None, sink_start=None, host=True) == ((-8, -8, -8, -8),)
     f.base = 0
@@ -132,3 +136,20 @@ def test_a_left_padded_batch_with_default_sinks_reads_what_it_reads_without():
         out[sink] = (res.sequences, torch.stack(res.logits))
     assert torch.equal(out["auto"][0], out[0][0])
     torch.testing.assert_close(out["auto"][1], out[0][1], atol=1e-5, rtol=1e-5)
+
+
+def test_a_short_static_cache_takes_the_default_and_reads_what_a_slimcache_does():
+    """A static cache of at most 16 tokens under sink=auto is built (its sinks clamped below max_cache_len), and a
+    greedy run through it gives the eager SlimCache's tokens; an explicit sink past it is still refused."""
+    import kvslim
+    from conftest import tiny_model
+    from kvslim import StaticSlimCache
+    from kvslim.generate import greedy
+
+    model = kvslim.enable(tiny_model("llama"))
+    prompt = torch.tensor([[5, 6, 7, 8, 9]])
+    static = StaticSlimCache(kv_quantize="int4", max_cache_len=12, config=model.config)
+    eager = SlimCache(kv_quantize="int4", config=model.config)
+    assert greedy(model, prompt, static, 7) == greedy(model, prompt, eager, 7)
+    with pytest.raises(ValueError, match="max_cache_len must exceed sink"):
+        StaticSlimCache(kv_quantize="int4", sink=16, max_cache_len=12, config=model.config)

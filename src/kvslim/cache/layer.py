@@ -3,9 +3,10 @@
 Layout of one layer (per K and per V, same token order)::
 
     [ sinks (<= sink tokens, model dtype) ][ body (encoded, oldest) ][ residual (model dtype, newest) ]
-      \\_ only with a window               \\________________ the stream _________________________/
+                                            \\________________ the stream _________________________/
 
-- Arriving tokens go to the sinks until ``sink`` tokens were seen (only with a window), then to
+- Arriving tokens go to the sinks until ``sink`` tokens were seen (StreamingLLM's with a window; without one
+  simply never quantized: ``sink=auto`` keeps 16 in a quantized cache), then to
   the residual. The residual keeps the most recent ``residual`` tokens at full precision (KIVI);
   older ones leave it ``group_size`` at a time and are encoded together — once, and never again.
   So between ``min(n, residual)`` and ``residual + group_size - 1`` tokens of a stream are at full

@@ -146,6 +146,11 @@ class StaticSlimCache(SlimCache):
         if problems:
             raise ValueError("cannot build a static SlimCache: " + "; ".join(problems))
         self._max_len = max_cache_len if cfg.window is None else None
+        sinks = cfg.sink_tokens
+        if cfg.sink == "auto" and self._max_len is not None:
+            # the default's 16 sinks in a cache of at most 16 tokens: every token but the last is a sink (a SlimCache
+            # of the same tokens keeps them all in its sinks: full precision either way), never a refusal
+            sinks = min(sinks, self._max_len - 1)
         layers = []
         for i in range(len(self.layers)):
             # each layer's own formats and levers (keep_layers)
@@ -153,7 +158,7 @@ class StaticSlimCache(SlimCache):
             store = StaticStore(
                 k_codec,
                 v_codec,
-                sink=cfg.sink_tokens,
+                sink=sinks,
                 window=cfg.window,
                 residual=cfg.residual_tokens,
                 group_size=cfg.group_size,

@@ -148,18 +148,19 @@ def bits_note(results) -> None:
 
 
 def note_unquantized(modes, longest: int) -> None:
-    """A mode whose full-precision residual holds every token measured nothing of its format: say so.
+    """A mode whose full-precision sinks and residual hold every token measured nothing of its format: say so.
     ``modes``: the resolved modes (``resolve_modes(specs)``), the reference first."""
     for m in modes[1:]:
         c = m.config
         if (
             c.window is None
-            and c.residual_tokens >= longest
+            and c.sink_tokens + c.residual_tokens >= longest
             and (c.k_format != "none" or c.v_format != "none")
         ):
+            held = f"residual of {c.residual_tokens} tokens" + (f" and {c.sink_tokens} sinks" if c.sink_tokens else "")
             print(
                 f"note: {m.label}: every prompt + continuation ({longest} tokens at most) fits in the "
-                f"full-precision residual of {c.residual_tokens} tokens, so nothing was quantized; use residual=0 "
+                f"full-precision {held}, so nothing was quantized; use residual=0 (and sink=0) "
                 "or more --tokens to measure the format",
                 file=sys.stderr,
             )

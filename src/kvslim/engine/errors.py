@@ -102,13 +102,15 @@ class RequestLimits:
             ("residual", cfg.residual_tokens, self.max_residual),
             ("sink", cfg.sink_tokens, self.max_sink),
         ]
+        auto = {"sink": cfg.sink == "auto", "residual": cfg.residual == "auto"}
         if cfg.window is not None and max_window is not None:
             checks.append(("window", cfg.window, max_window))
         if cfg.v_group_size is not None:
             checks.append(("v_group", cfg.v_group_size, self.max_group))
         for key, value, most in checks:
             if value > most:
-                raise SettingsRefusal(f"cache setting {key}={value} is past this server's maximum of {most}")
+                why = f" ({key}=auto's default; ask {key}={most} or less)" if auto.get(key) else ""
+                raise SettingsRefusal(f"cache setting {key}={value}{why} is past this server's maximum of {most}")
         if cfg.window is not None and cfg.group_size > max(cfg.window, DEFAULT_GROUP_SIZE):
             raise SettingsRefusal(
                 f"cache setting group={cfg.group_size} is larger than window={cfg.window}: a group must fit in "

@@ -239,13 +239,18 @@ def check_cache_config(header: dict, cache_config, *, where: str = "prompt cache
 
 
 def saved_config(header: dict):
-    """The CacheConfig a header's ``cache_config`` spec was saved with. A file from before ``sink=auto`` (no
-    ``levers.sink``) wrote no sink for none: its ``auto`` is pinned to the 0 it meant then."""
+    """The CacheConfig a header's ``cache_config`` spec was saved with. Its ``sink=auto`` stays auto where that
+    resolves to the sinks the file holds, else it is pinned to them: ``levers.sink`` as recorded (should a later
+    kvslim's auto resolve otherwise), or, in a file from before ``sink=auto`` (no ``levers.sink``), the 0 it
+    meant then."""
     from ..config import parse_spec
 
     cfg = parse_spec(header["cache_config"])
-    if cfg.sink == "auto" and "sink" not in header.get("levers", {}):
-        cfg = cfg.replace(sink=0)
+    if cfg.sink == "auto":
+        held = header.get("levers", {}).get("sink", 0)
+        held = held if isinstance(held, int) and not isinstance(held, bool) and held >= 0 else 0
+        if cfg.sink_tokens != held:
+            cfg = cfg.replace(sink=held)
     return cfg
 
 
@@ -257,9 +262,18 @@ def check_settings(saved, centered: bool, cache_config, *, where: str) -> None:
 
     saved = saved.replace(mean_center=None)
     want = parse_spec(cache_config) if isinstance(cache_config, str) else cache_config
-    if want.replace(mean_center=None, sink=want.sink_tokens) != saved.replace(sink=saved.sink_tokens):
+    want_n, saved_n = want.replace(mean_center=None, sink=want.sink_tokens), saved.replace(sink=saved.sink_tokens)
+    if want_n != saved_n:
+        hint = ""
+        if want_n.replace(sink=0) == saved_n.replace(sink=0):  # the sinks alone differ
+            hint = (
+                f" (it holds {saved_n.sink} sinks, the settings ask {want_n.sink}; sink=auto keeps 16 where a cache "
+                "quantizes without a window, and a file from before sink=auto has none: ask sink="
+                f"{saved_n.sink})"
+            )
         raise ValueError(
             f"{where}: saved with cache {saved.to_spec()!r}, expected {want.replace(mean_center=None).to_spec()!r}"
+            + hint
         )
     if (want.mean_center is not None) != centered:
         raise ValueError(
