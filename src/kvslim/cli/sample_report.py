@@ -82,10 +82,7 @@ def format_report(r: dict) -> str:
     stored = f"{r['tokens_stored']}"
     if r.get("capacity") is not None:
         cfg = r.get("config") or {}
-        sink = cfg.get("sink", "?")
-        if sink == "auto" and isinstance(cfg.get("window"), int):  # auto: what the capacity says it resolved to
-            sink = r["capacity"] - cfg["window"]
-        stored += f" (cap sink+window = {sink}+{cfg.get('window', '?')} = {r['capacity']})"
+        stored += f" (cap sink+window = {r.get('sink', '?')}+{cfg.get('window', '?')} = {r['capacity']})"
     fp16 = r["fp16_full_cache_bytes"]
     ratio = f"{r['cache_bytes'] / fp16:.3f}x" if fp16 else "n/a"
     live = r.get("live_bytes")
