@@ -59,6 +59,8 @@ FORMATS = [
     ("q4_0", "int3"),
     ("none", "none"),
     ("q5_1", "q4_1"),
+    ("fp8", "fp8"),
+    ("int8", "fp8"),
 ]
 
 
@@ -142,14 +144,18 @@ def _awkward(n, h, d, seed):
         ("q4_0", "int8"),
         ("int4", "int2"),
         ("q8_0", "fp16"),
+        ("int4", "int3"),
+        ("fp8", "fp8"),
+        ("bf16", "fp8"),
+        ("q5_0", "int4"),
     ],
 )
 def test_c_writes_are_the_torch_encoders_bytes(fmt_k, fmt_v, monkeypatch):
     """kvp_write (paged.store) against pages.write: the same bytes in the same slots, padding (-1) skipped, the
-    other rows untouched; formats it does not encode go through the torch path (the same call)."""
+    other rows untouched; formats it does not encode (q4_1, q5_x) go through the torch path (the same call)."""
     h, d, n = 3, 64, 40
     layout = PageLayout.of(fmt_k, fmt_v, d, torch.float32)
-    if fmt_k in ("q4_0", "q8_0", "int8", "none") and fmt_v in ("q4_0", "q8_0", "int8", "none"):
+    if not {fmt_k, fmt_v} & {"q4_1", "q5_0", "q5_1"}:
         monkeypatch.setattr(paged, "write", None)  # C must write these: a fallback would fail
     key, value = _awkward(n, h, d, 1), _awkward(n, h, d, 2).flip(0)
     slots = torch.randperm(8 * T, generator=torch.Generator().manual_seed(3))[:n]
@@ -224,4 +230,76 @@ def test_c_writes_refuse_shapes_they_cannot_trust():
     for key in (torch.randn(2, 4, 64), torch.randn(2, 3, 32)):
         with pytest.raises((RuntimeError, ValueError)):
             paged.store(layout, pages, key, key, torch.tensor([0, 1]))
+    assert (pages == 0).all()
+
+
+def _c_only(monkeypatch, layout, key, value):
+    """``key``/``value`` (N, H, D) written by C alone (a fallback to torch fails) and by torch: both pages."""
+    n = key.shape[0]
+    slots = torch.arange(n)
+    want = torch.zeros(-(-n // T), key.shape[1], T, layout.row_bytes, dtype=torch.uint8)
+    got = want.clone()
+    write(layout, want, key, value, slots)
+    monkeypatch.setattr(paged, "write", None)
+    paged.store(layout, got, key, value, slots)
+    return got, want
+
+
+def _e4m3_edges() -> torch.Tensor:
+    """Every finite e4m3 magnitude, the midpoints between neighbours (ties: round to even), one fp32 step either
+    side of each midpoint, and values below the smallest subnormal, both signs."""
+    mags = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448, ascending
+    mid = (mags[1:] + mags[:-1]) / 2
+    up, down = torch.nextafter(mid, torch.tensor(1e9)), torch.nextafter(mid, torch.tensor(-1e9))
+    tiny = torch.tensor([2.0**-10, 2.0**-11, 3 * 2.0**-11, 1e-30, 0.0])
+    x = torch.cat([mags, mid, up, down, tiny])
+    return torch.cat([x, -x])
+
+
+def test_c_fp8_writes_round_as_torch_on_every_edge(monkeypatch):
+    """kvp_write's float8 e4m3fn rounding against torch's cast at every tie, its neighbours and the subnormals: each
+    token starts with 448, so its scale is exactly 1 and the codes are the values' own e4m3 roundings."""
+    x = _e4m3_edges()
+    per = 63
+    x = torch.cat([x, torch.zeros(-len(x) % per)]).view(-1, per)
+    tokens = torch.cat([torch.full((x.shape[0], 1), 448.0), x], 1)[:, None, :]  # (N, 1, 64)
+    layout = PageLayout.of("fp8", "fp8", 64, torch.float32)
+    k, _ = layout.decode(_c_only(monkeypatch, layout, tokens, -tokens)[0].transpose(0, 1).reshape(1, -1, 136))
+    assert torch.equal(k[0, : len(tokens)], tokens[:, 0].to(torch.float8_e4m3fn).float())  # the scale really was 1
+    # and tokens whose scale is floored (all zeros; max |x| / 448 below 1e-12), beside ordinary ones
+    floored = torch.cat([torch.zeros(1, 1, 64), torch.full((1, 1, 64), 1e-13), tokens[:2] * 1e-3])
+    for key in (tokens, floored):
+        got, want = _c_only(monkeypatch, layout, key, -key.flip(0))
+        assert torch.equal(got, want)
+
+
+def test_c_half_and_bfloat16_writes_round_as_torch_on_every_edge(monkeypatch):
+    """fp16 and bf16 value pages written by C against torch's casts: ties either way (the low bits exactly half an
+    ulp of the target), one fp32 step off them, fp32 subnormals, fp16 subnormals and overflow to inf."""
+    g = torch.Generator().manual_seed(7)
+    hi = torch.randint(0, 1 << 15, (512,), generator=g, dtype=torch.int32) << 16
+    bf16_ties = (hi | 0x8000).view(torch.float32)  # exactly half a bf16 ulp: even or odd mantissa
+    half_ties = (torch.randn(256, generator=g).to(torch.float16).float() * (1 + 2.0**-11)).float()
+    x = torch.cat(
+        [
+            bf16_ties, torch.nextafter(bf16_ties, torch.tensor(1e30)), torch.nextafter(bf16_ties, torch.tensor(-1e30)),
+            half_ties, torch.tensor([1e-40, -1e-40, 2.0**-149, 3e-6, 6e-8, 2.0**-25, 65504.0, 65519.0, 65520.0, 70000.0]),
+        ]
+    )  # fmt: skip
+    x = x[torch.isfinite(x) & (x.abs() <= 65504.0 * 8)]
+    x = torch.cat([x, torch.zeros(-len(x) % 64)]).view(-1, 1, 64)
+    for fmt_k, fmt_v in (("fp16", "bf16"), ("bf16", "fp16")):
+        got, want = _c_only(monkeypatch, PageLayout.of(fmt_k, fmt_v, 64, torch.float32), x, x.flip(0))
+        assert torch.equal(got, want), (fmt_k, fmt_v)
+
+
+def test_c_affine_writes_leave_a_zero_beyond_fp16_to_the_torch_encoder():
+    """An int4 row whose min is below fp16's range (finite, within kvp_write's first check): C writes nothing and
+    the torch encoder raises its own error, the pages untouched."""
+    layout = PageLayout.of("q8_0", "int4", 64, torch.float32)
+    key, value = torch.randn(2, 1, 64), torch.randn(2, 1, 64)
+    value[1, 0, 3] = -70000.0
+    pages = torch.zeros(1, 1, T, layout.row_bytes, dtype=torch.uint8)
+    with pytest.raises(ValueError):
+        paged.store(layout, pages, key, value, torch.tensor([0, 1]))
     assert (pages == 0).all()

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.slow
 
 PREFILL, FORCED = 24, 16
 #: The specs run in this process, one engine each (None: no kvslim spec, so vLLM's own backend runs).
-SPECS = ("none", "q4_0", "int8", "q4_0,rotate=none", None)
+SPECS = ("none", "q4_0", "int8", "q4_0,rotate=none", "fp8", None)
 
 
 def _kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -72,6 +72,7 @@ def reference():
             ("q8_0", "q8_0,group=1,rotate=none"),
             ("q4_0,g32", "q4_0" if basis.AUTO else "q4_0,rotate=none"),
             ("q4_0,g32,rotate=none", "q4_0,rotate=none"),
+            ("fp8,g32", "fp8" if basis.AUTO else "fp8,rotate=none"),
         )
         for name, spec in owns:
             own[name] = torch.cat(
@@ -190,7 +191,7 @@ def test_a_request_on_reused_page_ids_gives_the_same_logits_bit_for_bit(referenc
 
 def test_lossy_pages_give_coherent_text(engines, stock):
     colors = ("red", "orange", "yellow", "green", "blue", "indigo", "violet", "purple")
-    for spec in ("q4_0", "int8"):
+    for spec in ("q4_0", "int8", "fp8"):
         texts = engines[spec]["texts"]
         assert "Paris" in texts[0], (spec, texts)
         assert "if" in texts[1] or "return" in texts[1], (spec, texts)
@@ -232,6 +233,18 @@ def test_kl_through_vllm_is_kvslims_own_on_the_same_codes(engines, stock, refere
     full = 32 - PREFILL + 1
     assert per_vllm[:, :full].max() < 1e-6, per_vllm[:, :full]
     assert (per_vllm[:, full:].mean(1) > 1e-3).all()
+
+
+def test_fp8_pages_through_vllm_are_kvslims_own_fp8(engines, reference):
+    """fp8 pages (kvslim's fp8: e4m3 codes and a per-token fp32 scale, Hadamard-rotated by default) through vLLM
+    within 10% of kvslim's own fp8 cache on the same tokens, and far below q4_0's KL."""
+    ref = reference["logits"]
+    fp8 = _kl(ref, engines["fp8"]["logits"]).mean().item()
+    own = reference["own_kl"]["fp8,g32"].mean().item()
+    q4 = _kl(ref, engines["q4_0"]["logits"]).mean().item()
+    print(f"\nKL vs transformers: kvslim-in-vLLM fp8 {fp8:.5f}, kvslim's own fp8 {own:.5f}, kvslim-in-vLLM q4_0 {q4:.4f}")
+    assert fp8 <= 1.10 * own + 1e-6, (fp8, own)
+    assert fp8 < 0.5 * q4, (fp8, q4)
 
 
 def test_capacity_is_vllms_own_count(engines, stock):

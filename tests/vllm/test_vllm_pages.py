@@ -490,3 +490,20 @@ def test_sink_is_taken_and_a_window_refused():
     assert sink_pages(from_sources({"kvslim": "q4_0"}, {})) == 0
     with pytest.raises(ValueError, match="window=60 is not supported in vLLM"):
         from_sources({"kvslim": "q4_0,sink=4,window=60"}, {})
+
+
+def test_fp8_rows_are_kvslims_fp8_codec():
+    """fp8 pages: D e4m3 codes, then the token's fp32 scale: the bytes of kvslim's own fp8 codec, K and V."""
+    k, v = _kv(33)
+    k[3, 1] = 0  # an all-zero head-token: the floored scale
+    layout = PageLayout.of("fp8", "fp8", D, torch.float32)
+    assert layout.k.family == layout.v.family == "fp8" and layout.row_bytes == 2 * (D + 4)
+    rows = layout.encode(k, v)
+    for x, part in ((k, layout.k), (v, layout.v)):
+        enc = make_codec("fp8", "k").encode(x.transpose(0, 1)[None]).token  # (1, H, N, D) codes, (1, H, N, 1) scale
+        b = rows[..., part.offset : part.offset + part.nbytes]
+        assert torch.equal(b[..., :D].contiguous().view(torch.float8_e4m3fn).view(torch.uint8),
+                           enc["codes"][0].transpose(0, 1).contiguous().view(torch.uint8))  # fmt: skip
+        assert torch.equal(b[..., D:].contiguous().view(torch.float32), enc["scale"][0].transpose(0, 1))
+    dk, dv = layout.decode(rows)
+    assert torch.allclose(dk, k, rtol=0.07, atol=1e-6) and torch.allclose(dv, v, rtol=0.07, atol=1e-6)

@@ -53,7 +53,6 @@ def test_bad_specs_say_what_slimcaches_say():
         ("q4_0,window=60", "KV-cache manager"),
         ("int4,residual=64", "residual"),
         ("int2", "per-channel"),
-        ("fp8", "page layout"),
         ("q4_0,keep_layers=first", "per-layer"),
         ("int4,pre_rope=1", "RoPE"),
     ],

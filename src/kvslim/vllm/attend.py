@@ -278,11 +278,11 @@ def attend(
 
 
 def _c_writes(part: Part) -> bool:
-    """Whether ``kvp_write`` encodes ``part`` (the same bytes as :func:`~.pages.encode_part`): fp32 values, q8_0,
-    q4_0, symmetric int8."""
+    """Whether ``kvp_write`` encodes ``part`` (the same bytes as :func:`~.pages.encode_part`): fp32, fp16 and bf16
+    values, q8_0, q4_0, symmetric int8, affine int4/int3/int2 and fp8 rows (q4_1 and q5_x stay with torch)."""
     if part.family == "cast":
-        return part.dtype == torch.float32
-    return part.family == "sym" or (part.family == "ggml" and part.name in ("q8_0", "q4_0"))
+        return part.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    return part.family in ("sym", "affine", "fp8") or (part.family == "ggml" and part.name in ("q8_0", "q4_0"))
 
 
 def _c_can_store(layout: PageLayout, kv_cache: torch.Tensor, key, value, slot_mapping: torch.Tensor) -> bool:
@@ -320,7 +320,7 @@ def store(
     slot_mapping: torch.Tensor,
 ) -> None:
     """:func:`~.pages.write` (the same arguments, the same bytes), in one C call (``kvp_write``) where the library
-    encodes both parts (fp32 values, q8_0, q4_0, symmetric int8), else in torch: a write per layer and step costs
+    encodes both parts (:func:`_c_writes`), else in torch: a write per layer and step costs
     one call instead of some twenty small torch ops per part."""
     n = slot_mapping.shape[0]
     ok = not _reference_asked() and _c_can_store(layout, kv_cache, key, value, slot_mapping)

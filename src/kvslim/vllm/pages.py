@@ -18,6 +18,9 @@ family        bytes of one role in a token row                 same bytes as
 ``sym``       int8 only: an fp16 scale, then ``D`` int8 codes  q8_0's block layout, one block per head
               (``D + 2``; value = code x scale, codes
               -127..127, scale = max |x| / 127)
+``fp8``       ``D`` float8 e4m3fn codes, then the token's      kvslim's fp8 cache (:mod:`kvslim.formats.floats`:
+              fp32 scale (``D + 4``; value = code x scale,     the same codes and scale)
+              scale = max |x| / 448)
 ============  ===============================================  =========================================
 
 8-bit affine pages are symmetric (a page-only layout, ``sym``): one fp16 scale per token and head and no zero,
@@ -52,6 +55,8 @@ AFFINE_META = 4
 SYM_META = 2
 #: The dtype of the affine scale and zero in a page.
 SCALE_DTYPE = torch.float16
+#: Bytes of an fp8 role's scale (fp32).
+FP8_META = 4
 #: Cast formats by name (``none`` takes the model's dtype).
 CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -82,6 +87,8 @@ def make_part(name: str, role: str, head_dim: int, model_dtype: torch.dtype, off
     if family == "ggml":
         size, nbytes = fmt.block
         return Part(name, "ggml", offset, head_dim // size * nbytes)
+    if family == "fp8":
+        return Part(name, "fp8", offset, head_dim + FP8_META, bits=8)
     if family in ("affine_k", "affine_v") and fmt.bits == 8:
         return Part(name, "sym", offset, head_dim + SYM_META, bits=8)
     if family in ("affine_k", "affine_v"):
@@ -133,6 +140,9 @@ def encode_part(part: Part, x: torch.Tensor) -> torch.Tensor:
             .to(torch.int8)
         )
         return torch.cat([scale.view(torch.uint8), q.view(torch.uint8)], dim=-1)
+    if part.family == "fp8":  # kvslim's fp8 codec: codes (N, H, D) float8_e4m3fn, scale (N, H, 1) float32
+        enc = get_format("fp8").codec("k").encode(x)
+        return torch.cat([enc.token["codes"].view(torch.uint8), enc.token["scale"].view(torch.uint8)], dim=-1)
     codes, scale, zero = quantize_per_token(x, part.bits, None, SCALE_DTYPE)  # (N,H,D*b/8), (N,H,1) x2
     return torch.cat([codes, scale.view(torch.uint8), zero.view(torch.uint8)], dim=-1)
 
@@ -147,6 +157,10 @@ def decode_part(part: Part, rows: torch.Tensor, head_dim: int) -> torch.Tensor:
     if part.family == "sym":
         scale = b[..., :SYM_META].contiguous().view(SCALE_DTYPE).float()  # (..., 1)
         return b[..., SYM_META:].contiguous().view(torch.int8).float() * scale
+    if part.family == "fp8":
+        n = part.nbytes - FP8_META
+        scale = b[..., n:].contiguous().view(torch.float32)  # (..., 1)
+        return b[..., :n].contiguous().view(torch.float8_e4m3fn).float() * scale
     n = part.nbytes - AFFINE_META
     scale = b[..., n : n + 2].contiguous().view(SCALE_DTYPE)  # (..., 1)
     zero = b[..., n + 2 : n + 4].contiguous().view(SCALE_DTYPE)

@@ -39,8 +39,8 @@ ENV = "KVSLIM_VLLM_SPEC"
 #: The key of vLLM's ``additional_config`` the plugin reads.
 KEY = "kvslim"
 
-#: Layout families a page can hold (per role); fp8 has no page layout yet.
-PAGE_FAMILIES = ("cast", "ggml", "affine_k", "affine_v")
+#: Layout families a page can hold (per role).
+PAGE_FAMILIES = ("cast", "ggml", "affine_k", "affine_v", "fp8")
 #: Affine K is stored per token in pages (KIVI's per-channel K groups are not built yet): only the widths
 #: where per-token K keeps usable quality (docs/vllm.md).
 PER_TOKEN_K_BITS = (8, 4)
@@ -128,7 +128,7 @@ def check_supported(config: CacheConfig) -> None:
         if family not in PAGE_FAMILIES:
             raise ValueError(
                 f"kvslim: {role.upper()} format {name!r} (family {family}) has no vLLM page layout yet; "
-                f"supported: none, fp16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, int8, int4 (and int3/int2 for V)"
+                f"supported: none, fp16, bf16, fp8, q8_0, q4_0, q4_1, q5_0, q5_1, int8, int4 (and int3/int2 for V)"
             )
         if family == "affine_k" and fmt.bits not in PER_TOKEN_K_BITS:
             raise ValueError(

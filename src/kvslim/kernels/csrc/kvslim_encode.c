@@ -23,6 +23,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -128,6 +129,38 @@ static inline void enc_pack(const uint8_t *codes, int64_t n, int bits, uint8_t *
     }
 }
 #endif
+
+/* One token's D fp32 values x as the vLLM plugin's affine page row (kvslim/vllm/pages.py: quantize_per_token with
+ * one group over the whole head): the packed codes, then the fp16 scale, then the fp16 zero, at dst. The bytes of
+ * kv_encode_affine's V path with group D. Returns 0; 1 (a value not finite, or a scale or zero beyond fp16: nothing
+ * meaningful written, the reference raises); -1 (no F16C, or bits / D it does not take). */
+int kvs_encode_token_affine(int bits, const float *x, int64_t D, uint8_t *dst) {
+#if defined(__F16C__)
+    if ((bits != 8 && bits != 4 && bits != 3 && bits != 2) || D < 1 || D > 4096 || (D * bits) % 8) return -1;
+    for (int64_t i = 0; i < D; i++)
+        if (!((x[i] - x[i]) == 0.0f)) return 1; /* an inf or a NaN */
+    const float levels = (float)((1 << bits) - 1);
+    float lo, hi, zf[4096], sf[4096];
+    uint8_t line[4096];
+    uint16_t s, z;
+    enc_minmax(x, D, &lo, &hi);
+    if (!enc_params(lo, hi, levels, &s, &z)) return 1;
+    const float zv = enc_h2f(z), sv = enc_h2f(s);
+    for (int64_t c = 0; c < D; c++) {
+        zf[c] = zv;
+        sf[c] = sv;
+    }
+    enc_codes(x, zf, sf, levels, D, line);
+    const int64_t packed = D * bits / 8;
+    enc_pack(line, D, bits, dst);
+    memcpy(dst + packed, &s, 2);
+    memcpy(dst + packed + 2, &z, 2);
+    return 0;
+#else
+    (void)bits, (void)x, (void)D, (void)dst;
+    return -1;
+#endif
+}
 
 int kv_encode_affine(const int64_t *args) {
 #if defined(__F16C__)

@@ -8,7 +8,8 @@
  * q8_0/q4_0/q4_1/q5_0/q5_1 blocks of 32 (ggml-common.h's byte layout, checked against kvslim's format
  * registry by the Python side), or kvslim's per-token affine int8/int4/int3/int2 (packed codes as
  * formats/affine.py, then fp16 scale and fp16 zero; value = code * scale + zero), or sym8 (the plugin's 8-bit
- * pages: an fp16 scale, then D int8 codes; value = code * scale: q8_0's block spanning the whole head).
+ * pages: an fp16 scale, then D int8 codes; value = code * scale: q8_0's block spanning the whole head), or fp8
+ * (kvslim's fp8: D float8 e4m3fn codes, then the token's fp32 scale; value = code * scale).
  *
  * A row r (a request in vLLM, a conversation in kvslim's engine) has q_len queries at q[q_start ..] and
  * kv_len keys, the last q_len of which are its queries' own tokens: query i sits at position
@@ -44,8 +45,9 @@
  * (split-K; the split depends on the shapes and the thread count only). No full fp32 copy of the history is made.
  *
  * Writes (kvp_write): the step's fp32 K/V encoded and stored through vLLM's slot mapping in one call, for the
- * formats whose bytes it reproduces exactly (f32 rows, q8_0 and q4_0 as formats/ggml.py and gguf-py, sym8 as
- * kvslim/vllm/pages.py); anything else is left to the torch encoders (return code 3).
+ * formats whose bytes it reproduces exactly (f32 / f16 / bf16 values as torch casts them, q8_0 and q4_0 as
+ * formats/ggml.py and gguf-py, sym8, affine int4 / int3 / int2 and fp8 rows as kvslim/vllm/pages.py); q4_1 and
+ * q5_x are left to the torch encoders (return code 3).
  *
  * Entry points: kvp_attend (the kernel), kvp_write, kvp_format (a format name -> its code and block),
  * kvp_abi_version, kvp_layout.
@@ -86,6 +88,7 @@ enum {
     KVP_A3,
     KVP_A2,
     KVP_S8,
+    KVP_F8,
 };
 
 /* name -> code, and the (elements, bytes) of one block (GGML) or packing unit (affine); values: (1, size). */
@@ -96,7 +99,7 @@ static const struct {
     {"f32", KVP_F32, 1, 4},    {"f16", KVP_F16, 1, 2},    {"bf16", KVP_BF16, 1, 2},  {"q8_0", KVP_Q8_0, 32, 34},
     {"q4_0", KVP_Q4_0, 32, 18}, {"q4_1", KVP_Q4_1, 32, 20}, {"q5_0", KVP_Q5_0, 32, 22}, {"q5_1", KVP_Q5_1, 32, 24},
     {"int8", KVP_A8, 1, 1},    {"int4", KVP_A4, 2, 1},    {"int3", KVP_A3, 8, 3},    {"int2", KVP_A2, 4, 1},
-    {"sym8", KVP_S8, 1, 1},
+    {"sym8", KVP_S8, 1, 1},    {"fp8", KVP_F8, 1, 1},
 };
 #define KVP_NFORMATS ((int)(sizeof(KVP_FORMATS) / sizeof(KVP_FORMATS[0])))
 
@@ -141,6 +144,22 @@ static inline float kvp_h2f(const uint8_t *p) {
     memcpy(&out, &f, 4);
     return out;
 #endif
+}
+
+/* A float8 e4m3fn byte's value: exponent field e > 0 moves into fp32's (bias 7 -> 127); e == 0 is m * 2^-9; 0x7f
+ * (either sign) is NaN. */
+static inline float kvp_e4m3(uint8_t b) {
+    const uint32_t mag = b & 0x7fu;
+    float f;
+    if (mag == 0x7fu) {
+        f = NAN;
+    } else if (mag < 8) {
+        f = (float)mag * 0x1p-9f;
+    } else {
+        const uint32_t bits = (mag << 20) + (120u << 23);
+        memcpy(&f, &bits, 4);
+    }
+    return b & 0x80u ? -f : f;
 }
 
 /* One token's D values in format fmt at src -> dst fp32. */
@@ -227,6 +246,12 @@ static void kvp_decode_row(int fmt, const uint8_t *restrict src, int D, float *r
         float d = kvp_h2f(src);
         const int8_t *q = (const int8_t *)(src + 2);
         for (int i = 0; i < D; i++) dst[i] = d * (float)q[i];
+        return;
+    }
+    case KVP_F8: { /* codes.float() * scale, as formats/floats.py decodes */
+        float sc;
+        memcpy(&sc, src + D, 4);
+        for (int i = 0; i < D; i++) dst[i] = kvp_e4m3(src[i]) * sc;
         return;
     }
     default:
@@ -713,13 +738,64 @@ static int kvp_run(const kvp_call *cp, const kvp_work *task, int64_t ntasks, con
 
 /* ------------------------------------------------------------------------------------------ writes */
 
-/* Whether kvp_write encodes format fmt here: f32 rows and, with F16C (its fp16 rounding), q8_0, q4_0, sym8. */
+/* The affine page row encoder (kvslim_encode.c, the same library): codes, fp16 scale, fp16 zero. */
+int kvs_encode_token_affine(int bits, const float *x, int64_t D, uint8_t *dst);
+
+/* Whether kvp_write encodes format fmt here: f32 and bf16 values, fp8 and, with F16C (its fp16 rounding), f16
+ * values, q8_0, q4_0, sym8 and the per-token affine int4 / int3 / int2 rows. */
 static int kvp_writes(int fmt) {
+    if (fmt == KVP_F32 || fmt == KVP_BF16 || fmt == KVP_F8) return 1;
 #if defined(__F16C__)
-    return fmt == KVP_F32 || fmt == KVP_Q8_0 || fmt == KVP_Q4_0 || fmt == KVP_S8;
+    return fmt == KVP_F16 || fmt == KVP_Q8_0 || fmt == KVP_Q4_0 || fmt == KVP_S8 || fmt == KVP_A4 || fmt == KVP_A3 ||
+           fmt == KVP_A2;
 #else
-    return fmt == KVP_F32;
+    return 0;
 #endif
+}
+
+/* Bytes of one token's D values in a kvp_writes format. */
+static int64_t kvp_row_bytes(int fmt, int64_t D) {
+    switch (fmt) {
+    case KVP_F32: return 4 * D;
+    case KVP_F16:
+    case KVP_BF16: return 2 * D;
+    case KVP_Q8_0: return D / 32 * 34;
+    case KVP_Q4_0: return D / 32 * 18;
+    case KVP_S8: return D + 2;
+    case KVP_A4: return D / 2 + 4;
+    case KVP_A3: return D * 3 / 8 + 4;
+    case KVP_A2: return D / 4 + 4;
+    case KVP_F8: return D + 4;
+    default: return 0;
+    }
+}
+
+/* fp32 -> float8 e4m3fn, round to nearest even, as torch's .to(torch.float8_e4m3fn) (c10's
+ * fp8e4m3fn_from_fp32_value): magnitudes from 480 up are NaN (0x7f; callers clamp to +-448 first), below 2^-6 the
+ * subnormals, rounded by adding 2^14 in fp32 and keeping the low bits. */
+static inline uint8_t kvp_to_e4m3(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    const uint32_t sign = bits & 0x80000000u, denorm = 141u << 23;
+    uint8_t out;
+    bits ^= sign;
+    if (bits >= 1087u << 20) {
+        out = 0x7f;
+    } else if (bits < 121u << 23) {
+        float m, dm;
+        memcpy(&m, &bits, 4);
+        memcpy(&dm, &denorm, 4);
+        volatile float sum = m + dm; /* one fp32 rounding, as c10's */
+        float s2 = sum;
+        uint32_t sb;
+        memcpy(&sb, &s2, 4);
+        out = (uint8_t)(sb - denorm);
+    } else {
+        const uint32_t odd = (bits >> 20) & 1u;
+        bits += ((uint32_t)(7 - 127) << 23) + 0x7ffffu + odd;
+        out = (uint8_t)(bits >> 20);
+    }
+    return (uint8_t)(out | (sign >> 24));
 }
 
 #if defined(__F16C__)
@@ -735,13 +811,46 @@ static inline float kvp_mul(float a, float b) {
 #endif
 
 /* One token's D fp32 values x -> format fmt at dst (a kvp_writes format; finite input). The bytes of
- * formats/ggml.py's _q8_0 / _q4_0 (gguf-py's) and of kvslim/vllm/pages.py's sym8, quirk for quirk. */
-static void kvp_encode_row(int fmt, const float *restrict x, int D, uint8_t *restrict dst) {
+ * formats/ggml.py's _q8_0 / _q4_0 (gguf-py's), of kvslim/vllm/pages.py's sym8, affine and fp8 rows and of torch's
+ * casts, quirk for quirk. Returns 0, or 1 where the format cannot hold the token (an affine scale or zero beyond
+ * fp16): the caller writes nothing, and the torch encoders raise their own error. */
+static int kvp_encode_row(int fmt, const float *restrict x, int D, uint8_t *restrict dst) {
     if (fmt == KVP_F32) {
         memcpy(dst, x, sizeof(float) * (size_t)D);
-        return;
+        return 0;
+    }
+    if (fmt == KVP_BF16) { /* round to nearest even (c10's round_to_nearest_even; finite input) */
+        for (int i = 0; i < D; i++) {
+            uint32_t u;
+            memcpy(&u, x + i, 4);
+            const uint16_t h = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+            memcpy(dst + 2 * i, &h, 2);
+        }
+        return 0;
+    }
+    if (fmt == KVP_F8) { /* formats/floats.py: scale = max(max |x| / 448, 1e-12); codes = e4m3(clamp(x / scale)) */
+        float amax = 0.0f;
+        for (int i = 0; i < D; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+        float sc = amax / 448.0f;
+        sc = sc < 1e-12f ? 1e-12f : sc;
+        for (int i = 0; i < D; i++) {
+            float v = x[i] / sc;
+            v = v < -448.0f ? -448.0f : v > 448.0f ? 448.0f : v;
+            dst[i] = kvp_to_e4m3(v);
+        }
+        memcpy(dst + D, &sc, 4);
+        return 0;
     }
 #if defined(__F16C__)
+    if (fmt == KVP_F16) {
+        for (int i = 0; i < D; i++) {
+            const uint16_t h = kvp_f2h(x[i]);
+            memcpy(dst + 2 * i, &h, 2);
+        }
+        return 0;
+    }
+    if (fmt == KVP_A4 || fmt == KVP_A3 || fmt == KVP_A2)
+        return kvs_encode_token_affine(fmt == KVP_A4 ? 4 : fmt == KVP_A3 ? 3 : 2, x, D, dst) ? 1 : 0;
     if (fmt == KVP_S8) { /* scale = fp16(max |x| / 127); code = round-half-even(x / scale), 0 when scale is 0 */
         float amax = 0.0f;
         for (int i = 0; i < D; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
@@ -753,7 +862,7 @@ static void kvp_encode_row(int fmt, const float *restrict x, int D, uint8_t *res
             q = q < -127.0f ? -127.0f : q > 127.0f ? 127.0f : q;
             dst[2 + i] = (uint8_t)(int8_t)q;
         }
-        return;
+        return 0;
     }
     for (int b = 0; b < D / 32; b++) {
         const float *v = x + 32 * b;
@@ -788,12 +897,16 @@ static void kvp_encode_row(int fmt, const float *restrict x, int D, uint8_t *res
             for (int j = 0; j < 16; j++) blk[2 + j] = (uint8_t)(q[j] | (q[j + 16] << 4));
         }
     }
+    return 0;
+#else
+    return 1;
 #endif
 }
 
-/* The step's tokens encoded and stored in their slots. Returns 0, 2 (bad arguments: a slot outside the pool),
- * 3 (a format it does not encode: nothing written), 4 (a non-finite value, or an fp16 scale overflowing:
- * nothing written; the torch encoders say which). */
+/* The step's tokens encoded and stored in their slots. Returns 0, 1 (out of memory: nothing written), 2 (bad
+ * arguments: a slot outside the pool), 3 (a format it does not encode: nothing written), 4 (a non-finite value, an
+ * fp16 scale overflowing, or a token its format cannot hold: nothing written; the torch encoders say which). Every
+ * token is encoded into a scratch buffer first, and only then are the pages written. */
 int kvp_write(const int64_t *a) {
     if (a[W_ABI] != KVP_ABI_VERSION) return 2;
     const int kfmt = (int)a[W_KFMT], vfmt = (int)a[W_VFMT], H = (int)a[W_H], D = (int)a[W_D];
@@ -803,6 +916,7 @@ int kvp_write(const int64_t *a) {
     const float *key = (const float *)(intptr_t)a[W_KEY], *value = (const float *)(intptr_t)a[W_VALUE];
     const int64_t *slots = (const int64_t *)(intptr_t)a[W_SLOTS];
     uint8_t *cache = (uint8_t *)(intptr_t)a[W_CACHE];
+    const int64_t kb = kvp_row_bytes(kfmt, D), vb = kvp_row_bytes(vfmt, D);
     /* validate everything before the first byte is written */
     for (int64_t i = 0; i < n; i++) {
         if (slots[i] < 0) continue;
@@ -815,14 +929,31 @@ int kvp_write(const int64_t *a) {
             }
         }
     }
+    uint8_t *buf = malloc((size_t)(n > 0 ? n : 1) * (size_t)H * (size_t)(kb + vb));
+    if (!buf) return 1;
+    int bad = 0;
+    for (int64_t i = 0; i < n && !bad; i++) {
+        if (slots[i] < 0) continue;
+        for (int h = 0; h < H; h++) {
+            uint8_t *row = buf + (i * H + h) * (kb + vb);
+            bad |= kvp_encode_row(kfmt, key + i * a[W_KS] + (int64_t)h * D, D, row);
+            bad |= kvp_encode_row(vfmt, value + i * a[W_VS] + (int64_t)h * D, D, row + kb);
+        }
+    }
+    if (bad) {
+        free(buf);
+        return 4;
+    }
     for (int64_t i = 0; i < n; i++) {
         if (slots[i] < 0) continue;
         const int64_t page = slots[i] / T, off = slots[i] % T;
         for (int h = 0; h < H; h++) {
             uint8_t *row = cache + page * a[W_PAGE_STRIDE] + (int64_t)h * a[W_HEAD_STRIDE] + off * a[W_TOKEN_STRIDE];
-            kvp_encode_row(kfmt, key + i * a[W_KS] + (int64_t)h * D, D, row + a[W_KOFF]);
-            kvp_encode_row(vfmt, value + i * a[W_VS] + (int64_t)h * D, D, row + a[W_VOFF]);
+            const uint8_t *enc = buf + (i * H + h) * (kb + vb);
+            memcpy(row + a[W_KOFF], enc, (size_t)kb);
+            memcpy(row + a[W_VOFF], enc + kb, (size_t)vb);
         }
     }
+    free(buf);
     return 0;
 }
