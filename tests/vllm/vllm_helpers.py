@@ -227,7 +227,22 @@ def main(argv: list[str]) -> None:
     ``$KVSLIM_TEST_SEGMENTS`` (JSON) with prefill ``$KVSLIM_TEST_PREFILL``; the result saved to OUT (torch.save).
 
     ``capacity DTYPE SPEC...``: start an engine per spec in turn and print vLLM's KV capacity (tokens) of each
-    (``stock`` needs ``VLLM_PLUGINS=none``; docs/vllm.md)."""
+    (``stock`` needs ``VLLM_PLUGINS=none``; docs/vllm.md).
+
+    ``tp SIZE SPEC OUT``: an engine of SIZE tensor-parallel workers (multiprocess; ``VLLM_CPU_OMP_THREADS_BIND``
+    from the environment), three prompts x 32 greedy tokens (``ignore_eos``), the token ids saved to OUT (JSON)."""
+    if argv[0] == "tp":
+        from vllm import SamplingParams
+
+        spec = None if argv[2] == "stock" else argv[2]
+        llm = start(spec, logits_processors=[], tensor_parallel_size=int(argv[1]), distributed_executor_backend="mp")
+        try:
+            prompts = ["The capital of France is", "def fibonacci(n):", "Colors of the rainbow:"]
+            res = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+            Path(argv[3]).write_text(json.dumps([list(r.outputs[0].token_ids) for r in res]))
+        finally:
+            stop(llm)
+        return
     if argv[0] == "capacity":
         for spec in argv[2:]:
             llm = start(None if spec == "stock" else spec, argv[1])
