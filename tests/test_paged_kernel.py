@@ -293,13 +293,27 @@ def test_c_half_and_bfloat16_writes_round_as_torch_on_every_edge(monkeypatch):
         assert torch.equal(got, want), (fmt_k, fmt_v)
 
 
-def test_c_affine_writes_leave_a_zero_beyond_fp16_to_the_torch_encoder():
-    """An int4 row whose min is below fp16's range (finite, within kvp_write's first check): C writes nothing and
-    the torch encoder raises its own error, the pages untouched."""
+def test_c_affine_writes_leave_a_zero_beyond_fp16_to_the_torch_encoder(monkeypatch):
+    """An int4 row whose min is below fp16's range (finite, within kvp_write's first check): C refuses it (code 4)
+    after encoding the row before it, writes nothing, and the torch encoder raises its own error, the pages
+    untouched."""
+    lib, codes = paged.library(), []
+
+    class Spy:  # the library, with kvp_write's return codes recorded
+        def __getattr__(self, name):
+            return getattr(lib, name)
+
+        def kvp_write(self, args):
+            codes.append(lib.kvp_write(args))
+            return codes[-1]
+
+    monkeypatch.setattr(paged, "library", Spy)
     layout = PageLayout.of("q8_0", "int4", 64, torch.float32)
     key, value = torch.randn(2, 1, 64), torch.randn(2, 1, 64)
     value[1, 0, 3] = -70000.0
     pages = torch.zeros(1, 1, T, layout.row_bytes, dtype=torch.uint8)
     with pytest.raises(ValueError):
         paged.store(layout, pages, key, value, torch.tensor([0, 1]))
-    assert (pages == 0).all()
+    assert codes == [4] and (pages == 0).all()
+    paged.store(layout, pages, key[:1], value[:1], torch.tensor([0]))  # the good row alone: C writes it
+    assert codes == [4, 0] and pages[0, 0, 0].any()

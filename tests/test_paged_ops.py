@@ -84,6 +84,18 @@ def test_bad_calls_say_what_is_wrong_in_one_line():
         ops.paged_attention(
             query, out, pages, starts, lens, table, "q4_0", "int4", torch.float32, 0.125, 0, True, key, value, pages
         )
+    with pytest.raises(ValueError, match="KV heads"):  # one head of K/V for pages of three
+        ops.paged_attention(
+            query, out, pages, starts, lens, table, "q4_0", "int4", torch.float32, 0.125, 0, True, key[:, :1], value
+        )
+    with pytest.raises(ValueError, match="not a multiple"):
+        ops.paged_attention(query[:, :8], out[:, :8], pages, starts, lens, table, "q4_0", "int4", torch.float32, 0.125)
+    before = pages.clone()
+    with pytest.raises(ValueError, match="KV heads"):  # a write of one head would fill every head with it
+        ops.paged_write(pages, key[:, :1], value[:, :1], torch.arange(6), "q4_0", "int4", torch.float32)
+    with pytest.raises(ValueError, match="expected"):  # the same through the Python write
+        write(layout, pages, key[:, :1], value[:, :1], torch.arange(6))
+    assert torch.equal(pages, before)
 
 
 def test_opcheck_accepts_both_schemas():
@@ -103,12 +115,14 @@ def test_opcheck_accepts_both_schemas():
 
 def test_a_compiled_function_calling_the_ops_gives_the_eager_results():
     layout, pages, starts, lens, table, query, key, value = _case()
-    slots = torch.tensor([6 * T + 5, 2 * T + 3, 2 * T + 4, 2 * T + 5, 2 * T + 6, 2 * T + 7])
+    # the step's tokens' slots (row 0: position 69, page 6; row 1: positions 35-39, page 3), written and then read
+    # back from the pages (no raw K/V): a compiled graph that ran the attention before the write reads zeros there
+    slots = torch.tensor([6 * T + 5, 3 * T + 3, 3 * T + 4, 3 * T + 5, 3 * T + 6, 3 * T + 7])
 
     def step(q, k, v, cache):
         out = torch.empty_like(q)
         ops.paged_write(cache, k * 1.0, v, slots, "q4_0", "int4", torch.float32)
-        ops.paged_attention(q * 1.0, out, cache, starts, lens, table, "q4_0", "int4", torch.float32, 0.125, 0, True, k, v)
+        ops.paged_attention(q * 1.0, out, cache, starts, lens, table, "q4_0", "int4", torch.float32, 0.125)
         return out + 1.0
 
     torch._dynamo.reset()

@@ -37,9 +37,14 @@ def _tokens(spec: str, tmp_path: Path) -> list[list[int]]:
         [sys.executable, helpers.__file__, "tp", str(TP), spec, str(out)], env=env, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    if spec != "stock":
-        assert "kvslim pages" in proc.stderr + proc.stdout  # the plugin's backend ran (rank 0 logs it)
-    return json.loads(out.read_text())
+    got = json.loads(out.read_text())
+    assert len(got["ranks"]) == TP
+    for dtype, shape in got["ranks"]:  # every rank stores its own KV head: kvslim's uint8 rows, or stock's fp32
+        if spec == "stock":
+            assert dtype == "torch.float32", got["ranks"]
+        else:
+            assert dtype == "torch.uint8" and shape[-1] == {"none": 2 * 64 * 4, "q4_0": 2 * 36}[spec], got["ranks"]
+    return got["tokens"]
 
 
 def test_tensor_parallel_none_equals_stock_and_q4_0_runs(tmp_path):

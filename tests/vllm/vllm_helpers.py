@@ -222,6 +222,13 @@ def run(llm, segments: list[list[int]], prefill: int, greedy: bool = True) -> di
     }
 
 
+def _kv_info(worker) -> list:
+    """A worker's first KV cache tensor's dtype and shape (run on every rank by ``collective_rpc``): kvslim's pages are
+    uint8 rows of the format's bytes, the stock backend's the model's dtype."""
+    kv = worker.model_runner.kv_caches[0]
+    return [str(kv.dtype), list(kv.shape)]
+
+
 def main(argv: list[str]) -> None:
     """``SPEC DTYPE OUT``: one engine (``stock``: no kvslim spec), :func:`run` on the segments of
     ``$KVSLIM_TEST_SEGMENTS`` (JSON) with prefill ``$KVSLIM_TEST_PREFILL``; the result saved to OUT (torch.save).
@@ -230,7 +237,8 @@ def main(argv: list[str]) -> None:
     (``stock`` needs ``VLLM_PLUGINS=none``; docs/vllm.md).
 
     ``tp SIZE SPEC OUT``: an engine of SIZE tensor-parallel workers (multiprocess; ``VLLM_CPU_OMP_THREADS_BIND``
-    from the environment), three prompts x 32 greedy tokens (``ignore_eos``), the token ids saved to OUT (JSON)."""
+    from the environment), three prompts x 32 greedy tokens (``ignore_eos``); the token ids and each rank's first KV
+    cache tensor's dtype and shape (:func:`_kv_info`) saved to OUT (JSON)."""
     if argv[0] == "tp":
         from vllm import SamplingParams
 
@@ -239,7 +247,8 @@ def main(argv: list[str]) -> None:
         try:
             prompts = ["The capital of France is", "def fibonacci(n):", "Colors of the rainbow:"]
             res = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
-            Path(argv[3]).write_text(json.dumps([list(r.outputs[0].token_ids) for r in res]))
+            ranks = llm.collective_rpc(_kv_info)
+            Path(argv[3]).write_text(json.dumps({"tokens": [list(r.outputs[0].token_ids) for r in res], "ranks": ranks}))
         finally:
             stop(llm)
         return

@@ -49,9 +49,12 @@ def layout(k_format: str, v_format: str, head_dim: int, model_dtype: torch.dtype
     return PageLayout.of(k_format, v_format, head_dim, model_dtype)
 
 
-def _head_dim(kv_cache: torch.Tensor, k_format: str, v_format: str, model_dtype: torch.dtype, query) -> int:
-    """The head size: the query's last dim, checked against the pages' row bytes."""
+def _head_dim(kv_cache: torch.Tensor, k_format: str, v_format: str, model_dtype: torch.dtype, query, key, value) -> int:
+    """The head size: the query's last dim, checked against the pages' row bytes; the query's heads a multiple of the
+    pages' KV heads, and key/value (where given) ``(N, H_kv, D)``: one line each where not."""
     d = int(query.shape[-1])
+    if query.dim() != 3:
+        raise ValueError(f"kvslim paged ops: queries must be (N, heads, head size), got {tuple(query.shape)}")
     if kv_cache.dim() != 4 or kv_cache.dtype != torch.uint8:
         raise ValueError(
             f"kvslim paged ops: kv_cache must be uint8 (pages, H_kv, T, row bytes), got {tuple(kv_cache.shape)} "
@@ -63,6 +66,13 @@ def _head_dim(kv_cache: torch.Tensor, k_format: str, v_format: str, model_dtype:
             f"kvslim paged ops: pages of K {k_format} / V {v_format} at head size {d} have {row} bytes a token, "
             f"kv_cache has {kv_cache.shape[3]}"
         )
+    h_kv = kv_cache.shape[1]
+    for name, x in (("key", key), ("value", value)):
+        if x is not None and (x.dim() != 3 or tuple(x.shape[1:]) != (h_kv, d) or x.shape[0] < query.shape[0]):
+            raise ValueError(
+                f"kvslim paged ops: {name} has shape {tuple(x.shape)}, expected (>= {query.shape[0]}, {h_kv}, {d}) "
+                f"for pages of {h_kv} KV heads"
+            )
     return d
 
 
@@ -72,7 +82,12 @@ def _paged_attention(
 ) -> None:  # fmt: skip
     if (stage_pool is None) != (stage_map is None):
         raise ValueError("kvslim paged ops: give the staging pool and its map together, or neither")
-    d = _head_dim(kv_cache, k_format, v_format, model_dtype, query)
+    d = _head_dim(kv_cache, k_format, v_format, model_dtype, query, key, value)
+    if query.shape[1] % kv_cache.shape[1]:
+        raise ValueError(
+            f"kvslim paged ops: {query.shape[1]} query heads are not a multiple of the pages' {kv_cache.shape[1]} "
+            f"KV heads"
+        )
     staged = None
     if stage_pool is not None:
         staged = paged.Staged(stage_pool, layout("none", "none", d, model_dtype), stage_map)
@@ -84,7 +99,10 @@ def _paged_attention(
 
 
 def _paged_write(kv_cache, key, value, slot_mapping, k_format, v_format, model_dtype) -> None:
-    d = _head_dim(kv_cache, k_format, v_format, model_dtype, key)
+    n = slot_mapping.shape[0]
+    if key.dim() != 3 or key.shape[0] < n:
+        raise ValueError(f"kvslim paged ops: key must be (>= {n}, KV heads, head size), got {tuple(key.shape)}")
+    d = _head_dim(kv_cache, k_format, v_format, model_dtype, key[:n], key[:n], value)
     paged.store(layout(k_format, v_format, d, model_dtype), kv_cache, key, value, slot_mapping)
 
 

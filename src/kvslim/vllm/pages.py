@@ -20,7 +20,7 @@ family        bytes of one role in a token row                 same bytes as
               -127..127, scale = max |x| / 127)
 ``fp8``       ``D`` float8 e4m3fn codes, then the token's      kvslim's fp8 cache (:mod:`kvslim.formats.floats`:
               fp32 scale (``D + 4``; value = code x scale,     the same codes and scale)
-              scale = max |x| / 448)
+              scale = max(max |x| / 448, 1e-12))
 ============  ===============================================  =========================================
 
 8-bit affine pages are symmetric (a page-only layout, ``sym``): one fp16 scale per token and head and no zero,
@@ -180,6 +180,13 @@ def write(
     first N tokens written; slot_mapping: (N,) integer, slot ``s`` = page ``s // T``, token ``s % T``;
     negative slots (vLLM's padding) are skipped."""
     n = slot_mapping.shape[0]
+    want = (kv_cache.shape[1], layout.head_dim) if kv_cache.dim() == 4 else None
+    for name, x in (("key", key), ("value", value)):
+        if want is None or x.dim() != 3 or tuple(x.shape[1:]) != want or x.shape[0] < n:
+            raise ValueError(
+                f"kvslim pages: {name} has shape {tuple(x.shape)}, expected (>= {n}, {want[0] if want else 'H_kv'}, "
+                f"{layout.head_dim}) for pages of shape {tuple(kv_cache.shape)}"
+            )
     if n == 0:
         return
     slots = slot_mapping.long()

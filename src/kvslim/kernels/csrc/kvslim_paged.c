@@ -903,10 +903,15 @@ static int kvp_encode_row(int fmt, const float *restrict x, int D, uint8_t *rest
 #endif
 }
 
+/* Whether format fmt's encoder can refuse a finite token within kvp_write's range check (an affine scale or zero
+ * beyond fp16): then every token is encoded before the first page byte is written. */
+static int kvp_may_refuse(int fmt) { return fmt == KVP_A4 || fmt == KVP_A3 || fmt == KVP_A2; }
+
 /* The step's tokens encoded and stored in their slots. Returns 0, 1 (out of memory: nothing written), 2 (bad
  * arguments: a slot outside the pool), 3 (a format it does not encode: nothing written), 4 (a non-finite value, an
- * fp16 scale overflowing, or a token its format cannot hold: nothing written; the torch encoders say which). Every
- * token is encoded into a scratch buffer first, and only then are the pages written. */
+ * fp16 scale overflowing, or a token its format cannot hold: nothing written; the torch encoders say which). Where a
+ * part's encoder can refuse a token the range check lets through (the affine rows), every token is encoded into a
+ * scratch buffer first and only then are the pages written; the other formats encode straight into the pages. */
 int kvp_write(const int64_t *a) {
     if (a[W_ABI] != KVP_ABI_VERSION) return 2;
     const int kfmt = (int)a[W_KFMT], vfmt = (int)a[W_VFMT], H = (int)a[W_H], D = (int)a[W_D];
@@ -918,9 +923,11 @@ int kvp_write(const int64_t *a) {
     uint8_t *cache = (uint8_t *)(intptr_t)a[W_CACHE];
     const int64_t kb = kvp_row_bytes(kfmt, D), vb = kvp_row_bytes(vfmt, D);
     /* validate everything before the first byte is written */
+    int64_t live = 0;
     for (int64_t i = 0; i < n; i++) {
         if (slots[i] < 0) continue;
         if (slots[i] / T >= a[W_NPAGES]) return 2;
+        live++;
         for (int h = 0; h < H; h++) {
             const float *k = key + i * a[W_KS] + (int64_t)h * D, *v = value + i * a[W_VS] + (int64_t)h * D;
             for (int d = 0; d < D; d++) {
@@ -929,29 +936,36 @@ int kvp_write(const int64_t *a) {
             }
         }
     }
-    uint8_t *buf = malloc((size_t)(n > 0 ? n : 1) * (size_t)H * (size_t)(kb + vb));
-    if (!buf) return 1;
-    int bad = 0;
-    for (int64_t i = 0; i < n && !bad; i++) {
-        if (slots[i] < 0) continue;
-        for (int h = 0; h < H; h++) {
-            uint8_t *row = buf + (i * H + h) * (kb + vb);
-            bad |= kvp_encode_row(kfmt, key + i * a[W_KS] + (int64_t)h * D, D, row);
-            bad |= kvp_encode_row(vfmt, value + i * a[W_VS] + (int64_t)h * D, D, row + kb);
+    uint8_t *buf = NULL;
+    if (kvp_may_refuse(kfmt) || kvp_may_refuse(vfmt)) {
+        buf = malloc((size_t)(live > 0 ? live : 1) * (size_t)H * (size_t)(kb + vb));
+        if (!buf) return 1;
+        int bad = 0;
+        for (int64_t i = 0, j = 0; i < n && !bad; i++) {
+            if (slots[i] < 0) continue;
+            for (int h = 0; h < H; h++, j++) {
+                uint8_t *row = buf + j * (kb + vb);
+                bad |= kvp_encode_row(kfmt, key + i * a[W_KS] + (int64_t)h * D, D, row);
+                bad |= kvp_encode_row(vfmt, value + i * a[W_VS] + (int64_t)h * D, D, row + kb);
+            }
+        }
+        if (bad) {
+            free(buf);
+            return 4;
         }
     }
-    if (bad) {
-        free(buf);
-        return 4;
-    }
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t i = 0, j = 0; i < n; i++) {
         if (slots[i] < 0) continue;
         const int64_t page = slots[i] / T, off = slots[i] % T;
-        for (int h = 0; h < H; h++) {
+        for (int h = 0; h < H; h++, j++) {
             uint8_t *row = cache + page * a[W_PAGE_STRIDE] + (int64_t)h * a[W_HEAD_STRIDE] + off * a[W_TOKEN_STRIDE];
-            const uint8_t *enc = buf + (i * H + h) * (kb + vb);
-            memcpy(row + a[W_KOFF], enc, (size_t)kb);
-            memcpy(row + a[W_VOFF], enc + kb, (size_t)vb);
+            if (buf) {
+                memcpy(row + a[W_KOFF], buf + j * (kb + vb), (size_t)kb);
+                memcpy(row + a[W_VOFF], buf + j * (kb + vb) + kb, (size_t)vb);
+            } else { /* these encoders never refuse a token the check above let through */
+                kvp_encode_row(kfmt, key + i * a[W_KS] + (int64_t)h * D, D, row + a[W_KOFF]);
+                kvp_encode_row(vfmt, value + i * a[W_VS] + (int64_t)h * D, D, row + a[W_VOFF]);
+            }
         }
     }
     free(buf);
