@@ -162,6 +162,15 @@ static inline float kvp_e4m3(uint8_t b) {
     return b & 0x80u ? -f : f;
 }
 
+/* Every e4m3 byte's value, filled once when the library loads (a constructor: before any call, on one thread), so
+ * that an fp8 row decodes with one table load a value instead of kvp_e4m3's branches (a 16 x 2,048 decode step of
+ * fp8 pages in vLLM took 751 ms with them, against 128 for int8 pages). */
+static float kvp_e4m3_lut[256];
+
+__attribute__((constructor)) static void kvp_e4m3_fill(void) {
+    for (int b = 0; b < 256; b++) kvp_e4m3_lut[b] = kvp_e4m3((uint8_t)b);
+}
+
 /* One token's D values in format fmt at src -> dst fp32. */
 static void kvp_decode_row(int fmt, const uint8_t *restrict src, int D, float *restrict dst) {
     switch (fmt) {
@@ -251,7 +260,7 @@ static void kvp_decode_row(int fmt, const uint8_t *restrict src, int D, float *r
     case KVP_F8: { /* codes.float() * scale, as formats/floats.py decodes */
         float sc;
         memcpy(&sc, src + D, 4);
-        for (int i = 0; i < D; i++) dst[i] = kvp_e4m3(src[i]) * sc;
+        for (int i = 0; i < D; i++) dst[i] = kvp_e4m3_lut[src[i]] * sc;
         return;
     }
     default:
