@@ -128,6 +128,33 @@ static inline void enc_pack(const uint8_t *codes, int64_t n, int bits, uint8_t *
             out[i] = (uint8_t)(codes[4 * i] | (codes[4 * i + 1] << 2) | (codes[4 * i + 2] << 4) | (codes[4 * i + 3] << 6));
     }
 }
+
+/* One token's D finite values xt, per token over groups of `group` channels (D a multiple of it, at most 4096): the
+ * packed codes at codes, each group's fp16 scale and zero at scale[ci], zero[ci]. Returns 0, or 1 where a scale or
+ * zero is beyond fp16 (the reference raises). */
+static int enc_token(const float *xt, int64_t D, int64_t group, int bits, uint8_t *codes, uint16_t *scale,
+                     uint16_t *zero) {
+    const float levels = (float)((1 << bits) - 1);
+    float zf[4096], sf[4096];
+    uint8_t line[4096];
+    for (int64_t ci = 0; ci < D / group; ci++) {
+        const float *xc = xt + ci * group;
+        float lo, hi;
+        enc_minmax(xc, group, &lo, &hi);
+        uint16_t s, z;
+        if (!enc_params(lo, hi, levels, &s, &z)) return 1;
+        scale[ci] = s;
+        zero[ci] = z;
+        const float zv = enc_h2f(z), sv = enc_h2f(s);
+        for (int64_t c = 0; c < group; c++) {
+            zf[ci * group + c] = zv;
+            sf[ci * group + c] = sv;
+        }
+    }
+    enc_codes(xt, zf, sf, levels, D, line);
+    enc_pack(line, D, bits, codes);
+    return 0;
+}
 #endif
 
 /* One token's D fp32 values x as the vLLM plugin's affine page row (kvslim/vllm/pages.py: quantize_per_token with
@@ -139,20 +166,9 @@ int kvs_encode_token_affine(int bits, const float *x, int64_t D, uint8_t *dst) {
     if ((bits != 8 && bits != 4 && bits != 3 && bits != 2) || D < 1 || D > 4096 || (D * bits) % 8) return -1;
     for (int64_t i = 0; i < D; i++)
         if (!((x[i] - x[i]) == 0.0f)) return 1; /* an inf or a NaN */
-    const float levels = (float)((1 << bits) - 1);
-    float lo, hi, zf[4096], sf[4096];
-    uint8_t line[4096];
-    uint16_t s, z;
-    enc_minmax(x, D, &lo, &hi);
-    if (!enc_params(lo, hi, levels, &s, &z)) return 1;
-    const float zv = enc_h2f(z), sv = enc_h2f(s);
-    for (int64_t c = 0; c < D; c++) {
-        zf[c] = zv;
-        sf[c] = sv;
-    }
-    enc_codes(x, zf, sf, levels, D, line);
+    uint16_t s, z; /* copied after: the row's bytes need not be 2-aligned */
+    if (enc_token(x, D, D, bits, dst, &s, &z)) return 1;
     const int64_t packed = D * bits / 8;
-    enc_pack(line, D, bits, dst);
     memcpy(dst + packed, &s, 2);
     memcpy(dst + packed + 2, &z, 2);
     return 0;
@@ -205,25 +221,8 @@ int kv_encode_affine(const int64_t *args) {
         }
     } else { /* V: per token, over groups of `group` channels */
         const int64_t nc = D / group;
-        for (int64_t r = 0; r < rows * T; r++) {
-            const float *xt = x + r * D;
-            for (int64_t ci = 0; ci < nc; ci++) {
-                const float *xc = xt + ci * group;
-                float lo, hi;
-                enc_minmax(xc, group, &lo, &hi);
-                uint16_t s, z;
-                if (!enc_params(lo, hi, levels, &s, &z)) return 1;
-                scale[r * nc + ci] = s;
-                zero[r * nc + ci] = z;
-                const float zv = enc_h2f(z), sv = enc_h2f(s);
-                for (int64_t c = 0; c < group; c++) {
-                    zf[ci * group + c] = zv;
-                    sf[ci * group + c] = sv;
-                }
-            }
-            enc_codes(xt, zf, sf, levels, D, line);
-            enc_pack(line, D, (int)bits, codes + r * packed);
-        }
+        for (int64_t r = 0; r < rows * T; r++)
+            if (enc_token(x + r * D, D, group, (int)bits, codes + r * packed, scale + r * nc, zero + r * nc)) return 1;
     }
     return 0;
 #else
