@@ -188,13 +188,20 @@ def attend(
     staged: pages with a staging slot are read from it instead of their codes (:mod:`.staging`)."""
     if (key is None) != (value is None):
         raise ValueError("kvslim paged attention: give both the step's raw key and value, or neither")
+    if query.dim() != 3 or query.shape[1] % kv_cache.shape[1]:
+        raise ValueError(
+            f"kvslim paged attention: queries of shape {tuple(query.shape)}: expected (N, heads, head size) with a "
+            f"head count that is a multiple of the pages' {kv_cache.shape[1]} KV heads; it is not a multiple, or "
+            f"not 3-D"
+        )
     if key is not None:
         want = (kv_cache.shape[1], layout.head_dim)
         for name, x in (("key", key), ("value", value)):
             if x.dim() != 3 or tuple(x.shape[1:]) != want or x.shape[0] < query.shape[0]:
                 raise ValueError(
                     f"kvslim paged attention: {name} has shape {tuple(x.shape)}, expected "
-                    f"({query.shape[0]}, {want[0]}, {want[1]}): the step's tokens packed like the queries"
+                    f"({query.shape[0]}, {want[0]}, {want[1]}) ({want[0]} KV heads): the step's tokens packed like "
+                    f"the queries"
                 )
     lib = None if _reference_asked() else library()
     if lib is None:

@@ -49,31 +49,25 @@ def layout(k_format: str, v_format: str, head_dim: int, model_dtype: torch.dtype
     return PageLayout.of(k_format, v_format, head_dim, model_dtype)
 
 
-def _head_dim(kv_cache: torch.Tensor, k_format: str, v_format: str, model_dtype: torch.dtype, query, key, value) -> int:
-    """The head size: the query's last dim, checked against the pages' row bytes; the query's heads a multiple of the
-    pages' KV heads, and key/value (where given) ``(N, H_kv, D)``: one line each where not."""
-    d = int(query.shape[-1])
-    if query.dim() != 3:
-        raise ValueError(f"kvslim paged ops: queries must be (N, heads, head size), got {tuple(query.shape)}")
+def _page_layout(kv_cache: torch.Tensor, k_format: str, v_format: str, model_dtype: torch.dtype, x, name: str):
+    """The :class:`PageLayout` of these formats at the head size of ``x`` (the queries, or the keys written), checked
+    against the pages' row bytes (one line where not). The shapes of the K/V and queries are checked where they are
+    used (:func:`~kvslim.vllm.attend.attend`, :func:`~kvslim.vllm.pages.write`)."""
+    if x.dim() != 3:
+        raise ValueError(f"kvslim paged ops: {name} must be (N, heads, head size), got {tuple(x.shape)}")
+    d = int(x.shape[-1])
     if kv_cache.dim() != 4 or kv_cache.dtype != torch.uint8:
         raise ValueError(
             f"kvslim paged ops: kv_cache must be uint8 (pages, H_kv, T, row bytes), got {tuple(kv_cache.shape)} "
             f"{kv_cache.dtype}"
         )
-    row = layout(k_format, v_format, d, model_dtype).row_bytes
-    if kv_cache.shape[3] != row:
+    pages = layout(k_format, v_format, d, model_dtype)
+    if kv_cache.shape[3] != pages.row_bytes:
         raise ValueError(
-            f"kvslim paged ops: pages of K {k_format} / V {v_format} at head size {d} have {row} bytes a token, "
-            f"kv_cache has {kv_cache.shape[3]}"
+            f"kvslim paged ops: pages of K {k_format} / V {v_format} at head size {d} have {pages.row_bytes} bytes "
+            f"a token, kv_cache has {kv_cache.shape[3]}"
         )
-    h_kv = kv_cache.shape[1]
-    for name, x in (("key", key), ("value", value)):
-        if x is not None and (x.dim() != 3 or tuple(x.shape[1:]) != (h_kv, d) or x.shape[0] < query.shape[0]):
-            raise ValueError(
-                f"kvslim paged ops: {name} has shape {tuple(x.shape)}, expected (>= {query.shape[0]}, {h_kv}, {d}) "
-                f"for pages of {h_kv} KV heads"
-            )
-    return d
+    return pages
 
 
 def _paged_attention(
@@ -82,28 +76,17 @@ def _paged_attention(
 ) -> None:  # fmt: skip
     if (stage_pool is None) != (stage_map is None):
         raise ValueError("kvslim paged ops: give the staging pool and its map together, or neither")
-    d = _head_dim(kv_cache, k_format, v_format, model_dtype, query, key, value)
-    if query.shape[1] % kv_cache.shape[1]:
-        raise ValueError(
-            f"kvslim paged ops: {query.shape[1]} query heads are not a multiple of the pages' {kv_cache.shape[1]} "
-            f"KV heads"
-        )
+    pages = _page_layout(kv_cache, k_format, v_format, model_dtype, query, "queries")
     staged = None
     if stage_pool is not None:
-        staged = paged.Staged(stage_pool, layout("none", "none", d, model_dtype), stage_map)
+        staged = paged.Staged(stage_pool, layout("none", "none", pages.head_dim, model_dtype), stage_map)
     rows = paged.Rows.of(query_start_loc, seq_lens, block_table)
-    paged.attend(
-        layout(k_format, v_format, d, model_dtype), kv_cache, query, out, rows, scale, window, causal, key, value,
-        staged,
-    )  # fmt: skip
+    paged.attend(pages, kv_cache, query, out, rows, scale, window, causal, key, value, staged)
 
 
 def _paged_write(kv_cache, key, value, slot_mapping, k_format, v_format, model_dtype) -> None:
-    n = slot_mapping.shape[0]
-    if key.dim() != 3 or key.shape[0] < n:
-        raise ValueError(f"kvslim paged ops: key must be (>= {n}, KV heads, head size), got {tuple(key.shape)}")
-    d = _head_dim(kv_cache, k_format, v_format, model_dtype, key[:n], key[:n], value)
-    paged.store(layout(k_format, v_format, d, model_dtype), kv_cache, key, value, slot_mapping)
+    pages = _page_layout(kv_cache, k_format, v_format, model_dtype, key, "key")
+    paged.store(pages, kv_cache, key, value, slot_mapping)
 
 
 _LIB.impl("paged_attention", _paged_attention, "CPU")

@@ -185,7 +185,7 @@ def write(
         if want is None or x.dim() != 3 or tuple(x.shape[1:]) != want or x.shape[0] < n:
             raise ValueError(
                 f"kvslim pages: {name} has shape {tuple(x.shape)}, expected (>= {n}, {want[0] if want else 'H_kv'}, "
-                f"{layout.head_dim}) for pages of shape {tuple(kv_cache.shape)}"
+                f"{layout.head_dim}): the KV heads and head size of pages of shape {tuple(kv_cache.shape)}"
             )
     if n == 0:
         return
