@@ -42,9 +42,10 @@ def test_routes_and_their_errors(model):
     assert fresh.config._attn_implementation == "sdpa"  # refused before kvslim.enable
 
 
-def _auto(model, torch_ok: bool, onednn_ok: bool, monkeypatch, ready: bool = True) -> lin.Linears:
+def _auto(model, torch_ok: bool, onednn_ok: bool, monkeypatch, ready: bool = True, ms=(10.0, 10.0)) -> lin.Linears:
     monkeypatch.setattr(lin, "rows_invariant", lambda modules, route, rows: torch_ok if route == "torch" else onednn_ok)
     monkeypatch.setattr(lin, "onednn_ready", lambda: ready)
+    monkeypatch.setattr(lin, "products_ms", lambda modules, rows: ms)
     return lin.Linears(model, "auto", batch_hint=8)
 
 
@@ -53,6 +54,7 @@ def test_auto_takes_torch_where_its_rows_are_invariant_else_onednn(model, monkey
     saying why (and so does the route's line in a banner)."""
     got = _auto(model, True, True, monkeypatch)
     assert (got.asked, got.route, got.modules) == ("auto", "torch", []) and "alike" in got.reason
+    assert "not 1.10x faster (a step's products at 8 rows: oneDNN 10.0 ms, torch 10.0 ms)" in got.reason
     got = _auto(model, False, True, monkeypatch)
     assert got.route == "onednn" and len(got.modules) > 0 and "oneDNN does not" in got.reason
     assert str(got).startswith("linear layers: onednn (") and "auto: torch's linear (MKL) rounds" in str(got)
@@ -63,6 +65,36 @@ def test_auto_takes_torch_where_its_rows_are_invariant_else_onednn(model, monkey
     half = tiny_model("llama", seed=5).half()
     got = lin.Linears(half, "auto")  # nothing to route: torch, never an error (an explicit onednn is one)
     assert got.route == "torch" and "no float32" in got.reason
+
+
+def test_auto_takes_the_faster_route_where_both_keep_a_rows_bits(model, monkeypatch):
+    """Where torch's linear and oneDNN both round a row alike at every step size, auto takes oneDNN only where its
+    products are FASTER times quicker (an AMD CPU's MKL), and torch where oneDNN does not keep a row's bits however
+    fast it is."""
+    got = _auto(model, True, True, monkeypatch, ms=(20.0, 10.0))
+    assert got.route == "onednn" and len(got.modules) > 0
+    assert got.reason == (
+        "both round a row alike at every step size here, and oneDNN is faster (a step's products at 8 rows: "
+        "oneDNN 10.0 ms, torch 20.0 ms)"
+    )
+    assert _auto(model, True, True, monkeypatch, ms=(10.9, 10.0)).route == "torch"  # under the margin
+    assert _auto(model, True, True, monkeypatch, ms=(11.0, 10.0)).route == "onednn"
+    assert _auto(model, True, False, monkeypatch, ms=(99.0, 1.0)).route == "torch"
+    assert _auto(model, True, True, monkeypatch, ready=False, ms=(99.0, 1.0)).route == "torch"
+
+
+def test_products_ms_times_both_routes_once(model, monkeypatch):
+    """The speed probe runs every routable module's product through both routes, interleaved, and remembers it."""
+    modules = [m for m in model.modules() if lin._routable(m)]
+    calls = []
+    real = lin._product
+    monkeypatch.setattr(lin, "_product", lambda route, x, w, b: calls.append((route, x.shape[0])) or real(route, x, w, b))
+    monkeypatch.setattr(lin, "_PROBED", {})
+    t_torch, t_onednn = lin.products_ms(modules, 6)
+    assert t_torch > 0 and t_onednn > 0
+    assert len(calls) == 2 * lin.PASSES * len(modules) and {n for _, n in calls} == {8}  # step_rows(6) rows
+    assert [r for r, _ in calls[:: len(modules)]] == ["torch", "onednn", "onednn", "torch", "torch", "onednn"]
+    assert lin.products_ms(modules, 6) == (t_torch, t_onednn) and len(calls) == 2 * lin.PASSES * len(modules)
 
 
 def test_auto_is_the_default_of_the_engine_and_the_clis():

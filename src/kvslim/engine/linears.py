@@ -24,18 +24,22 @@ step's fp32 CPU ``nn.Linear`` layers through it:
   the embedded model's 540 MiB; MKL reserves more address space than it touches, :attr:`Linears.nbytes` counts the
   weights' bytes). Opt-in, as ``packed``; a weight changed after packing is packed again, as there.
 - ``torch``: torch's own ``linear``, untouched.
-- ``auto`` (the default of the engine, ``kvslim serve`` and ``kvslim bench --concurrency``): ``torch`` where its
-  ``linear`` rounds a row of a product the same whatever the step's row count (checked once, on the model's own
-  weights, :func:`rows_invariant`), else ``onednn`` where oneDNN does, else ``torch`` (said in
-  :attr:`Linears.reason`). On an AVX2 CPU that is torch's route; on an AVX-512-FP16 Xeon (Sapphire Rapids), where
-  MKL rounds rows of 8, 12, 16... differently from 4, it is oneDNN: the engine's rows stay bit for bit what they
-  are alone, for 0.98x of torch's step there (docs/performance.md, "The default route: rows bit for bit").
+- ``auto`` (the default of the engine, ``kvslim serve`` and ``kvslim bench --concurrency``): of the routes whose
+  product rounds a row the same whatever the step's row count (checked once, on the model's own weights,
+  :func:`rows_invariant`), the faster: ``torch`` unless oneDNN's pass over the model's products at the step's rows
+  is :data:`FASTER` times quicker (timed once, :func:`products_ms`); ``torch`` where neither keeps a row's bits
+  (said in :attr:`Linears.reason`). On an AVX-512-FP16 Xeon (Sapphire Rapids), where MKL rounds rows of 8, 12,
+  16... differently from 4, it is oneDNN (0.98x of torch's step there, docs/performance.md, "The default route:
+  rows bit for bit"); on an AMD EPYC (Zen 4), where MKL's sgemm runs far below oneDNN's and both keep a row's
+  bits, oneDNN by speed ("The default route on an AMD CPU"); on the AVX2 machines of earlier stops, torch.
 
 Measured (docs/performance.md, "The weights' products"): under the torch profiler the step's linear ops take
 126-130 ms a step with torch's route, 89-110 with ``onednn``, 84-97 with ``packed`` (16 rows, the embedded
 model), but a whole step under ``OMP_WAIT_POLICY=PASSIVE`` (the CLI's default) gains 0-4% with ``onednn`` and
 0-7% with ``packed``, within the machine's noise (where the rest goes is not explained yet). With the runtime's
-own wait policy the gains were 7% and 11%. So the default stays torch's. ``mkl`` (2026-12-03, 16 x 4,096 int4,
+own wait policy the gains were 7% and 11%. On an AMD EPYC (Zen 4), MKL's products are 1.4-1.8x slower than
+oneDNN's and a whole 16-row step 1.07-1.19x (docs/performance.md, "The default route on an AMD CPU"): ``auto``
+weighs speed where both keep a row's bits. ``mkl`` (2026-12-03, 16 x 4,096 int4,
 the AVX-512 rows kernels): the weights' products alone 37-40 ms a step against torch's 46.5, a whole step 0.97-1.03x
 torch's route, the same bits (docs/performance.md, "MKL's packed weights").
 
@@ -62,6 +66,7 @@ alone. The module knows nothing about caches or rows.
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -126,6 +131,36 @@ def rows_invariant(modules, route: str, rows: int) -> bool:
 
 
 _PROBED: dict = {}
+
+#: how much faster oneDNN's products must be for ``auto`` to leave torch's route where both keep a row's bits
+FASTER = 1.10
+#: timed passes over the model's products per route (interleaved; the fastest counts), fewer where a pass is long
+PASSES = 3
+
+
+def products_ms(modules, rows: int) -> tuple[float, float]:
+    """Milliseconds of one pass over ``modules``' products (every routable ``nn.Linear``, in order, each weight
+    streamed from memory as in a step) at :func:`step_rows` of ``rows`` rows through torch's ``linear`` and through
+    oneDNN: the fastest of :data:`PASSES` passes each, the two routes interleaved so that a busy stretch of the
+    machine slows both. Remembered per process (shapes, rows, threads)."""
+    n = step_rows(rows)
+    key = ("speed", tuple(tuple(m.weight.shape) for m in modules), n, torch.get_num_threads())
+    if key not in _PROBED:
+        g = torch.Generator().manual_seed(0)
+        xs = {w: torch.randn(n, w, generator=g) for w in {m.weight.shape[1] for m in modules}}
+        best = {"torch": float("inf"), "onednn": float("inf")}
+        with torch.no_grad():
+            for i in range(PASSES):
+                for route in ("torch", "onednn") if i % 2 == 0 else ("onednn", "torch"):
+                    t = time.perf_counter()
+                    for m in modules:
+                        bias = None if m.bias is None else m.bias.detach().contiguous()
+                        _product(route, xs[m.weight.shape[1]], m.weight.detach(), bias)
+                    best[route] = min(best[route], (time.perf_counter() - t) * 1e3)
+                if best["torch"] > 1000:  # a large model: one pass each is measurement enough
+                    break
+        _PROBED[key] = (best["torch"], best["onednn"])
+    return _PROBED[key]
 
 
 def _product(route: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -333,7 +368,14 @@ def _choose(model, rows: int) -> tuple[str, str]:
     if not modules:
         return "torch", "no float32 CPU linear layer to route"
     if rows_invariant(modules, "torch", rows):
-        return "torch", "torch's linear rounds a row alike at every step size here"
+        alike = "torch's linear rounds a row alike at every step size here"
+        if not onednn_ready() or not rows_invariant(modules, "onednn", rows):
+            return "torch", alike
+        t_torch, t_onednn = products_ms(modules, rows)
+        speeds = f"a step's products at {step_rows(rows)} rows: oneDNN {t_onednn:.1f} ms, torch {t_torch:.1f} ms"
+        if t_onednn * FASTER <= t_torch:
+            return "onednn", f"both round a row alike at every step size here, and oneDNN is faster ({speeds})"
+        return "torch", f"{alike}, and oneDNN is not {FASTER:.2f}x faster ({speeds})"
     if not onednn_ready():
         return "torch", "torch's linear rounds a row differently by the step's size here, and this torch has no oneDNN"
     if rows_invariant(modules, "onednn", rows):
