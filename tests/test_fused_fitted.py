@@ -83,13 +83,15 @@ def _counting(monkeypatch):
 
 
 #: (spec, the file, whether the K body is centered): fitted post-RoPE with and without a window, with and without
-#: the file's K means (q4_0 centers, int4 does not), int2; a Hadamard basis with a K bias
+#: the file's K means (q4_0 centers, int4 does not), int2; a Hadamard basis with a K bias. ``sink=0`` where there is
+#: no window: every decode step after the 20-token prefill reads a body (the default 16 sinks would leave the first
+#: steps without one, attended by sdpa on the stored tokens)
 LOGIT_CASES = [
-    ("int4,residual=4,group=4,rotate=fitted", "post", False),
+    ("int4,sink=0,residual=4,group=4,rotate=fitted", "post", False),
     ("int4,sink=2,window=24,residual=4,group=4,rotate=fitted", "post", False),
-    ("q4_0,residual=4,group=4,rotate=fitted", "post", True),
+    ("q4_0,sink=0,residual=4,group=4,rotate=fitted", "post", True),
     ("q4_0,sink=2,window=24,residual=0,group=1,rotate=fitted", "post", True),
-    ("int2,residual=4,group=4,rotate=fitted,pre_rope=0", "post", False),
+    ("int2,sink=0,residual=4,group=4,rotate=fitted,pre_rope=0", "post", False),
     ("q4_0,sink=2,window=24,residual=0,group=1", "hadamard", True),
 ]
 

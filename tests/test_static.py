@@ -73,7 +73,10 @@ def test_static_cache_stores_and_reads_what_a_slimcache_does(model, spec):
     torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
     tokens = torch.randint(3, 128, (2, 45), generator=torch.Generator().manual_seed(2))
     la, lb = _run(model, ref, ids[:, -1:], tokens=tokens), _run(model, static, ids[:, -1:], tokens=tokens)
-    torch.testing.assert_close(lb, la, atol=1e-4, rtol=1e-4)
+    # int2's four levels carry the two attention paths' rounding into the next layers furthest: 1.5e-4 at most over
+    # the 45 steps on an AVX-512 EPYC (median 9e-5; the other formats 7e-5 at most)
+    tol = 3e-4 if spec["kv_quantize"] == "int2" else 1e-4
+    torch.testing.assert_close(lb, la, atol=tol, rtol=tol)
     assert static.get_seq_length() == ref.get_seq_length() == 37 + 1 + 45
     assert static.stored_tokens() == ref.stored_tokens()
     # Layer 0's K/V depend on the tokens alone: the same codes, decoded the same way, bit for bit (deeper layers'
