@@ -593,6 +593,15 @@ def test_fields_not_honoured_are_refused_by_name(server):
         path, body = base[endpoint]
         err = _error(httpx.post(url + path, json={**body, field: value}, timeout=30), 400)
         assert err["param"] == field and field in err["message"], (endpoint, field, err)
+    # the labels accepted unused are still typed as OpenAI's API has them
+    bad_labels = [("chat", "user", 7), ("completions", "user", ["u"]), ("chat", "safety_identifier", 3),
+                  ("chat", "prompt_cache_key", {}), ("chat", "metadata", "k=v"), ("chat", "metadata", {"k": 1}),
+                  ("chat", "metadata", {f"k{i}": "v" for i in range(17)}), ("chat", "metadata", {"k" * 65: "v"}),
+                  ("chat", "metadata", {"k": "v" * 513})]
+    for endpoint, field, value in bad_labels:
+        path, body = base[endpoint]
+        err = _error(httpx.post(url + path, json={**body, field: value}, timeout=30), 400)
+        assert err["param"] == field and field in err["message"], (endpoint, field, err)
     err = _error(httpx.post(url + base["chat"][0], json={**base["chat"][1], "frobnicate": 1}, timeout=30), 400)
     assert err["message"] == "Unrecognized request argument supplied: 'frobnicate'"
     client = server.client()
@@ -602,7 +611,8 @@ def test_fields_not_honoured_are_refused_by_name(server):
     # neutral values and null mean "not asked": served
     neutral = {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "logit_bias": {},
                "presence_penalty": 0, "frequency_penalty": 0.0, "n": 1, "user": "u-1", "modalities": ["text"],
-               "store": False, "parallel_tool_calls": False, "metadata": {"k": "v"}, "audio": None, "seed": None,
+               "store": False, "parallel_tool_calls": False, "metadata": {f"k{i}": "v" * 512 for i in range(16)},
+               "safety_identifier": "s", "prompt_cache_key": "", "audio": None, "seed": None,
                "stop": None, "max_tokens": None, "max_completion_tokens": 2, "logprobs": None, "temperature": None,
                "stream": None, "stream_options": {"include_usage": None}, "session": None, "kvslim_cache": None}
     resp = httpx.post(url + base["chat"][0], json={**base["chat"][1], **neutral}, timeout=30)

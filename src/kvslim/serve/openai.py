@@ -122,6 +122,7 @@ def parse(body: dict, *, chat: bool, max_tokens_limit: int, session_header: byte
     """The generation fields of ``body``, validated (call :func:`check_fields` first: it refuses the fields
     not honoured). max_tokens_limit: the model's context. session_header: the raw ``X-Session-Id`` header,
     used when the body names no session."""
+    _labels(body)
     n = body.get("n")
     if n is not None and (isinstance(n, bool) or n != 1):
         raise APIError(400, f"n must be 1 (one choice per request), got {show(n)}", param="n")
@@ -152,6 +153,33 @@ def parse(body: dict, *, chat: bool, max_tokens_limit: int, session_header: byte
         cache=_cache(body.get("kvslim_cache")),
         ignore_eos=bool(ignore_eos),
     )
+
+
+#: the labels a client may attach for the provider's bookkeeping (accepted, unused): strings, as OpenAI's API has them
+_LABELS = ("user", "safety_identifier", "prompt_cache_key")
+#: OpenAI's bounds on ``metadata``: pairs, characters in a key, characters in a value
+_METADATA = (16, 64, 512)
+
+
+def _labels(body: dict) -> None:
+    """400 for a label of the wrong type: ``user`` and the other identifiers are strings, ``metadata`` an object of
+    at most 16 string values of at most 512 characters under keys of at most 64. They change no output, but a client
+    that sends a number there has a bug it should hear of, as OpenAI's API tells it."""
+    for name in _LABELS:
+        value = body.get(name)
+        if value is not None and not isinstance(value, str):
+            raise APIError(400, f"{name} must be a string, got {show(value)}", param=name)
+    meta = body.get("metadata")
+    if meta is None:
+        return
+    pairs, key_chars, value_chars = _METADATA
+    if not isinstance(meta, dict) or len(meta) > pairs:
+        raise APIError(400, f"metadata must be an object of at most {pairs} string values, got {show(meta)}",
+                       param="metadata")
+    for key, value in meta.items():
+        if len(key) > key_chars or not isinstance(value, str) or len(value) > value_chars:
+            raise APIError(400, f"metadata[{show(key, 40)}] must be a string of at most {value_chars} characters under "
+                                f"a key of at most {key_chars}, got {show(value)}", param="metadata")
 
 
 def _max_tokens(body: dict, limit: int) -> int | None:
