@@ -131,6 +131,7 @@ def _awkward(n, h, d, seed):
     x[1, 1, :32] = torch.arange(32) / 4 - 4  # exact quarters: codes on half-way points
     x[2, 0, 5], x[2, 0, 9] = 3.0, -3.0  # max and -min tie
     x[2, 1] = torch.randint(-127, 128, (d,), generator=g).float() * 0.5  # sym8 halves: round half to even
+    x[3, 0, :32] = torch.cat([torch.tensor([127.0]), torch.arange(31) - 15.5])  # q8_0 d = 1: halves away from zero
     return x
 
 
@@ -148,15 +149,17 @@ def _awkward(n, h, d, seed):
         ("fp8", "fp8"),
         ("bf16", "fp8"),
         ("q5_0", "int4"),
+        ("q4_1", "q5_1"),
+        ("q5_1", "q5_0"),
+        ("q5_0", "q4_1"),
     ],
 )
 def test_c_writes_are_the_torch_encoders_bytes(fmt_k, fmt_v, monkeypatch):
     """kvp_write (paged.store) against pages.write: the same bytes in the same slots, padding (-1) skipped, the
-    other rows untouched; formats it does not encode (q4_1, q5_x) go through the torch path (the same call)."""
+    other rows untouched; every format is C's (a fallback to torch would fail)."""
     h, d, n = 3, 64, 40
     layout = PageLayout.of(fmt_k, fmt_v, d, torch.float32)
-    if not {fmt_k, fmt_v} & {"q4_1", "q5_0", "q5_1"}:
-        monkeypatch.setattr(paged, "write", None)  # C must write these: a fallback would fail
+    monkeypatch.setattr(paged, "write", None)  # C must write these: a fallback would fail
     key, value = _awkward(n, h, d, 1), _awkward(n, h, d, 2).flip(0)
     slots = torch.randperm(8 * T, generator=torch.Generator().manual_seed(3))[:n]
     slots[[4, 17]] = -1
@@ -293,10 +296,43 @@ def test_c_half_and_bfloat16_writes_round_as_torch_on_every_edge(monkeypatch):
         assert torch.equal(got, want), (fmt_k, fmt_v)
 
 
-def test_c_affine_writes_leave_a_zero_beyond_fp16_to_the_torch_encoder(monkeypatch):
-    """An int4 row whose min is below fp16's range (finite, within kvp_write's first check): C refuses it (code 4)
-    after encoding the row before it, writes nothing, and the torch encoder raises its own error, the pages
-    untouched."""
+def _ggml_min_edges() -> torch.Tensor:
+    """Blocks of 32 for q4_1 / q5_1 / q5_0's quirks: zero minima whose last zero is -0 or +0 (the stored min's sign),
+    blocks of zeros of mixed signs, codes on half-way points ((x - min) / d + 0.5 an integer, d = 1 for both tops),
+    ties of +-max, a constant block, tiny and large magnitudes, random blocks."""
+    g = torch.Generator().manual_seed(11)
+    blocks = [
+        torch.tensor([0.0, -0.0] * 16),
+        torch.tensor([-0.0, 0.0] * 16),
+        torch.cat([torch.tensor([0.0, -0.0, 0.0]), torch.rand(29, generator=g) + 0.1]),
+        torch.cat([torch.tensor([-0.0, 0.0, -0.0]), torch.rand(29, generator=g) + 0.1]),
+        torch.cat([torch.tensor([0.0, 15.0]), torch.arange(30) % 15 + 0.5]),  # q4_1 d = 1: every code a tie
+        torch.cat([torch.tensor([0.0, 31.0]), torch.arange(30) + 0.5]),  # q5_1 d = 1
+        torch.cat([torch.tensor([-16.0, 15.0]), torch.arange(30) - 14.5]),  # q5_0 d = 1: x + 16.5 on integers
+        torch.tensor([3.0, -3.0] * 16),
+        torch.full((32,), 2.5),
+        torch.full((32,), -1e-30),
+        torch.randn(32, generator=g) * 1e4,
+    ]
+    rand = torch.randn(22, 32, generator=g) * torch.logspace(-4, 4, 22)[:, None]
+    x = torch.cat([torch.stack(blocks), rand, -torch.stack(blocks)])  # (44, 32): 22 tokens of 64
+    return x.reshape(-1, 1, 64)
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q5_1", "q5_0"])
+def test_c_ggml_writes_are_gguf_bytes_on_every_edge(fmt, monkeypatch):
+    """kvp_write's q4_1 / q5_1 / q5_0 blocks against quantize_ggml's (gguf-py's bytes) on the quirks' edges: the
+    stored min's sign, d's zero, half-way codes, the fifth bits' order."""
+    x = _ggml_min_edges()
+    got, want = _c_only(monkeypatch, PageLayout.of(fmt, fmt, 64, torch.float32), x, x.flip(0))
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("fmt_v", ["int4", "q4_1", "q5_1"])
+def test_c_writes_leave_a_value_beyond_fp16_to_the_torch_encoder(fmt_v, monkeypatch):
+    """A row whose min is below fp16's range (finite, within kvp_write's first check: an affine zero, a q4_1 / q5_1
+    block's stored min): C refuses it (code 4) after encoding the row before it, writes nothing, and the torch
+    encoder raises its own error, the pages untouched."""
     lib, codes = paged.library(), []
 
     class Spy:  # the library, with kvp_write's return codes recorded
@@ -308,7 +344,7 @@ def test_c_affine_writes_leave_a_zero_beyond_fp16_to_the_torch_encoder(monkeypat
             return codes[-1]
 
     monkeypatch.setattr(paged, "library", Spy)
-    layout = PageLayout.of("q8_0", "int4", 64, torch.float32)
+    layout = PageLayout.of("q8_0", fmt_v, 64, torch.float32)
     key, value = torch.randn(2, 1, 64), torch.randn(2, 1, 64)
     value[1, 0, 3] = -70000.0
     pages = torch.zeros(1, 1, T, layout.row_bytes, dtype=torch.uint8)

@@ -286,10 +286,10 @@ def attend(
 
 def _c_writes(part: Part) -> bool:
     """Whether ``kvp_write`` encodes ``part`` (the same bytes as :func:`~.pages.encode_part`): fp32, fp16 and bf16
-    values, q8_0, q4_0, symmetric int8, affine int4/int3/int2 and fp8 rows (q4_1 and q5_x stay with torch)."""
+    values, every GGML block (q8_0, q4_0, q4_1, q5_0, q5_1), symmetric int8, affine int4/int3/int2 and fp8 rows."""
     if part.family == "cast":
         return part.dtype in (torch.float32, torch.float16, torch.bfloat16)
-    return part.family in ("sym", "affine", "fp8") or (part.family == "ggml" and part.name in ("q8_0", "q4_0"))
+    return part.family in ("sym", "affine", "fp8", "ggml")
 
 
 def _c_can_store(layout: PageLayout, kv_cache: torch.Tensor, key, value, slot_mapping: torch.Tensor) -> bool:

@@ -751,12 +751,12 @@ static int kvp_run(const kvp_call *cp, const kvp_work *task, int64_t ntasks, con
 int kvs_encode_token_affine(int bits, const float *x, int64_t D, uint8_t *dst);
 
 /* Whether kvp_write encodes format fmt here: f32 and bf16 values, fp8 and, with F16C (its fp16 rounding), f16
- * values, q8_0, q4_0, sym8 and the per-token affine int4 / int3 / int2 rows. */
+ * values, every GGML block (q8_0, q4_0, q4_1, q5_0, q5_1), sym8 and the per-token affine int4 / int3 / int2 rows. */
 static int kvp_writes(int fmt) {
     if (fmt == KVP_F32 || fmt == KVP_BF16 || fmt == KVP_F8) return 1;
 #if defined(__F16C__)
-    return fmt == KVP_F16 || fmt == KVP_Q8_0 || fmt == KVP_Q4_0 || fmt == KVP_S8 || fmt == KVP_A4 || fmt == KVP_A3 ||
-           fmt == KVP_A2;
+    return fmt == KVP_F16 || fmt == KVP_Q8_0 || fmt == KVP_Q4_0 || fmt == KVP_Q4_1 || fmt == KVP_Q5_0 ||
+           fmt == KVP_Q5_1 || fmt == KVP_S8 || fmt == KVP_A4 || fmt == KVP_A3 || fmt == KVP_A2;
 #else
     return 0;
 #endif
@@ -770,6 +770,9 @@ static int64_t kvp_row_bytes(int fmt, int64_t D) {
     case KVP_BF16: return 2 * D;
     case KVP_Q8_0: return D / 32 * 34;
     case KVP_Q4_0: return D / 32 * 18;
+    case KVP_Q4_1: return D / 32 * 20;
+    case KVP_Q5_0: return D / 32 * 22;
+    case KVP_Q5_1: return D / 32 * 24;
     case KVP_S8: return D + 2;
     case KVP_A4: return D / 2 + 4;
     case KVP_A3: return D * 3 / 8 + 4;
@@ -817,12 +820,53 @@ static inline float kvp_mul(float a, float b) {
     volatile float p = a * b;
     return p;
 }
+
+/* A GGML block's 32 codes (each below 32) packed: low nibbles of elements j and j + 16 in qs[j]; with qh (q5_x),
+ * bit j of the little-endian uint32 at qh the fifth bit of element j (gguf-py's np.packbits, bitorder little). */
+static void kvp_pack_block(const uint8_t *restrict q, uint8_t *restrict qh, uint8_t *restrict qs) {
+    for (int j = 0; j < 16; j++) qs[j] = (uint8_t)((q[j] & 15) | ((q[j + 16] & 15) << 4));
+    if (qh) {
+        uint32_t bits = 0;
+        for (int j = 0; j < 32; j++) bits |= (uint32_t)((q[j] >> 4) & 1) << j;
+        for (int j = 0; j < 4; j++) qh[j] = (uint8_t)(bits >> (8 * j));
+    }
+}
+
+/* q4_1 / q5_1 (top 15 / 31) of one block v at blk: d = (max - min) / top + 0.0 (a block of zeros gets +0), stored
+ * m = fp16(min) with a zero min signed as the block's last zero (quantize_ggml's _zero_min_signs), codes
+ * floor((x - min) * (1 / d) + 0.5) clamped, the product rounded on its own. Returns 1 where d or m overflows fp16
+ * (quantize_ggml raises there), else 0. */
+static int kvp_block_min(const float *restrict v, int top, uint8_t *restrict blk) {
+    float mn = v[0], mx = v[0];
+    for (int j = 1; j < 32; j++) {
+        mn = v[j] < mn ? v[j] : mn;
+        mx = v[j] > mx ? v[j] : mx;
+    }
+    const float d = (mx - mn) / (float)top + 0.0f, id = d == 0.0f ? 0.0f : 1.0f / d;
+    uint16_t hd = kvp_f2h(d), hm = kvp_f2h(mn);
+    if ((hd & 0x7c00) == 0x7c00 || (hm & 0x7c00) == 0x7c00) return 1;
+    if (mn == 0.0f) { /* the sign of the block's last zero */
+        int last = 31;
+        while (v[last] != 0.0f) last--;
+        hm = signbit(v[last]) ? 0x8000 : 0;
+    }
+    memcpy(blk, &hd, 2);
+    memcpy(blk + 2, &hm, 2);
+    uint8_t q[32];
+    for (int j = 0; j < 32; j++) {
+        const float c = floorf(kvp_mul(v[j] - mn, id) + 0.5f);
+        q[j] = (uint8_t)(c < 0.0f ? 0.0f : c > (float)top ? (float)top : c);
+    }
+    kvp_pack_block(q, top == 31 ? blk + 4 : NULL, blk + (top == 31 ? 8 : 4));
+    return 0;
+}
 #endif
 
 /* One token's D fp32 values x -> format fmt at dst (a kvp_writes format; finite input). The bytes of
- * formats/ggml.py's _q8_0 / _q4_0 (gguf-py's), of kvslim/vllm/pages.py's sym8, affine and fp8 rows and of torch's
- * casts, quirk for quirk. Returns 0, or 1 where the format cannot hold the token (an affine scale or zero beyond
- * fp16): the caller writes nothing, and the torch encoders raise their own error. */
+ * formats/ggml.py's _q8_0 / _q4_0 / _q4_1 / _q5_0 / _q5_1 (gguf-py's), of kvslim/vllm/pages.py's sym8, affine and fp8
+ * rows and of torch's casts, quirk for quirk. Returns 0, or 1 where the format cannot hold the token (an affine scale
+ * or zero beyond fp16, a q4_1 / q5_1 block's d or min beyond fp16): the caller writes nothing, and the torch
+ * encoders raise their own error. */
 static int kvp_encode_row(int fmt, const float *restrict x, int D, uint8_t *restrict dst) {
     if (fmt == KVP_F32) {
         memcpy(dst, x, sizeof(float) * (size_t)D);
@@ -875,35 +919,53 @@ static int kvp_encode_row(int fmt, const float *restrict x, int D, uint8_t *rest
     }
     for (int b = 0; b < D / 32; b++) {
         const float *v = x + 32 * b;
-        if (fmt == KVP_Q8_0) { /* d = max |x| / 127; codes round half away from zero (np_roundf) of x * (1 / d) */
+        if (fmt == KVP_Q4_1 || fmt == KVP_Q5_1) {
+            if (kvp_block_min(v, fmt == KVP_Q5_1 ? 31 : 15, dst + (fmt == KVP_Q5_1 ? 24 : 20) * b)) return 1;
+        } else if (fmt == KVP_Q8_0) { /* d = max |x| / 127; codes round half away from zero (np_roundf) of x * (1 / d) */
             uint8_t *blk = dst + 34 * b;
             float amax = 0.0f;
             for (int j = 0; j < 32; j++) amax = fabsf(v[j]) > amax ? fabsf(v[j]) : amax;
             const float d = amax / 127.0f, id = d == 0.0f ? 0.0f : 1.0f / d;
             const uint16_t h = kvp_f2h(d);
             memcpy(blk, &h, 2);
+#if defined(__AVX2__)
+            /* 8 lanes, the scalar loop's operations: the product is rounded on its own (nothing adds to it), a - fl
+             * and 2 x are exact, and the sign is copied from w (w = -0 gives -0, stored 0) */
+            const __m256 sign = _mm256_set1_ps(-0.0f), vid = _mm256_set1_ps(id);
+            for (int j = 0; j < 32; j += 8) {
+                const __m256 w = _mm256_mul_ps(_mm256_loadu_ps(v + j), vid), a = _mm256_andnot_ps(sign, w);
+                const __m256 fl = _mm256_floor_ps(a);
+                const __m256 r = _mm256_add_ps(fl, _mm256_floor_ps(_mm256_add_ps(_mm256_sub_ps(a, fl), _mm256_sub_ps(a, fl))));
+                const __m256i q = _mm256_cvttps_epi32(_mm256_or_ps(r, _mm256_and_ps(sign, w)));
+                int32_t t[8];
+                _mm256_storeu_si256((__m256i *)t, q);
+                for (int x = 0; x < 8; x++) blk[2 + j + x] = (uint8_t)(int8_t)t[x];
+            }
+#else
             for (int j = 0; j < 32; j++) {
                 const float w = kvp_mul(v[j], id), a = fabsf(w), fl = floorf(a);
                 const float r = fl + floorf(2.0f * (a - fl));
                 blk[2 + j] = (uint8_t)(int8_t)(w > 0.0f ? r : w < 0.0f ? -r : 0.0f);
             }
-        } else { /* q4_0: d = (the element of largest magnitude, its sign, the first on ties) / -8 */
-            uint8_t *blk = dst + 18 * b;
+#endif
+        } else { /* q4_0 / q5_0: d = (the element of largest magnitude, its sign, the first on ties) / -8 or -16 */
+            const int five = fmt == KVP_Q5_0, top = five ? 31 : 15;
+            uint8_t *blk = dst + (five ? 22 : 18) * b;
             float amax = -1.0f, mx = 0.0f;
             for (int j = 0; j < 32; j++)
                 if (fabsf(v[j]) > amax) {
                     amax = fabsf(v[j]);
                     mx = v[j];
                 }
-            const float d = mx / -8.0f, id = d == 0.0f ? 0.0f : 1.0f / d;
+            const float d = mx / (five ? -16.0f : -8.0f), id = d == 0.0f ? 0.0f : 1.0f / d;
             const uint16_t h = kvp_f2h(d);
             memcpy(blk, &h, 2);
             uint8_t q[32];
-            for (int j = 0; j < 32; j++) { /* floor(x * id + 8.5) clamped to 0..15 */
-                float c = floorf(kvp_mul(v[j], id) + 8.5f);
-                q[j] = (uint8_t)(c < 0.0f ? 0.0f : c > 15.0f ? 15.0f : c);
+            for (int j = 0; j < 32; j++) { /* floor(x * id + 8.5 or 16.5) clamped to 0..15 or 0..31 */
+                float c = floorf(kvp_mul(v[j], id) + (five ? 16.5f : 8.5f));
+                q[j] = (uint8_t)(c < 0.0f ? 0.0f : c > (float)top ? (float)top : c);
             }
-            for (int j = 0; j < 16; j++) blk[2 + j] = (uint8_t)(q[j] | (q[j + 16] << 4));
+            kvp_pack_block(q, five ? blk + 2 : NULL, blk + (five ? 6 : 2));
         }
     }
     return 0;
@@ -913,8 +975,11 @@ static int kvp_encode_row(int fmt, const float *restrict x, int D, uint8_t *rest
 }
 
 /* Whether format fmt's encoder can refuse a finite token within kvp_write's range check (an affine scale or zero
- * beyond fp16): then every token is encoded before the first page byte is written. */
-static int kvp_may_refuse(int fmt) { return fmt == KVP_A4 || fmt == KVP_A3 || fmt == KVP_A2; }
+ * beyond fp16, a q4_1 / q5_1 block's d or min beyond fp16): then every token is encoded before the first page byte
+ * is written. */
+static int kvp_may_refuse(int fmt) {
+    return fmt == KVP_A4 || fmt == KVP_A3 || fmt == KVP_A2 || fmt == KVP_Q4_1 || fmt == KVP_Q5_1;
+}
 
 /* The step's tokens encoded and stored in their slots. Returns 0, 1 (out of memory: nothing written), 2 (bad
  * arguments: a slot outside the pool), 3 (a format it does not encode: nothing written), 4 (a non-finite value, an
