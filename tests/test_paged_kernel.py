@@ -132,6 +132,8 @@ def _awkward(n, h, d, seed):
     x[2, 0, 5], x[2, 0, 9] = 3.0, -3.0  # max and -min tie
     x[2, 1] = torch.randint(-127, 128, (d,), generator=g).float() * 0.5  # sym8 halves: round half to even
     x[3, 0, :32] = torch.cat([torch.tensor([127.0]), torch.arange(31) - 15.5])  # q8_0 d = 1: halves away from zero
+    # q8_0 d = 1: just under a half either way (floor(a + 0.5) would round 0.49999997 up)
+    x[3, 1, :32] = torch.tensor([127.0, 0.49999997, -0.49999997, 1.4999999, -2.4999998] + [0.0] * 27)
     return x
 
 
@@ -326,6 +328,33 @@ def test_c_ggml_writes_are_gguf_bytes_on_every_edge(fmt, monkeypatch):
     x = _ggml_min_edges()
     got, want = _c_only(monkeypatch, PageLayout.of(fmt, fmt, 64, torch.float32), x, x.flip(0))
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
+def test_c_ggml_writes_leave_tiny_values_to_the_torch_encoders(fmt, monkeypatch):
+    """A GGML block of values so small that 1 / d overflows (a zero's code is then NaN, which torch packs its own
+    way): kvp_write returns 4 for any non-zero value below 1e-30 in a GGML part, before writing, and the torch encoder
+    writes the row; a value at 1e-30 stays C's."""
+    lib, codes = paged.library(), []
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(lib, name)
+
+        def kvp_write(self, args):
+            codes.append(lib.kvp_write(args))
+            return codes[-1]
+
+    monkeypatch.setattr(paged, "library", Spy)
+    layout = PageLayout.of(fmt, fmt, 64, torch.float32)
+    key = torch.zeros(2, 1, 64)
+    key[0, 0, 16], key[1, 0, 16] = 3e-38, 1e-30
+    for rows, want_code in ((slice(0, 1), 4), (slice(1, 2), 0)):
+        want = torch.zeros(1, 1, T, layout.row_bytes, dtype=torch.uint8)
+        got = want.clone()
+        write(layout, want, key[rows], key[rows], torch.tensor([0]))
+        paged.store(layout, got, key[rows], key[rows], torch.tensor([0]))
+        assert codes[-1] == want_code and torch.equal(got, want), (fmt, rows)
 
 
 @pytest.mark.parametrize("fmt_v", ["int4", "q4_1", "q5_1"])

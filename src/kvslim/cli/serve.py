@@ -161,8 +161,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--linears", choices=LINEAR_ROUTES, default="auto",
-        help="which library runs the model's linear layers in a step: auto (default: torch, or onednn where torch's "
-        "linear rounds a row differently by the step's size, as MKL does on AVX-512-FP16 Xeons), torch, onednn, packed (oneDNN "
+        help="which library runs the model's linear layers in a step: auto (default: of torch and onednn, those whose "
+        "product rounds a row alike at every step size, unlike MKL on AVX-512-FP16 Xeons; of both, the faster, timed "
+        "at start-up), torch, onednn, packed (oneDNN "
         "with a second, reordered copy of the weights: the weights' bytes once more), or mkl (MKL's packed sgemm "
         "at a full step's rows, torch's bits, the weights' bytes once more; docs/performance.md)",
     )

@@ -89,9 +89,9 @@ class Engine(Stepping):
     (:meth:`kvslim.SlimCache.keep_decoded`: a chunk decodes only what the last one encoded, the same bits); the
     copy's bytes are reserved on top of the cache's until the prompt is read, and a prompt whose copy would not fit
     the budget alone, or whose cache's window is shorter than the prompt, goes without. linears: which library
-    runs the model's linear layers inside a step (:mod:`kvslim.engine.linears`: ``auto``, the default: ``torch``, or
-    ``onednn`` where torch's linear rounds a row differently by the step's row count, which would make a row's
-    bits depend on its neighbours; ``torch``; ``onednn``; ``packed``, oneDNN with a second copy of the weights;
+    runs the model's linear layers inside a step (:mod:`kvslim.engine.linears`: ``auto``, the default: of ``torch`` and
+    ``onednn``, those whose product rounds a row alike at every step's row count (else a row's bits would depend on
+    its neighbours), the faster (oneDNN where its products are 1.25x quicker, timed once); ``torch``; ``onednn``; ``packed``, oneDNN with a second copy of the weights;
     ``mkl``, MKL's packed sgemm at a full step's rows, torch's bits); outside a step, and on other threads,
     torch's own.
     """

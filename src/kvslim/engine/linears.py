@@ -31,13 +31,16 @@ step's fp32 CPU ``nn.Linear`` layers through it:
   (said in :attr:`Linears.reason`). On an AVX-512-FP16 Xeon (Sapphire Rapids), where MKL rounds rows of 8, 12,
   16... differently from 4, it is oneDNN (0.98x of torch's step there, docs/performance.md, "The default route:
   rows bit for bit"); on an AMD EPYC (Zen 4), where MKL's sgemm runs far below oneDNN's and both keep a row's
-  bits, oneDNN by speed ("The default route on an AMD CPU"); on the AVX2 machines of earlier stops, torch.
+  bits, oneDNN by speed ("The default route on an AMD CPU"); the AVX2 machines of earlier stops took torch before
+  the speed rule and were not measured with it. The two routes round differently, so where the choice is made by
+  timing, a request's exact bits follow the machine (and, near the margin, could follow its load at start-up):
+  name a route (``torch`` or ``onednn``) to pin them.
 
 Measured (docs/performance.md, "The weights' products"): under the torch profiler the step's linear ops take
 126-130 ms a step with torch's route, 89-110 with ``onednn``, 84-97 with ``packed`` (16 rows, the embedded
 model), but a whole step under ``OMP_WAIT_POLICY=PASSIVE`` (the CLI's default) gains 0-4% with ``onednn`` and
 0-7% with ``packed``, within the machine's noise (where the rest goes is not explained yet). With the runtime's
-own wait policy the gains were 7% and 11%. On an AMD EPYC (Zen 4), MKL's products are 1.4-1.8x slower than
+own wait policy the gains were 7% and 11%. On an AMD EPYC (Zen 4), MKL's products at 4-64 rows are 1.4-1.8x slower (1.14x at prompt-chunk sizes) than
 oneDNN's and a whole 16-row step 1.07-1.19x (docs/performance.md, "The default route on an AMD CPU"): ``auto``
 weighs speed where both keep a row's bits. ``mkl`` (2026-12-03, 16 x 4,096 int4,
 the AVX-512 rows kernels): the weights' products alone 37-40 ms a step against torch's 46.5, a whole step 0.97-1.03x
@@ -132,8 +135,11 @@ def rows_invariant(modules, route: str, rows: int) -> bool:
 
 _PROBED: dict = {}
 
-#: how much faster oneDNN's products must be for ``auto`` to leave torch's route where both keep a row's bits
-FASTER = 1.10
+#: how much faster oneDNN's products must be for ``auto`` to leave torch's route where both keep a row's bits: wide,
+#: because the products alone overstate a whole step's gain (an AVX2 machine measured 1.14-1.46x on the products and
+#: 0.95-1.04x on the step, docs/performance.md "The weights' products"; an AMD EPYC 1.43-1.47x and 1.07-1.19x), and
+#: because the route decides a request's bits: a choice near the margin could flip between runs
+FASTER = 1.25
 #: timed passes over the model's products per route (interleaved; the fastest counts), fewer where a pass is long
 PASSES = 3
 
@@ -142,7 +148,7 @@ def products_ms(modules, rows: int) -> tuple[float, float]:
     """Milliseconds of one pass over ``modules``' products (every routable ``nn.Linear``, in order, each weight
     streamed from memory as in a step) at :func:`step_rows` of ``rows`` rows through torch's ``linear`` and through
     oneDNN: the fastest of :data:`PASSES` passes each, the two routes interleaved so that a busy stretch of the
-    machine slows both. Remembered per process (shapes, rows, threads)."""
+    machine slows both, after one untimed product through each. Remembered per process (shapes, rows, threads)."""
     n = step_rows(rows)
     key = ("speed", tuple(tuple(m.weight.shape) for m in modules), n, torch.get_num_threads())
     if key not in _PROBED:
@@ -150,6 +156,9 @@ def products_ms(modules, rows: int) -> tuple[float, float]:
         xs = {w: torch.randn(n, w, generator=g) for w in {m.weight.shape[1] for m in modules}}
         best = {"torch": float("inf"), "onednn": float("inf")}
         with torch.no_grad():
+            for route in ("torch", "onednn"):  # untimed: each library's first call (its kernels, first touches)
+                m = modules[0]
+                _product(route, xs[m.weight.shape[1]], m.weight.detach(), None if m.bias is None else m.bias.detach())
             for i in range(PASSES):
                 for route in ("torch", "onednn") if i % 2 == 0 else ("onednn", "torch"):
                     t = time.perf_counter()

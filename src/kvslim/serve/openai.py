@@ -177,9 +177,12 @@ def _labels(body: dict) -> None:
         raise APIError(400, f"metadata must be an object of at most {pairs} string values, got {show(meta)}",
                        param="metadata")
     for key, value in meta.items():
-        if len(key) > key_chars or not isinstance(value, str) or len(value) > value_chars:
-            raise APIError(400, f"metadata[{show(key, 40)}] must be a string of at most {value_chars} characters under "
-                                f"a key of at most {key_chars}, got {show(value)}", param="metadata")
+        if len(key) > key_chars:
+            raise APIError(400, f"metadata keys must be at most {key_chars} characters, got {show(key, 40)}",
+                           param="metadata")
+        if not isinstance(value, str) or len(value) > value_chars:
+            raise APIError(400, f"metadata[{show(key, 40)}] must be a string of at most {value_chars} characters, "
+                                f"got {show(value)}", param="metadata")
 
 
 def _max_tokens(body: dict, limit: int) -> int | None:

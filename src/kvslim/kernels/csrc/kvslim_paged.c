@@ -45,9 +45,9 @@
  * (split-K; the split depends on the shapes and the thread count only). No full fp32 copy of the history is made.
  *
  * Writes (kvp_write): the step's fp32 K/V encoded and stored through vLLM's slot mapping in one call, for the
- * formats whose bytes it reproduces exactly (f32 / f16 / bf16 values as torch casts them, q8_0 and q4_0 as
- * formats/ggml.py and gguf-py, sym8, affine int4 / int3 / int2 and fp8 rows as kvslim/vllm/pages.py); q4_1 and
- * q5_x are left to the torch encoders (return code 3).
+ * formats whose bytes it reproduces exactly (f32 / f16 / bf16 values as torch casts them, every GGML block as
+ * formats/ggml.py and gguf-py, sym8, affine int4 / int3 / int2 and fp8 rows as kvslim/vllm/pages.py); a GGML part
+ * holding a value so small that a block's 1 / d could overflow is left to the torch encoders (return code 4).
  *
  * Entry points: kvp_attend (the kernel), kvp_write, kvp_format (a format name -> its code and block),
  * kvp_abi_version, kvp_layout.
@@ -939,7 +939,7 @@ static int kvp_encode_row(int fmt, const float *restrict x, int D, uint8_t *rest
                 const __m256i q = _mm256_cvttps_epi32(_mm256_or_ps(r, _mm256_and_ps(sign, w)));
                 int32_t t[8];
                 _mm256_storeu_si256((__m256i *)t, q);
-                for (int x = 0; x < 8; x++) blk[2 + j + x] = (uint8_t)(int8_t)t[x];
+                for (int l = 0; l < 8; l++) blk[2 + j + l] = (uint8_t)(int8_t)t[l];
             }
 #else
             for (int j = 0; j < 32; j++) {
@@ -974,6 +974,16 @@ static int kvp_encode_row(int fmt, const float *restrict x, int D, uint8_t *rest
 #endif
 }
 
+/* Whether fmt is a GGML block (q8_0, q4_0, q4_1, q5_0, q5_1). */
+static int kvp_ggml(int fmt) {
+    return fmt == KVP_Q8_0 || fmt == KVP_Q4_0 || fmt == KVP_Q4_1 || fmt == KVP_Q5_0 || fmt == KVP_Q5_1;
+}
+
+/* Below this magnitude a non-zero value in a GGML part sends the write to the torch encoders: a block's d is then
+ * possibly so small that 1 / d overflows (d under ~2.9e-39). Blocks whose non-zero values all reach it keep a finite
+ * 1 / d (a q4_1 / q5_1 range of two such floats is at least ~9e-38, / 31). */
+#define KVP_TINY 1e-30f
+
 /* Whether format fmt's encoder can refuse a finite token within kvp_write's range check (an affine scale or zero
  * beyond fp16, a q4_1 / q5_1 block's d or min beyond fp16): then every token is encoded before the first page byte
  * is written. */
@@ -984,7 +994,7 @@ static int kvp_may_refuse(int fmt) {
 /* The step's tokens encoded and stored in their slots. Returns 0, 1 (out of memory: nothing written), 2 (bad
  * arguments: a slot outside the pool), 3 (a format it does not encode: nothing written), 4 (a non-finite value, an
  * fp16 scale overflowing, or a token its format cannot hold: nothing written; the torch encoders say which). Where a
- * part's encoder can refuse a token the range check lets through (the affine rows), every token is encoded into a
+ * part's encoder can refuse a token the range check lets through (the affine rows, q4_1 / q5_1), every token is encoded into a
  * scratch buffer first and only then are the pages written; the other formats encode straight into the pages. */
 int kvp_write(const int64_t *a) {
     if (a[W_ABI] != KVP_ABI_VERSION) return 2;
@@ -997,6 +1007,7 @@ int kvp_write(const int64_t *a) {
     uint8_t *cache = (uint8_t *)(intptr_t)a[W_CACHE];
     const int64_t kb = kvp_row_bytes(kfmt, D), vb = kvp_row_bytes(vfmt, D);
     /* validate everything before the first byte is written */
+    const float kmin = kvp_ggml(kfmt) ? KVP_TINY : 0.0f, vmin = kvp_ggml(vfmt) ? KVP_TINY : 0.0f;
     int64_t live = 0;
     for (int64_t i = 0; i < n; i++) {
         if (slots[i] < 0) continue;
@@ -1006,7 +1017,11 @@ int kvp_write(const int64_t *a) {
             const float *k = key + i * a[W_KS] + (int64_t)h * D, *v = value + i * a[W_VS] + (int64_t)h * D;
             for (int d = 0; d < D; d++) {
                 /* finite, and max |x| / 127 or / 8 within fp16 (65504): torch's encoders raise */
-                if (!(fabsf(k[d]) <= 65504.0f * 8.0f) || !(fabsf(v[d]) <= 65504.0f * 8.0f)) return 4;
+                const float ak = fabsf(k[d]), av = fabsf(v[d]);
+                if (!(ak <= 65504.0f * 8.0f) || !(av <= 65504.0f * 8.0f)) return 4;
+                /* a GGML block of values this small may have 1 / d overflow to inf, where the codes are NaN and
+                 * torch packs them its own way: its encoders write those */
+                if ((ak < kmin && ak != 0.0f) || (av < vmin && av != 0.0f)) return 4;
             }
         }
     }
