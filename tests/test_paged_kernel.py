@@ -330,11 +330,8 @@ def test_c_ggml_writes_are_gguf_bytes_on_every_edge(fmt, monkeypatch):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
-def test_c_ggml_writes_leave_tiny_values_to_the_torch_encoders(fmt, monkeypatch):
-    """A GGML block of values so small that 1 / d overflows (a zero's code is then NaN, which torch packs its own
-    way): kvp_write returns 4 for any non-zero value below 1e-30 in a GGML part, before writing, and the torch encoder
-    writes the row; a value at 1e-30 stays C's."""
+def _spy_writes(monkeypatch) -> list:
+    """The library behind paged.store, with kvp_write's return codes recorded in the list returned."""
     lib, codes = paged.library(), []
 
     class Spy:
@@ -346,6 +343,15 @@ def test_c_ggml_writes_leave_tiny_values_to_the_torch_encoders(fmt, monkeypatch)
             return codes[-1]
 
     monkeypatch.setattr(paged, "library", Spy)
+    return codes
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
+def test_c_ggml_writes_leave_tiny_values_to_the_torch_encoders(fmt, monkeypatch):
+    """A GGML block of values so small that 1 / d overflows (a zero's code is then NaN, which torch packs its own
+    way): kvp_write returns 4 for any non-zero value below 1e-30 in a GGML part, before writing, and the torch encoder
+    writes the row; a value at 1e-30 stays C's."""
+    codes = _spy_writes(monkeypatch)
     layout = PageLayout.of(fmt, fmt, 64, torch.float32)
     key = torch.zeros(2, 1, 64)
     key[0, 0, 16], key[1, 0, 16] = 3e-38, 1e-30
@@ -362,17 +368,7 @@ def test_c_writes_leave_a_value_beyond_fp16_to_the_torch_encoder(fmt_v, monkeypa
     """A row whose min is below fp16's range (finite, within kvp_write's first check: an affine zero, a q4_1 / q5_1
     block's stored min): C refuses it (code 4) after encoding the row before it, writes nothing, and the torch
     encoder raises its own error, the pages untouched."""
-    lib, codes = paged.library(), []
-
-    class Spy:  # the library, with kvp_write's return codes recorded
-        def __getattr__(self, name):
-            return getattr(lib, name)
-
-        def kvp_write(self, args):
-            codes.append(lib.kvp_write(args))
-            return codes[-1]
-
-    monkeypatch.setattr(paged, "library", Spy)
+    codes = _spy_writes(monkeypatch)
     layout = PageLayout.of("q8_0", fmt_v, 64, torch.float32)
     key, value = torch.randn(2, 1, 64), torch.randn(2, 1, 64)
     value[1, 0, 3] = -70000.0
