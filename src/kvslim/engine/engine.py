@@ -91,9 +91,9 @@ class Engine(Stepping):
     the budget alone, or whose cache's window is shorter than the prompt, goes without. linears: which library
     runs the model's linear layers inside a step (:mod:`kvslim.engine.linears`: ``auto``, the default: of ``torch`` and
     ``onednn``, those whose product rounds a row alike at every step's row count (else a row's bits would depend on
-    its neighbours), the faster (oneDNN where its products are 1.25x quicker, timed once); ``torch``; ``onednn``; ``packed``, oneDNN with a second copy of the weights;
-    ``mkl``, MKL's packed sgemm at a full step's rows, torch's bits); outside a step, and on other threads,
-    torch's own.
+    its neighbours), the faster (oneDNN where its products are 1.25x quicker, timed once); ``torch``; ``onednn``;
+    ``packed``, oneDNN with a second copy of the weights; ``mkl``, MKL's packed sgemm at a full step's rows, torch's
+    bits); outside a step, and on other threads, torch's own.
     """
 
     def __init__(

@@ -40,9 +40,9 @@ Measured (docs/performance.md, "The weights' products"): under the torch profile
 126-130 ms a step with torch's route, 89-110 with ``onednn``, 84-97 with ``packed`` (16 rows, the embedded
 model), but a whole step under ``OMP_WAIT_POLICY=PASSIVE`` (the CLI's default) gains 0-4% with ``onednn`` and
 0-7% with ``packed``, within the machine's noise (where the rest goes is not explained yet). With the runtime's
-own wait policy the gains were 7% and 11%. On an AMD EPYC (Zen 4), MKL's products at 4-64 rows are 1.4-1.8x slower (1.14x at prompt-chunk sizes) than
-oneDNN's and a whole 16-row step 1.07-1.19x (docs/performance.md, "The default route on an AMD CPU"): ``auto``
-weighs speed where both keep a row's bits. ``mkl`` (2026-12-03, 16 x 4,096 int4,
+own wait policy the gains were 7% and 11%. On an AMD EPYC (Zen 4), MKL's products at 4-64 rows are 1.4-1.8x
+slower than oneDNN's (1.14x at prompt-chunk sizes) and a whole 16-row step 1.07-1.19x (docs/performance.md, "The
+default route on an AMD CPU"): ``auto`` weighs speed where both keep a row's bits. ``mkl`` (2026-12-03, 16 x 4,096 int4,
 the AVX-512 rows kernels): the weights' products alone 37-40 ms a step against torch's 46.5, a whole step 0.97-1.03x
 torch's route, the same bits (docs/performance.md, "MKL's packed weights").
 
@@ -158,7 +158,8 @@ def products_ms(modules, rows: int) -> tuple[float, float]:
         with torch.no_grad():
             for route in ("torch", "onednn"):  # untimed: each library's first call (its kernels, first touches)
                 m = modules[0]
-                _product(route, xs[m.weight.shape[1]], m.weight.detach(), None if m.bias is None else m.bias.detach())
+                bias = None if m.bias is None else m.bias.detach().contiguous()
+                _product(route, xs[m.weight.shape[1]], m.weight.detach(), bias)
             for i in range(PASSES):
                 for route in ("torch", "onednn") if i % 2 == 0 else ("onednn", "torch"):
                     t = time.perf_counter()

@@ -921,7 +921,7 @@ static int kvp_encode_row(int fmt, const float *restrict x, int D, uint8_t *rest
         const float *v = x + 32 * b;
         if (fmt == KVP_Q4_1 || fmt == KVP_Q5_1) {
             if (kvp_block_min(v, fmt == KVP_Q5_1 ? 31 : 15, dst + (fmt == KVP_Q5_1 ? 24 : 20) * b)) return 1;
-        } else if (fmt == KVP_Q8_0) { /* d = max |x| / 127; codes round half away from zero (np_roundf) of x * (1 / d) */
+        } else if (fmt == KVP_Q8_0) { /* d = max |x| / 127; codes: np_roundf (half away from zero) of x * (1 / d) */
             uint8_t *blk = dst + 34 * b;
             float amax = 0.0f;
             for (int j = 0; j < 32; j++) amax = fabsf(v[j]) > amax ? fabsf(v[j]) : amax;
@@ -935,7 +935,8 @@ static int kvp_encode_row(int fmt, const float *restrict x, int D, uint8_t *rest
             for (int j = 0; j < 32; j += 8) {
                 const __m256 w = _mm256_mul_ps(_mm256_loadu_ps(v + j), vid), a = _mm256_andnot_ps(sign, w);
                 const __m256 fl = _mm256_floor_ps(a);
-                const __m256 r = _mm256_add_ps(fl, _mm256_floor_ps(_mm256_add_ps(_mm256_sub_ps(a, fl), _mm256_sub_ps(a, fl))));
+                const __m256 frac = _mm256_sub_ps(a, fl);
+                const __m256 r = _mm256_add_ps(fl, _mm256_floor_ps(_mm256_add_ps(frac, frac)));
                 const __m256i q = _mm256_cvttps_epi32(_mm256_or_ps(r, _mm256_and_ps(sign, w)));
                 int32_t t[8];
                 _mm256_storeu_si256((__m256i *)t, q);
@@ -993,9 +994,10 @@ static int kvp_may_refuse(int fmt) {
 
 /* The step's tokens encoded and stored in their slots. Returns 0, 1 (out of memory: nothing written), 2 (bad
  * arguments: a slot outside the pool), 3 (a format it does not encode: nothing written), 4 (a non-finite value, an
- * fp16 scale overflowing, or a token its format cannot hold: nothing written; the torch encoders say which). Where a
- * part's encoder can refuse a token the range check lets through (the affine rows, q4_1 / q5_1), every token is encoded into a
- * scratch buffer first and only then are the pages written; the other formats encode straight into the pages. */
+ * fp16 scale overflowing, a token its format cannot hold, a GGML value below KVP_TINY: nothing written; the torch
+ * encoders say which, or write it). Where a part's encoder can refuse a token the range check lets through (the
+ * affine rows, q4_1 / q5_1), every token is encoded into a scratch buffer first and only then are the pages written;
+ * the other formats encode straight into the pages. */
 int kvp_write(const int64_t *a) {
     if (a[W_ABI] != KVP_ABI_VERSION) return 2;
     const int kfmt = (int)a[W_KFMT], vfmt = (int)a[W_VFMT], H = (int)a[W_H], D = (int)a[W_D];
