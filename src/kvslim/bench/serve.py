@@ -82,7 +82,8 @@ async def _phase(server, bodies: list[dict], timeout: float) -> list[dict]:
 
 def decode_window(records: Sequence[dict], warmup: int) -> dict | None:
     """The window in which every stream decodes (module docstring): ``{"start", "end", "chunks", "gaps"}``
-    (seconds), or None when the streams did not overlap past their warm-up."""
+    (seconds), or None when the streams did not overlap past their warm-up, or overlapped so briefly that no stream
+    received two chunks inside the window (no gap to measure a step by)."""
     times = [r["times_s"] for r in records]
     if not times or any(len(t) <= warmup + 1 for t in times):
         return None
@@ -91,6 +92,8 @@ def decode_window(records: Sequence[dict], warmup: int) -> dict | None:
         return None
     chunks = sum(1 for t in times for x in t if start < x <= end)
     gaps = [b - a for t in times for a, b in zip(t, t[1:]) if a >= start and b <= end]
+    if not gaps:
+        return None
     return {"start": start, "end": end, "chunks": chunks, "gaps": gaps}
 
 
