@@ -42,9 +42,9 @@ model), but a whole step under ``OMP_WAIT_POLICY=PASSIVE`` (the CLI's default) g
 0-7% with ``packed``, within the machine's noise (where the rest goes is not explained yet). With the runtime's
 own wait policy the gains were 7% and 11%. On an AMD EPYC (Zen 4), MKL's products at 4-64 rows are 1.4-1.8x
 slower than oneDNN's (1.14x at prompt-chunk sizes) and a whole 16-row step 1.07-1.19x (docs/performance.md, "The
-default route on an AMD CPU"): ``auto`` weighs speed where both keep a row's bits. ``mkl`` (2026-12-03, 16 x 4,096 int4,
-the AVX-512 rows kernels): the weights' products alone 37-40 ms a step against torch's 46.5, a whole step 0.97-1.03x
-torch's route, the same bits (docs/performance.md, "MKL's packed weights").
+default route on an AMD CPU"): ``auto`` weighs speed where both keep a row's bits. ``mkl`` (2026-12-03, 16 x 4,096
+int4, the AVX-512 rows kernels): the weights' products alone 37-40 ms a step against torch's 46.5, a whole step
+0.97-1.03x torch's route, the same bits (docs/performance.md, "MKL's packed weights").
 
 Bit-identity. The engine's rows are bit for bit what they are in a step of their own because the library
 rounds a row of a product the same whatever the row count, for multiples of 4 (:mod:`kvslim.cache.ragged`,
@@ -154,18 +154,19 @@ def products_ms(modules, rows: int) -> tuple[float, float]:
     if key not in _PROBED:
         g = torch.Generator().manual_seed(0)
         xs = {w: torch.randn(n, w, generator=g) for w in {m.weight.shape[1] for m in modules}}
+        calls = [
+            (xs[m.weight.shape[1]], m.weight.detach(), None if m.bias is None else m.bias.detach().contiguous())
+            for m in modules
+        ]
         best = {"torch": float("inf"), "onednn": float("inf")}
         with torch.no_grad():
             for route in ("torch", "onednn"):  # untimed: each library's first call (its kernels, first touches)
-                m = modules[0]
-                bias = None if m.bias is None else m.bias.detach().contiguous()
-                _product(route, xs[m.weight.shape[1]], m.weight.detach(), bias)
+                _product(route, *calls[0])
             for i in range(PASSES):
                 for route in ("torch", "onednn") if i % 2 == 0 else ("onednn", "torch"):
                     t = time.perf_counter()
-                    for m in modules:
-                        bias = None if m.bias is None else m.bias.detach().contiguous()
-                        _product(route, xs[m.weight.shape[1]], m.weight.detach(), bias)
+                    for args in calls:
+                        _product(route, *args)
                     best[route] = min(best[route], (time.perf_counter() - t) * 1e3)
                 if best["torch"] > 1000:  # a large model: one pass each is measurement enough
                     break
