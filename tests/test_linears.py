@@ -13,7 +13,7 @@ from kvslim.engine import linears as lin
 
 pytestmark = pytest.mark.skipif(not lin.onednn_ready(), reason="this torch has no oneDNN")
 
-ROUTED = ("onednn", "packed")
+ROUTED = ("onednn", "packed", pytest.param("kvslim", marks=pytest.mark.skipif(not lin.kvslim_ready(), reason="no AVX2 kernels")))
 needs_mkl = pytest.mark.skipif(not lin.mkl_ready(), reason="this torch has no MKL")
 
 
@@ -26,13 +26,18 @@ def _onednn(x, w, b=None):
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
 
+def _product(route, x, w, b=None):
+    """What ``route`` computes for one product (packed: oneDNN's bits on the same weight)."""
+    return lin._product("kvslim" if route == "kvslim" else "onednn", x, w, b)
+
+
 def test_routes_and_their_errors(model):
     """The default, the error for an unknown route, and an engine that refuses a route before it touches the model."""
-    assert lin.Linears(model).asked == "auto" and lin.Linears(model).route in ("torch", "onednn")  # the default
+    assert lin.Linears(model).asked == "auto" and lin.Linears(model).route in ("torch", "onednn", "kvslim")  # the default
     assert lin.Linears(model, "torch").modules == [] and lin.Linears(model, "torch").reason == ""
     n = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert len(lin.Linears(model, "onednn").modules) == n
-    with pytest.raises(ValueError, match="linears must be one of auto, torch, onednn, packed, mkl, got 'blas'"):
+    with pytest.raises(ValueError, match="linears must be one of auto, torch, onednn, packed, mkl, kvslim, got 'blas'"):
         lin.Linears(model, "blas")
     with pytest.raises(ValueError, match="linears must be one of"):
         Engine(model, linears="fast")
@@ -42,45 +47,93 @@ def test_routes_and_their_errors(model):
     assert fresh.config._attn_implementation == "sdpa"  # refused before kvslim.enable
 
 
-def _auto(model, torch_ok: bool, onednn_ok: bool, monkeypatch, ready: bool = True, ms=(10.0, 10.0)) -> lin.Linears:
-    monkeypatch.setattr(lin, "rows_invariant", lambda modules, route, rows: torch_ok if route == "torch" else onednn_ok)
+def _auto(model, torch_ok: bool, onednn_ok: bool, monkeypatch, ready: bool = True, ms=(10.0, 10.0), kvslim=None):
+    """auto's choice with the rows' bits (torch_ok, onednn_ok; kvslim: None where kvslim's route does not run, else
+    whether it keeps them), readiness and the products' times (torch, oneDNN[, kvslim]) given."""
+    ok = {"torch": torch_ok, "onednn": onednn_ok, "kvslim": kvslim}
+    monkeypatch.setattr(lin, "rows_invariant", lambda modules, route, rows: ok[route])
     monkeypatch.setattr(lin, "onednn_ready", lambda: ready)
-    monkeypatch.setattr(lin, "products_ms", lambda modules, rows: ms)
-    return lin.Linears(model, "auto", batch_hint=8)
+    monkeypatch.setattr(lin, "kvslim_ready", lambda: kvslim is not None)
+    asked = []
+
+    def products(modules, rows, routes, exact=False):
+        asked.append((tuple(routes), exact))
+        return {r: t for r, t in zip(("torch", "onednn", "kvslim"), ms, strict=False) if r in routes}
+
+    monkeypatch.setattr(lin, "products_ms", products)
+    got = lin.Linears(model, "auto", batch_hint=8)
+    got.timed = asked
+    return got
 
 
 def test_auto_takes_torch_where_its_rows_are_invariant_else_onednn(model, monkeypatch):
-    """auto: torch where torch's linear rounds a row alike at every step size (and oneDNN is no faster); else oneDNN
-    where it does; else torch, saying why (and so does the route's line in a banner)."""
+    """auto: torch where torch's linear rounds a row alike at every step size (and no other route is faster); else
+    the route that does; else torch, saying why (and so does the route's line in a banner)."""
     got = _auto(model, True, True, monkeypatch)
     assert (got.asked, got.route, got.modules) == ("auto", "torch", []) and "alike" in got.reason
-    assert "not 1.25x faster (a step's products at 8 rows: oneDNN 10.0 ms, torch 10.0 ms)" in got.reason
+    assert "no other route is 1.25x faster (a step's products at 8 rows: torch 10.0 ms, oneDNN 10.0 ms)" in got.reason
     got = _auto(model, False, True, monkeypatch)
     assert got.route == "onednn" and len(got.modules) > 0 and "oneDNN does not" in got.reason
     assert str(got).startswith("linear layers: onednn (") and "auto: torch's linear (MKL) rounds" in str(got)
+    assert got.timed == [(("onednn",), False)]  # torch's rows round otherwise: not timed, not taken
     got = _auto(model, False, False, monkeypatch)
-    assert got.route == "torch" and "neither" in got.reason
+    assert got.route == "torch" and "no route rounds a row alike" in got.reason
     got = _auto(model, False, True, monkeypatch, ready=False)
-    assert got.route == "torch" and "no oneDNN" in got.reason
+    assert got.route == "torch" and "no other route runs here" in got.reason
+    got = _auto(model, True, True, monkeypatch, ready=False)
+    assert got.route == "torch" and got.reason == "torch's linear rounds a row alike at every step size here, and no other route does here"
     half = tiny_model("llama", seed=5).half()
     got = lin.Linears(half, "auto")  # nothing to route: torch, never an error (an explicit onednn is one)
     assert got.route == "torch" and "no float32" in got.reason
 
 
 def test_auto_takes_the_faster_route_where_both_keep_a_rows_bits(model, monkeypatch):
-    """Where torch's linear and oneDNN both round a row alike at every step size, auto takes oneDNN only where its
-    products are FASTER times quicker (an AMD CPU's MKL), and torch where oneDNN does not keep a row's bits however
-    fast it is."""
+    """Where torch's linear and another route both round a row alike at every step size, auto takes the other only
+    where its products are FASTER times quicker (an AMD CPU's MKL), and torch where the other does not keep a row's
+    bits however fast it is."""
     got = _auto(model, True, True, monkeypatch, ms=(20.0, 10.0))
     assert got.route == "onednn" and len(got.modules) > 0
     assert got.reason == (
-        "both round a row alike at every step size here, and oneDNN is faster (a step's products at 8 rows: "
-        "oneDNN 10.0 ms, torch 20.0 ms)"
+        "oneDNN and torch both round a row alike at every step size here, and oneDNN is faster (a step's products "
+        "at 8 rows: oneDNN 10.0 ms, torch 20.0 ms)"
     )
     assert _auto(model, True, True, monkeypatch, ms=(12.4, 10.0)).route == "torch"  # under the margin (1.25x)
     assert _auto(model, True, True, monkeypatch, ms=(12.6, 10.0)).route == "onednn"
     assert _auto(model, True, False, monkeypatch, ms=(99.0, 1.0)).route == "torch"
     assert _auto(model, True, True, monkeypatch, ready=False, ms=(99.0, 1.0)).route == "torch"
+
+
+def test_auto_weighs_kvslims_route_beside_the_others(model, monkeypatch):
+    """kvslim's own linear is one more candidate: timed beside the others where it keeps a row's bits, taken where
+    it is the fastest (by the margin over torch), left where another is faster or it does not keep the bits."""
+    got = _auto(model, True, True, monkeypatch, ms=(30.0, 20.0, 15.0), kvslim=True)
+    assert got.route == "kvslim" and got.timed == [(("torch", "onednn", "kvslim"), False)]
+    assert "kvslim and torch both round" in got.reason and "kvslim 15.0 ms, oneDNN 20.0 ms, torch 30.0 ms" in got.reason
+    assert _auto(model, True, True, monkeypatch, ms=(30.0, 14.0, 15.0), kvslim=True).route == "onednn"
+    assert _auto(model, True, True, monkeypatch, ms=(30.0, 20.0, 15.0), kvslim=False).route == "onednn"
+    assert _auto(model, True, False, monkeypatch, ms=(20.0, 1.0, 17.0), kvslim=True).route == "torch"  # 1.18x
+    got = _auto(model, False, False, monkeypatch, ms=(20.0, 1.0, 17.0), kvslim=True)
+    assert got.route == "kvslim" and got.timed == [(("kvslim",), False)]
+
+
+def test_auto_for_one_stream_is_speed_alone(model, monkeypatch):
+    """A single stream's rows never share a product with another's: no bits to keep alike, every route that runs is
+    timed at the stream's own row count (not a step's multiple of 4), the fastest taken by the margin over torch."""
+    monkeypatch.setattr(lin, "rows_invariant", lambda *a: pytest.fail("a single stream probes no step sizes"))
+    monkeypatch.setattr(lin, "onednn_ready", lambda: True)
+    monkeypatch.setattr(lin, "kvslim_ready", lambda: True)
+    seen = []
+
+    def products(modules, rows, routes, exact=False):
+        seen.append((rows, tuple(routes), exact))
+        return dict(zip(routes, (50.0, 35.0, 27.0), strict=True))
+
+    monkeypatch.setattr(lin, "products_ms", products)
+    got = lin.Linears(model, "auto", batch_hint=1, single=True)
+    assert got.route == "kvslim" and seen == [(1, ("torch", "onednn", "kvslim"), True)]
+    assert got.reason == (
+        "one stream, and kvslim is faster (a step's products at 1 row: kvslim 27.0 ms, oneDNN 35.0 ms, torch 50.0 ms)"
+    )
 
 
 def test_products_ms_times_both_routes_once(model, monkeypatch):
@@ -94,13 +147,19 @@ def test_products_ms_times_both_routes_once(model, monkeypatch):
 
     monkeypatch.setattr(lin, "_product", product)
     monkeypatch.setattr(lin, "_PROBED", {})
-    t_torch, t_onednn = lin.products_ms(modules, 6)
-    assert t_torch > 0 and t_onednn > 0
+    times = lin.products_ms(modules, 6)
+    assert list(times) == ["torch", "onednn"] and min(times.values()) > 0
     timed = calls[2:]  # after one untimed product through each route
     assert [r for r, _ in calls[:2]] == ["torch", "onednn"]
     assert len(timed) == 2 * lin.PASSES * len(modules) and {n for _, n in calls} == {8}  # step_rows(6) rows
     assert [r for r, _ in timed[:: len(modules)]] == ["torch", "onednn", "onednn", "torch", "torch", "onednn"]
-    assert lin.products_ms(modules, 6) == (t_torch, t_onednn) and len(calls) == 2 + 2 * lin.PASSES * len(modules)
+    assert lin.products_ms(modules, 6) == times and len(calls) == 2 + 2 * lin.PASSES * len(modules)
+    calls.clear()
+    if lin.kvslim_ready():  # three routes, each pass rotating which goes first; a single stream's exact rows
+        lin.products_ms(modules, 1, ("torch", "onednn", "kvslim"), exact=True)
+        assert {n for _, n in calls} == {1}
+        timed = [r for r, _ in calls[3:]][:: len(modules)]
+        assert timed[:9] == ["torch", "onednn", "kvslim", "onednn", "kvslim", "torch", "kvslim", "torch", "onednn"]
 
 
 def test_auto_is_the_default_of_the_engine_and_the_clis():
@@ -170,7 +229,7 @@ def test_routed_only_inside_the_block(model, route):
             assert "forward" in layer.__dict__
             got = layer(x)
         assert "forward" not in layer.__dict__
-        assert torch.equal(got, _onednn(x, layer.weight, layer.bias))
+        assert torch.equal(got, _product(route, x, layer.weight, layer.bias))
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
         with pytest.raises(RuntimeError, match="boom"), routes.routed():
             raise RuntimeError("boom")
@@ -329,7 +388,7 @@ def test_engine_requests_of_the_real_route_match_torch_route_tokens(model):
     """On the tiny model the routes' rounding differences do not change greedy tokens (a guard that the route
     computes the same products, not a promise for every model)."""
     req = Request(list(range(3, 40)), max_new_tokens=10, cache="int4")
-    routes = ("torch", *ROUTED, *(("mkl",) if lin.mkl_ready() else ()))
+    routes = ("torch", "onednn", "packed", *(("mkl",) if lin.mkl_ready() else ()), *(("kvslim",) if lin.kvslim_ready() else ()))
     got = {r: Engine(model, prefill_chunk=16, linears=r).run([req])[0].tokens for r in routes}
     assert all(tokens == got["torch"] for tokens in got.values()), got
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -414,6 +415,7 @@ def generate(
     eos_token_id: int | Sequence[int] | None = None,
     attention_mask: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    linears=None,
 ) -> Generation:
     """Generate up to ``max_new_tokens`` tokens per row after ``input_ids`` (B, T), through ``cache``.
 
@@ -421,7 +423,9 @@ def generate(
     ``torch.Generator`` seeded with ``seed`` (None: fresh entropy), never from the global RNG, so a
     seeded run is reproducible. A row that has produced an ``eos_token_id`` keeps emitting its
     first eos id; the run stops once every row has. Memory per step is constant: no per-step list
-    is kept and the attention mask (if any) is one buffer sized for the whole run.
+    is kept and the attention mask (if any) is one buffer sized for the whole run. linears: a
+    :class:`kvslim.engine.linears.Linears` whose route runs the model's linear layers in every forward of the run
+    (None: torch's own).
     """
     check_int("max_new_tokens", max_new_tokens, minimum=1, expected="an integer >= 1")
     check_sampling(temperature, top_p)
@@ -443,12 +447,13 @@ def generate(
         eos,
         attention_mask,
         chunk_size,
+        linears,
     )
     return Generation(events, stats)
 
 
 def _run(
-    model, input_ids, cache, stats, max_new_tokens, temperature, top_p, seed, eos, attention_mask, chunk_size
+    model, input_ids, cache, stats, max_new_tokens, temperature, top_p, seed, eos, attention_mask, chunk_size, linears
 ) -> Iterator[TokenEvent]:
     device = input_ids.device
     B, T = input_ids.shape
@@ -470,9 +475,9 @@ def _run(
     token = finished = None
     for step in range(max_new_tokens):
         t0 = time.perf_counter()
-        # inference_mode per step, never across a yield: the caller's code between steps must not
-        # run in (or be able to corrupt) this generator's autograd state.
-        with torch.inference_mode():
+        # inference_mode (and the linears' route) per step, never across a yield: the caller's code between steps
+        # must not run in (or be able to corrupt) this generator's autograd state, nor through its route.
+        with torch.inference_mode(), (nullcontext() if linears is None else linears.routed()):
             if step == 0:
                 logits = prefill(
                     model, input_ids, cache, attention_mask=attention_mask, chunk_size=chunk_size

@@ -15,7 +15,7 @@ from .errors import UserError, fail, say  # noqa: F401  (re-exported for the sub
 SEED_MAX = 2**64 - 1
 #: --linears: the engine's route for the model's linear layers (kvslim.engine.linears.ROUTES; a test keeps them
 #: equal, the CLI must not import torch to build its parser)
-LINEAR_ROUTES = ("auto", "torch", "onednn", "packed", "mkl")
+LINEAR_ROUTES = ("auto", "torch", "onednn", "packed", "mkl", "kvslim")
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:

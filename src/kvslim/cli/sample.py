@@ -24,6 +24,7 @@ import argparse
 import sys
 
 from .common import (
+    LINEAR_ROUTES,
     add_cache_flags,
     add_model_flags,
     bias_cache_maker,
@@ -101,6 +102,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="decode with a compiled step (torch.compile) on a fixed-shape StaticSlimCache; the first step "
         "compiles (about a minute on CPU), the report says how long (docs/compile.md)",
     )
+    parser.add_argument(
+        "--linears", choices=LINEAR_ROUTES, default="auto",
+        help="which library runs the model's linear layers: auto (default: the fastest at one row of torch, onednn "
+        "and kvslim, timed at start-up; torch under torchrun, where every rank must round alike), torch, onednn, "
+        "packed, mkl or kvslim (kvslim's own kernel; docs/performance.md, \"kvslim's linear layers\"). Not with "
+        "--compile, whose graph runs torch's",
+    )
     parser.add_argument("--report-json", default=None, metavar="FILE", help="write the final report as JSON")
     parser.add_argument(
         "--rss-log",
@@ -136,6 +144,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         static_len = input_ids.shape[1] + args.tokens if args.compile else None
         cache, feed, reused = bias_cache_maker(model, args, static_len=static_len)(cache_config), input_ids, None
+    route = None
+    if not args.compile:
+        from ..engine.linears import Linears
+
+        asked = "torch" if args.linears == "auto" and distributed_run() else args.linears
+        route = Linears(model, asked, batch_hint=1, single=True)  # an unusable route: one line (ValueError)
     compiled = None
     if args.compile:
         from ..compiled import compile_decode
@@ -143,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
         compiled = compile_decode(model)
         say("kvslim: compiled decode step on a StaticSlimCache (the first step compiles)")
     say(banner(args, cache_config, model, shapes.head_dim, quantizes=no_quantizing is None, cache=cache))
+    if route is not None and route.route != "torch":
+        say(f"kvslim: {route}")
     if no_quantizing:
         say(f"kvslim: warning: {no_quantizing}")
     if reused:
@@ -161,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=shared_seed(args.seed) if args.temperature > 0 else args.seed,  # every rank the same draws
         eos_token_id=eos,
+        linears=route,
     )
     decoder = StreamDecoder(tokenizer, input_ids[0].tolist())
     rss_log = AtomicFile(args.rss_log, "w", what="--rss-log") if args.rss_log and main_rank else None

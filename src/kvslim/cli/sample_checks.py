@@ -29,6 +29,8 @@ def check_args(args: argparse.Namespace) -> None:
     check_bias_file("--kv-mean-center", args.kv_mean_center)
     if args.compile and args.prompt_cache:
         raise UserError("--compile and --prompt-cache do not combine yet (a StaticSlimCache is not saved)")
+    if args.compile and args.linears not in ("auto", "torch"):
+        raise UserError(f"--linears {args.linears} does not combine with --compile (the compiled graph runs torch's linear)")
     if args.compile and distributed_run():
         raise UserError("--compile is not available under torchrun yet")
     check_output("--report-json", args.report_json)

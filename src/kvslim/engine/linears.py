@@ -76,7 +76,7 @@ from contextvars import ContextVar
 import torch
 
 #: the routes a user may ask for (module docstring)
-ROUTES = ("auto", "torch", "onednn", "packed", "mkl")
+ROUTES = ("auto", "torch", "onednn", "packed", "mkl", "kvslim")
 
 #: The step sizes :func:`rows_invariant` compares rows at, beside every multiple of 4 up to the step's rows (up to
 #: 64, then the step's rows themselves): a mixed step carries a prompt chunk's tokens too (a row each; 256 by
@@ -114,6 +114,16 @@ def mkl_ready() -> bool:
         return False
 
 
+def kvslim_ready() -> bool:
+    """Whether kvslim's own linear (:mod:`kvslim.kernels.linear`: the C kernels, built with AVX2 and FMA) runs here."""
+    from ..kernels import linear
+
+    try:
+        return linear.ready()
+    except Exception:  # noqa: BLE001 - no kernels (no compiler): not ready, never an error here
+        return False
+
+
 def rows_invariant(modules, route: str, rows: int) -> bool:
     """Whether ``route``'s product (``torch`` or ``onednn``, as :class:`Linears` runs it) gives the rows of every
     distinct weight shape of ``modules`` (routable ``nn.Linear``) the same bits in a step of the sizes the engine
@@ -144,13 +154,15 @@ FASTER = 1.25
 PASSES = 3
 
 
-def products_ms(modules, rows: int) -> tuple[float, float]:
+def products_ms(modules, rows: int, routes=("torch", "onednn"), *, exact: bool = False) -> dict[str, float]:
     """Milliseconds of one pass over ``modules``' products (every routable ``nn.Linear``, in order, each weight
-    streamed from memory as in a step) at :func:`step_rows` of ``rows`` rows through torch's ``linear`` and through
-    oneDNN: the fastest of :data:`PASSES` passes each, the two routes interleaved so that a busy stretch of the
-    machine slows both, after one untimed product through each. Remembered per process (shapes, rows, threads)."""
-    n = step_rows(rows)
-    key = ("speed", tuple(tuple(m.weight.shape) for m in modules), n, torch.get_num_threads())
+    streamed from memory as in a step) at :func:`step_rows` of ``rows`` rows (``exact``: ``rows`` itself, a single
+    stream's step) through each of ``routes`` (``torch``, ``onednn``, ``kvslim``): ``{route: ms}``, the fastest of
+    :data:`PASSES` passes each, the routes interleaved (their order rotating) so that a busy stretch of the machine
+    slows all alike, after one untimed product through each. Remembered per process (shapes, rows, threads)."""
+    n = int(rows) if exact else step_rows(rows)
+    routes = tuple(routes)
+    key = ("speed", tuple(tuple(m.weight.shape) for m in modules), n, routes, torch.get_num_threads())
     if key not in _PROBED:
         g = torch.Generator().manual_seed(0)
         xs = {w: torch.randn(n, w, generator=g) for w in {m.weight.shape[1] for m in modules}}
@@ -158,25 +170,29 @@ def products_ms(modules, rows: int) -> tuple[float, float]:
             (xs[m.weight.shape[1]], m.weight.detach(), None if m.bias is None else m.bias.detach().contiguous())
             for m in modules
         ]
-        best = {"torch": float("inf"), "onednn": float("inf")}
+        best = dict.fromkeys(routes, float("inf"))
         with torch.no_grad():
-            for route in ("torch", "onednn"):  # untimed: each library's first call (its kernels, first touches)
+            for route in routes:  # untimed: each library's first call (its kernels, first touches)
                 _product(route, *calls[0])
             for i in range(PASSES):
-                for route in ("torch", "onednn") if i % 2 == 0 else ("onednn", "torch"):
+                for route in routes[i % len(routes) :] + routes[: i % len(routes)]:
                     t = time.perf_counter()
                     for args in calls:
                         _product(route, *args)
                     best[route] = min(best[route], (time.perf_counter() - t) * 1e3)
-                if best["torch"] > 1000:  # a large model: one pass each is measurement enough
+                if max(best.values()) > 1000:  # a large model: one pass each is measurement enough
                     break
-        _PROBED[key] = (best["torch"], best["onednn"])
-    return _PROBED[key]
+        _PROBED[key] = best
+    return dict(_PROBED[key])
 
 
 def _product(route: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if route == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+    if route == "kvslim":
+        from ..kernels.linear import linear
+
+        return linear(x, w, bias)
     return torch.nn.functional.linear(x, w, bias)
 
 
@@ -274,17 +290,22 @@ class Linears:
     ``mkl`` where it has no MKL, and where the model has no layer the route can take (a bfloat16 or GPU model:
     nothing would change). Reads the model; changes nothing until :meth:`routed`."""
 
-    def __init__(self, model, route: str = "auto", *, batch_hint: int = 16):
+    def __init__(self, model, route: str = "auto", *, batch_hint: int = 16, single: bool = False):
         if route not in ROUTES:
             raise ValueError(f"linears must be one of {', '.join(ROUTES)}, got {route!r}")
         #: what was asked (``auto`` or a route) and, for ``auto``, why it chose what it did
         self.asked, self.reason = route, ""
         if route == "auto":
-            route, self.reason = _choose(model, int(batch_hint))
+            route, self.reason = _choose(model, int(batch_hint), single)
         if route in ("onednn", "packed") and not onednn_ready():
             raise ValueError(
                 f"linears={route!r} needs torch's oneDNN (torch.backends.mkldnn), which this torch does not have; "
                 "use 'torch'"
+            )
+        if route == "kvslim" and not kvslim_ready():
+            raise ValueError(
+                "linears='kvslim' needs kvslim's C kernels built with AVX2 and FMA (or AVX-512), which this machine "
+                "or build does not have; use 'torch'"
             )
         if route == "mkl" and not mkl_ready():
             raise ValueError("linears='mkl' needs torch built with MKL (torch.backends.mkl), which this torch is not; use 'torch'")
@@ -353,6 +374,12 @@ class Linears:
             if x.dim() == 0 or x.shape[-1] != w.shape[1] or x.numel() // max(1, x.shape[-1]) != self.batch_hint:
                 return stock(x)  # (a width that does not fit: torch's own error, never a read past x)
             return torch.ops.mkl._mkl_linear(x, self._weight(module), w, bias, self.batch_hint)
+        if self.route == "kvslim":
+            if x.dim() == 0 or x.shape[-1] != w.shape[1]:
+                return stock(x)  # torch's own error
+            from ..kernels.linear import linear
+
+            return linear(x, w, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._weight(module), bias, "none", [], "")
 
     @property
@@ -373,22 +400,38 @@ class Linears:
             _ACTIVE.reset(token)
 
 
-def _choose(model, rows: int) -> tuple[str, str]:
-    """``auto``'s route for ``model`` at steps of up to ``rows`` rows, and why (module docstring)."""
+#: what the route is called in ``auto``'s reasons
+_NAMES = {"torch": "torch", "onednn": "oneDNN", "kvslim": "kvslim"}
+
+
+def _choose(model, rows: int, single: bool = False) -> tuple[str, str]:
+    """``auto``'s route for ``model`` at steps of up to ``rows`` rows (``single``: one stream's steps of ``rows``
+    rows, whose bits never meet another row's: speed alone), and why (module docstring)."""
     modules = [m for m in model.modules() if _routable(m)]
     if not modules:
         return "torch", "no float32 CPU linear layer to route"
-    if rows_invariant(modules, "torch", rows):
+    ready = [r for r, ok in (("onednn", onednn_ready), ("kvslim", kvslim_ready)) if ok()]
+    if single:
+        torch_ok, candidates, alike = True, ready, "one stream"
+    else:
+        torch_ok = rows_invariant(modules, "torch", rows)
+        candidates = [r for r in ready if rows_invariant(modules, r, rows)]
         alike = "torch's linear rounds a row alike at every step size here"
-        if not onednn_ready() or not rows_invariant(modules, "onednn", rows):
-            return "torch", alike
-        t_torch, t_onednn = products_ms(modules, rows)
-        speeds = f"a step's products at {step_rows(rows)} rows: oneDNN {t_onednn:.1f} ms, torch {t_torch:.1f} ms"
-        if t_onednn * FASTER <= t_torch:
-            return "onednn", f"both round a row alike at every step size here, and oneDNN is faster ({speeds})"
-        return "torch", f"{alike}, and oneDNN is not {FASTER:.2f}x faster ({speeds})"
-    if not onednn_ready():
-        return "torch", "torch's linear rounds a row differently by the step's size here, and this torch has no oneDNN"
-    if rows_invariant(modules, "onednn", rows):
-        return "onednn", "torch's linear (MKL) rounds a row differently by the step's size here; oneDNN does not"
-    return "torch", "neither torch's linear nor oneDNN rounds a row alike at every step size here"
+    if not candidates:
+        if torch_ok:
+            return "torch", f"{alike}, and no other route {'runs' if single else 'does'} here"
+        if not ready:
+            return "torch", "torch's linear rounds a row differently by the step's size here, and no other route runs here"
+        return "torch", "no route rounds a row alike at every step size here"
+    timed = products_ms(modules, rows, ("torch", *candidates) if torch_ok else tuple(candidates), exact=single)
+    n = rows if single else step_rows(rows)
+    speeds = f"a step's products at {n} row{'s' * (n != 1)}: " + ", ".join(
+        f"{_NAMES[r]} {t:.1f} ms" for r, t in sorted(timed.items(), key=lambda kv: kv[1])
+    )
+    fastest = min(candidates, key=timed.get)
+    if not torch_ok:
+        return fastest, f"torch's linear (MKL) rounds a row differently by the step's size here; {_NAMES[fastest]} does not ({speeds})"
+    if timed[fastest] * FASTER <= timed["torch"]:
+        why = "one stream" if single else f"{_NAMES[fastest]} and torch both round a row alike at every step size here"
+        return fastest, f"{why}, and {_NAMES[fastest]} is faster ({speeds})"
+    return "torch", f"{alike}, and no other route is {FASTER:.2f}x faster ({speeds})"

@@ -263,6 +263,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     if hasattr(lib, "kv_encode_affine"):  # csrc/kvslim_encode.c (absent from a baseline build of older sources)
         lib.kv_encode_affine.argtypes = [ctypes.c_void_p]
         lib.kv_encode_affine.restype = _I
+    if hasattr(lib, "kv_linear"):  # csrc/kvslim_linear.c (likewise)
+        lib.kv_linear.argtypes = [ctypes.c_void_p]
+        lib.kv_linear.restype = _I
     lib.kv_row_format.argtypes = [
         ctypes.c_char_p,
         ctypes.POINTER(ctypes.c_int32),

@@ -1,0 +1,80 @@
+"""kvslim's own linear layer for a decode step's few rows (``csrc/kvslim_linear.c``), called through ctypes.
+
+:func:`linear` is ``torch.nn.functional.linear`` for float32 CPU tensors, computed so that each output row's bits
+depend on its own input row alone, whatever other rows share the call (the C file says how), and streaming the
+weights faster than the CPU BLAS does at the few rows of a decode step on the machines measured
+(docs/performance.md, "kvslim's linear layers"). :func:`ready` says whether this build has it (AVX2 and FMA, or
+AVX-512). The engine reaches it as the ``kvslim`` route of :mod:`kvslim.engine.linears`.
+
+This module knows nothing about models or routes.
+"""
+
+from __future__ import annotations
+
+import array
+
+import torch
+
+from .clib import library, status
+
+
+def ready() -> bool:
+    """Whether the C library is built and has a vectorized ``kv_linear`` (AVX2 and FMA, or AVX-512)."""
+    if not status()[0]:
+        return False
+    lib = library()
+    if not hasattr(lib, "kv_linear"):
+        return False
+    if "probe" not in _READY:
+        x = torch.ones(1, 1)
+        y = torch.empty(1, 1)
+        args = array.array("q", [x.data_ptr(), 1, 1, 1, x.data_ptr(), 1, 1, 0, y.data_ptr(), 1, 1])
+        _READY["probe"] = lib.kv_linear(args.buffer_info()[0]) == 0 and float(y) == 1.0
+    return _READY["probe"]
+
+
+_READY: dict = {}
+
+
+def _plain(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.layout == torch.strided
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for float32 CPU tensors: x (..., I), weight (O, I), bias (O,) or None; returns
+    (..., O), a new tensor. Raises ValueError for other dtypes, devices or shapes, and RuntimeError where
+    :func:`ready` is False (the caller decides what runs instead)."""
+    if not (_plain(x) and _plain(weight) and (bias is None or _plain(bias))):
+        raise ValueError("kvslim's linear takes float32 CPU tensors")
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"kvslim's linear: x {tuple(x.shape)} does not fit a weight {tuple(weight.shape)} (x's last dim must be "
+            "the weight's second)"
+        )
+    o, i = weight.shape
+    if bias is not None and tuple(bias.shape) != (o,):
+        raise ValueError(f"kvslim's linear: bias {tuple(bias.shape)} for a weight {tuple(weight.shape)}")
+    if not ready():
+        raise RuntimeError("kvslim's linear needs the C kernels built with AVX2 and FMA (or AVX-512)")
+    rows = x.reshape(-1, i)
+    if i and rows.stride(1) != 1:
+        rows = rows.contiguous()
+    w = weight if weight.stride(1) == 1 or i <= 1 else weight.contiguous()
+    b = None if bias is None else bias.contiguous()
+    r = rows.shape[0]
+    y = torch.empty(r, o, dtype=torch.float32)
+    if r and o:
+        if i == 0:
+            y.copy_(b.expand(r, o) if b is not None else torch.zeros(r, o))
+        else:
+            args = array.array(
+                "q",
+                [
+                    rows.data_ptr(), r, i, rows.stride(0) if r > 1 else i,
+                    w.data_ptr(), o, w.stride(0) if o > 1 else i,
+                    0 if b is None else b.data_ptr(),
+                    y.data_ptr(), o, torch.get_num_threads(),
+                ],
+            )  # held until the call returns
+            library().kv_linear(args.buffer_info()[0])
+    return y.reshape(*x.shape[:-1], o)

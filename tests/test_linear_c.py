@@ -1,0 +1,109 @@
+"""kvslim's own linear layer (csrc/kvslim_linear.c through kvslim.kernels.linear): the product torch computes, to
+float32 rounding, and a row's bits fixed by its own input alone, whatever rows share the call, however many threads
+run it and whichever tile it falls in; the AVX2 build (8 lanes) checked as well as this machine's."""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvslim.kernels import clib
+from kvslim.kernels import linear as lin
+
+pytestmark = pytest.mark.skipif(not lin.ready(), reason="kvslim's linear needs the C kernels with AVX2 and FMA")
+
+
+def _ref(x, w, b=None):
+    y = x.double() @ w.double().T
+    return (y if b is None else y + b.double()).float()
+
+
+@pytest.mark.parametrize(("o", "i"), [(576, 576), (192, 576), (576, 1536), (37, 21), (6, 16), (5, 15), (13, 1), (1, 40)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_product_is_torchs_to_rounding(o, i, bias):
+    """Every shape (tails of the lanes and of the tiles included) with and without a bias, against a float64
+    product: within float32's rounding of a dot product of i terms, as torch's own linear is."""
+    g = torch.Generator().manual_seed(o * 1000 + i)
+    x, w = torch.randn(19, i, generator=g), torch.randn(o, i, generator=g) / i**0.5
+    b = torch.randn(o, generator=g) if bias else None
+    got, ref = lin.linear(x, w, b), _ref(x, w, b)
+    tol = 4 * i * 2**-24 * (x.abs() @ w.abs().T).max()
+    assert got.shape == (19, o) and float((got - ref).abs().max()) <= float(tol) + 1e-6
+    assert (got - ref).abs().max() <= (torch.nn.functional.linear(x, w, b) - ref).abs().max() * 4 + 1e-6
+
+
+def test_a_rows_bits_are_its_own_whatever_shares_the_call():
+    """A row alone, a row among 1..70 others at any place (every tile shape and row chunk), the leading dims of a
+    packed step, 1 or 2 threads: the same bits (no filler rows needed)."""
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(150, 100, generator=g) / 10, torch.randn(150, generator=g)
+    x = torch.randn(140, 100, generator=g)
+    alone = torch.stack([lin.linear(x[r : r + 1], w, b)[0] for r in range(140)])
+    for n in (1, 2, 3, 4, 5, 7, 9, 16, 17, 33, 64, 65, 70, 140):
+        for start in (0, 1, 70 - n // 2, 140 - n):
+            assert torch.equal(lin.linear(x[start : start + n], w, b), alone[start : start + n]), (n, start)
+    assert torch.equal(lin.linear(x[None, :80], w, b)[0], alone[:80])  # (1, N, I): the engine's packed step
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(lin.linear(x, w, b), alone), threads
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_inputs_that_are_not_contiguous_and_the_errors():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(24, 64, generator=g)
+    x = torch.randn(10, 128, generator=g)[:, ::2]  # rows 128 apart, elements 2 apart: copied
+    assert torch.equal(lin.linear(x, w), lin.linear(x.contiguous(), w))
+    wide = torch.randn(24, 96, generator=g)[:, :64]  # weight rows 96 apart: read in place
+    assert torch.equal(lin.linear(x, wide), lin.linear(x, wide.contiguous()))
+    assert lin.linear(torch.randn(0, 64), w).shape == (0, 24)
+    with pytest.raises(ValueError, match="does not fit a weight"):
+        lin.linear(torch.randn(3, 63), w)
+    with pytest.raises(ValueError, match="float32 CPU tensors"):
+        lin.linear(x.half(), w.half())
+    with pytest.raises(ValueError, match="bias"):
+        lin.linear(x, w, torch.randn(23))
+
+
+def _avx2_build(tmp_path: Path) -> ctypes.CDLL:
+    compiler = clib.find_compiler()
+    if compiler is None:
+        pytest.skip("no C compiler")
+    src = Path(clib.SOURCES) / "kvslim_linear.c"
+    out = tmp_path / "avx2.so"
+    flags = ["-O3", "-shared", "-fPIC", "-std=c11", "-ffp-contract=fast", "-mavx2", "-mfma", "-mno-avx512f", "-fopenmp"]
+    res = subprocess.run([*compiler, *flags, "-o", str(out), str(src)], capture_output=True, text=True)
+    if res.returncode:
+        pytest.skip(f"the compiler does not build AVX2 code here: {res.stderr.strip()[-200:]}")
+    lib = ctypes.CDLL(str(out))
+    lib.kv_linear.argtypes = [ctypes.c_void_p]
+    lib.kv_linear.restype = ctypes.c_int
+    return lib
+
+
+def _call(lib, x, w, b, threads=2):
+    y = torch.empty(x.shape[0], w.shape[0])
+    args = array.array("q", [x.data_ptr(), x.shape[0], x.shape[1], x.shape[1], w.data_ptr(), w.shape[0], w.shape[1],
+                             0 if b is None else b.data_ptr(), y.data_ptr(), w.shape[0], threads])
+    assert lib.kv_linear(args.buffer_info()[0]) == 0
+    return y
+
+
+def test_the_avx2_build_keeps_the_same_contract(tmp_path):
+    """The 8-lane build (an AVX2 machine's): torch's product to rounding, and a row's bits its own."""
+    lib = _avx2_build(tmp_path)
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(45, 77, generator=g) / 9, torch.randn(45, generator=g)
+    x = torch.randn(21, 77, generator=g)
+    got = _call(lib, x, w, b)
+    assert (got - _ref(x, w, b)).abs().max() < 1e-4
+    for n in (1, 2, 3, 5, 21):
+        assert torch.equal(_call(lib, x[:n], w, b, threads=1), got[:n]), n
