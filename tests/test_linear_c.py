@@ -107,3 +107,45 @@ def test_the_avx2_build_keeps_the_same_contract(tmp_path):
     assert (got - _ref(x, w, b)).abs().max() < 1e-4
     for n in (1, 2, 3, 5, 21):
         assert torch.equal(_call(lib, x[:n], w, b, threads=1), got[:n]), n
+
+
+def _product_in_child(conn):
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(8, 300, generator=g), torch.randn(200, 300, generator=g)
+    conn.send(lin.linear(x, w).tolist())  # plain lists: no shared memory outliving the child
+
+
+def test_threads_at_once_and_a_forked_child():
+    """Calls from several Python threads at once (one holds the workers, the others run alone) and from a child
+    forked after the workers started (it starts its own): every result the same bits."""
+    import multiprocessing
+    import threading
+
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(8, 300, generator=g), torch.randn(200, 300, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ref = lin.linear(x, w)  # the workers are running from here on
+        bad = []
+
+        def hammer():
+            for _ in range(200):
+                if not torch.equal(lin.linear(x, w), ref):
+                    bad.append(1)
+
+        threads = [threading.Thread(target=hammer) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not bad and not any(t.is_alive() for t in threads)
+        ctx = multiprocessing.get_context("fork")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_product_in_child, args=(child,))
+        proc.start()
+        assert parent.poll(60), "the forked child's product did not return"
+        assert parent.recv() == ref.tolist()
+        proc.join(10)
+    finally:
+        torch.set_num_threads(before)

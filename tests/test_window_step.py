@@ -201,3 +201,30 @@ def test_re_based_rows_move_their_queries_with_angles_once_a_step(monkeypatch):
             for b, cache in enumerate(alone):
                 one = gen.forward_rows(model, [tokens[s][b]], [cache])
                 assert torch.equal(together[b], one[0]), (s, b)
+
+
+def test_a_single_streams_sinks_move_with_angles_once_a_forward(monkeypatch):
+    """One stream's decode (no ragged step): the sinks of every layer move by the same distances, so their angles
+    are computed once a forward and shared (Rotary.rows_angles), not once a layer; the moved sinks are the bits of
+    moving them by the distances' tensor, as before."""
+    model = kvslim.enable(tiny_model("llama"))
+    n_layers = model.config.num_hidden_layers
+    cache = SlimCache.from_config(kvslim.parse_spec("int4,sink=4,window=28,group=8,residual=8"), config=model.config)
+    calls = []
+    real = Rotary.move_angles
+
+    def spy(self, delta, device):
+        calls.append(tuple(delta.shape))
+        return real(self, delta, device)
+
+    monkeypatch.setattr(Rotary, "move_angles", spy)
+    with torch.inference_mode():
+        gen.prefill(model, torch.arange(3, 43)[None], cache)
+        for t in range(6):
+            calls.clear()
+            gen.decode_one_token(model, torch.tensor([[50 + t]]), cache)
+            assert len(calls) == 1, calls  # the window slid: every layer's sinks moved, one set of angles
+        store = cache.layers[1].store
+        delta = store.frames.sink_delta(store.sink_k, first_stream_slot=store.seen - len(store.k), pads=None, sink_start=None)
+        assert delta is not None and n_layers > 1
+        assert torch.equal(store.segments().k_sink, store.rotary.move(store.sink_k, delta))

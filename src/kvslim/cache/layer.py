@@ -327,10 +327,14 @@ class SlimLayer:
         without padding, else a (B, S) tensor), for the caller to apply."""
         pads, starts = (None, None) if self._unpadded() else (self.pads, self.sink_start)
         first = self.seen - len(self.k)
-        delta = self.frames.sink_delta(self.sink_k, first_stream_slot=first, pads=pads, sink_start=starts, host=defer_sinks)
+        delta = self.frames.sink_delta(self.sink_k, first_stream_slot=first, pads=pads, sink_start=starts, host=True)
         if defer_sinks:
             return self._view(self.sink_k), delta
-        return self._view(self.sink_k if delta is None else self.rotary.move(self.sink_k, delta))
+        if delta is None:
+            return self._view(self.sink_k)
+        if isinstance(delta, tuple):  # unpadded rows: the angles of these distances, shared by the forward's layers
+            return self._view(self.rotary.move(self.sink_k, None, angles=self.rotary.rows_angles(delta, self.sink_k.device)))
+        return self._view(self.rotary.move(self.sink_k, delta))
 
     def _view(self, k_sink: torch.Tensor | None) -> Segments:
         return Segments.of(

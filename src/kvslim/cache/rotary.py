@@ -108,8 +108,9 @@ class Rotary:
         kept = self._memo.get("range")
         if kept is not None:
             n += sum(x.numel() * x.element_size() for x in kept[3:])
-        for pair in self._memo.get("one", {}).values():
-            n += sum(x.numel() * x.element_size() for x in pair)
+        for memo in ("one", "rows"):
+            for pair in self._memo.get(memo, {}).values():
+                n += sum(x.numel() * x.element_size() for x in pair)
         return n
 
     def _one(self, delta: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,6 +122,21 @@ class Rotary:
         got = kept.get(key)
         if got is None:
             got = self.cos_sin(torch.tensor(delta), device)
+            if len(kept) >= KEPT_DISTANCES:
+                kept.pop(next(iter(kept)))
+            kept[key] = got
+        return got
+
+    def rows_angles(self, delta: tuple, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`move_angles` of ``delta``, distances per row and token as a tuple of per-row tuples (a stream's
+        sinks, :meth:`kvslim.cache.frames.Frames.sink_delta`), kept for the next layers: every layer of a forward
+        moves a stream's sinks by the same distances (at most :data:`KEPT_DISTANCES` kept, the oldest dropped). The
+        same values as computing them again, so the same bits."""
+        kept = self._memo.setdefault("rows", {})
+        key = (delta, str(device))
+        got = kept.get(key)
+        if got is None:
+            got = self.move_angles(torch.tensor(delta, dtype=torch.long, device=device), device)
             if len(kept) >= KEPT_DISTANCES:
                 kept.pop(next(iter(kept)))
             kept[key] = got

@@ -15,14 +15,27 @@
  * filler rows are not needed for it. The order differs from a BLAS' and between AVX-512 and AVX2 (a few units in
  * the last place against torch's linear; the bits follow the machine's instruction set, as with any BLAS).
  *
+ * Threads. A step makes ~200 of these calls, a few hundred microseconds each at one row, with Python between them.
+ * An OpenMP region under OMP_WAIT_POLICY=PASSIVE (kvslim's CLI default: it keeps torch's threads from spinning on a
+ * shared machine) wakes its sleeping threads at every call: measured, that cost the whole gain of a second thread
+ * at one row. So the call's other threads are this file's own workers, each spinning at most LIN_SPIN_NS for the
+ * next call before it sleeps: a bounded spin, short enough that an idle process leaves the CPU at once, long
+ * enough to span the gap between a layer's products. Outputs are split between the threads in blocks; a call made
+ * while another holds the workers (two Python threads at once) runs on its own thread alone. Both give the same
+ * bits (above). A fork's child starts its own workers.
+ *
  * args (int64): x, R, I, x's row stride, W, O, W's row stride, b (0: none), y, y's row stride, threads; x, W, b, y
  * float32 with contiguous rows. Returns 0, or -1 where built without AVX2 and FMA (the caller uses torch's linear).
  */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <time.h>
+#include <unistd.h>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -31,8 +44,11 @@
 #define LIN_OT 6
 #define LIN_RT 4
 #define LIN_RC 64
-/* Below this many multiply-adds a call runs on the calling thread alone (no fork/join for a tiny product). */
+/* Below this many multiply-adds a call runs on the calling thread alone (no hand-off for a tiny product). */
 #define LIN_MIN_PARALLEL 65536
+/* How long a worker spins for the next call before it sleeps, and the most workers (threads beyond the caller's). */
+#define LIN_SPIN_NS 50000
+#define LIN_MAX_WORKERS 63
 
 typedef struct {
     const float *x, *w, *b;
@@ -149,6 +165,117 @@ static void lin_range(const lin_args *a, int64_t ob0, int64_t ob1) {
 }
 #endif
 
+#ifdef LIN_LANES
+/* ------------------------------------------------------------------------------------------------ the workers */
+
+static struct {
+    pthread_mutex_t call; /* held by the call using the workers (trylock: a busy pool, the caller runs alone) */
+    pthread_mutex_t mu;   /* with cv: a worker's sleep */
+    pthread_cond_t cv;
+    int started;               /* workers running in this process */
+    pid_t pid;                 /* the process that started them */
+    _Atomic uint64_t gen;      /* calls posted */
+    _Atomic int pending;       /* workers not yet done with the current call */
+    const lin_args *a;         /* the current call: its arguments, output blocks and threads */
+    int64_t nob;
+    int nt;
+} lin_pool = {.call = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+
+static int64_t lin_now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+typedef struct {
+    int id;
+    uint64_t seen;
+} lin_worker_arg;
+
+static void *lin_worker(void *p) {
+    const lin_worker_arg w = *(lin_worker_arg *)p;
+    free(p);
+    uint64_t seen = w.seen;
+    for (;;) {
+        uint64_t g = atomic_load_explicit(&lin_pool.gen, memory_order_acquire);
+        const int64_t t0 = lin_now_ns();
+        while (g == seen) { /* the bounded spin, then sleep until the next call */
+            if (lin_now_ns() - t0 > LIN_SPIN_NS) {
+                pthread_mutex_lock(&lin_pool.mu);
+                while ((g = atomic_load_explicit(&lin_pool.gen, memory_order_acquire)) == seen)
+                    pthread_cond_wait(&lin_pool.cv, &lin_pool.mu);
+                pthread_mutex_unlock(&lin_pool.mu);
+                break;
+            }
+            _mm_pause();
+            g = atomic_load_explicit(&lin_pool.gen, memory_order_acquire);
+        }
+        seen = g;
+        const int nt = lin_pool.nt;
+        if (w.id < nt) lin_range(lin_pool.a, lin_pool.nob * w.id / nt, lin_pool.nob * (w.id + 1) / nt);
+        atomic_fetch_sub_explicit(&lin_pool.pending, 1, memory_order_acq_rel);
+    }
+    return 0;
+}
+
+/* Workers 1 .. want - 1 running (called holding lin_pool.call, no call posted); returns the threads a call can use. */
+static int lin_workers(int want) {
+    if (lin_pool.pid != getpid()) { /* first use, or a fork's child: none of the parent's workers exist here */
+        pthread_mutex_init(&lin_pool.mu, 0); /* (a parent's worker may have held it at the fork) */
+        pthread_cond_init(&lin_pool.cv, 0);
+        lin_pool.started = 0;
+        lin_pool.pid = getpid();
+        atomic_store(&lin_pool.pending, 0);
+    }
+    if (want > LIN_MAX_WORKERS + 1) want = LIN_MAX_WORKERS + 1;
+    if (lin_pool.started + 1 < want) {
+        sigset_t all, old;
+        sigfillset(&all);
+        pthread_sigmask(SIG_SETMASK, &all, &old); /* signals stay with the process' own threads */
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        while (lin_pool.started + 1 < want) {
+            lin_worker_arg *arg = malloc(sizeof *arg);
+            pthread_t t;
+            if (!arg) break;
+            arg->id = lin_pool.started + 1;
+            arg->seen = atomic_load(&lin_pool.gen);
+            if (pthread_create(&t, &attr, lin_worker, arg) != 0) {
+                free(arg);
+                break;
+            }
+            lin_pool.started++;
+        }
+        pthread_attr_destroy(&attr);
+        pthread_sigmask(SIG_SETMASK, &old, 0);
+    }
+    return lin_pool.started + 1 < want ? lin_pool.started + 1 : want;
+}
+
+static void lin_run(const lin_args *a, int64_t nob, int nt) {
+    if (nt > 1 && pthread_mutex_trylock(&lin_pool.call) == 0) {
+        nt = lin_workers(nt);
+        if (nt > 1) {
+            lin_pool.a = a;
+            lin_pool.nob = nob;
+            lin_pool.nt = nt;
+            atomic_store_explicit(&lin_pool.pending, lin_pool.started, memory_order_relaxed);
+            pthread_mutex_lock(&lin_pool.mu);
+            atomic_fetch_add_explicit(&lin_pool.gen, 1, memory_order_release);
+            pthread_cond_broadcast(&lin_pool.cv);
+            pthread_mutex_unlock(&lin_pool.mu);
+            lin_range(a, 0, nob / nt);
+            while (atomic_load_explicit(&lin_pool.pending, memory_order_acquire) > 0) _mm_pause();
+            pthread_mutex_unlock(&lin_pool.call);
+            return;
+        }
+        pthread_mutex_unlock(&lin_pool.call);
+    }
+    lin_range(a, 0, nob);
+}
+#endif
+
 int kv_linear(const int64_t *args) {
 #ifdef LIN_LANES
     const lin_args a = {
@@ -157,20 +284,10 @@ int kv_linear(const int64_t *args) {
         .b = (const float *)(intptr_t)args[7], .y = (float *)(intptr_t)args[8], .ys = args[9],
     };
     const int64_t nob = (a.O + LIN_OT - 1) / LIN_OT;
-    int nt = (int)args[10];
+    int64_t nt = args[10];
     if (nt < 1 || a.R * a.O * a.I < LIN_MIN_PARALLEL) nt = 1;
-    if ((int64_t)nt > nob) nt = (int)nob;
-#ifdef _OPENMP
-    if (nt > 1) {
-#pragma omp parallel num_threads(nt)
-        {
-            const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
-            lin_range(&a, nob * t / n, nob * (t + 1) / n);
-        }
-        return 0;
-    }
-#endif
-    lin_range(&a, 0, nob);
+    if (nt > nob) nt = nob;
+    lin_run(&a, nob, (int)nt);
     return 0;
 #else
     (void)args;
