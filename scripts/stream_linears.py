@@ -7,7 +7,9 @@ Prefills one cache per (config, route) with ``--length`` seeded random tokens of
 1,024, torch's route), then runs ``--warmup + --steps`` single-stream decode steps
 (:func:`kvslim.generate.decode_one_token`) round by round, each (config, route) in turn, so a slower or faster
 stretch of the machine falls on all alike. The first step's logits of each route are compared with torch's (the
-same cache contents, the same token). Measure on a quiet machine (``uptime`` before and after), alone.
+same cache contents, the same token). ``--prefill-chunk N``: also each route's prefill of the ``--length`` tokens in
+chunks of N (the first config), twice per route in turn, the faster kept. Measure on a quiet machine (``uptime``
+before and after), alone.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--routes", nargs="+", default=["torch", "onednn", "kvslim"])
+    p.add_argument("--prefill-chunk", type=int, default=0, help="also time each route's prefill in chunks of N")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
 
@@ -74,6 +77,18 @@ def main() -> None:
             ratio = f"{ref / med:.2f}" if ref else "-"
             d = (first[(cfg, r)] - first[(cfg, "torch")]).abs().max().item() if "torch" in routes else float("nan")
             print(f"{cfg:28s} {r:8s} {med:8.1f} {q1:7.1f} {q3:7.1f} {ratio:>8s} {d:13.2e}")
+    if a.prefill_chunk:
+        best = dict.fromkeys(routes, float("inf"))
+        with torch.inference_mode():
+            for _ in range(2):
+                for r, route in routes.items():
+                    cache = kvslim.SlimCache.from_config(kvslim.parse_spec(configs[0]), config=model.config)
+                    t = time.perf_counter()
+                    with route.routed():
+                        prefill(model, ids, cache, chunk_size=a.prefill_chunk)
+                    best[r] = min(best[r], time.perf_counter() - t)
+        print(f"prefill of {a.length} tokens in chunks of {a.prefill_chunk}, {configs[0]}: "
+              + ", ".join(f"{r} {s:.2f} s" for r, s in best.items()))
     for r in routes.values():
         if r.asked == "auto":
             print(r)

@@ -57,15 +57,18 @@ def test_concurrent_greedy_equals_each_request_alone(model):
 
 @pytest.mark.parametrize(
     "route",
-    ["auto", pytest.param("torch", marks=blas_row_identity), "onednn", "packed", pytest.param("mkl", marks=blas_row_identity)],
+    ["auto", pytest.param("torch", marks=blas_row_identity), "onednn", "packed", pytest.param("mkl", marks=blas_row_identity),
+     "kvslim"],
 )
 def test_ragged_rows_are_bit_identical_whatever_shares_the_step(model, route):
     """forward_rows, the linear layers on each route (kvslim.engine.linears): a row's logits do not depend on the
     other rows (filler rows pad small steps). ``auto``, the engine's default, holds it on every CPU (torch's route
     only where its BLAS rounds a row alike at every row count)."""
-    from kvslim.engine.linears import Linears, mkl_ready, onednn_ready
+    from kvslim.engine.linears import Linears, kvslim_ready, mkl_ready, onednn_ready
 
-    if route in ("onednn", "packed") and not onednn_ready() or route == "mkl" and not mkl_ready():
+    if route in ("onednn", "packed") and not onednn_ready() or route == "mkl" and not mkl_ready() or (
+        route == "kvslim" and not kvslim_ready()
+    ):
         pytest.skip(f"this torch cannot run the {route} route")
     reqs = _requests()[:5]
     caches = [SlimCache.from_config(r.cache, config=model.config) for r in reqs]

@@ -424,8 +424,7 @@ def generate(
     seeded run is reproducible. A row that has produced an ``eos_token_id`` keeps emitting its
     first eos id; the run stops once every row has. Memory per step is constant: no per-step list
     is kept and the attention mask (if any) is one buffer sized for the whole run. linears: a
-    :class:`kvslim.engine.linears.Linears` whose route runs the model's linear layers in every forward of the run
-    (None: torch's own).
+    :class:`kvslim.engine.linears.Linears` whose route runs the model's linear layers in the run (None: torch's).
     """
     check_int("max_new_tokens", max_new_tokens, minimum=1, expected="an integer >= 1")
     check_sampling(temperature, top_p)
@@ -436,18 +435,7 @@ def generate(
     stats = GenerationStats(batch_size=B, prompt_tokens=prompt_tokens)
     eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
     events = _run(
-        model,
-        input_ids,
-        cache,
-        stats,
-        max_new_tokens,
-        temperature,
-        top_p,
-        seed,
-        eos,
-        attention_mask,
-        chunk_size,
-        linears,
+        model, input_ids, cache, stats, max_new_tokens, temperature, top_p, seed, eos, attention_mask, chunk_size, linears
     )
     return Generation(events, stats)
 

@@ -145,6 +145,8 @@ class SlimCacheLayer(CacheLayerMixin):
             owner.observe(self.layer_idx, store.basis_keys(key_states, base=base, rope=rope), value_states)
         compressed = owner.compressed_attention and key_states.shape[2] <= FAST_MAX_QUERY
         out = store.append(key_states, value_states, segments=compressed, base=base, rope=rope)
+        if store.rotary is not None and self is owner.layers[-1]:
+            store.rotary.forget_rows()  # the forward's shared sink angles end with its last layer (Rotary.rows_angles)
         return (out, out) if compressed else out  # kvslim_attention reads both from the one view
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

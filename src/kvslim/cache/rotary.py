@@ -108,7 +108,7 @@ class Rotary:
         kept = self._memo.get("range")
         if kept is not None:
             n += sum(x.numel() * x.element_size() for x in kept[3:])
-        for memo in ("one", "rows"):
+        for memo in ("one", "rows"):  # ("rows": only while a forward runs, Rotary.rows_angles)
             for pair in self._memo.get(memo, {}).values():
                 n += sum(x.numel() * x.element_size() for x in pair)
         return n
@@ -130,17 +130,20 @@ class Rotary:
     def rows_angles(self, delta: tuple, device) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`move_angles` of ``delta``, distances per row and token as a tuple of per-row tuples (a stream's
         sinks, :meth:`kvslim.cache.frames.Frames.sink_delta`), kept for the next layers: every layer of a forward
-        moves a stream's sinks by the same distances (at most :data:`KEPT_DISTANCES` kept, the oldest dropped). The
-        same values as computing them again, so the same bits."""
-        kept = self._memo.setdefault("rows", {})
+        moves a stream's sinks by the same distances, and the next forward by others (only the last distances are
+        kept, until :meth:`forget_rows`: the cache's last layer drops them, so they are a forward's transient, not a
+        cache's bytes). The same values as computing them again, so the same bits."""
         key = (delta, str(device))
+        kept = self._memo.get("rows", {})
         got = kept.get(key)
         if got is None:
             got = self.move_angles(torch.tensor(delta, dtype=torch.long, device=device), device)
-            if len(kept) >= KEPT_DISTANCES:
-                kept.pop(next(iter(kept)))
-            kept[key] = got
+            self._memo["rows"] = {key: got}
         return got
+
+    def forget_rows(self) -> None:
+        """Drop the angles :meth:`rows_angles` keeps (the end of a forward)."""
+        self._memo.pop("rows", None)
 
     def move_angles(self, delta: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
         """The angles :meth:`move` uses for distances ``delta`` (B, T) int64: cos, sin (B, 1, T, R) float32. A

@@ -1,5 +1,6 @@
-"""Which library runs a model's linear layers inside an engine step: torch's default (MKL on this CPU) or
-oneDNN, with the weights as they are or reordered ("packed") for it.
+"""Which library runs a model's linear layers inside an engine step (and a single stream's, ``kvslim sample``):
+torch's default (MKL on this CPU), oneDNN with the weights as they are or reordered ("packed") for it, MKL's packed
+sgemm, or kvslim's own kernel.
 
 Why. The engine's many-row step multiplies every row's hidden state by every weight matrix, ~211 products a
 step for the embedded model, with 4 to a few hundred rows each. For that shape, torch's ``linear`` (MKL's
@@ -23,18 +24,28 @@ step's fp32 CPU ``nn.Linear`` layers through it:
   and the memory change. A second copy of the routed weights (the process grows by about their bytes: +514 MiB for
   the embedded model's 540 MiB; MKL reserves more address space than it touches, :attr:`Linears.nbytes` counts the
   weights' bytes). Opt-in, as ``packed``; a weight changed after packing is packed again, as there.
+- ``kvslim``: kvslim's own linear (:mod:`kvslim.kernels.linear`, ``csrc/kvslim_linear.c``): each weight row dotted
+  with the step's rows in registers, every output one dot product in one fixed order, so a row's bits are its own
+  whatever rows share the product (by construction, at any row count, 1-3 included), the weights read by the
+  kernel's own workers (a bounded spin, not an OpenMP region that ``OMP_WAIT_POLICY=PASSIVE`` puts to sleep between
+  calls). Needs the C kernels built with AVX2 and FMA (or AVX-512); no memory added. On an AMD EPYC (Zen 4) its pass
+  over the embedded model's products is 2.1x torch's at one row, 1.8x at 16, 0.89x at 1,024 rows (oneDNN's: 1.2x,
+  1.5x, 1.15x; docs/performance.md, "kvslim's linear layers").
 - ``torch``: torch's own ``linear``, untouched.
-- ``auto`` (the default of the engine, ``kvslim serve`` and ``kvslim bench --concurrency``): of the routes whose
-  product rounds a row the same whatever the step's row count (checked once, on the model's own weights,
-  :func:`rows_invariant`), the faster: ``torch`` unless oneDNN's pass over the model's products at the step's rows
-  is :data:`FASTER` times quicker (timed once, :func:`products_ms`); ``torch`` where neither keeps a row's bits
-  (said in :attr:`Linears.reason`). On an AVX-512-FP16 Xeon (Sapphire Rapids), where MKL rounds rows of 8, 12,
+- ``auto`` (the default of the engine, ``kvslim serve``, ``kvslim bench --concurrency`` and ``kvslim sample``): of
+  the routes whose product rounds a row the same whatever the step's row count (checked once, on the model's own
+  weights, :func:`rows_invariant`; kvslim's too, though it holds by construction), the fastest: ``torch`` unless
+  another route's pass over the model's products at the step's rows is :data:`FASTER` times quicker (timed once,
+  :func:`products_ms`, every candidate interleaved); ``torch`` where none keeps a row's bits (said in
+  :attr:`Linears.reason`). A single stream (``single=True``: ``kvslim sample``) has no other rows to keep alike, so
+  there it is speed alone, timed at the stream's one row. On an AVX-512-FP16 Xeon (Sapphire Rapids), where MKL rounds rows of 8, 12,
   16... differently from 4, it is oneDNN (0.98x of torch's step there, docs/performance.md, "The default route:
   rows bit for bit"); on an AMD EPYC (Zen 4), where MKL's sgemm runs far below oneDNN's and both keep a row's
   bits, oneDNN by speed ("The default route on an AMD CPU"); the AVX2 machines of earlier stops took torch before
-  the speed rule and were not measured with it. The two routes round differently, so where the choice is made by
-  timing, a request's exact bits follow the machine (and, near the margin, could follow its load at start-up):
-  name a route (``torch`` or ``onednn``) to pin them.
+  the speed rule and were not measured with it; on the AMD EPYC with kvslim's route beside them, kvslim's (its pass
+  1.8x torch's at 16 rows, 1.2x oneDNN's). The routes round differently, so where the choice is made by timing, a
+  request's exact bits follow the machine (and, near the margin, could follow its load at start-up): name a route
+  to pin them.
 
 Measured (docs/performance.md, "The weights' products"): under the torch profiler the step's linear ops take
 126-130 ms a step with torch's route, 89-110 with ``onednn``, 84-97 with ``packed`` (16 rows, the embedded
