@@ -65,6 +65,18 @@ def test_inputs_that_are_not_contiguous_and_the_errors():
     wide = torch.randn(24, 96, generator=g)[:, :64]  # weight rows 96 apart: read in place
     assert torch.equal(lin.linear(x, wide), lin.linear(x, wide.contiguous()))
     assert lin.linear(torch.randn(0, 64), w).shape == (0, 24)
+    b = torch.randn(24, generator=g)
+    assert torch.equal(lin.linear(torch.randn(3, 0), torch.randn(24, 0), b), b.expand(3, 24))  # a width of 0: the bias
+    assert torch.equal(lin.linear(torch.randn(3, 0), torch.randn(24, 0)), torch.zeros(3, 24))
+    assert torch.equal(lin.linear(x[0], w), lin.linear(x[:1], w)[0])  # one vector: (O,)
+    cols = torch.randn(64, 24, generator=g).T  # a weight read across its rows (stride(1) != 1): copied
+    assert torch.equal(lin.linear(x, cols), lin.linear(x, cols.contiguous()))
+    same = x[:1].expand(5, 64)  # rows 0 apart
+    assert torch.equal(lin.linear(same, w), lin.linear(same.contiguous(), w))
+    with pytest.raises(ValueError, match="no backward"):
+        lin.linear(x, w.clone().requires_grad_())
+    with torch.no_grad():
+        lin.linear(x, w.clone().requires_grad_())
     with pytest.raises(ValueError, match="does not fit a weight"):
         lin.linear(torch.randn(3, 63), w)
     with pytest.raises(ValueError, match="float32 CPU tensors"):
@@ -148,4 +160,26 @@ def test_threads_at_once_and_a_forked_child():
         assert parent.recv() == ref.tolist()
         proc.join(10)
     finally:
+        torch.set_num_threads(before)
+
+
+def test_every_thread_of_a_call_rounds_as_the_caller():
+    """The workers take the calling thread's floating-point mode (MXCSR: flush-to-zero, denormals) for each call: a
+    caller that flushes denormals after the workers started gets the bits it gets on its own thread alone."""
+    if not torch.set_flush_denormal(False):
+        pytest.skip("this CPU has no flush-to-zero mode torch can set")
+    x = torch.full((4, 64), 1e-20)
+    w = torch.full((256, 64), 1e-20)  # products of 1e-40: denormals, flushed to 0 in flush-to-zero mode
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert bool(lin.linear(x, w).abs().max() > 0)  # the workers start, in the ordinary mode
+        torch.set_flush_denormal(True)
+        together = lin.linear(x, w)
+        torch.set_num_threads(1)
+        alone = lin.linear(x, w)
+        bits = lambda t: t.view(torch.int32)  # noqa: E731 - (compared as integers: the flushing mode reads denormals as 0)
+        assert torch.equal(bits(together), bits(alone)) and not bool(bits(alone).any())
+    finally:
+        torch.set_flush_denormal(False)
         torch.set_num_threads(before)

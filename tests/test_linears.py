@@ -81,7 +81,9 @@ def test_auto_takes_torch_where_its_rows_are_invariant_else_onednn(model, monkey
     got = _auto(model, False, True, monkeypatch, ready=False)
     assert got.route == "torch" and "no other route runs here" in got.reason
     got = _auto(model, True, True, monkeypatch, ready=False)
-    assert got.route == "torch" and got.reason == "torch's linear rounds a row alike at every step size here, and no other route does here"
+    assert got.route == "torch" and got.reason == "torch's linear rounds a row alike at every step size here, and no other route runs here"
+    got = _auto(model, True, False, monkeypatch, kvslim=False)
+    assert got.route == "torch" and got.reason.endswith("and no other route does here")  # they run, but round otherwise
     half = tiny_model("llama", seed=5).half()
     got = lin.Linears(half, "auto")  # nothing to route: torch, never an error (an explicit onednn is one)
     assert got.route == "torch" and "no float32" in got.reason

@@ -224,6 +224,7 @@ def test_a_single_streams_sinks_move_with_angles_once_a_forward(monkeypatch):
             calls.clear()
             gen.decode_one_token(model, torch.tensor([[50 + t]]), cache)
             assert len(calls) == 1, calls  # the window slid: every layer's sinks moved, one set of angles
+            assert "rows" not in cache.layers[0].store.rotary._memo  # dropped after the last layer: not the cache's bytes
         store = cache.layers[1].store
         delta = store.frames.sink_delta(store.sink_k, first_stream_slot=store.seen - len(store.k), pads=None, sink_start=None)
         assert delta is not None and n_layers > 1

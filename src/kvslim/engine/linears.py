@@ -136,7 +136,7 @@ def kvslim_ready() -> bool:
 
 
 def rows_invariant(modules, route: str, rows: int) -> bool:
-    """Whether ``route``'s product (``torch`` or ``onednn``, as :class:`Linears` runs it) gives the rows of every
+    """Whether ``route``'s product (``torch``, ``onednn`` or ``kvslim``, as :class:`Linears` runs it) gives the rows of every
     distinct weight shape of ``modules`` (routable ``nn.Linear``) the same bits in a step of the sizes the engine
     makes as in a step of 4 rows, at the current thread count: at every multiple of 4 up to :func:`step_rows` of
     ``rows`` (at most :data:`DENSE_ROWS`), at the step's rows and at :data:`PROBE_ROWS` (a sample: a mixed step's
@@ -201,10 +201,22 @@ def _product(route: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
     if route == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
     if route == "kvslim":
-        from ..kernels.linear import linear
-
-        return linear(x, w, bias)
+        return _kvslim_linear()(x, w, bias)
     return torch.nn.functional.linear(x, w, bias)
+
+
+def _kvslim_linear():
+    """:func:`kvslim.kernels.linear.linear`, imported on first use (the kernels' package is not imported with this
+    module) and kept: a step calls it ~211 times."""
+    fn = _LINEAR.get("fn")
+    if fn is None:
+        from ..kernels.linear import linear as fn
+
+        _LINEAR["fn"] = fn
+    return fn
+
+
+_LINEAR: dict = {}
 
 
 def _probe(modules, route: str, sizes) -> bool:
@@ -390,9 +402,7 @@ class Linears:
         if self.route == "kvslim":
             if x.dim() == 0 or x.shape[-1] != w.shape[1]:
                 return stock(x)  # torch's own error
-            from ..kernels.linear import linear
-
-            return linear(x, w, bias)
+            return _kvslim_linear()(x, w, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._weight(module), bias, "none", [], "")
 
     @property
@@ -432,7 +442,7 @@ def _choose(model, rows: int, single: bool = False) -> tuple[str, str]:
         alike = "torch's linear rounds a row alike at every step size here"
     if not candidates:
         if torch_ok:
-            return "torch", f"{alike}, and no other route {'runs' if single else 'does'} here"
+            return "torch", f"{alike}, and no other route {'runs' if single or not ready else 'does'} here"
         if not ready:
             return "torch", "torch's linear rounds a row differently by the step's size here, and no other route runs here"
         return "torch", "no route rounds a row alike at every step size here"

@@ -12,6 +12,7 @@ This module knows nothing about models or routes.
 from __future__ import annotations
 
 import array
+import math
 
 import torch
 
@@ -42,10 +43,13 @@ def _plain(t: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for float32 CPU tensors: x (..., I), weight (O, I), bias (O,) or None; returns
-    (..., O), a new tensor. Raises ValueError for other dtypes, devices or shapes, and RuntimeError where
-    :func:`ready` is False (the caller decides what runs instead)."""
+    (..., O), a new tensor. Inference only: raises ValueError for a tensor that autograd would track (there is no
+    backward), for other dtypes, devices or shapes, and RuntimeError where :func:`ready` is False (the caller
+    decides what runs instead)."""
     if not (_plain(x) and _plain(weight) and (bias is None or _plain(bias))):
         raise ValueError("kvslim's linear takes float32 CPU tensors")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+        raise ValueError("kvslim's linear has no backward: call it under torch.no_grad() or inference_mode()")
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"kvslim's linear: x {tuple(x.shape)} does not fit a weight {tuple(weight.shape)} (x's last dim must be "
@@ -56,7 +60,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"kvslim's linear: bias {tuple(bias.shape)} for a weight {tuple(weight.shape)}")
     if not ready():
         raise RuntimeError("kvslim's linear needs the C kernels built with AVX2 and FMA (or AVX-512)")
-    rows = x.reshape(-1, i)
+    rows = x.reshape(math.prod(x.shape[:-1]), i)  # (not -1: a width of 0 cannot be inferred)
     if i and rows.stride(1) != 1:
         rows = rows.contiguous()
     w = weight if weight.stride(1) == 1 or i <= 1 else weight.contiguous()

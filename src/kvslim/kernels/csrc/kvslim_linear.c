@@ -25,7 +25,8 @@
  * bits (above). A fork's child starts its own workers.
  *
  * args (int64): x, R, I, x's row stride, W, O, W's row stride, b (0: none), y, y's row stride, threads; x, W, b, y
- * float32 with contiguous rows. Returns 0, or -1 where built without AVX2 and FMA (the caller uses torch's linear).
+ * float32 with contiguous rows. Returns 0, or -1 where built without AVX2 and FMA (kvslim.kernels.linear.ready() is
+ * then False: the route is refused by name and left out by auto).
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -65,7 +66,8 @@ typedef __m512 lin_vec;
 #define LIN_FMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
 /* The 16 lanes summed: halves, then halves of those (a fixed tree). */
 static inline float lin_sum(__m512 v) {
-    const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), /* (AVX512F alone: no DQ extract) */
+                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
     const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
     return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
@@ -179,6 +181,7 @@ static struct {
     const lin_args *a;         /* the current call: its arguments, output blocks and threads */
     int64_t nob;
     int nt;
+    unsigned csr;              /* the caller's MXCSR (denormals, rounding): every thread of a call rounds alike */
 } lin_pool = {.call = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
 
 static int64_t lin_now_ns(void) {
@@ -212,17 +215,30 @@ static void *lin_worker(void *p) {
         }
         seen = g;
         const int nt = lin_pool.nt;
+        if (_mm_getcsr() != lin_pool.csr) _mm_setcsr(lin_pool.csr);
         if (w.id < nt) lin_range(lin_pool.a, lin_pool.nob * w.id / nt, lin_pool.nob * (w.id + 1) / nt);
         atomic_fetch_sub_explicit(&lin_pool.pending, 1, memory_order_acq_rel);
     }
     return 0;
 }
 
+/* A fork waits for the call in flight (if any) and for a worker's hand-over of mu: the child's copies are unlocked. */
+static void lin_fork_prepare(void) {
+    pthread_mutex_lock(&lin_pool.call);
+    pthread_mutex_lock(&lin_pool.mu);
+}
+static void lin_fork_done(void) {
+    pthread_mutex_unlock(&lin_pool.mu);
+    pthread_mutex_unlock(&lin_pool.call);
+}
+static pthread_once_t lin_fork_once = PTHREAD_ONCE_INIT;
+static void lin_fork_register(void) { pthread_atfork(lin_fork_prepare, lin_fork_done, lin_fork_done); }
+
 /* Workers 1 .. want - 1 running (called holding lin_pool.call, no call posted); returns the threads a call can use. */
 static int lin_workers(int want) {
+    pthread_once(&lin_fork_once, lin_fork_register);
     if (lin_pool.pid != getpid()) { /* first use, or a fork's child: none of the parent's workers exist here */
-        pthread_mutex_init(&lin_pool.mu, 0); /* (a parent's worker may have held it at the fork) */
-        pthread_cond_init(&lin_pool.cv, 0);
+        pthread_cond_init(&lin_pool.cv, 0); /* (no waiter here: the parent's workers are not in this process) */
         lin_pool.started = 0;
         lin_pool.pid = getpid();
         atomic_store(&lin_pool.pending, 0);
@@ -260,6 +276,7 @@ static void lin_run(const lin_args *a, int64_t nob, int nt) {
             lin_pool.a = a;
             lin_pool.nob = nob;
             lin_pool.nt = nt;
+            lin_pool.csr = _mm_getcsr();
             atomic_store_explicit(&lin_pool.pending, lin_pool.started, memory_order_relaxed);
             pthread_mutex_lock(&lin_pool.mu);
             atomic_fetch_add_explicit(&lin_pool.gen, 1, memory_order_release);
