@@ -229,3 +229,6 @@ def test_a_single_streams_sinks_move_with_angles_once_a_forward(monkeypatch):
         delta = store.frames.sink_delta(store.sink_k, first_stream_slot=store.seen - len(store.k), pads=None, sink_start=None)
         assert delta is not None and n_layers > 1
         assert torch.equal(store.segments().k_sink, store.rotary.move(store.sink_k, delta))
+        held = cache.nbytes()
+        store.read(torch.float32)  # a read from outside a forward shares nothing and keeps nothing
+        assert cache.nbytes() == held and "rows" not in store.rotary._memo

@@ -239,7 +239,7 @@ class SlimLayer:
             self.frames.add_run(1, base)
             self.seen += 1
             self.frames.serve(base, self.rotary if rope is None else rope)
-            out = self.segments(defer_sinks=defer_sinks)
+            out = self.segments(defer_sinks=defer_sinks, shared=True)
             self._evict()
             return out
         batch, n_new = keys.shape[0], keys.shape[2]
@@ -316,15 +316,17 @@ class SlimLayer:
         self.seen += n_new
         self.frames.serve(base, rope)
 
-        out = self.segments(defer_sinks=defer_sinks) if segments else self.read(self.dtype, kept=True)
+        out = self.segments(defer_sinks=defer_sinks, shared=True) if segments else self.read(self.dtype, kept=True)
         self._evict()
         return out
 
     # -- reads -----------------------------------------------------------------------------
-    def segments(self, *, defer_sinks: bool = False):
+    def segments(self, *, defer_sinks: bool = False, shared: bool = False):
         """A frozen view of what is stored now (valid until the next update). defer_sinks: ``(view, delta)``,
         the sinks as stored and the move they are due (:meth:`Frames.sink_delta`; a tuple of per-row tuples for rows
-        without padding, else a (B, S) tensor), for the caller to apply."""
+        without padding, else a (B, S) tensor), for the caller to apply. shared: called within a forward (an
+        append), whose layers share the sinks' move angles (:meth:`Rotary.rows_angles`, dropped after its last
+        layer); a read from outside computes its own and leaves nothing behind."""
         pads, starts = (None, None) if self._unpadded() else (self.pads, self.sink_start)
         first = self.seen - len(self.k)
         delta = self.frames.sink_delta(self.sink_k, first_stream_slot=first, pads=pads, sink_start=starts, host=True)
@@ -332,8 +334,12 @@ class SlimLayer:
             return self._view(self.sink_k), delta
         if delta is None:
             return self._view(self.sink_k)
-        if isinstance(delta, tuple):  # unpadded rows: the angles of these distances, shared by the forward's layers
-            return self._view(self.rotary.move(self.sink_k, None, angles=self.rotary.rows_angles(delta, self.sink_k.device)))
+        if isinstance(delta, tuple):  # unpadded rows: within a forward, the angles its layers share
+            device = self.sink_k.device
+            angles = self.rotary.rows_angles(delta, device) if shared else self.rotary.move_angles(
+                torch.tensor(delta, dtype=torch.long, device=device), device
+            )
+            return self._view(self.rotary.move(self.sink_k, None, angles=angles))
         return self._view(self.rotary.move(self.sink_k, delta))
 
     def _view(self, k_sink: torch.Tensor | None) -> Segments:
