@@ -329,16 +329,14 @@ class SlimLayer:
         layer); a read from outside computes its own and leaves nothing behind."""
         pads, starts = (None, None) if self._unpadded() else (self.pads, self.sink_start)
         first = self.seen - len(self.k)
-        delta = self.frames.sink_delta(self.sink_k, first_stream_slot=first, pads=pads, sink_start=starts, host=True)
+        host = defer_sinks or shared
+        delta = self.frames.sink_delta(self.sink_k, first_stream_slot=first, pads=pads, sink_start=starts, host=host)
         if defer_sinks:
             return self._view(self.sink_k), delta
         if delta is None:
             return self._view(self.sink_k)
-        if isinstance(delta, tuple):  # unpadded rows: within a forward, the angles its layers share
-            device = self.sink_k.device
-            angles = self.rotary.rows_angles(delta, device) if shared else self.rotary.move_angles(
-                torch.tensor(delta, dtype=torch.long, device=device), device
-            )
+        if isinstance(delta, tuple):  # unpadded rows within a forward: the angles its layers share
+            angles = self.rotary.rows_angles(delta, self.sink_k.device)
             return self._view(self.rotary.move(self.sink_k, None, angles=angles))
         return self._view(self.rotary.move(self.sink_k, delta))
 
