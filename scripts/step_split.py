@@ -27,6 +27,8 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+import cProfile
+import pstats
 import statistics
 import time
 
@@ -57,6 +59,8 @@ def main() -> None:
     p.add_argument("--linears", default="auto", help="the route of the linear layers (kvslim.engine.linears)")
     p.add_argument("--synced", action="store_true", help="rows stay copies of one prefill (flush together)")
     p.add_argument("--per-step", action="store_true", help="every step's time, encode and compaction")
+    p.add_argument("--cprofile", type=int, default=0, metavar="N",
+                   help="also profile the measured steps (cProfile) and print the N functions of most own time")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
 
@@ -94,8 +98,11 @@ def main() -> None:
                 for j in range(2 * i):
                     forward_rows(model, [int(ids[0, j])], [r])
         totals: dict = collections.defaultdict(float)
+        prof = cProfile.Profile() if a.cprofile else None
         for s in range(a.warmup + a.steps):
             acc.clear()
+            if prof is not None and s == a.warmup:
+                prof.enable()
             t = time.perf_counter()
             with route.routed():
                 forward_rows(model, torch.randint(0, 1000, (a.rows,), generator=g).tolist(), rows).argmax(-1).tolist()
@@ -108,6 +115,10 @@ def main() -> None:
           f"{a.threads} threads: step median {statistics.median(s[0] for s in steps):.1f} ms")
     for k, v in sorted(totals.items(), key=lambda kv: -kv[1]):
         print(f"  {k:20s} {v / a.steps * 1e3:7.1f} ms a step")
+    if prof is not None:
+        prof.disable()
+        print(f"cProfile of the {a.steps} measured steps (its overhead inflates Python; own time first):")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(a.cprofile)
     if a.per_step:
         for i, (ms, enc, comp) in enumerate(steps):
             print(f"  step {i:3d} {ms:8.1f} ms   encode {enc:6.1f}   compact {comp:6.1f}")

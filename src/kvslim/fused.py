@@ -39,6 +39,7 @@ import torch
 
 from . import kernels
 from .cache.basis import CENTERED
+from .cache.hadamard import Hadamard
 from .cache.rotary import by_rotation
 from .formats import Encoded, make_codec
 
@@ -297,10 +298,11 @@ def _runs_fit(kv) -> bool:
 
 
 def _moved_queries(qf: torch.Tensor, key, real: list[int]) -> dict:
-    """``{row: {delta: queries}}``: each ragged row's queries ``qf[row]`` moved by ``-delta`` for every key run
-    ``delta`` positions off its frame, in one :meth:`~kvslim.cache.rotary.Rotary.move` per rotation instead of one
-    per row and run (:func:`_run_pieces` moves a row's own when it is not here: the move is elementwise, so the
-    bits are the same either way). The angles of a set of distances are computed once a step, not once a layer,
+    """``{row: {delta: (queries, based)}}``: each ragged row's queries ``qf[row]`` moved by ``-delta`` for every key
+    run ``delta`` positions off its frame, in one :meth:`~kvslim.cache.rotary.Rotary.move` per rotation instead of
+    one per row and run (:func:`_run_pieces` moves a row's own when it is not here: the move is elementwise, so the
+    bits are the same either way), and ``based``, those queries in the row's Hadamard K basis where
+    :func:`_in_bases` could rotate them together (None: the row rotates its own). The angles of a set of distances are computed once a step, not once a layer,
     where the step shares a dict (``key.shared``): a run's distance is the same in every layer."""
     items = []
     for b in real:
@@ -322,8 +324,27 @@ def _moved_queries(qf: torch.Tensor, key, real: list[int]) -> dict:
             if shared is not None:
                 shared[memo] = angles
         moved = rotary.move(x, None, angles=angles).float()
+        based = _in_bases(moved, [key.rows[b].k_basis for b, _ in pairs])
         for i, (b, delta) in enumerate(pairs):
-            out.setdefault(b, {})[delta] = moved[i : i + 1]
+            out.setdefault(b, {})[delta] = (moved[i : i + 1], based[i])
+    return out
+
+
+def _in_bases(moved: torch.Tensor, bases: list) -> list:
+    """Each row of ``moved`` (G, Hkv, M, D) taken to its basis ``bases[i]``'s Hadamard basis, the rows of one basis
+    in one product, where that product rounds each row as it rounds it alone (:meth:`Hadamard.row_invariant`):
+    a list of G (1, Hkv, M, D) tensors (None: :func:`_run_pieces` rotates that row alone, as it always could)."""
+    out: list = [None] * len(bases)
+    if not Hadamard.row_invariant(moved):
+        return out
+    groups: dict = {}
+    for i, basis in enumerate(bases):
+        if basis is not None and basis.hadamard is not None and basis.hadamard.block:
+            groups.setdefault(basis.hadamard, []).append(i)
+    for had, idx in groups.items():
+        rotated = had.apply(moved if len(idx) == len(bases) else moved[torch.tensor(idx)])
+        for j, i in enumerate(idx):
+            out[i] = rotated[j : j + 1]
     return out
 
 
@@ -342,10 +363,11 @@ def _run_pieces(kv, q: torch.Tensor, moved_q: dict | None = None) -> tuple[tuple
     for n, delta in kv.k_runs:
         lo, hi = start, start + n
         start = hi
+        qb = None
         if delta == 0:
             qd = None
         elif moved_q is not None and delta in moved_q:
-            qd = moved_q[delta]
+            qd, qb = moved_q[delta]
         else:
             qd = kv.rotary.move(q, -delta).float()
         if lo < n_body:  # the run's body keys
@@ -353,7 +375,8 @@ def _run_pieces(kv, q: torch.Tensor, moved_q: dict | None = None) -> tuple[tuple
             if qd is None:
                 pieces.append((kv.k_codec, enc, offset))
             else:
-                qb = basis.hadamard.apply(qd) if basis is not None and basis.hadamard is not None else qd
+                if qb is None:
+                    qb = basis.hadamard.apply(qd) if basis is not None and basis.hadamard is not None else qd
                 pieces.append((kv.k_codec, enc, offset, qb.contiguous()))
         if hi > n_body and qd is not None:  # the run's residual keys, off the frame
             res = kv.k_res[:, :, max(lo, n_body) - n_body : hi - n_body]

@@ -80,7 +80,8 @@ def _allocated(cache) -> bool:
 
 
 #: Ragged steps are padded to a multiple of this many tokens (:mod:`kvslim.cache.ragged`, "Filler rows"): then a
-#: token's logits do not depend on how many tokens share its step (scripts/blas_row_invariance.py).
+#: token's logits do not depend on how many tokens share its step (scripts/blas_row_invariance.py). The engine
+#: passes 1 where every product is kvslim's own (:meth:`kvslim.engine.linears.Linears.row_multiple`).
 ROW_MULTIPLE = 4
 
 

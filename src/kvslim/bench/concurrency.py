@@ -114,8 +114,8 @@ def measure_concurrency(
                 sync(device)
                 t0 = time.perf_counter()
                 if mode.kind == "kvslim":
-                    with route.routed():
-                        logits = forward_rows(model, tokens, rows_of[mode.name])
+                    with route.routed() as routed:  # filler rows only where a product needs them (Engine's rule)
+                        logits = forward_rows(model, tokens, rows_of[mode.name], row_multiple=routed.row_multiple())
                 else:
                     logits = decode_one_token(model, torch.tensor(tokens, device=device)[:, None], rows_of[mode.name])
                 logits.argmax(-1).tolist()  # what a sampler does; syncs the device

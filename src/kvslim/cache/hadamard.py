@@ -108,7 +108,18 @@ class Hadamard:
         xf = x.float()
         # One 2-D matmul over the blocks (H symmetric: x @ H = (H x^T)^T): fewer dispatched ops than a batched
         # matmul of the (..., blocks, block) view, which matters in an eager decode step (twice a layer).
-        return torch.mm(xf.reshape(-1, self.block), h).view(xf.shape)
+        flat = xf.reshape(-1, self.block)
+        own = _rows_product(flat)
+        if own is not None:
+            return own(flat, h).view(xf.shape)
+        return torch.mm(flat, h).view(xf.shape)
+
+    @staticmethod
+    def row_invariant(x: torch.Tensor) -> bool:
+        """Whether :meth:`apply` rotates each row of ``x`` to the same bits whatever other rows share the call
+        (kvslim's own kernel; torch's ``mm`` makes no such promise): only then may rows rotated one by one be
+        rotated together instead."""
+        return _rows_product(x) is not None
 
     def inverse(self, y: torch.Tensor) -> torch.Tensor:
         """Back from the rotated basis: ``H y`` again (H is its own inverse). A fitted rotation
@@ -121,11 +132,36 @@ class Hadamard:
 
 
 _BLOCKS: dict = {}  # (block, torch.device) -> _block_f32's matrix, for the eager path's lookup
+_OWN: list = []  # [kvslim.kernels.linear.linear or None], resolved on the first eager CPU product
+
+
+def _rows_product(flat: torch.Tensor):
+    """kvslim's own linear kernel (:mod:`kvslim.kernels.linear`) for an eager float32 CPU product outside autograd,
+    where this build has it; else None (torch's ``mm``).
+
+    Why: a decode step rotates a few rows at a time, hundreds of times a step (a re-based row's moved queries, a
+    flushed group), and each of torch's small ``mm`` calls wakes its sleeping OpenMP thread under
+    ``OMP_WAIT_POLICY=PASSIVE`` (~120 us a call, measured, against ~10 here); and the kernel gives each row the same
+    bits whatever other rows share the call, so rows rotated together or alone are rotated alike (torch's BLAS does
+    not promise that: docs/performance.md, "Rows and the BLAS"). One choice per process, so every rotation of a
+    process rounds alike."""
+    if flat.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    if flat.requires_grad and torch.is_grad_enabled():
+        return None
+    if not _OWN:
+        from ..kernels import linear as own  # (kernels imports the formats; resolved late, once)
+
+        _OWN.append(own.linear if own.ready() else None)
+    return _OWN[0]
 
 
 @functools.lru_cache(maxsize=16)
 def _block_f32(block: int, device: str) -> torch.Tensor:
-    return sylvester(block).to(device=device, dtype=torch.float32)
+    # a normal tensor even when first asked for inside inference_mode: an inference tensor kept here would make
+    # every later rotation that autograd tracks fail ("Inference tensors cannot be saved for backward")
+    with torch.inference_mode(False):
+        return sylvester(block).to(device=device, dtype=torch.float32)
 
 
 @torch.compiler.assume_constant_result

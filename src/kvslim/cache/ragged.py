@@ -40,7 +40,11 @@ AVX2 the same for every count from 4 up, measured to 4,400 rows at 1 and 2 threa
 results would depend on how many tokens share its step. The loop pads a step to a multiple of 4 tokens
 with filler rows (``None`` caches, one token each: token 0, position 0, attention output 0, nothing
 stored), which makes every row's logits bit-identical whatever else is in the step
-(tests/test_engine.py, tests/test_mixed_step.py check it).
+(tests/test_engine.py, tests/test_mixed_step.py check it). Where every weight product of the step is kvslim's own
+(:mod:`kvslim.kernels.linear`: each output one dot product in a fixed order, a row's bits its own at any row
+count), no filler is needed: the engine then pads to 1 (:meth:`kvslim.engine.linears.Linears.row_multiple`,
+tests/test_rows_alike.py), and the Hadamard basis' products run on the same kernel
+(:meth:`kvslim.cache.hadamard.Hadamard.row_invariant`).
 
 This module knows nothing about scheduling, sampling or requests.
 """
@@ -54,6 +58,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..formats import Encoded
 from ..kernels import cpu as cpu_kernels
+from .hadamard import Hadamard
 from .rotary import by_rotation
 from .segments import Segments
 
@@ -162,8 +167,9 @@ def _batched_flushes(stores: dict) -> dict:
     this step, encoded in one call per stream and codec configuration instead of one per row (a step whose rows
     all fill their residual at once, as copies of one prompt do, encoded 2 x rows x layers groups one by one), each
     row's part cut back out (None where the row encodes its own). The encoders work per token or per channel within
-    a row, and the Hadamard basis is a matrix product whose row count is a multiple of 4 alone and in the batch
-    (else the row encodes alone; the module docstring's "Filler rows"), so a row's codes are its own encode's."""
+    a row, and the Hadamard basis is a matrix product that rounds a row alike at any row count (kvslim's kernel,
+    :meth:`Hadamard.row_invariant`) or whose row count is a multiple of 4 alone and in the batch (else the row
+    encodes alone; the module docstring's "Filler rows"), so a row's codes are its own encode's."""
     out: dict = {}
     for i, role in enumerate(("k", "v")):
         groups: dict = {}
@@ -205,7 +211,7 @@ def _encode_key(stream, n: int):
         settings.append((name, value))
     x = stream.fp.view()
     hadamard = None if basis is None or basis.hadamard is None else (basis.hadamard.dim, basis.hadamard.block)
-    if hadamard is not None and (x.shape[1] * n * hadamard[0] // hadamard[1]) % 4:
+    if hadamard is not None and (x.shape[1] * n * hadamard[0] // hadamard[1]) % 4 and not Hadamard.row_invariant(x):
         return None  # a row's product of 1-3, 5-7 or 9-11 rows may round otherwise than the batch's (MKL)
     return (type(stream.codec), tuple(settings), hadamard, n, tuple(x.shape), x.dtype, str(x.device))
 

@@ -86,6 +86,8 @@ from contextvars import ContextVar
 
 import torch
 
+from ..generate import ROW_MULTIPLE
+
 #: the routes a user may ask for (module docstring)
 ROUTES = ("auto", "torch", "onednn", "packed", "mkl", "kvslim")
 
@@ -259,6 +261,17 @@ def _routable(module: torch.nn.Module) -> bool:
     )
 
 
+def _products_covered(model, ids: set) -> bool:
+    """Whether every weight product of ``model`` is one of the modules ``ids`` (parameters of 2 or more dims belong
+    to them or to an embedding's lookup; an expert's 3-D weights, a convolution, a custom linear are not)."""
+    for m in model.modules():
+        if id(m) in ids or isinstance(m, torch.nn.Embedding):
+            continue
+        if any(p is not None and p.dim() >= 2 for p in m._parameters.values()):
+            return False
+    return True
+
+
 def _dispatcher(module: torch.nn.Linear):
     """The ``forward`` installed on a routed module: the route of the block open in the calling context, else
     the module's own forward."""
@@ -344,6 +357,7 @@ class Linears:
                 f"({'no parameters' if p is None else f'{p.dtype} on {p.device}'}); use 'torch'"
             )
         self._ids = {id(m) for m in self.modules}
+        self._every = route == "kvslim" and _products_covered(model, self._ids)
         self._packed: dict[int, tuple[torch.Tensor, tuple, int]] = {}  # id(module) -> (packed, key, bytes)
         if route in ("packed", "mkl"):
             with torch.no_grad():
@@ -404,6 +418,14 @@ class Linears:
                 return stock(x)  # torch's own error
             return _kvslim_linear()(x, w, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._weight(module), bias, "none", [], "")
+
+    def row_multiple(self) -> int:
+        """What a step's tokens are padded to with filler rows (:mod:`kvslim.cache.ragged`, "Filler rows"), called
+        inside :meth:`routed`: 1 where every weight product of the model runs kvslim's kernel now (a row's bits its
+        own at any row count: a step of 1-3 rows needs no filler), else 4 (:data:`kvslim.generate.ROW_MULTIPLE`)."""
+        if self._every and all(_INSTALLED.get(id(m), (None,))[0] is m for m in self.modules):
+            return 1
+        return ROW_MULTIPLE
 
     @property
     def nbytes(self) -> int:

@@ -24,16 +24,22 @@ from .. import generate as gen
 from .scheduler import Row
 
 
-def forward(model, prefilled: list[Row], rows: list[Row], chunk: int, errors: dict) -> tuple[list[int], torch.Tensor]:
+def forward(
+    model, prefilled: list[Row], rows: list[Row], chunk: int, errors: dict, row_multiple: int = gen.ROW_MULTIPLE
+) -> tuple[list[int], torch.Tensor]:
     """The step's one forward: the next chunk (at most ``chunk`` tokens) of each row in ``prefilled``, then the
     pending token of each row in ``rows``. Returns (where each prompt row's chunk ends, logits (P + R, V) of each
-    row's last new token). errors: receives ``{index: exception}`` for a row dropped from the forward."""
+    row's last new token). errors: receives ``{index: exception}`` for a row dropped from the forward.
+    row_multiple: filler rows pad the step to a multiple of it (:meth:`Linears.row_multiple
+    <kvslim.engine.linears.Linears.row_multiple>`: 1 where every product rounds a row alike at any row count)."""
     ends = [min(r.fed + chunk, len(r.request.prompt)) for r in prefilled]
     if not prefilled:
-        return ends, gen.forward_rows(model, [r.pending for r in rows], [r.cache for r in rows], errors=errors)
+        return ends, gen.forward_rows(
+            model, [r.pending for r in rows], [r.cache for r in rows], row_multiple=row_multiple, errors=errors
+        )
     feeds = [(r.request.prompt[r.fed : end], r.cache) for r, end in zip(prefilled, ends, strict=True)]
     feeds += [([r.pending], r.cache) for r in rows]
-    return ends, gen.forward_step(model, feeds, errors=errors)
+    return ends, gen.forward_step(model, feeds, row_multiple=row_multiple, errors=errors)
 
 
 def finite(logits: torch.Tensor) -> torch.Tensor:
@@ -76,8 +82,8 @@ class Stepping:
         for r in prefilled:
             self.scheduler.start_prefill(r, self.prefill_chunk)
         try:
-            with self.linears.routed():  # the model's linear layers through the engine's route (kvslim.engine.linears)
-                ends, logits = forward(self.model, prefilled, rows, self.prefill_chunk, errors)
+            with self.linears.routed() as route:  # the model's linear layers through the engine's route
+                ends, logits = forward(self.model, prefilled, rows, self.prefill_chunk, errors, route.row_multiple())
             ok = finite(logits).tolist()  # one sync for the step
         except Exception as e:  # noqa: BLE001 - the forward failed as a whole: its rows end, the engine goes on
             for b, r in enumerate(everyone):
