@@ -61,6 +61,7 @@ def main() -> None:
     p.add_argument("--per-step", action="store_true", help="every step's time, encode and compaction")
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="also profile the measured steps (cProfile) and print the N functions of most own time")
+    p.add_argument("--dump", help="with --cprofile: write the pstats here too (for pstats' callers and callees)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
 
@@ -119,6 +120,8 @@ def main() -> None:
         prof.disable()
         print(f"cProfile of the {a.steps} measured steps (its overhead inflates Python; own time first):")
         pstats.Stats(prof).sort_stats("tottime").print_stats(a.cprofile)
+        if a.dump:
+            prof.dump_stats(a.dump)
     if a.per_step:
         for i, (ms, enc, comp) in enumerate(steps):
             print(f"  step {i:3d} {ms:8.1f} ms   encode {enc:6.1f}   compact {comp:6.1f}")
