@@ -62,11 +62,13 @@ def test_hadamard_keeps_torch_where_the_kernel_cannot_serve():
 
 
 def test_the_kernel_is_resolved_once(monkeypatch):
-    """One choice per process (every rotation of a process rounds alike): the first eager CPU product decides."""
+    """Whether the build has the kernel is resolved once a process (every eager CPU rotation of a process rounds
+    alike): the first eager CPU product decides, and a tensor subclass or a traced call keeps torch's mm."""
     monkeypatch.setattr(had, "_OWN", [])
     x = torch.randn(2, 32)
     Hadamard.for_head_dim(32).apply(x)
     assert len(had._OWN) == 1 and (had._OWN[0] is not None) == lin.kvslim_ready()
+    assert not Hadamard.row_invariant(torch.nn.Parameter(x))  # a subclass: no memory of its own to hand to C
 
 
 def test_row_multiple_is_1_only_where_every_product_is_kvslims():
@@ -81,6 +83,16 @@ def test_row_multiple_is_1_only_where_every_product_is_kvslims():
     route = Linears(model, "kvslim")
     with route.routed() as r:
         assert r.row_multiple() == 1
+    assert route.row_multiple() == gen.ROW_MULTIPLE  # outside its block nothing is routed
+    # a weight replaced by another dtype since: that module's products are torch's again
+    head = model.lm_head
+    kept = head.weight
+    head.weight = torch.nn.Parameter(kept.detach().double())
+    try:
+        with route.routed() as r:
+            assert r.row_multiple() == gen.ROW_MULTIPLE
+    finally:
+        head.weight = kept
     # a module whose forward is somebody else's is not routed: its products round as torch's do
     other = model.model.layers[0].mlp.up_proj
     other.__dict__["forward"] = lambda x: torch.nn.functional.linear(x, other.weight)
@@ -89,8 +101,16 @@ def test_row_multiple_is_1_only_where_every_product_is_kvslims():
             assert r.row_multiple() == gen.ROW_MULTIPLE
     finally:
         del other.__dict__["forward"]
-    # a weight product that is no nn.Linear (an expert's 3-D weights): fillers stay
-    model.model.layers[0].mlp.register_parameter("experts", torch.nn.Parameter(torch.zeros(2, 4, 4)))
+    # a weight product that is no nn.Linear (an expert's 3-D weights, a quantized linear's packed weights kept as
+    # buffers): fillers stay
+    mlp = model.model.layers[0].mlp
+    mlp.register_buffer("qweight", torch.zeros(4, 4, dtype=torch.int32))
+    with Linears(model, "kvslim").routed() as r:
+        assert r.row_multiple() == gen.ROW_MULTIPLE
+    del mlp._buffers["qweight"]
+    with Linears(model, "kvslim").routed() as r:
+        assert r.row_multiple() == 1
+    mlp.register_parameter("experts", torch.nn.Parameter(torch.zeros(2, 4, 4)))
     with Linears(model, "kvslim").routed() as r:
         assert r.row_multiple() == gen.ROW_MULTIPLE
 

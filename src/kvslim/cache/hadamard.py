@@ -143,9 +143,16 @@ def _rows_product(flat: torch.Tensor):
     flushed group), and each of torch's small ``mm`` calls wakes its sleeping OpenMP thread under
     ``OMP_WAIT_POLICY=PASSIVE`` (~120 us a call, measured, against ~10 here); and the kernel gives each row the same
     bits whatever other rows share the call, so rows rotated together or alone are rotated alike (torch's BLAS does
-    not promise that: docs/performance.md, "Rows and the BLAS"). One choice per process, so every rotation of a
-    process rounds alike."""
-    if flat.device.type != "cpu" or torch.compiler.is_compiling():
+    not promise that: docs/performance.md, "Rows and the BLAS"). Whether this build has the kernel is resolved once
+    a process, so every eager CPU rotation of a process rounds alike; a compiled graph, a CUDA tensor, a tensor
+    autograd tracks, a tensor subclass and a traced call take torch's ``mm`` (a compiled decode step's rotations
+    may round otherwise than the eager step's by an ulp)."""
+    if (
+        flat.device.type != "cpu"
+        or type(flat) is not torch.Tensor
+        or torch.compiler.is_compiling()
+        or torch.jit.is_tracing()
+    ):
         return None
     if flat.requires_grad and torch.is_grad_enabled():
         return None

@@ -115,7 +115,9 @@ def onednn_ready() -> bool:
 
 def step_rows(rows: int) -> int:
     """The rows of an engine step that carries ``rows`` one-token rows: padded to a multiple of 4, at least 4
-    (:mod:`kvslim.cache.ragged`, "Filler rows"); the ``batch_hint`` that makes the ``mkl`` route serve that step."""
+    (:mod:`kvslim.cache.ragged`, "Filler rows"); the ``batch_hint`` that makes the ``mkl`` route serve that step.
+    Where the step is not padded (:meth:`Linears.row_multiple` 1, kvslim's route) ``auto`` still times the routes at
+    these rows: a step of 1-3 rows then runs fewer than it timed."""
     return max(4, -(-int(rows) // 4) * 4)
 
 
@@ -262,13 +264,19 @@ def _routable(module: torch.nn.Module) -> bool:
 
 
 def _products_covered(model, ids: set) -> bool:
-    """Whether every weight product of ``model`` is one of the modules ``ids`` (parameters of 2 or more dims belong
-    to them or to an embedding's lookup; an expert's 3-D weights, a convolution, a custom linear are not)."""
+    """Whether every weight product of ``model`` is one of the modules ``ids``: parameters of 2 or more dims belong
+    to them or to an embedding's lookup (an expert's 3-D weights, a convolution, a custom linear do not), and no
+    module keeps 2-D or larger float weights, or integer ones named as weights, as buffers (a quantized linear's
+    packed weights and scales). Not seen: a product a module's forward computes from another module's weight (a
+    head tied by ``F.linear(h, embed.weight)``) or between activations alone."""
     for m in model.modules():
-        if id(m) in ids or isinstance(m, torch.nn.Embedding):
+        if id(m) in ids:
             continue
-        if any(p is not None and p.dim() >= 2 for p in m._parameters.values()):
+        if not isinstance(m, torch.nn.Embedding) and any(p is not None and p.dim() >= 2 for p in m._parameters.values()):
             return False
+        for name, b in m._buffers.items():
+            if b is not None and b.dim() >= 2 and (b.is_floating_point() or "weight" in name or "scale" in name):
+                return False
     return True
 
 
@@ -423,9 +431,20 @@ class Linears:
         """What a step's tokens are padded to with filler rows (:mod:`kvslim.cache.ragged`, "Filler rows"), called
         inside :meth:`routed`: 1 where every weight product of the model runs kvslim's kernel now (a row's bits its
         own at any row count: a step of 1-3 rows needs no filler), else 4 (:data:`kvslim.generate.ROW_MULTIPLE`)."""
-        if self._every and all(_INSTALLED.get(id(m), (None,))[0] is m for m in self.modules):
+        if self._every and _ACTIVE.get() is self and all(self._runs(m) for m in self.modules):
             return 1
         return ROW_MULTIPLE
+
+    @staticmethod
+    def _runs(module) -> bool:
+        """Whether ``module``'s products run this (kvslim's) route now: its dispatching forward installed, and its
+        weight and bias still what :meth:`_forward` takes (not replaced by another dtype or device since)."""
+        bias = module.bias
+        return (
+            _INSTALLED.get(id(module), (None,))[0] is module
+            and _routable(module)
+            and (bias is None or (_plain_fp32_cpu(bias) and bias.is_contiguous()))
+        )
 
     @property
     def nbytes(self) -> int:

@@ -38,7 +38,13 @@ _READY: dict = {}
 
 
 def _plain(t: torch.Tensor) -> bool:
-    return t.dtype == torch.float32 and t.device.type == "cpu" and t.layout == torch.strided
+    """A plain (no subclass: a FakeTensor or DTensor has no memory to hand to C) float32 strided CPU tensor."""
+    return (
+        type(t) in (torch.Tensor, torch.nn.Parameter)
+        and t.dtype == torch.float32
+        and t.device.type == "cpu"
+        and t.layout == torch.strided
+    )
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -80,5 +86,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                     y.data_ptr(), o, torch.get_num_threads(),
                 ],
             )  # held until the call returns
-            library().kv_linear(args.buffer_info()[0])
+            rc = library().kv_linear(args.buffer_info()[0])
+            if rc != 0:
+                raise RuntimeError(f"kvslim's linear kernel refused the call (status {rc}): a build without AVX2 and FMA?")
     return y.reshape(*x.shape[:-1], o)
