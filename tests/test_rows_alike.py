@@ -62,12 +62,21 @@ def test_hadamard_keeps_torch_where_the_kernel_cannot_serve():
 
 
 def test_the_kernel_is_resolved_once(monkeypatch):
-    """Whether the build has the kernel is resolved once a process (every eager CPU rotation of a process rounds
-    alike): the first eager CPU product decides, and a tensor subclass or a traced call keeps torch's mm."""
+    """Whether the build has the kernel is probed once per library load (every eager CPU rotation of a process rounds
+    alike), probed again after the library is reset, and a tensor subclass keeps torch's mm."""
+    from kvslim.kernels import linear
+
     monkeypatch.setattr(had, "_OWN", [])
     x = torch.randn(2, 32)
     Hadamard.for_head_dim(32).apply(x)
-    assert len(had._OWN) == 1 and (had._OWN[0] is not None) == lin.kvslim_ready()
+    assert [linear] == had._OWN and Hadamard.row_invariant(x) == lin.kvslim_ready()
+    if lin.kvslim_ready():
+        assert "probe" in linear._READY
+        from kvslim.kernels import clib
+
+        clib._reset_for_tests()
+        assert "probe" not in linear._READY
+        assert Hadamard.row_invariant(x) and "probe" in linear._READY
     assert not Hadamard.row_invariant(torch.nn.Parameter(x))  # a subclass: no memory of its own to hand to C
 
 

@@ -132,7 +132,7 @@ class Hadamard:
 
 
 _BLOCKS: dict = {}  # (block, torch.device) -> _block_f32's matrix, for the eager path's lookup
-_OWN: list = []  # [kvslim.kernels.linear.linear or None], resolved on the first eager CPU product
+_OWN: list = []  # [the module kvslim.kernels.linear], imported on the first eager CPU product
 
 
 def _rows_product(flat: torch.Tensor):
@@ -143,8 +143,8 @@ def _rows_product(flat: torch.Tensor):
     flushed group), and each of torch's small ``mm`` calls wakes its sleeping OpenMP thread under
     ``OMP_WAIT_POLICY=PASSIVE`` (~120 us a call, measured, against ~10 here); and the kernel gives each row the same
     bits whatever other rows share the call, so rows rotated together or alone are rotated alike (torch's BLAS does
-    not promise that: docs/performance.md, "Rows and the BLAS"). Whether this build has the kernel is resolved once
-    a process, so every eager CPU rotation of a process rounds alike; a compiled graph, a CUDA tensor, a tensor
+    not promise that: docs/performance.md, "Rows and the BLAS"). Whether this build has the kernel is probed once
+    per library load (:func:`kvslim.kernels.linear.ready`), so every eager CPU rotation of a process rounds alike; a compiled graph, a CUDA tensor, a tensor
     autograd tracks, a tensor subclass and a traced call take torch's ``mm`` (a compiled decode step's rotations
     may round otherwise than the eager step's by an ulp)."""
     if (
@@ -157,10 +157,10 @@ def _rows_product(flat: torch.Tensor):
     if flat.requires_grad and torch.is_grad_enabled():
         return None
     if not _OWN:
-        from ..kernels import linear as own  # (kernels imports the formats; resolved late, once)
+        from ..kernels import linear as own  # (kernels imports the formats; imported late, once)
 
-        _OWN.append(own.linear if own.ready() else None)
-    return _OWN[0]
+        _OWN.append(own)
+    return _OWN[0].linear if _OWN[0].ready() else None
 
 
 @functools.lru_cache(maxsize=16)

@@ -264,11 +264,10 @@ def _routable(module: torch.nn.Module) -> bool:
 
 
 def _products_covered(model, ids: set) -> bool:
-    """Whether every weight product of ``model`` is one of the modules ``ids``: parameters of 2 or more dims belong
-    to them or to an embedding's lookup (an expert's 3-D weights, a convolution, a custom linear do not), and no
-    module keeps 2-D or larger float weights, or integer ones named as weights, as buffers (a quantized linear's
-    packed weights and scales). Not seen: a product a module's forward computes from another module's weight (a
-    head tied by ``F.linear(h, embed.weight)``) or between activations alone."""
+    """Whether every weight product of ``model`` is one of the modules ``ids``: parameters of 2+ dims belong to them
+    or to an embedding (not an expert's 3-D weights, a convolution, a custom linear), and no 2+-dim float weights, or
+    integer ones named as weights, kept as buffers (a quantized linear's). Not seen: a product from another module's
+    weight (a head tied by ``F.linear(h, embed.weight)``) or between activations."""
     for m in model.modules():
         if id(m) in ids:
             continue

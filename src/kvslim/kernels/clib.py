@@ -375,15 +375,19 @@ def status() -> tuple[bool, str]:
     return _state["ok"], _state["reason"]
 
 
+_ON_RESET: list = []  # what callers resolved against the library (kernels.linear's probe): forgotten with it
+
+
+def on_reset(forget) -> None:
+    """Call ``forget()`` whenever :func:`_reset_for_tests` drops the library (a module's own memo of it)."""
+    _ON_RESET.append(forget)
+
+
 def _reset_for_tests() -> None:
     with _lock:
         _state.clear()
-    # what was resolved against the old library: kvslim's linear kernel's probe, the Hadamard basis' product
-    from ..cache import hadamard
-    from . import linear
-
-    linear._READY.clear()
-    hadamard._OWN.clear()
+    for forget in _ON_RESET:
+        forget()
 
 
 def row_code(key) -> int | None:

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from .clib import library, status
+from .clib import library, on_reset, status
 
 
 def ready() -> bool:
@@ -35,6 +35,7 @@ def ready() -> bool:
 
 
 _READY: dict = {}
+on_reset(_READY.clear)  # a library built again is probed again
 
 
 def _plain(t: torch.Tensor) -> bool:
