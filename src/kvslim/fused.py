@@ -302,8 +302,9 @@ def _moved_queries(qf: torch.Tensor, key, real: list[int]) -> dict:
     run ``delta`` positions off its frame, in one :meth:`~kvslim.cache.rotary.Rotary.move` per rotation instead of
     one per row and run (:func:`_run_pieces` moves a row's own when it is not here: the move is elementwise, so the
     bits are the same either way), and ``based``, those queries in the row's Hadamard K basis where
-    :func:`_in_bases` could rotate them together (None: the row rotates its own). The angles of a set of distances are computed once a step, not once a layer,
-    where the step shares a dict (``key.shared``): a run's distance is the same in every layer."""
+    :func:`_in_bases` could rotate them together (None: the row rotates its own). The angles of a set of distances
+    are computed once a step, not once a layer, where the step shares a dict (``key.shared``): a run's distance is
+    the same in every layer."""
     items = []
     for b in real:
         seg = key.rows[b]

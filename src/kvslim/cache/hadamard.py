@@ -144,9 +144,9 @@ def _rows_product(flat: torch.Tensor):
     ``OMP_WAIT_POLICY=PASSIVE`` (~120 us a call, measured, against ~10 here); and the kernel gives each row the same
     bits whatever other rows share the call, so rows rotated together or alone are rotated alike (torch's BLAS does
     not promise that: docs/performance.md, "Rows and the BLAS"). Whether this build has the kernel is probed once
-    per library load (:func:`kvslim.kernels.linear.ready`), so every eager CPU rotation of a process rounds alike; a compiled graph, a CUDA tensor, a tensor
-    autograd tracks, a tensor subclass and a traced call take torch's ``mm`` (a compiled decode step's rotations
-    may round otherwise than the eager step's by an ulp)."""
+    per library load (:func:`kvslim.kernels.linear.ready`), so every eager CPU rotation of a process rounds alike;
+    a compiled graph, a CUDA tensor, a tensor autograd tracks, a tensor subclass and a traced call take torch's
+    ``mm`` (a compiled decode step's rotations may round otherwise than the eager step's by an ulp)."""
     if (
         flat.device.type != "cpu"
         or type(flat) is not torch.Tensor
