@@ -6,9 +6,12 @@
 #   scripts/thread_policy.sh                      # 16 streams x 4,096 tokens, int4, 2 threads, 2 busy loops
 #   CONC=4 LENGTH=512 STEPS=5 scripts/thread_policy.sh   # a shorter run
 #   SMOKE=1 scripts/thread_policy.sh              # seconds: the tiny settings, to check the script runs
+#   PEERS=openvino WAITS=passive LENGTH=1024 scripts/thread_policy.sh  # and OpenVINO GenAI beside the same load
 #
 # Settings (environment): KVSLIM (default: .venv/bin/kvslim), CONFIG (int4), CONC (16), LENGTH (4096),
-# STEPS (10), THREADS (2), BUSY (2), OUT (out/thread-policy), MODEL (--model; default the embedded model).
+# STEPS (10), THREADS (2), BUSY (2), OUT (out/thread-policy), MODEL (--model; default the embedded model), WAITS (the
+# policies to run, default "passive active runtime"), PEERS (serving peers, `kvslim bench --peers`, run with the
+# first policy of WAITS: each in its own process, beside the same busy loops, and in the table as rows of their own).
 # Run it on a machine nobody else is using: the "quiet" column is only quiet if the machine is.
 # The busy loops are this script's children, ended by their PIDs when it exits (also on Ctrl-C).
 set -euo pipefail
@@ -21,6 +24,8 @@ STEPS=${STEPS:-10}
 THREADS=${THREADS:-2}
 BUSY=${BUSY:-2}
 OUT=${OUT:-out/thread-policy}
+WAITS=${WAITS:-passive active runtime}
+PEERS=${PEERS:-}
 MODEL_FLAGS=()
 [ -n "${MODEL:-}" ] && MODEL_FLAGS=(--model "$MODEL")
 if [ -n "${SMOKE:-}" ]; then CONC=2; LENGTH=32; STEPS=3; fi
@@ -40,33 +45,43 @@ for load in quiet busy; do
         for _ in $(seq "$BUSY"); do python3 -c 'while True: pass' & busy_pids+=($!); done
         sleep 2
     fi
-    for wait in passive active runtime; do
-        echo "== $load, --omp-wait $wait: $CONC x $LENGTH $CONFIG, $THREADS threads" >&2
+    peer_flags=()
+    [ -n "$PEERS" ] && peer_flags=(--peers $PEERS)
+    for wait in $WAITS; do
+        echo "== $load, --omp-wait $wait: $CONC x $LENGTH $CONFIG, $THREADS threads ${peer_flags[*]}" >&2
         "$KVSLIM" bench "${MODEL_FLAGS[@]}" --concurrency "$CONC" --lengths "$LENGTH" --config "$CONFIG" \
             --steps "$STEPS" --warmup 1 --threads "$THREADS" --omp-wait "$wait" --no-continuous-batching \
-            --quiet --json "$OUT/$load-$wait.json" > "$OUT/$load-$wait.txt"
+            "${peer_flags[@]}" --quiet --json "$OUT/$load-$wait.json" > "$OUT/$load-$wait.txt"
+        peer_flags=()  # the peers run once, with the first policy
     done
     stop_busy
 done
 
-python3 - "$OUT" "$CONFIG" <<'EOF'
+python3 - "$OUT" "$CONFIG" $WAITS <<'EOF'
 import json, os, sys
-out, config = sys.argv[1], sys.argv[2]
+out, config, waits = sys.argv[1], sys.argv[2], sys.argv[3:]
 rows = {}
 for load in ("quiet", "busy"):
-    for wait in ("passive", "active", "runtime"):
+    for wait in waits:
         with open(os.path.join(out, f"{load}-{wait}.json")) as f:
             d = json.load(f)
-        row = next(r for r in d["concurrency"] if r["mode"] == config)
-        rows[load, wait] = (row, d["thread_policy"])
-print(f"| --omp-wait | quiet ms/step | busy ms/step | busy / quiet | load avg (busy, before -> after) |")
+        for r in d["concurrency"]:  # kvslim's row under this policy; a peer's rows under their own names
+            if r["mode"] == config:
+                rows[load, wait] = (r, d["thread_policy"])
+            elif r["mode"].split(" ", 1)[0] in ("openvino", "vllm") and r.get("ms_median"):
+                rows[load, r["mode"]] = (r, d["thread_policy"])
+print(f"| --omp-wait (or peer) | quiet ms/step | busy ms/step | busy / quiet | load avg (busy, before -> after) |")
 print("|---|---:|---:|---:|---|")
-for wait in ("passive", "active", "runtime"):
-    q, b = rows["quiet", wait][0], rows["busy", wait][0]
-    pol = rows["busy", wait][1]
+names = [*waits, *sorted({k[1] for k in rows if k[1] not in waits})]
+for name in names:
+    if ("quiet", name) not in rows or ("busy", name) not in rows:
+        continue
+    q, b = rows["quiet", name][0], rows["busy", name][0]
+    pol = rows["busy", name][1]
     la = lambda x: "n/a" if x is None else f"{x[0]:.2f}"
-    print(f"| {wait} | {q['ms_median']:.1f} | {b['ms_median']:.1f} | {b['ms_median'] / q['ms_median']:.2f}x "
+    print(f"| {name} | {q['ms_median']:.1f} | {b['ms_median']:.1f} | {b['ms_median'] / q['ms_median']:.2f}x "
           f"| {la(pol['load_average'])} -> {la(pol['load_average_after'])} |")
-print(f"\n{config}, {rows['quiet', 'passive'][0]['concurrency']} streams x {rows['quiet', 'passive'][0]['length']} "
-      f"tokens, {rows['quiet', 'passive'][1]['torch_threads']} threads; JSON and text in {out}/")
+first = rows["quiet", waits[0]]
+print(f"\n{config}, {first[0]['concurrency']} streams x {first[0]['length']} tokens, {first[1]['torch_threads']} "
+      f"threads; JSON and text in {out}/")
 EOF

@@ -87,6 +87,7 @@ def model_dir(tmp_path_factory):
         (["--peers", "openvino"], {}, "--peers openvino: not a peer of the single-stream bench"),
         (["--concurrency", "2", "--peers", "quanto"], {}, "--peers quanto: not a peer of --concurrency"),
         (["--threads", "0"], {}, "--threads must be an integer >= 1"),
+        (["--gc-freeze", "maybe"], {}, "argument --gc-freeze: invalid choice: 'maybe' (choose from 'on', 'off')"),
         (["--concurrency", "2", "--join", "64"], {}, "--join 64: a prompt length of at least 1 token, with --serve"),
         (["--concurrency", "2", "--serve", "--prefill-chunk", "0"], {}, "--prefill-chunk 0: a chunk of at least 1"),
     ],
@@ -148,6 +149,11 @@ def test_bench_serve_drives_a_real_server(model_dir, tmp_path):
     assert policy["omp_wait_policy"] == "PASSIVE" and policy["torch_threads"] == 1
     assert "load_average_after" in policy and data["settings"]["serve"] is True
     assert os.path.exists(data["serve_log"])
+    # the startup heap frozen in both processes (kvslim.heap): the bench's engine rows and the server's
+    assert data["gc"]["freeze"] == "on" and len(data["gc"]["passes"]) == 3 and len(data["gc"]["ms"]) == 3
+    with open(data["serve_log"]) as f:
+        log = f.read()
+    assert "startup objects frozen out of the collector's passes" in log, log[-2000:]
     with open(data["serve_log"]) as f:
         log = f.read()
     assert "--omp-wait auto" in log and "threads: 1 torch threads" in log  # the server ran the bench's policy

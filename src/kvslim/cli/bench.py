@@ -11,6 +11,7 @@ import os
 import sys
 
 from .. import threads
+from ..heap import GcPauses, add_gc_flag, apply_gc_flag
 from .common import (
     LINEAR_ROUTES,
     UserError,
@@ -126,6 +127,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-seen", action="store_true", help="skip the StreamingLLM flatness measurement")
     threads.add_thread_flags(parser)
+    add_gc_flag(parser)
     parser.add_argument(
         "--attn",
         default="auto",
@@ -251,6 +253,7 @@ def run(args: argparse.Namespace) -> int:
     model, _ = load_model_from_args(args)
     if args.concurrency is not None:
         return _run_concurrency(args, model, configs, settings, policy)
+    print(apply_gc_flag(args.gc_freeze), flush=True)
     result = run_bench(
         model,
         configs,
@@ -271,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
     )
     print(render(result))
     if args.json:
-        write_json(args.json, {**result.to_dict(), "thread_policy": _after(policy)})
+        write_json(args.json, {**result.to_dict(), "thread_policy": _after(policy), "gc_freeze": args.gc_freeze})
         print(f"wrote {args.json}")
     if args.plot:
         from ..atomic import atomic_path
@@ -305,11 +308,13 @@ def _run_concurrency(args, model, configs, settings, policy) -> int:
     args.linears = args.linears or "auto"
     route = Linears(model, args.linears, batch_hint=step_rows(max(args.concurrency)))
     log(str(route))
-    rows = run_concurrency(
-        model, modes, settings["lengths"], args.concurrency, settings["steps"], warmup=settings["warmup"],
-        seed=args.seed, continuous_batching=not args.no_continuous_batching, log=log, linears=route,
-    )
-    extra: dict = {}
+    log(apply_gc_flag(args.gc_freeze))  # after the engine's startup, as kvslim serve does
+    with GcPauses() as pauses:
+        rows = run_concurrency(
+            model, modes, settings["lengths"], args.concurrency, settings["steps"], warmup=settings["warmup"],
+            seed=args.seed, continuous_batching=not args.no_continuous_batching, log=log, linears=route,
+        )
+    extra: dict = {"gc": {"freeze": args.gc_freeze, **pauses.to_dict()}}
 
     def prompt(length: int) -> list[int]:
         return tokens(model, length, args.seed)[0].tolist()

@@ -12,6 +12,7 @@ import os
 import re
 
 from .. import threads
+from ..heap import add_gc_flag, apply_gc_flag
 from .common import (
     LINEAR_ROUTES,
     UserError,
@@ -177,6 +178,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--default-max-tokens", type=int, default=256, metavar="N", help="max_tokens when a request names none (256)"
     )
     threads.add_thread_flags(parser)
+    add_gc_flag(parser)
 
 
 def api_key_from(args: argparse.Namespace) -> str | None:
@@ -266,8 +268,9 @@ def run(args: argparse.Namespace) -> int:
         f"{_hours(args.session_ttl)} idle, in {args.session_dir or 'memory only'}; "
         f"{'API key required' if key else 'no API key'})"
     )
+    heap = apply_gc_flag(args.gc_freeze)  # the model loaded and the engine built: the startup heap is what it is
     say(f"kvslim: {threads.banner(threads.describe(getattr(args, 'thread_policy', None)))}; "
-        f"{app.state.runner.engine.linears}")
+        f"{app.state.runner.engine.linears}; {heap}")
     run_server(app, host=args.host, port=args.port, grace=args.shutdown_grace)
     return 0
 
