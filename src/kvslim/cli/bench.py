@@ -307,13 +307,11 @@ def _run_concurrency(args, model, configs, settings, policy) -> int:
     log = _logger(not args.quiet)
     args.linears = args.linears or "auto"
     route = Linears(model, args.linears, batch_hint=step_rows(max(args.concurrency)))
-    log(str(route))
-    log(apply_gc_flag(args.gc_freeze))  # after the engine's startup, as kvslim serve does
+    log(f"{route}; {apply_gc_flag(args.gc_freeze)}")  # the heap frozen after the engine's startup, as serve does
     with GcPauses() as pauses:
-        rows = run_concurrency(
-            model, modes, settings["lengths"], args.concurrency, settings["steps"], warmup=settings["warmup"],
-            seed=args.seed, continuous_batching=not args.no_continuous_batching, log=log, linears=route,
-        )
+        rows = run_concurrency(model, modes, settings["lengths"], args.concurrency, settings["steps"],
+                               warmup=settings["warmup"], seed=args.seed, log=log, linears=route,
+                               continuous_batching=not args.no_continuous_batching)
     extra: dict = {"gc": {"freeze": args.gc_freeze, **pauses.to_dict()}}
 
     def prompt(length: int) -> list[int]:
