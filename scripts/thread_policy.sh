@@ -10,7 +10,7 @@
 #
 # Settings (environment): KVSLIM (default: .venv/bin/kvslim), CONFIG (int4), CONC (16), LENGTH (4096),
 # STEPS (10), THREADS (2), BUSY (2), OUT (out/thread-policy), MODEL (--model; default the embedded model), WAITS (the
-# policies to run, default "passive active runtime"), PEERS (serving peers, `kvslim bench --peers`, run with the
+# policies to run, default "passive active runtime"), PEERS (serving peers, space-separated as `kvslim bench --peers` takes them, run with the
 # first policy of WAITS: each in its own process, beside the same busy loops, and in the table as rows of their own).
 # Run it on a machine nobody else is using: the "quiet" column is only quiet if the machine is.
 # The busy loops are this script's children, ended by their PIDs when it exits (also on Ctrl-C).

@@ -3,6 +3,7 @@ embedded model (slow marker)."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -13,6 +14,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "phi3"]
+
+
+@pytest.fixture(autouse=True)
+def _no_frozen_heap():
+    """A test that runs `kvslim bench` or `kvslim serve` in process freezes the collector's heap (kvslim.heap,
+    ``--gc-freeze on``); it is unfrozen after the test, so that no later test runs with pytest's objects frozen."""
+    yield
+    if gc.get_freeze_count():
+        gc.unfreeze()
 
 #: The stable JSON schema of one `eval ppl` result (spelled out here, not imported from the library).
 PPL_KEYS = {

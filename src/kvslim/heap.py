@@ -6,7 +6,7 @@ since the last one. A decode step allocates thousands (views, tuples, the rows' 
 generation passes a step of the embedded model at 16 rows. Every ~40-150 steps the collector also runs a full
 pass over the oldest generation, which holds everything the process built at startup: the model's modules and
 parameters, transformers' and torch's Python objects, ~424,000 tracked objects in a 16-stream engine. That pass
-took 207-226 ms on this machine, as long as a step: that step took twice as long, a stream's worst inter-token
+took ~190-230 ms on this machine, as long as a step: that step took twice as long, a stream's worst inter-token
 latency (docs/performance.md, "Garbage collection pauses"). None of those startup objects is garbage; the pass
 finds nothing to free among them.
 
@@ -57,7 +57,7 @@ def add_gc_flag(parser: argparse.ArgumentParser) -> None:
         default="on",
         choices=FREEZE_CHOICES,
         help="freeze the startup heap (the model, the libraries) out of Python's garbage collector passes once the "
-        "engine is built (on, the default: a full pass over it took ~220 ms every few dozen 16-row steps) or "
+        "engine is built (on, the default: a full pass over it took ~190-230 ms every ~40-150 16-row steps) or "
         "leave the collector as Python sets it (off); docs/performance.md, 'Garbage collection pauses'",
     )
 
@@ -113,4 +113,5 @@ class GcPauses:
             "passes": list(self.counts),
             "ms": [round(s * 1e3, 3) for s in self.seconds],
             "longest_ms": round(self.longest * 1e3, 3),
+            "frozen_objects": gc.get_freeze_count(),  # now: what the passes skipped (this process's)
         }

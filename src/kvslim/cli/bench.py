@@ -322,7 +322,7 @@ def _run_concurrency(args, model, configs, settings, policy) -> int:
         from ..bench.serve import run_serve
 
         flags = ["--dtype", args.dtype, "--device", args.device, *(["--model", args.model] if args.model else []),
-                 "--linears", args.linears]
+                 "--linears", args.linears, "--gc-freeze", args.gc_freeze]
         joins: list = []  # a prompt of --join tokens joins each spec's streams (kvslim.bench.join)
         join = args.join and tokens(model, args.join, args.seed + 1)[0].tolist()
         try:
