@@ -2089,6 +2089,24 @@ static int rt_costlier(const void *x, const void *y) {
     return (a->c > b->c) - (a->c < b->c);
 }
 
+#if defined(KV_PHASE_TIMERS) && defined(_OPENMP)
+/* A measuring build only (-DKV_PHASE_TIMERS, scripts/rows_phases.py; never the library's own): the seconds
+ * kv_attend_rows spends in each of its phases, summed over calls: [0] the queries' rotation and the threads' start,
+ * [1] K scores, [2] softmax, [3] V sums, [4] finishing the heads; [5] the last mark. Each mark is a barrier. */
+double kv_phase[6];
+#define KV_PHASE_START() (kv_phase[5] = omp_get_wtime())
+#define KV_PHASE(i)                                                                                                    \
+    _Pragma("omp barrier") _Pragma("omp master") {                                                                     \
+        const double now_ = omp_get_wtime();                                                                           \
+        kv_phase[i] += now_ - kv_phase[5];                                                                             \
+        kv_phase[5] = now_;                                                                                            \
+    }                                                                                                                  \
+    _Pragma("omp barrier")
+#else
+#define KV_PHASE_START() ((void)0)
+#define KV_PHASE(i)
+#endif
+
 int kv_attend_rows(int64_t *a) {
     const int64_t R = a[0], NQ = a[1], NP = a[6];
     const int H = (int)a[2], M = (int)a[3], D = (int)a[4], nthreads = (int)a[5];
@@ -2167,6 +2185,7 @@ int kv_attend_rows(int64_t *a) {
         const int nt = nt64 < 1 || nthreads < 1 ? 1 : nt64 > nthreads ? nthreads : (int)nt64;
         const int64_t nheads = n * H;
         const size_t scratch_floats = attend_scratch(M, D);
+        KV_PHASE_START();
 #pragma omp parallel num_threads(nt)
         {
             float *scratch = (float *)calloc(scratch_floats, sizeof(float));
@@ -2185,6 +2204,7 @@ int kv_attend_rows(int64_t *a) {
                 else
                     rotate_queries(&w->q, 0, h, M, D, w->khb, w->qrot + (int64_t)h * M * D);
             }
+            KV_PHASE(0)
             /* 1. K: body chunks and each head's sink and residual scores, costliest first */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t i = 0; i < nktask; i++) {
@@ -2197,6 +2217,7 @@ int kv_attend_rows(int64_t *a) {
                     fp_scores(&w->q, &w->ksk, &w->kres, 0, t->h, M, D, w->S, w->NK, w->RK, w->T,
                               w->scores + (int64_t)t->h * M * w->T, scratch);
             }
+            KV_PHASE(1)
             /* 2. softmax of every row of scores */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t i = 0; i < nheads; i++) {
@@ -2204,10 +2225,12 @@ int kv_attend_rows(int64_t *a) {
                 float *sb = w->scores + (i % H) * M * w->T;
                 softmax_rows(sb, M, w->T);
             }
+            KV_PHASE(2)
             /* 3. V: body chunks, each into its own partial sum */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t i = 0; i < nvtask; i++)
                 if (scratch) rt_body(&rows[vt[i].row], 1, vt[i].h, vt[i].c, H, M, D, scratch);
+            KV_PHASE(3)
             /* 4. per (row, head): the partials summed in chunk order, un-permuted, rotated back; fp values added */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t i = 0; i < nheads; i++) {
@@ -2218,6 +2241,7 @@ int kv_attend_rows(int64_t *a) {
                 finish_head(w->part + (int64_t)h * w->ncv * M * D, w->ncv, &w->out, &w->vsk, &w->vres, 0, h, M, D,
                             w->vper, w->vhb, vrot, w->S, w->NV, w->RV, w->T, w->scores + (int64_t)h * M * w->T, scratch);
             }
+            KV_PHASE(4)
             free(scratch);
         }
     }
