@@ -9,8 +9,9 @@ phases, ``kv_phase`` in ``csrc/kvslim_kernels.c``; the library kvslim loads neve
 compiler and flags, into a temporary directory. Then, for each format, K group size (affine formats) and query
 count per KV head, it times ``--repeats`` passes over ``--layers`` distinct layers of ``--rows`` rows
 (:func:`kvslim.kernels.bench`'s synthetic rows: an encoded body in a Hadamard basis and a float16 residual of
-``--residual`` tokens) and prints milliseconds a layer per phase. The marks' barriers cost a little; the phases'
-sum is within a few percent of an unmarked call. Measure alone on a quiet machine (``uptime`` before and after).
+``--residual`` tokens) and prints milliseconds a layer per phase. The phases cover the call's parallel region only
+(not its setup, the tasks' sort and allocations, nor the Python that builds the row table), and the marks' barriers
+cost a little. Measure alone on a quiet machine (``uptime`` before and after).
 """
 
 from __future__ import annotations
@@ -34,13 +35,15 @@ def _build():
     compiler = clib.find_compiler()
     if not ok or compiler is None:
         raise SystemExit(f"the C kernels are unavailable: {why}")
+    flags = clib._state.get("flags") or ""
+    if flags in ("", "?"):
+        raise SystemExit("the loaded C kernels do not say which flags built them: rebuild them (kvslim's cache)")
     csrc = Path(clib.__file__).resolve().parent / "csrc"
     tmp = Path(tempfile.mkdtemp(prefix="kvslim-phases-"))
     try:
         out = tmp / "phases.so"
-        cmd = [*compiler, *clib._state["flags"].split(), "-DKV_PHASE_TIMERS", "-o", str(out),
-               *map(str, sorted(csrc.glob("*.c")))]
-        res = subprocess.run(cmd, capture_output=True, text=True)
+        cmd = [*compiler, *flags.split(), "-DKV_PHASE_TIMERS", "-o", str(out), *map(str, sorted(csrc.glob("*.c")))]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if res.returncode:
             raise SystemExit(f"building the measuring kernels failed: {res.stderr.strip()[-400:]}")
         lib = ctypes.CDLL(str(out))
@@ -76,7 +79,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     print(f"{a.rows} rows x {a.length} tokens, {a.heads} KV heads x {a.head_dim}, residual {a.residual}, "
           f"{a.threads} threads; ms a layer")
-    print(f"{'format':8s} {'group':>5s} {'M':>2s} {'total':>7s} " + " ".join(f"{k:>8s}" for k in PHASES))
+    print(f"{'format':8s} {'group':>5s} {'M':>2s} {'region':>7s} " + " ".join(f"{k:>8s}" for k in PHASES))
     for fmt in a.formats.split(","):
         groups = [int(g) for g in a.groups.split(",")] if fmt.startswith("int") else [32]
         for group in groups:
