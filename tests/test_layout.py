@@ -22,6 +22,7 @@ CACHE_API_MODULES = {
     "cache/layer_adapter.py",
     "cache/static_adapter.py",
     "cache/ragged.py",
+    "cache/paged_adapter.py",
     "compat.py",
 }
 

@@ -203,21 +203,27 @@ def static_attention(query: torch.Tensor, kv: StaticSegments, scaling: float) ->
 
 def kvslim_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """The registered attention function: compressed attention for Segments, row by row for a ragged step's
-    :class:`~kvslim.cache.ragged.RaggedSegments`, sdpa otherwise."""
+    :class:`~kvslim.cache.ragged.RaggedSegments`, the pool's calls for a paged step's
+    :class:`~kvslim.cache.paged_adapter.PagedKV`, sdpa otherwise."""
+    from .cache.paged_adapter import PagedKV
     from .cache.ragged import RaggedSegments
 
-    if isinstance(key, StaticSegments):
+    if isinstance(key, (StaticSegments, PagedKV)):
+        paged = isinstance(key, PagedKV)
         if (
             kwargs.get("softcap") is not None
             or kwargs.get("sinks") is not None
             or kwargs.get("position_bias") is not None
+            or (paged and kwargs.get("sliding_window") is not None)
             or (dropout and module.training)
         ):
             raise ValueError(
-                "a static SlimCache serves plain attention only (no softcap, attention sinks, position bias "
-                "or dropout)"
+                f"{'a paged step' if paged else 'a static SlimCache'} serves plain attention only (no softcap, "
+                f"attention sinks, position bias{', sliding window' if paged else ''} or dropout)"
             )
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        if paged:
+            return key.attend(query, scaling), None
         return static_attention(query, key, scaling).transpose(1, 2).contiguous(), None
     if isinstance(key, RaggedSegments):
         return _ragged_attention(module, query, key, dropout, scaling, kwargs)

@@ -1,0 +1,345 @@
+"""Many rows in one pool of kvslim pages: a step's K/V written in one call a layer, its attention in one more.
+
+The engine's ragged step (:mod:`kvslim.cache.ragged`) keeps each row in a :class:`~kvslim.SlimCache` of its own
+and pays Python for every row in every layer: its appends, its views, its record in the rows call (~60-90 ms of a
+16-row step at 4,096 tokens, docs/performance.md). A :class:`PagePool` keeps every row's K/V in the pages the
+vLLM plugin stores (:mod:`kvslim.vllm.pages`: 32 tokens of one KV head a page, kvslim's formats byte for byte),
+and a step touches them twice a layer whatever its rows:
+
+- one write of the step's tokens through a slot mapping (``kvp_write``: each token encoded once, when written);
+- one attention call over the rows' block tables (``kvp_attend``): decode rows, prompt chunks continuing a cached
+  prefix, and filler rows in one call, each row's new tokens attended at full precision from the step's own K/V
+  and its history from the codes (:mod:`kvslim.vllm.attend`).
+
+That is the "many rows, each with its own list of blocks" kernel issue 30 asks the engine to share with the vLLM
+plugin: one kernel, one page layout, one staging scheme for both.
+
+What a page keeps of kvslim's levers (the vLLM plugin's set, :mod:`kvslim.vllm.spec`): every page format
+(``none``, fp16, bf16, fp8, the GGML blocks, int8 and int4 per-token K, int2/int3 V), Hadamard rotation
+(``rotate``, :mod:`kvslim.vllm.basis`), a post-RoPE K bias (``mean_center``), full-precision sinks in whole pages
+(``sink=N``: the first ``ceil(N / 32)`` pages of every row stay staged), and the partly filled last page of every row
+kept at full precision (the staging pool, :mod:`kvslim.vllm.staging`: up to 31 newest tokens, the pages' residual).
+What it does not keep: a StreamingLLM window, KIVI's per-channel K (int2/int3 K), a residual longer than a page,
+pre-RoPE keys, clipping, codebooks and per-layer formats — :func:`check_config` refuses each in one line.
+
+Rows and positions: a row's tokens sit at positions ``0 .. length - 1`` (no re-base: a row holds at most the pool's
+pages), token ``j`` in slot ``j % 32`` of page ``pages[j // 32]``. :meth:`PagePool.plan` lays out one step (each row's
+new tokens packed into one sequence, the pages they need taken from the free list first: a step the pool cannot
+hold changes nothing), :meth:`PagePool.commit` advances the rows once the step's forward has run (a forward that
+fails leaves every row's tokens as they were: the slots it wrote lie past the rows' lengths and are written again;
+the pages it took stay the rows', for their next step).
+
+This module knows nothing about transformers; :mod:`kvslim.cache.paged_adapter` adapts it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import CacheConfig, parse_spec
+from ..vllm import attend as paged
+from ..vllm.basis import ModelShape, PageBasis
+from ..vllm.basis import attend as attend_in_basis
+from ..vllm.pages import PAGE_TOKENS, PageLayout
+from ..vllm.spec import check_supported, sink_pages
+from ..vllm.staging import Stager
+
+
+def check_config(config: CacheConfig) -> None:
+    """ValueError in one line unless pages can store ``config`` (the module docstring's list)."""
+    if config.window is not None:
+        raise ValueError(
+            f"window={config.window} is not supported in kvslim pages: StreamingLLM's sinks + window need the "
+            f"SlimCache rows (the engine's default)"
+        )
+    try:
+        check_supported(config)
+    except ValueError as e:
+        text = str(e).removeprefix("kvslim: ").replace("in vLLM", "in kvslim pages")
+        raise ValueError(text) from None
+
+
+@dataclass(eq=False)
+class PagedRow:
+    """One row of a :class:`PagePool`: its pages (ids, in token order) and the tokens stored in them."""
+
+    id: int
+    pages: list[int] = field(default_factory=list)
+    length: int = 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
+@dataclass
+class StepPlan:
+    """One step's layout (:meth:`PagePool.plan`): rows ``rows[b]`` (None: a filler row, one token at position 0 that
+    attends on itself alone and stores nothing) with ``lengths[b]`` new tokens packed in row order; ``slots`` (N,)
+    int64, each token's slot (-1: not stored); ``table``: the attention's row table; ``positions`` (1, N) int64;
+    ``stage_dest`` (N,) int64 the tokens' staging rows (-1: none) and ``stage_map``, or None (no staging)."""
+
+    rows: list
+    lengths: list[int]
+    slots: torch.Tensor
+    table: paged.Rows
+    positions: torch.Tensor
+    stage_dest: torch.Tensor | None = None
+    stage_map: torch.Tensor | None = None
+    #: the pages each row took for this step (given back if the step is abandoned)
+    taken: list = field(default_factory=list)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.slots.shape[0])
+
+
+class PagePool:
+    """Every row's K/V in ``pages`` pages of kvslim's formats per layer, and a staging pool for their partly filled
+    last pages (module docstring).
+
+    config: a :class:`~kvslim.config.CacheConfig` or spec (:func:`check_config`); n_layers, kv_heads, head_dim, dtype:
+    the model's attention (``dtype``: its K/V dtype, which ``none`` pages and staging keep); pages: pages per layer
+    (each ``kv_heads x 32`` tokens); max_rows: rows alive at once (a staging slot each, plus one per sink page);
+    model_type: what a ``mean_center`` bias file is checked against. stage: keep the partly filled pages at full
+    precision (lossless pages need none)."""
+
+    def __init__(
+        self,
+        config: CacheConfig | str,
+        *,
+        n_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        pages: int,
+        max_rows: int,
+        model_type: str | None = None,
+        stage: bool = True,
+    ):
+        config = parse_spec(config) if isinstance(config, str) else config
+        if not isinstance(config, CacheConfig):
+            raise ValueError(f"a page pool needs a CacheConfig or a spec string, got {config!r}")
+        check_config(config)
+        for name, value in (
+            ("n_layers", n_layers),
+            ("kv_heads", kv_heads),
+            ("pages", pages),
+            ("max_rows", max_rows),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"a page pool's {name} must be a positive integer, got {value!r}")
+        self.config = config
+        self.layout = PageLayout.of(config.k_format, config.v_format, head_dim, dtype)
+        self.basis = PageBasis.of(config, self.layout, ModelShape(n_layers, kv_heads, model_type))
+        self.kv_heads, self.head_dim, self.dtype, self.n_pages = kv_heads, head_dim, dtype, pages
+        shape = (pages, kv_heads, PAGE_TOKENS, self.layout.row_bytes)
+        self.pages = [torch.zeros(shape, dtype=torch.uint8) for _ in range(n_layers)]
+        self._free = list(range(pages - 1, -1, -1))  # popped from the end: page 0 first
+        self._ids = itertools.count()
+        self.max_rows = max_rows
+        self._alive: dict[int, PagedRow] = {}  # id -> row: every alive row's sink pages stay staged
+        lossy = self.layout.k.family != "cast" or self.layout.v.family != "cast"
+        self.sink_pages = sink_pages(config)
+        self.stager = self.stage_layout = None
+        self.staged: list[torch.Tensor] = []
+        if stage and lossy:
+            slots = max_rows * (1 + self.sink_pages)
+            self.stager = Stager(slots, sink_pages=self.sink_pages)
+            self.stage_layout = PageLayout.of("none", "none", head_dim, dtype)
+            sshape = (slots, kv_heads, PAGE_TOKENS, self.stage_layout.row_bytes)
+            self.staged = [torch.empty(sshape, dtype=torch.uint8) for _ in range(n_layers)]
+        elif self.sink_pages and lossy:
+            raise ValueError(
+                f"sink={config.sink} keeps whole pages in the staging pool, which stage=False turns off"
+            )
+
+    # -- rows --------------------------------------------------------------------------------
+    def new_row(self) -> PagedRow:
+        """A row with no tokens (ValueError when ``max_rows`` are alive)."""
+        if len(self._alive) >= self.max_rows:
+            raise ValueError(
+                f"the page pool holds at most {self.max_rows} rows at once (max_rows); free one first"
+            )
+        row = PagedRow(next(self._ids))
+        self._alive[row.id] = row
+        return row
+
+    def free(self, row: PagedRow) -> None:
+        """Give ``row``'s pages back (the row is empty afterwards and no longer counts as alive)."""
+        if self._alive.get(row.id) is not row:
+            raise ValueError(
+                f"row {row.id} is not a live row of this page pool (freed already, or another pool's)"
+            )
+        del self._alive[row.id]
+        self._free.extend(reversed(row.pages))
+        row.pages, row.length = [], 0
+
+    def copy_row(self, src: PagedRow) -> PagedRow:
+        """A new row holding ``src``'s tokens in pages of its own (its codes copied in every layer). Only a row of
+        whole pages and no sink pages: the staged copies (a partly filled page, the sinks) are not copied, and a row
+        read from their codes instead would not be ``src``'s equal (ValueError in one line; nothing changes)."""
+        if self._alive.get(src.id) is not src:
+            raise ValueError(f"row {src.id} is not a live row of this page pool")
+        if self.stager is not None and (src.length % PAGE_TOKENS or (self.sink_pages and src.length)):
+            raise ValueError(
+                f"copy_row copies whole pages without staging: row {src.id} holds {src.length} tokens "
+                f"(a partly filled page, or sink pages, are kept at full precision and would be lost)"
+            )
+        if len(src.pages) > len(self._free):
+            raise ValueError(
+                f"the page pool has {len(self._free)} free pages, copying row {src.id} needs {len(src.pages)}"
+            )
+        row = self.new_row()
+        pages = [self._free.pop() for _ in src.pages]
+        for layer in self.pages:
+            layer[pages] = layer[src.pages]
+        row.pages, row.length = pages, src.length
+        return row
+
+    @property
+    def rows_alive(self) -> int:
+        return len(self._alive)
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def page_bytes(self) -> int:
+        """Bytes of one page id across every layer (codes of ``kv_heads x 32`` tokens, K and V)."""
+        return len(self.pages) * self.kv_heads * PAGE_TOKENS * self.layout.row_bytes
+
+    def nbytes(self, row: PagedRow) -> int:
+        """The bytes ``row`` holds: its pages in every layer (the staging pool is the pool's, :meth:`stage_bytes`)."""
+        return len(row.pages) * self.page_bytes()
+
+    def stage_bytes(self) -> int:
+        """Bytes of the staging pool, every layer."""
+        return sum(t.numel() for t in self.staged)
+
+    # -- a step ------------------------------------------------------------------------------
+    def plan(self, rows: list, lengths: list[int]) -> StepPlan:
+        """Lay out one step: ``lengths[b]`` new tokens of ``rows[b]`` (None: a filler row of one token), packed in
+        row order. Takes the pages the new tokens need (ValueError in one line, nothing taken, when the pool has too
+        few free pages); the rows themselves change only at :meth:`commit`."""
+        if len(rows) != len(lengths) or not rows:
+            raise ValueError(
+                f"a paged step needs one length per row, got {len(lengths)} for {len(rows)} rows"
+            )
+        seen: set = set()
+        need = 0
+        for row, n in zip(rows, lengths, strict=True):
+            if not isinstance(n, int) or n < 1 or (row is None and n != 1):
+                raise ValueError(
+                    f"a paged step's row needs at least one new token (a filler row exactly one), got {n}"
+                )
+            if row is None:
+                continue
+            if id(row) in seen:
+                raise ValueError("a paged step feeds each row at most once")
+            if self._alive.get(getattr(row, "id", None)) is not row:
+                raise ValueError("a paged step's rows must be live rows of its pool (new_row(), not freed)")
+            seen.add(id(row))
+            need += -(-(row.length + n) // PAGE_TOKENS) - len(row.pages)
+        if need > len(self._free):
+            raise ValueError(
+                f"the page pool has {len(self._free)} free pages of {self.n_pages}, this step needs {need} more "
+                f"(32 tokens a page): free rows or build a larger pool"
+            )
+        taken, slots, pos, kv_lens, tables = [], [], [], [], []
+        for row, n in zip(rows, lengths, strict=True):
+            if row is None:
+                slots.append(torch.tensor([-1]))
+                pos.append(torch.zeros(1, dtype=torch.long))
+                kv_lens.append(1)
+                tables.append([])
+                taken.append([])
+                continue
+            more = [self._free.pop() for _ in range(-(-(row.length + n) // PAGE_TOKENS) - len(row.pages))]
+            taken.append(more)
+            pages = torch.tensor(row.pages + more, dtype=torch.long)
+            where = torch.arange(row.length, row.length + n)
+            slots.append(pages[where // PAGE_TOKENS] * PAGE_TOKENS + where % PAGE_TOKENS)
+            pos.append(where)
+            kv_lens.append(row.length + n)
+            tables.append(row.pages + more)
+        width = max(1, max(len(t) for t in tables))
+        block = torch.zeros((len(rows), width), dtype=torch.int32)
+        for b, t in enumerate(tables):
+            if t:
+                block[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        starts = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+        table = paged.Rows.of(starts, torch.tensor(kv_lens, dtype=torch.int32), block)
+        plan = StepPlan(list(rows), list(lengths), torch.cat(slots), table, torch.cat(pos)[None], taken=taken)
+        for row, more in zip(rows, taken, strict=True):
+            if row is not None:
+                row.pages = row.pages + more  # the pages are the row's from here (commit advances its length)
+        if self.stager is not None:
+            # the sink pages of every live row, stepped or not (a row's sinks stay staged while it lives)
+            sinks = [p for r in self._alive.values() for p in r.pages[: self.sink_pages]]
+            plan.stage_dest = self.stager.plan(plan.slots, sinks)
+            plan.stage_map = self.stager.map
+        return plan
+
+    def commit(self, plan: StepPlan) -> None:
+        """The step's forward ran: each row holds its new tokens."""
+        for row, n in zip(plan.rows, plan.lengths, strict=True):
+            if row is not None:
+                row.length += n
+
+    def attend(
+        self,
+        plan: StepPlan,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Layer ``layer`` of the step: the step's ``key``, ``value`` (N, H_kv, D) written to their pages (and staging
+        slots), then every row's queries ``query`` (N, H_q, D) attended on its history and its own new tokens
+        (causal). Returns (N, H_q, D) float32."""
+        keys, values = self.basis.keys(key, layer), self.basis.values(value)
+        paged.store(self.layout, self.pages[layer], keys, values, plan.slots)
+        staged = None
+        if self.stager is not None:
+            paged.store(self.stage_layout, self.staged[layer], keys, values, plan.stage_dest)
+            staged = paged.Staged(self.staged[layer], self.stage_layout, plan.stage_map)
+        out = torch.empty(query.shape, dtype=torch.float32)
+        attend_in_basis(
+            self.basis,
+            self.layout,
+            self.pages[layer],
+            query,
+            out,
+            plan.table,
+            scale,
+            0,
+            True,
+            keys,
+            values,
+            staged,
+        )
+        return out
+
+
+def pool_for(model, config: CacheConfig | str, *, pages: int, max_rows: int, stage: bool = True) -> PagePool:
+    """A :class:`PagePool` for a transformers causal LM's attention (its layers, KV heads, head size and dtype)."""
+    cfg = model.config
+    cfg = getattr(cfg, "text_config", None) or cfg
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    return PagePool(
+        config,
+        n_layers=cfg.num_hidden_layers,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=model.dtype,
+        pages=pages,
+        max_rows=max_rows,
+        model_type=getattr(cfg, "model_type", None),
+        stage=stage,
+    )
