@@ -40,6 +40,13 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=1024)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--linears", default="auto", help="the route of the linear layers (kvslim.engine.linears)")
+    p.add_argument(
+        "--peers",
+        nargs="*",
+        default=[],
+        help="serving peers to time at the same rows, length and threads "
+        "in the same run (kvslim bench --concurrency --peers: openvino, vllm; each in its own venv)",
+    )
     p.add_argument("--json", help="write every step's time here")
     a = p.parse_args()
     if a.length % 32 or a.length < 32:
@@ -95,6 +102,21 @@ def main() -> None:
                 f"{pool.nbytes(prow[0]) / 2**20:.1f} MiB a row in pages; "
                 f"SlimCache {rows[0].nbytes() / 2**20:.1f} MiB a row"
             )
+    peer_rows, notes = [], {}
+    if a.peers:
+        from kvslim.bench.concurrency_peers import run_peers
+
+        peer_rows, notes = run_peers(
+            a.peers,
+            model,
+            a.config,
+            lambda n: ids[0, :n].tolist(),
+            [a.length],
+            [a.rows],
+            a.steps,
+            warmup=a.warmup,
+            threads=a.threads,
+        )
     load.append(os.getloadavg()[0])
     print(
         f"\n{a.rows} rows x {a.length} tokens, {a.threads} threads, OMP_WAIT_POLICY="
@@ -106,9 +128,25 @@ def main() -> None:
         print(
             f"{spec:10s} {sc:18.1f} {pg:10.1f} {min(t['slimcache']):5.1f} / {min(t['pages']):<5.1f} {sc / pg:8.2f}x"
         )
+    for line in notes.values():
+        print(line)
+    for r in peer_rows:
+        mine = results.get(r.mode.split(" ", 1)[-1])
+        vs = f"; pages {r.ms_median / statistics.median(mine['pages']):.2f}x its speed" if mine else ""
+        print(f"{r.mode:24s} {r.ms_median:8.1f} ms a step{vs}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "load": load, "ms": results}, f, indent=1)
+            json.dump(
+                {
+                    "args": vars(a),
+                    "load": load,
+                    "ms": results,
+                    "peers": [r.to_dict() for r in peer_rows],
+                    "peer_notes": notes,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -37,7 +37,8 @@ def test_lossless_pages_give_the_plain_forward(model):
         row = pool.new_row()
         got = [forward_pages(model, pool, [(ids[:40], row)])[0]]  # a prompt of one chunk and a page and a bit
         got += [forward_pages(model, pool, [(ids[40:57], row)])[0]]  # a chunk continuing a cached prefix
-        got += [forward_pages(model, pool, [([t], row)])[0] for t in ids[57:]]  # decode steps
+        # decode steps of one token (no filler rows: the K/V handed on are one-token views, strides (D, D, 1))
+        got += [forward_pages(model, pool, [([t], row)], row_multiple=1)[0] for t in ids[57:]]
     want = torch.stack([ref[39], ref[56], *ref[57:]])
     torch.testing.assert_close(torch.stack(got), want, rtol=1e-5, atol=1e-5)
     assert row.length == 75 and len(row.pages) == 3 and pool.free_pages == 5
@@ -173,6 +174,18 @@ def test_copy_row_copies_whole_pages_only(model):
         with pytest.raises(ValueError, match=r"holds 65 tokens \(a partly filled page"):
             pool.copy_row(src)
         assert pool.rows_alive == 2
+        # a freed row's staged page whose id the next copy takes: read from the copied codes, not the old tokens
+        pool.free(twin)
+        other = pool.new_row()
+        forward_pages(model, pool, [(_ids(40, 11), other)])  # its second page is staged, partly filled
+        staged = other.pages[1]
+        pool.free(other)
+        while src.length % 32:
+            forward_pages(model, pool, [([6], src)])
+        copy = pool.copy_row(src)
+        assert staged in copy.pages
+        a, b = forward_pages(model, pool, [([9], src), ([9], copy)])
+        assert torch.equal(a, b)
 
 
 def test_rows_are_checked(model):

@@ -21,10 +21,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from ..checks import check_int
 from .pagepool import PagePool, StepPlan
+from .ragged import StepLayer
 
 
 class PagedKV:
@@ -49,11 +50,11 @@ class PagedKV:
         return out[None].to(query.dtype)
 
 
-class PagedStepLayer(CacheLayerMixin):
+class PagedStepLayer(StepLayer):
     """Layer ``layer_idx`` of a paged step: transformers' per-layer contract."""
 
-    is_compileable = False
-    is_sliding = False
+    _what = "a paged step's cache"
+    _reset = "free the pool's rows"
 
     def __init__(self, owner: PagedStepCache, layer_idx: int):
         super().__init__()
@@ -81,30 +82,6 @@ class PagedStepLayer(CacheLayerMixin):
             value_states[0].transpose(0, 1),
         )
         return view, view
-
-    def get_mask_sizes(self, query_length) -> tuple[int, int]:
-        # the paged attention builds no mask (causal within each row, its own rows only): as many keys as queries
-        # lets transformers' builder skip it, as a ragged step does
-        from ..compat import mask_query_length
-
-        return mask_query_length(query_length), 0
-
-    def get_seq_length(self) -> int:
-        return self._owner.longest
-
-    def get_max_length(self) -> int:
-        return -1
-
-    get_max_cache_shape = get_max_length
-
-    def reset(self) -> None:
-        raise ValueError("a paged step's cache cannot be reset: free the pool's rows")
-
-    def reorder_cache(self, beam_idx) -> None:
-        raise ValueError("a paged step's cache cannot be reordered")
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise ValueError("a paged step's cache cannot be cropped")
 
 
 class PagedStepCache(Cache):

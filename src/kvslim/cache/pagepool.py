@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import CacheConfig, parse_spec
+from ..shapes import ModelShapes
 from ..vllm import attend as paged
 from ..vllm.basis import ModelShape, PageBasis
 from ..vllm.basis import attend as attend_in_basis
@@ -174,6 +175,8 @@ class PagePool:
                 f"row {row.id} is not a live row of this page pool (freed already, or another pool's)"
             )
         del self._alive[row.id]
+        if self.stager is not None:
+            self.stager.forget(row.pages)  # a page id's staged copy is its old tokens' (the next owner may copy in)
         self._free.extend(reversed(row.pages))
         row.pages, row.length = [], 0
 
@@ -327,19 +330,20 @@ class PagePool:
 
 def pool_for(model, config: CacheConfig | str, *, pages: int, max_rows: int, stage: bool = True) -> PagePool:
     """A :class:`PagePool` for a transformers causal LM's attention (its layers, KV heads, head size and dtype)."""
-    cfg = model.config
-    cfg = getattr(cfg, "text_config", None) or cfg
-    heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    shapes = ModelShapes.from_config(model.config)
+    if (shapes.k_head_dim, shapes.v_head_dim) != (shapes.head_dim, shapes.head_dim):
+        raise ValueError(
+            f"{shapes.model_type or 'this model'} caches keys of {shapes.k_head_dim} and values of "
+            f"{shapes.v_head_dim} channels (multi-head latent attention): pages hold K and V of one head size"
+        )
     return PagePool(
         config,
-        n_layers=cfg.num_hidden_layers,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
+        n_layers=shapes.n_layers,
+        kv_heads=shapes.n_kv_heads,
+        head_dim=shapes.head_dim,
         dtype=model.dtype,
         pages=pages,
         max_rows=max_rows,
-        model_type=getattr(cfg, "model_type", None),
+        model_type=shapes.model_type or None,
         stage=stage,
     )

@@ -121,7 +121,9 @@ def _move_sinks(rows: list, moves: list, angles: dict | None = None) -> None:
                 got = rotary.move_angles(delta, device)
                 if key is not None:
                     angles[key] = got
-            keys = rows[group[0][0]].k_sink if len(group) == 1 else torch.cat([rows[b].k_sink for b, _ in group])
+            keys = (
+                rows[group[0][0]].k_sink if len(group) == 1 else torch.cat([rows[b].k_sink for b, _ in group])
+            )
             moved = rotary.move(keys, None, angles=got)  # keys (G, H, S, D)
             for i, (b, _) in enumerate(group):
                 rows[b] = _with_sinks(rows[b], moved[i : i + 1])
@@ -200,8 +202,12 @@ def _encode_key(stream, n: int):
     """What must agree for two rows' flushed tokens to be encoded in one call: the codec's class and settings
     (plain values only), the basis (a Hadamard block; no centering bias) and the tokens' shape; None: alone."""
     basis = stream.basis
-    if basis is not None and (basis.bias is not None or (basis.hadamard is not None and not basis.hadamard.block)):
-        return None  # a centering bias (per-row choices) or a fitted rotation (a matrix per layer): row by row
+    if basis is not None and (
+        basis.bias is not None or (basis.hadamard is not None and not basis.hadamard.block)
+    ):
+        return (
+            None  # a centering bias (per-row choices) or a fitted rotation (a matrix per layer): row by row
+        )
     settings = []
     for name, value in sorted(vars(stream.codec).items()):
         if name == "format":
@@ -211,16 +217,52 @@ def _encode_key(stream, n: int):
         settings.append((name, value))
     x = stream.fp.view()
     hadamard = None if basis is None or basis.hadamard is None else (basis.hadamard.dim, basis.hadamard.block)
-    if hadamard is not None and (x.shape[1] * n * hadamard[0] // hadamard[1]) % 4 and not Hadamard.row_invariant(x):
+    if (
+        hadamard is not None
+        and (x.shape[1] * n * hadamard[0] // hadamard[1]) % 4
+        and not Hadamard.row_invariant(x)
+    ):
         return None  # a row's product of 1-3, 5-7 or 9-11 rows may round otherwise than the batch's (MKL)
     return (type(stream.codec), tuple(settings), hadamard, n, tuple(x.shape), x.dtype, str(x.device))
 
 
-class RaggedLayer(CacheLayerMixin):
-    """Layer ``layer_idx`` of every row: transformers' per-layer contract for one ragged step."""
+class StepLayer(CacheLayerMixin):
+    """What every layer of a many-row step (ragged rows, or a pool's pages) answers transformers alike: no mask
+    (each row's attention builds its own), the longest row's length, and no reset, reorder or crop (the rows' own
+    stores are the caller's). ``_what``: how its errors name it; ``_reset``: what to do instead of a reset."""
 
     is_compileable = False
     is_sliding = False
+    _what = "a ragged step's cache"
+    _reset = "reset the rows' own caches"
+
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        # The kvslim attention ignores the mask of a many-row step (each row builds its own, kvslim.attention);
+        # as many keys as queries lets transformers' builder skip it (no (N, N + longest) mask is ever built).
+        from ..compat import mask_query_length
+
+        return mask_query_length(query_length), 0
+
+    def get_seq_length(self) -> int:
+        return self._owner.longest
+
+    def get_max_length(self) -> int:
+        return -1
+
+    get_max_cache_shape = get_max_length
+
+    def reset(self) -> None:
+        raise ValueError(f"{self._what} cannot be reset: {self._reset}")
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise ValueError(f"{self._what} cannot be reordered (no beam search in the batch engine)")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError(f"{self._what} cannot be cropped")
+
+
+class RaggedLayer(StepLayer):
+    """Layer ``layer_idx`` of every row: transformers' per-layer contract for one ragged step."""
 
     def __init__(self, owner: RaggedCache, layer_idx: int):
         super().__init__()
@@ -277,7 +319,10 @@ class RaggedLayer(CacheLayerMixin):
                 # gets: Segments up to FAST_MAX_QUERY tokens (if its cache attends on codes), else (K, V)
                 view = n == 1 or (cache.compressed_attention and n <= FAST_MAX_QUERY)
                 k_row, v_row = (
-                    (key_states[:, :, start : start + n].contiguous(), value_states[:, :, start : start + n].contiguous())
+                    (
+                        key_states[:, :, start : start + n].contiguous(),
+                        value_states[:, :, start : start + n].contiguous(),
+                    )
                     if tokens is None
                     else (tokens[0][start], tokens[1][start])
                 )  # (1, H_kv, n, D), laid out as alone
@@ -306,30 +351,6 @@ class RaggedLayer(CacheLayerMixin):
         drop = owner.drop if owner.errors is not None else None
         view = RaggedSegments(tuple(rows), drop, tuple(owner.spans), owner.angles)
         return view, view
-
-    def get_mask_sizes(self, query_length) -> tuple[int, int]:
-        # The kvslim attention ignores the mask of a ragged step (each row builds its own, kvslim.attention);
-        # as many keys as queries lets transformers' builder skip it (no (N, N + longest) mask is ever built).
-        from ..compat import mask_query_length
-
-        return mask_query_length(query_length), 0
-
-    def get_seq_length(self) -> int:
-        return self._owner.longest
-
-    def get_max_length(self) -> int:
-        return -1
-
-    get_max_cache_shape = get_max_length
-
-    def reset(self) -> None:
-        raise ValueError("a ragged step's cache cannot be reset: reset the rows' own caches")
-
-    def reorder_cache(self, beam_idx) -> None:
-        raise ValueError("a ragged step's cache cannot be reordered (no beam search in the batch engine)")
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise ValueError("a ragged step's cache cannot be cropped")
 
 
 class RaggedCache(Cache):

@@ -371,7 +371,11 @@ def _raw(x: torch.Tensor) -> torch.Tensor:
     """x (N, H, D) as the kernel reads raw K/V: fp32, heads D apart, values contiguous (any token stride)."""
     x = x.float()
     h, d = x.shape[1:]
-    return x if x.stride(2) == 1 and x.stride(1) == d and x.stride(0) >= h * d else x.contiguous()
+    if x.stride(2) == 1 and x.stride(1) == d and x.stride(0) >= h * d:
+        return x
+    # a fresh tensor, not contiguous(): a one-token view such as (1, H, D) with strides (D, D, 1) is contiguous to
+    # torch (a dimension of size 1 has any stride) and would come back with a token stride the kernel refuses
+    return torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x)
 
 
 def attend_reference(

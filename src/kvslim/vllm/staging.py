@@ -107,6 +107,15 @@ class Stager:
             self._page[slot] = -1
             self._free.append(slot)
 
+    def forget(self, pages) -> None:
+        """Drop the slots of ``pages``, whose ids now hold other tokens (kvslim's engine frees a row's pages, and may
+        fill them again without a first write at offset 0: a copied row's pages)."""
+        for page in pages:
+            if 0 <= page < self.map.shape[0]:
+                self._drop(page)
+        gone = set(pages)
+        self._release = [p for p in self._release if p not in gone]
+
     def _take(self, page: int, pinned: set) -> int:
         """A slot for ``page`` (free, else the least recently written one neither written this step nor holding a
         sink page in ``pinned``), or -1."""
