@@ -17,10 +17,13 @@ plugin: one kernel, one page layout, one staging scheme for both.
 What a page keeps of kvslim's levers (the vLLM plugin's set, :mod:`kvslim.vllm.spec`): every page format
 (``none``, fp16, bf16, fp8, the GGML blocks, int8 and int4 per-token K, int2/int3 V), Hadamard rotation
 (``rotate``, :mod:`kvslim.vllm.basis`), a post-RoPE K bias (``mean_center``), full-precision sinks in whole pages
-(``sink=N``: the first ``ceil(N / 32)`` pages of every row stay staged), and the partly filled last page of every row
-kept at full precision (the staging pool, :mod:`kvslim.vllm.staging`: up to 31 newest tokens, the pages' residual).
-What it does not keep: a StreamingLLM window, KIVI's per-channel K (int2/int3 K), a residual longer than a page,
-pre-RoPE keys, clipping, codebooks and per-layer formats — :func:`check_config` refuses each in one line.
+(``sink=N``: the first ``ceil(N / 32)`` pages of every row stay staged), and a row's newest tokens at full precision
+(the staging pool, :mod:`kvslim.vllm.staging`, in the model's dtype): its partly filled last page and its last
+``residual / 32`` full pages (``residual=auto``: 128, kvslim's default; a multiple of 32), so between ``residual`` and
+``residual + 31`` newest tokens, as a SlimCache keeps its residual (every token is still encoded as it is written: a
+page leaving the residual is read from its codes from then on, never encoded again). What it does not keep: a
+StreamingLLM window, KIVI's per-channel K (int2/int3 K), pre-RoPE keys, clipping, codebooks and per-layer formats —
+:func:`check_config` refuses each in one line.
 
 Rows and positions: a row's tokens sit at positions ``0 .. length - 1`` (no re-base: a row holds at most the pool's
 pages), token ``j`` in slot ``j % 32`` of page ``pages[j // 32]``. :meth:`PagePool.plan` lays out one step (each row's
@@ -35,7 +38,7 @@ This module knows nothing about transformers; :mod:`kvslim.cache.paged_adapter` 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -48,6 +51,15 @@ from ..vllm.pages import PAGE_TOKENS, PageLayout
 from ..vllm.spec import check_supported, sink_pages
 from ..vllm.staging import Stager
 
+#: the residual of ``residual=auto``: kvslim's own cache's default (:mod:`kvslim.config`)
+DEFAULT_RESIDUAL = 128
+
+
+def residual_pages(config: CacheConfig) -> int:
+    """Whole pages of newest tokens a row keeps staged beside its partly filled one: ``residual / 32``."""
+    residual = DEFAULT_RESIDUAL if config.residual == "auto" else config.residual
+    return residual // PAGE_TOKENS
+
 
 def check_config(config: CacheConfig) -> None:
     """ValueError in one line unless pages can store ``config`` (the module docstring's list)."""
@@ -56,8 +68,15 @@ def check_config(config: CacheConfig) -> None:
             f"window={config.window} is not supported in kvslim pages: StreamingLLM's sinks + window need the "
             f"SlimCache rows (the engine's default)"
         )
+    if config.residual != "auto" and config.residual % PAGE_TOKENS:
+        raise ValueError(
+            f"residual={config.residual} in kvslim pages must be a multiple of {PAGE_TOKENS} (whole pages kept at "
+            f"full precision)"
+        )
     try:
-        check_supported(config)
+        check_supported(
+            replace(config, residual="auto")
+        )  # the vLLM plugin's rules, but its residual of one page
     except ValueError as e:
         text = str(e).removeprefix("kvslim: ").replace("in vLLM", "in kvslim pages")
         raise ValueError(text) from None
@@ -144,10 +163,13 @@ class PagePool:
         self._alive: dict[int, PagedRow] = {}  # id -> row: every alive row's sink pages stay staged
         lossy = self.layout.k.family != "cast" or self.layout.v.family != "cast"
         self.sink_pages = sink_pages(config)
+        self.residual_pages = residual_pages(config)
         self.stager = self.stage_layout = None
         self.staged: list[torch.Tensor] = []
         if stage and lossy:
-            slots = max_rows * (1 + self.sink_pages)
+            # a slot for each row's partly filled page, its sink pages and its residual pages: never one short, so no
+            # slot is ever taken from another row (a row's staging depends on its own length alone)
+            slots = max_rows * (1 + self.sink_pages + self.residual_pages)
             self.stager = Stager(slots, sink_pages=self.sink_pages)
             self.stage_layout = PageLayout.of("none", "none", head_dim, dtype)
             sshape = (slots, kv_heads, PAGE_TOKENS, self.stage_layout.row_bytes)
@@ -175,30 +197,35 @@ class PagePool:
                 f"row {row.id} is not a live row of this page pool (freed already, or another pool's)"
             )
         del self._alive[row.id]
-        if self.stager is not None:
-            self.stager.forget(row.pages)  # a page id's staged copy is its old tokens' (the next owner may copy in)
+        if self.stager is not None:  # a page's staged copy is its old tokens' (the next owner may copy in)
+            with torch.inference_mode():  # the stager's map is made in the steps' inference mode
+                self.stager.forget(row.pages)
         self._free.extend(reversed(row.pages))
         row.pages, row.length = [], 0
 
     def copy_row(self, src: PagedRow) -> PagedRow:
-        """A new row holding ``src``'s tokens in pages of its own (its codes copied in every layer). Only a row of
-        whole pages and no sink pages: the staged copies (a partly filled page, the sinks) are not copied, and a row
-        read from their codes instead would not be ``src``'s equal (ValueError in one line; nothing changes)."""
+        """A new row holding ``src``'s tokens in pages of its own: its codes copied in every layer, and its staged
+        pages (sinks, residual, the partly filled one) staged alike, so the copy reads what ``src`` reads (ValueError
+        in one line where the pool has too few free pages or rows; nothing changes)."""
         if self._alive.get(src.id) is not src:
             raise ValueError(f"row {src.id} is not a live row of this page pool")
-        if self.stager is not None and (src.length % PAGE_TOKENS or (self.sink_pages and src.length)):
-            raise ValueError(
-                f"copy_row copies whole pages without staging: row {src.id} holds {src.length} tokens "
-                f"(a partly filled page, or sink pages, are kept at full precision and would be lost)"
-            )
         if len(src.pages) > len(self._free):
             raise ValueError(
                 f"the page pool has {len(self._free)} free pages, copying row {src.id} needs {len(src.pages)}"
             )
         row = self.new_row()
         pages = [self._free.pop() for _ in src.pages]
-        for layer in self.pages:
-            layer[pages] = layer[src.pages]
+        with torch.inference_mode():
+            for layer in self.pages:
+                layer[pages] = layer[src.pages]
+            if (
+                self.stager is not None
+            ):  # its staged pages (sinks, residual, the partly filled one) staged alike
+                for a, b in zip(src.pages, pages, strict=True):
+                    slots = self.stager.copy(a, b)
+                    if slots is not None:
+                        for layer in self.staged:
+                            layer[slots[1]] = layer[slots[0]]
         row.pages, row.length = pages, src.length
         return row
 
@@ -280,11 +307,26 @@ class PagePool:
             if row is not None:
                 row.pages = row.pages + more  # the pages are the row's from here (commit advances its length)
         if self.stager is not None:
-            # the sink pages of every live row, stepped or not (a row's sinks stay staged while it lives)
-            sinks = [p for r in self._alive.values() for p in r.pages[: self.sink_pages]]
-            plan.stage_dest = self.stager.plan(plan.slots, sinks)
+            with torch.inference_mode():  # its map: an inference tensor whichever mode the step runs in
+                plan.stage_dest = self.stager.plan(plan.slots, self._pinned(rows, lengths))
             plan.stage_map = self.stager.map
         return plan
+
+    def _pinned(self, rows: list, lengths: list[int]) -> list[int]:
+        """The pages every live row keeps staged after this step (stepped or not): its sink pages and the last
+        ``residual_pages`` of its full pages. The pages a stepped row's residual leaves in this step are dropped
+        from the staging pool here (their codes are read from now on, as a SlimCache encodes a group leaving its
+        residual)."""
+        after = {id(r): r.length + n for r, n in zip(rows, lengths, strict=True) if r is not None}
+        s, rp = self.sink_pages, self.residual_pages
+        pinned = []
+        for row in self._alive.values():
+            full = after.get(id(row), row.length) // PAGE_TOKENS
+            if id(row) in after:
+                before = row.length // PAGE_TOKENS
+                self.stager.forget(row.pages[max(s, before - rp) : max(s, full - rp)])
+            pinned += row.pages[:s] + row.pages[max(s, full - rp) : full]
+        return pinned
 
     def commit(self, plan: StepPlan) -> None:
         """The step's forward ran: each row holds its new tokens."""

@@ -116,15 +116,36 @@ class Stager:
         gone = set(pages)
         self._release = [p for p in self._release if p not in gone]
 
+    def copy(self, src: int, dst: int) -> tuple[int, int] | None:
+        """Page ``dst`` is to hold ``src``'s tokens (kvslim's engine copying a row): if ``src`` is staged, ``dst`` takes a
+        free slot and is staged alike (filled or not), and ``(src's slot, dst's slot)`` is returned for the caller to
+        copy the slot's rows; None where ``src`` has no slot. RuntimeError where no slot is free (nothing changes)."""
+        slot = int(self.map[src]) if 0 <= src < self.map.shape[0] else -1
+        if slot < 0:
+            return None
+        if not self._free:
+            raise RuntimeError("kvslim: no free staging slot for a copied page")
+        self._grow(dst + 1)
+        self._drop(dst)
+        mine = self._free.pop()
+        self.map[dst], self._page[mine], self._last[mine] = mine, dst, self._last[slot]
+        if src in self._release:
+            self._release.append(dst)
+        return slot, mine
+
     def _take(self, page: int, pinned: set) -> int:
         """A slot for ``page`` (free, else the least recently written one neither written this step nor holding a
         sink page in ``pinned``), or -1."""
         if self._free:
             slot = self._free.pop()
         else:
-            free = [i for i in range(self.slots) if self._last[i] != self._step and self._page[i] not in pinned]
+            free = [
+                i for i in range(self.slots) if self._last[i] != self._step and self._page[i] not in pinned
+            ]
             if not free:
-                return -1  # more pages being filled (or sinks) in this step than slots: the rest read their codes
+                return (
+                    -1
+                )  # more pages being filled (or sinks) in this step than slots: the rest read their codes
             slot = min(free, key=self._last.__getitem__)
             self.map[self._page[slot]] = -1
         self.map[page] = slot
