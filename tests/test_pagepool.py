@@ -99,8 +99,12 @@ def test_lossy_pages_stay_near_the_reference_and_sinks_are_full_precision(model)
         for spec, tol in (
             ("q8_0,residual=0", 0.05),
             ("q4_0,residual=0", 0.5),
-            ("q8_0,residual=0,sink=32", 1e-4),
-            ("q4_0", 1e-4),  # residual auto (128): 60 tokens, every one staged
+            ("q8_0,residual=0,sink=32,residual_dtype=model", 1e-4),
+            ("q4_0,residual_dtype=model", 1e-4),  # residual auto (128): 60 tokens, every one staged
+            (
+                "q4_0",
+                5e-3,
+            ),  # the same staged in float16 (residual_dtype auto, as a SlimCache keeps its residual)
         ):
             pool = pool_for(model, spec, pages=4, max_rows=1)
             row = pool.new_row()
@@ -194,6 +198,22 @@ def test_copy_row_copies_whole_pages_only(model):
         assert staged in copy.pages
         a, b = forward_pages(model, pool, [([9], src), ([9], copy)])
         assert torch.equal(a, b)
+
+
+def test_a_value_beyond_float16_is_refused_where_it_would_be_staged():
+    pool = PagePool("q8_0", n_layers=1, kv_heads=1, head_dim=32, dtype=torch.float32, pages=2, max_rows=1)
+    assert pool.stage_dtype == torch.float16
+    row = pool.new_row()
+    with torch.inference_mode():
+        plan = pool.plan([row], [1])
+        q, k = torch.randn(1, 1, 32), torch.randn(1, 1, 32)
+        with pytest.raises(ValueError, match="not finite in float16 .* residual_dtype=model"):
+            pool.attend(plan, 0, q, k * 1e6, k, 0.1)
+        wide = PagePool("q8_0,residual_dtype=model", n_layers=1, kv_heads=1, head_dim=32, dtype=torch.float32,
+                        pages=2, max_rows=1)  # fmt: skip
+        wrow = wide.new_row()
+        out = wide.attend(wide.plan([wrow], [1]), 0, q, k * 1e6, k, 0.1)
+    assert torch.isfinite(out).all() and wide.stage_dtype == torch.float32
 
 
 def test_rows_are_checked(model):

@@ -18,7 +18,7 @@ What a page keeps of kvslim's levers (the vLLM plugin's set, :mod:`kvslim.vllm.s
 (``none``, fp16, bf16, fp8, the GGML blocks, int8 and int4 per-token K, int2/int3 V), Hadamard rotation
 (``rotate``, :mod:`kvslim.vllm.basis`), a post-RoPE K bias (``mean_center``), full-precision sinks in whole pages
 (``sink=N``: the first ``ceil(N / 32)`` pages of every row stay staged), and a row's newest tokens at full precision
-(the staging pool, :mod:`kvslim.vllm.staging`, in the model's dtype): its partly filled last page and its last
+(the staging pool, :mod:`kvslim.vllm.staging`, in ``residual_dtype``: as a SlimCache, float16 for a float32 model): its partly filled last page and its last
 ``residual / 32`` full pages (``residual=auto``: 128, kvslim's default; a multiple of 32), so between ``residual`` and
 ``residual + 31`` newest tokens, as a SlimCache keeps its residual (every token is still encoded as it is written: a
 page leaving the residual is read from its codes from then on, never encoded again). What it does not keep: a
@@ -61,6 +61,14 @@ def residual_pages(config: CacheConfig) -> int:
     return residual // PAGE_TOKENS
 
 
+def stage_dtype(config: CacheConfig, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a row's full-precision tokens are staged in: ``residual_dtype`` as a SlimCache resolves it (``auto``:
+    float16 for a float32 model, else the model's dtype)."""
+    if config.residual_dtype == "auto":
+        return torch.float16 if dtype == torch.float32 else dtype
+    return {"model": dtype, "float16": torch.float16, "bfloat16": torch.bfloat16}[config.residual_dtype]
+
+
 def check_config(config: CacheConfig) -> None:
     """ValueError in one line unless pages can store ``config`` (the module docstring's list)."""
     if config.window is not None:
@@ -73,10 +81,8 @@ def check_config(config: CacheConfig) -> None:
             f"residual={config.residual} in kvslim pages must be a multiple of {PAGE_TOKENS} (whole pages kept at "
             f"full precision)"
         )
-    try:
-        check_supported(
-            replace(config, residual="auto")
-        )  # the vLLM plugin's rules, but its residual of one page
+    try:  # the vLLM plugin's rules, but for its residual of one page in the model's dtype
+        check_supported(replace(config, residual="auto", residual_dtype="auto"))
     except ValueError as e:
         text = str(e).removeprefix("kvslim: ").replace("in vLLM", "in kvslim pages")
         raise ValueError(text) from None
@@ -110,6 +116,8 @@ class StepPlan:
     stage_map: torch.Tensor | None = None
     #: the pages each row took for this step (given back if the step is abandoned)
     taken: list = field(default_factory=list)
+    #: whether any of the step's tokens is staged
+    staged_any: bool = False
 
     @property
     def n_tokens(self) -> int:
@@ -164,14 +172,16 @@ class PagePool:
         lossy = self.layout.k.family != "cast" or self.layout.v.family != "cast"
         self.sink_pages = sink_pages(config)
         self.residual_pages = residual_pages(config)
-        self.stager = self.stage_layout = None
+        self.stager = self.stage_layout = self.stage_dtype = None
         self.staged: list[torch.Tensor] = []
         if stage and lossy:
             # a slot for each row's partly filled page, its sink pages and its residual pages: never one short, so no
             # slot is ever taken from another row (a row's staging depends on its own length alone)
             slots = max_rows * (1 + self.sink_pages + self.residual_pages)
             self.stager = Stager(slots, sink_pages=self.sink_pages)
-            self.stage_layout = PageLayout.of("none", "none", head_dim, dtype)
+            self.stage_dtype = stage_dtype(config, dtype)
+            name = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(self.stage_dtype, "none")
+            self.stage_layout = PageLayout.of(name, name, head_dim, dtype)
             sshape = (slots, kv_heads, PAGE_TOKENS, self.stage_layout.row_bytes)
             self.staged = [torch.empty(sshape, dtype=torch.uint8) for _ in range(n_layers)]
         elif self.sink_pages and lossy:
@@ -310,6 +320,7 @@ class PagePool:
             with torch.inference_mode():  # its map: an inference tensor whichever mode the step runs in
                 plan.stage_dest = self.stager.plan(plan.slots, self._pinned(rows, lengths))
             plan.stage_map = self.stager.map
+            plan.staged_any = bool((plan.stage_dest >= 0).any())
         return plan
 
     def _pinned(self, rows: list, lengths: list[int]) -> list[int]:
@@ -347,6 +358,8 @@ class PagePool:
         slots), then every row's queries ``query`` (N, H_q, D) attended on its history and its own new tokens
         (causal). Returns (N, H_q, D) float32."""
         keys, values = self.basis.keys(key, layer), self.basis.values(value)
+        if self.stage_dtype == torch.float16 and plan.staged_any:
+            _check_half(keys, values)
         paged.store(self.layout, self.pages[layer], keys, values, plan.slots)
         staged = None
         if self.stager is not None:
@@ -368,6 +381,17 @@ class PagePool:
             staged,
         )
         return out
+
+
+def _check_half(keys: torch.Tensor, values: torch.Tensor) -> None:
+    """ValueError in one line where a K/V value staged in float16 would not be finite there (as a SlimCache's float16
+    residual refuses it): never an inf in the staging pool."""
+    for name, x in (("key", keys), ("value", values)):
+        if not bool(torch.isfinite(x.to(torch.float16)).all()):
+            raise ValueError(
+                f"a {name} value is not finite in float16 (beyond its range, or NaN/inf): the pool stages its newest "
+                f"tokens in float16; build it with residual_dtype=model"
+            )
 
 
 def pool_for(model, config: CacheConfig | str, *, pages: int, max_rows: int, stage: bool = True) -> PagePool:
