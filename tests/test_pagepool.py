@@ -52,11 +52,23 @@ def _alone(model, spec: str, prompt: list[int], tokens: list[int]) -> list[torch
     return [forward_pages(model, pool, [([t], row)])[0] for t in tokens]
 
 
-@pytest.mark.parametrize("spec", ["none", "q4_0", "int4", "q8_0,sink=32", "int8,k=q4_0,rotate=none"])
-def test_each_row_is_bit_for_bit_the_row_alone(model, spec):
+@pytest.mark.parametrize(
+    ("spec", "lengths"),
+    [
+        ("none", (37, 64)),
+        ("q4_0", (37, 64)),
+        ("int4", (37, 64)),
+        ("q8_0,sink=32", (37, 64)),
+        ("int8,k=q4_0,rotate=none", (37, 64)),
+        # rows past their residual: pages leave it (read from their codes from then on) in the mixed steps
+        ("q4_0,residual=32,sink=32", (130, 150)),
+        ("int4,residual=64", (150, 97)),
+    ],
+)
+def test_each_row_is_bit_for_bit_the_row_alone(model, spec, lengths):
     """Three rows: two decoding (one with a staged partial page, one at a page boundary) and one joining with prompt
     chunks in the same steps, plus filler rows: each row's logits equal its run in a pool of its own."""
-    a_prompt, b_prompt, c_prompt = _ids(37, 1), _ids(64, 2), _ids(50, 3)
+    a_prompt, b_prompt, c_prompt = _ids(lengths[0], 1), _ids(lengths[1], 2), _ids(50, 3)
     toks = {k: _ids(12, 10 + i) for i, k in enumerate("abc")}
     with torch.inference_mode():
         pool = pool_for(model, spec, pages=40, max_rows=3)
@@ -76,6 +88,20 @@ def test_each_row_is_bit_for_bit_the_row_alone(model, spec):
                 name = "abc"[[a, b, c].index(row)]
                 if not (row is c and step < 2):
                     got[name].append(out[i])
+        if (
+            pool.stager is not None
+        ):  # each row stages its sink pages, its residual pages and its partly filled page
+            staged = {p for p in range(pool.stager.map.shape[0]) if int(pool.stager.map[p]) >= 0}
+            want_staged = set()
+            for row in (a, b, c):
+                full = row.length // 32
+                keep = (
+                    row.pages[: pool.sink_pages]
+                    + row.pages[max(pool.sink_pages, full - pool.residual_pages) : full]
+                )
+                want_staged |= set(keep) | ({row.pages[full]} if row.length % 32 else set())
+            assert staged == want_staged
+            assert pool.stager.free_slots == pool.stager.slots - len(staged)
         want = {
             "a": _alone(model, spec, a_prompt, toks["a"]),
             "b": _alone(model, spec, b_prompt, toks["b"]),
@@ -132,12 +158,16 @@ def test_a_step_the_pool_cannot_hold_changes_nothing(model):
     assert pool.free_pages == 3 and pool.rows_alive == 1
 
 
-def test_a_failed_forward_leaves_the_rows_as_they_were(model):
+@pytest.mark.parametrize("spec", ["q4_0", "q4_0,residual=32,sink=32"])
+def test_a_failed_forward_leaves_the_rows_as_they_were(model, spec):
+    """The failing step feeds a 70-token chunk (pages taken, residual pages left, pages started); the retry feeds
+    one token: the row gets what a row fed only that token gets, and the pool its pages back."""
     ids = _ids(45, 7)
     with torch.inference_mode():
-        pool = pool_for(model, "q4_0", pages=8, max_rows=1)
+        pool = pool_for(model, spec, pages=8, max_rows=1)
         row = pool.new_row()
         forward_pages(model, pool, [(ids[:40], row)])
+        free, pages = pool.free_pages, list(row.pages)
         layer = model.model.layers[1]
 
         def boom(*args, **kwargs):
@@ -146,12 +176,12 @@ def test_a_failed_forward_leaves_the_rows_as_they_were(model):
         handle = layer.register_forward_pre_hook(boom)
         try:
             with pytest.raises(RuntimeError, match="injected"):
-                forward_pages(model, pool, [([ids[40]], row)])
+                forward_pages(model, pool, [(_ids(70, 8), row)])
         finally:
             handle.remove()
-        assert row.length == 40
+        assert (row.length, row.pages, pool.free_pages) == (40, pages, free)
         got = [forward_pages(model, pool, [([t], row)])[0] for t in ids[40:]]
-        want = _alone(model, "q4_0", ids[:40], ids[40:])
+        want = _alone(model, spec, ids[:40], ids[40:])
     assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
 
 

@@ -98,8 +98,8 @@ def forward_pages(
 ) -> torch.Tensor:
     """ONE forward of a paged step: ``feeds[b] = (token ids, row)``, a row of ``pool`` (its decode token or a prompt
     chunk), each row at most once. Returns (len(feeds), V) float32, each row's LAST token's logits; the rows hold
-    their tokens afterwards. A forward that raises leaves every row's tokens as they were (:meth:`PagePool.commit`
-    runs only after it). row_multiple: filler rows pad the step to a multiple of it (1 where every product rounds
+    their tokens afterwards. A forward that raises leaves every row and the pool as they were
+    (:meth:`PagePool.abandon`). row_multiple: filler rows pad the step to a multiple of it (1 where every product rounds
     a row alike at any row count: :meth:`kvslim.engine.linears.Linears.row_multiple`)."""
     from ..compat import cache_kwargs
 
@@ -123,12 +123,16 @@ def forward_pages(
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)
     last = torch.tensor(lengths, device=device).cumsum(0) - 1
     keep = torch.cat([last, last.new_full((-n_rows % row_multiple,), len(ids) - 1)])
-    out = model(
-        input_ids=input_ids,
-        use_cache=True,
-        position_ids=plan.positions.to(device),
-        logits_to_keep=keep,
-        **cache_kwargs(PagedStepCache(pool, plan)),
-    )
+    try:
+        out = model(
+            input_ids=input_ids,
+            use_cache=True,
+            position_ids=plan.positions.to(device),
+            logits_to_keep=keep,
+            **cache_kwargs(PagedStepCache(pool, plan)),
+        )
+    except BaseException:
+        pool.abandon(plan)  # every row, its pages and the staging plan as before the step
+        raise
     pool.commit(plan)
     return out.logits[0, :n_rows].float()

@@ -114,8 +114,10 @@ class StepPlan:
     positions: torch.Tensor
     stage_dest: torch.Tensor | None = None
     stage_map: torch.Tensor | None = None
-    #: the pages each row took for this step (given back if the step is abandoned)
+    #: the pages each row took for this step (given back if the step is abandoned: :meth:`PagePool.abandon`)
     taken: list = field(default_factory=list)
+    #: what :meth:`PagePool.abandon` puts back: each row's pages before the step, and the stager's state
+    undo: tuple | None = None
     #: whether any of the step's tokens is staged
     staged_any: bool = False
 
@@ -154,11 +156,14 @@ class PagePool:
         for name, value in (
             ("n_layers", n_layers),
             ("kv_heads", kv_heads),
+            ("head_dim", head_dim),
             ("pages", pages),
             ("max_rows", max_rows),
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"a page pool's {name} must be a positive integer, got {value!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"a page pool's dtype must be the model's floating point dtype, got {dtype!r}")
         self.config = config
         self.layout = PageLayout.of(config.k_format, config.v_format, head_dim, dtype)
         self.basis = PageBasis.of(config, self.layout, ModelShape(n_layers, kv_heads, model_type))
@@ -223,6 +228,18 @@ class PagePool:
             raise ValueError(
                 f"the page pool has {len(self._free)} free pages, copying row {src.id} needs {len(src.pages)}"
             )
+        if len(self._alive) >= self.max_rows:
+            raise ValueError(
+                f"the page pool holds at most {self.max_rows} rows at once (max_rows); free one first"
+            )
+        if self.stager is not None:
+            staged = sum(
+                1 for p in src.pages if 0 <= p < self.stager.map.shape[0] and int(self.stager.map[p]) >= 0
+            )
+            if staged > self.stager.free_slots:
+                raise ValueError(
+                    f"the staging pool has {self.stager.free_slots} free slots, copying row {src.id} needs {staged}"
+                )
         row = self.new_row()
         pages = [self._free.pop() for _ in src.pages]
         with torch.inference_mode():
@@ -271,7 +288,7 @@ class PagePool:
         seen: set = set()
         need = 0
         for row, n in zip(rows, lengths, strict=True):
-            if not isinstance(n, int) or n < 1 or (row is None and n != 1):
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1 or (row is None and n != 1):
                 raise ValueError(
                     f"a paged step's row needs at least one new token (a filler row exactly one), got {n}"
                 )
@@ -282,12 +299,15 @@ class PagePool:
             if self._alive.get(getattr(row, "id", None)) is not row:
                 raise ValueError("a paged step's rows must be live rows of its pool (new_row(), not freed)")
             seen.add(id(row))
-            need += -(-(row.length + n) // PAGE_TOKENS) - len(row.pages)
+            need += max(0, -(-(row.length + n) // PAGE_TOKENS) - len(row.pages))
         if need > len(self._free):
             raise ValueError(
                 f"the page pool has {len(self._free)} free pages of {self.n_pages}, this step needs {need} more "
                 f"(32 tokens a page): free rows or build a larger pool"
             )
+        before = [(r, list(r.pages)) for r in rows if r is not None]
+        with torch.inference_mode():
+            stager_state = None if self.stager is None else self.stager.state()
         taken, slots, pos, kv_lens, tables = [], [], [], [], []
         for row, n in zip(rows, lengths, strict=True):
             if row is None:
@@ -297,7 +317,9 @@ class PagePool:
                 tables.append([])
                 taken.append([])
                 continue
-            more = [self._free.pop() for _ in range(-(-(row.length + n) // PAGE_TOKENS) - len(row.pages))]
+            more = [
+                self._free.pop() for _ in range(max(0, -(-(row.length + n) // PAGE_TOKENS) - len(row.pages)))
+            ]
             taken.append(more)
             pages = torch.tensor(row.pages + more, dtype=torch.long)
             where = torch.arange(row.length, row.length + n)
@@ -313,6 +335,7 @@ class PagePool:
         starts = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
         table = paged.Rows.of(starts, torch.tensor(kv_lens, dtype=torch.int32), block)
         plan = StepPlan(list(rows), list(lengths), torch.cat(slots), table, torch.cat(pos)[None], taken=taken)
+        plan.undo = (before, stager_state, None, None)
         for row, more in zip(rows, taken, strict=True):
             if row is not None:
                 row.pages = row.pages + more  # the pages are the row's from here (commit advances its length)
@@ -321,6 +344,13 @@ class PagePool:
                 plan.stage_dest = self.stager.plan(plan.slots, self._pinned(rows, lengths))
             plan.stage_map = self.stager.map
             plan.staged_any = bool((plan.stage_dest >= 0).any())
+            # slots this step hands from one page to another (a page left a residual, a new one starts): their
+            # contents are kept, so that an abandoned step can put them back (its layers write the new owner's)
+            owners = stager_state[1]
+            moved = [i for i, p in enumerate(self.stager._page) if owners[i] >= 0 and p != owners[i]]
+            if moved:
+                index = torch.tensor(moved)
+                plan.undo = (before, stager_state, index, [layer[index].clone() for layer in self.staged])
         return plan
 
     def _pinned(self, rows: list, lengths: list[int]) -> list[int]:
@@ -339,8 +369,28 @@ class PagePool:
             pinned += row.pages[:s] + row.pages[max(s, full - rp) : full]
         return pinned
 
+    def abandon(self, plan: StepPlan) -> None:
+        """The step's forward failed: every row, the free pages, the staging plan and the staged tokens the step
+        wrote over back to what they were before :meth:`plan` (the page slots the forward wrote lie past the rows'
+        lengths and are written again)."""
+        if plan.undo is None:
+            return
+        before, stager_state, moved, contents = plan.undo
+        plan.undo = None
+        for more in plan.taken:
+            self._free.extend(reversed(more))
+        for row, pages in before:
+            row.pages = pages
+        if stager_state is not None:
+            with torch.inference_mode():
+                self.stager.restore(stager_state)
+                if moved is not None:  # the slots the step gave to other pages: their old pages' tokens again
+                    for layer, saved in zip(self.staged, contents, strict=True):
+                        layer[moved] = saved
+
     def commit(self, plan: StepPlan) -> None:
         """The step's forward ran: each row holds its new tokens."""
+        plan.undo = None
         for row, n in zip(plan.rows, plan.lengths, strict=True):
             if row is not None:
                 row.length += n
@@ -358,8 +408,11 @@ class PagePool:
         slots), then every row's queries ``query`` (N, H_q, D) attended on its history and its own new tokens
         (causal). Returns (N, H_q, D) float32."""
         keys, values = self.basis.keys(key, layer), self.basis.values(value)
-        if self.stage_dtype == torch.float16 and plan.staged_any:
-            _check_half(keys, values)
+        if self.stage_dtype == torch.float16 and self.dtype != torch.float16 and plan.staged_any:
+            staged_tokens = (
+                plan.stage_dest >= 0
+            )  # only what is staged is cast: a prompt's other tokens are encoded
+            _check_half(keys[staged_tokens], values[staged_tokens])
         paged.store(self.layout, self.pages[layer], keys, values, plan.slots)
         staged = None
         if self.stager is not None:

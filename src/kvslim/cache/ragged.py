@@ -121,9 +121,7 @@ def _move_sinks(rows: list, moves: list, angles: dict | None = None) -> None:
                 got = rotary.move_angles(delta, device)
                 if key is not None:
                     angles[key] = got
-            keys = (
-                rows[group[0][0]].k_sink if len(group) == 1 else torch.cat([rows[b].k_sink for b, _ in group])
-            )
+            keys = rows[group[0][0]].k_sink if len(group) == 1 else torch.cat([rows[b].k_sink for b, _ in group])
             moved = rotary.move(keys, None, angles=got)  # keys (G, H, S, D)
             for i, (b, _) in enumerate(group):
                 rows[b] = _with_sinks(rows[b], moved[i : i + 1])
@@ -202,12 +200,8 @@ def _encode_key(stream, n: int):
     """What must agree for two rows' flushed tokens to be encoded in one call: the codec's class and settings
     (plain values only), the basis (a Hadamard block; no centering bias) and the tokens' shape; None: alone."""
     basis = stream.basis
-    if basis is not None and (
-        basis.bias is not None or (basis.hadamard is not None and not basis.hadamard.block)
-    ):
-        return (
-            None  # a centering bias (per-row choices) or a fitted rotation (a matrix per layer): row by row
-        )
+    if basis is not None and (basis.bias is not None or (basis.hadamard is not None and not basis.hadamard.block)):
+        return None  # a centering bias (per-row choices) or a fitted rotation (a matrix per layer): row by row
     settings = []
     for name, value in sorted(vars(stream.codec).items()):
         if name == "format":
@@ -217,11 +211,7 @@ def _encode_key(stream, n: int):
         settings.append((name, value))
     x = stream.fp.view()
     hadamard = None if basis is None or basis.hadamard is None else (basis.hadamard.dim, basis.hadamard.block)
-    if (
-        hadamard is not None
-        and (x.shape[1] * n * hadamard[0] // hadamard[1]) % 4
-        and not Hadamard.row_invariant(x)
-    ):
+    if hadamard is not None and (x.shape[1] * n * hadamard[0] // hadamard[1]) % 4 and not Hadamard.row_invariant(x):
         return None  # a row's product of 1-3, 5-7 or 9-11 rows may round otherwise than the batch's (MKL)
     return (type(stream.codec), tuple(settings), hadamard, n, tuple(x.shape), x.dtype, str(x.device))
 
@@ -319,10 +309,7 @@ class RaggedLayer(StepLayer):
                 # gets: Segments up to FAST_MAX_QUERY tokens (if its cache attends on codes), else (K, V)
                 view = n == 1 or (cache.compressed_attention and n <= FAST_MAX_QUERY)
                 k_row, v_row = (
-                    (
-                        key_states[:, :, start : start + n].contiguous(),
-                        value_states[:, :, start : start + n].contiguous(),
-                    )
+                    (key_states[:, :, start : start + n].contiguous(), value_states[:, :, start : start + n].contiguous())
                     if tokens is None
                     else (tokens[0][start], tokens[1][start])
                 )  # (1, H_kv, n, D), laid out as alone

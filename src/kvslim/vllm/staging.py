@@ -109,7 +109,8 @@ class Stager:
 
     def forget(self, pages) -> None:
         """Drop the slots of ``pages``, whose ids now hold other tokens (kvslim's engine frees a row's pages, and may
-        fill them again without a first write at offset 0: a copied row's pages)."""
+        fill them again without a first write at offset 0: a copied row's pages), or whose tokens are to be read
+        from their codes from now on (a page leaving a row's residual, :mod:`kvslim.cache.pagepool`)."""
         for page in pages:
             if 0 <= page < self.map.shape[0]:
                 self._drop(page)
@@ -133,19 +134,35 @@ class Stager:
             self._release.append(dst)
         return slot, mine
 
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def state(self) -> tuple:
+        """Everything :meth:`plan`, :meth:`forget` and :meth:`copy` change, for :meth:`restore` (a step abandoned)."""
+        return (self.map.clone(), list(self._page), list(self._last), list(self._free), list(self._release), self._step)
+
+    def restore(self, state: tuple) -> None:
+        """Back to :meth:`state`'s moment."""
+        m, self._page, self._last, self._free, self._release, self._step = (
+            state[0],
+            list(state[1]),
+            list(state[2]),
+            list(state[3]),
+            list(state[4]),
+            state[5],
+        )
+        self.map = m.clone()
+
     def _take(self, page: int, pinned: set) -> int:
         """A slot for ``page`` (free, else the least recently written one neither written this step nor holding a
         sink page in ``pinned``), or -1."""
         if self._free:
             slot = self._free.pop()
         else:
-            free = [
-                i for i in range(self.slots) if self._last[i] != self._step and self._page[i] not in pinned
-            ]
+            free = [i for i in range(self.slots) if self._last[i] != self._step and self._page[i] not in pinned]
             if not free:
-                return (
-                    -1
-                )  # more pages being filled (or sinks) in this step than slots: the rest read their codes
+                return -1  # more pages being filled (or sinks) in this step than slots: the rest read their codes
             slot = min(free, key=self._last.__getitem__)
             self.map[self._page[slot]] = -1
         self.map[page] = slot
@@ -155,8 +172,9 @@ class Stager:
     def plan(self, slot_mapping: torch.Tensor, sinks=()) -> torch.Tensor:
         """One step's writes: slot_mapping (N,) integer (vLLM's: slot ``s`` = page ``s // T``, offset ``s % T``;
         negative: padding) -> (N,) int64, each token's row in the staging pool (``slot * T + offset``) or -1
-        (not staged). sinks: the page ids that are the first :attr:`sink_pages` pages of a running sequence in this
-        step (:func:`sink_pages_of`). Updates :attr:`map` for this step."""
+        (not staged). sinks: the page ids kept staged once filled and never evicted in this step: the first
+        :attr:`sink_pages` pages of a running sequence in this step (:func:`sink_pages_of`), and for kvslim's page pool
+        also each row's residual pages (:mod:`kvslim.cache.pagepool`). Updates :attr:`map` for this step."""
         self._step += 1
         pinned = set(sinks)
         for page in self._release:
