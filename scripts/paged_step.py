@@ -5,16 +5,16 @@
 
 For each ``--config``: prefills ``--length`` seeded random tokens of the embedded model once into a SlimCache of the
 spec and once into a :class:`kvslim.cache.pagepool.PagePool` of the same spec (``forward_pages``, chunks of
-``--chunk``), copies each into ``--rows`` rows (``copy.deepcopy`` of the cache; the pool's pages copied page by
-page into pages of each row's own, so that every row reads its own memory), then times ``--steps`` decode steps of
+``--chunk``), copies each into ``--rows`` rows (``copy.deepcopy`` of the cache; ``PagePool.copy_row``: the pool's
+pages and staged pages copied into pages of each row's own, so that every row reads its own memory), then times ``--steps`` decode steps of
 both, alternating step by step in one process (after ``--warmup`` of each), the linear layers on the engine's route
 (``--linears``). Both steps carry the same random tokens. Prints a table (median and min ms a step, the
 pages' step over the SlimCache rows' step) and, with ``--json``, every step's time, the thread settings and the
 load average before and after.
 
-Not the same cache: a page stores K per token (the SlimCache's int4 stores KIVI's per-channel K) and keeps only its
-partly filled last page at full precision (the SlimCache a 128-token residual and 16 sinks); docs/performance.md
-compares their quality. ``--length`` must be a multiple of 32 (whole pages: a copied row has no staged page).
+Not the same cache: a page stores K per token (the SlimCache's int4 stores KIVI's per-channel K groups) and keeps
+no sinks unless asked (``sink=N``; a SlimCache keeps 16); both keep a residual of 128-159 newest tokens in float16 by
+default. docs/performance.md compares their quality (``scripts/paged_quality.py``).
 Measure on a quiet machine, alone (``uptime`` before and after).
 """
 
@@ -49,8 +49,8 @@ def main() -> None:
     )
     p.add_argument("--json", help="write every step's time here")
     a = p.parse_args()
-    if a.length % 32 or a.length < 32:
-        p.error(f"--length must be a positive multiple of 32 (whole pages), got {a.length}")
+    if a.length < 1 or a.rows < 1 or a.steps < 1:
+        p.error("--length, --rows and --steps must be positive")
     torch.set_num_threads(a.threads)
 
     import kvslim

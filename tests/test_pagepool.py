@@ -192,6 +192,7 @@ def test_a_failed_forward_leaves_the_rows_as_they_were(model, spec):
         ("int2", r"K format 'int2' needs KIVI's per-channel K groups"),
         ("int4,residual=48,group=16", r"residual=48 in kvslim pages must be a multiple of 32"),
         ("int4,keep_layers=0", r"keep_layers=\(0,\) is not supported in kvslim pages"),
+        ("int4,pre_rope=1", r"pre_rope=1 is not supported in kvslim pages: their keys are stored after RoPE"),
     ],
 )
 def test_what_pages_cannot_store_is_refused_in_one_line(spec, match):

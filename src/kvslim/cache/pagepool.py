@@ -17,8 +17,9 @@ plugin: one kernel, one page layout, one staging scheme for both.
 What a page keeps of kvslim's levers (the vLLM plugin's set, :mod:`kvslim.vllm.spec`): every page format
 (``none``, fp16, bf16, fp8, the GGML blocks, int8 and int4 per-token K, int2/int3 V), Hadamard rotation
 (``rotate``, :mod:`kvslim.vllm.basis`), a post-RoPE K bias (``mean_center``), full-precision sinks in whole pages
-(``sink=N``: the first ``ceil(N / 32)`` pages of every row stay staged), and a row's newest tokens at full precision
-(the staging pool, :mod:`kvslim.vllm.staging`, in ``residual_dtype``: as a SlimCache, float16 for a float32 model): its partly filled last page and its last
+(``sink=N``: the first ``ceil(N / 32)`` pages of every row stay staged; ``sink=auto`` is none, as in the vLLM
+plugin), and a row's newest tokens at full precision (the staging pool, :mod:`kvslim.vllm.staging`, in
+``residual_dtype``: as a SlimCache, float16 for a float32 model): its partly filled last page and its last
 ``residual / 32`` full pages (``residual=auto``: 128, kvslim's default; a multiple of 32), so between ``residual`` and
 ``residual + 31`` newest tokens, as a SlimCache keeps its residual (every token is still encoded as it is written: a
 page leaving the residual is read from its codes from then on, never encoded again). What it does not keep: a
@@ -28,9 +29,9 @@ StreamingLLM window, KIVI's per-channel K (int2/int3 K), pre-RoPE keys, clipping
 Rows and positions: a row's tokens sit at positions ``0 .. length - 1`` (no re-base: a row holds at most the pool's
 pages), token ``j`` in slot ``j % 32`` of page ``pages[j // 32]``. :meth:`PagePool.plan` lays out one step (each row's
 new tokens packed into one sequence, the pages they need taken from the free list first: a step the pool cannot
-hold changes nothing), :meth:`PagePool.commit` advances the rows once the step's forward has run (a forward that
-fails leaves every row's tokens as they were: the slots it wrote lie past the rows' lengths and are written again;
-the pages it took stay the rows', for their next step).
+hold changes nothing), :meth:`PagePool.commit` advances the rows once the step's forward has run, and
+:meth:`PagePool.abandon` puts a failed step back: the rows, the free pages, the staging plan and the staged tokens the
+step wrote over (the page slots it wrote lie past the rows' lengths and are written again).
 
 This module knows nothing about transformers; :mod:`kvslim.cache.paged_adapter` adapts it.
 """
@@ -75,6 +76,12 @@ def check_config(config: CacheConfig) -> None:
         raise ValueError(
             f"window={config.window} is not supported in kvslim pages: StreamingLLM's sinks + window need the "
             f"SlimCache rows (the engine's default)"
+        )
+    if config.pre_rope is True:
+        raise ValueError("pre_rope=1 is not supported in kvslim pages: their keys are stored after RoPE")
+    if config.positions != CacheConfig().positions:
+        raise ValueError(
+            f"positions={config.positions!r} is not supported in kvslim pages: every key keeps its own position"
         )
     if config.residual != "auto" and config.residual % PAGE_TOKENS:
         raise ValueError(
@@ -127,14 +134,14 @@ class StepPlan:
 
 
 class PagePool:
-    """Every row's K/V in ``pages`` pages of kvslim's formats per layer, and a staging pool for their partly filled
-    last pages (module docstring).
+    """Every row's K/V in ``pages`` pages of kvslim's formats per layer, and a staging pool for each row's newest
+    tokens and sink pages (module docstring).
 
     config: a :class:`~kvslim.config.CacheConfig` or spec (:func:`check_config`); n_layers, kv_heads, head_dim, dtype:
-    the model's attention (``dtype``: its K/V dtype, which ``none`` pages and staging keep); pages: pages per layer
-    (each ``kv_heads x 32`` tokens); max_rows: rows alive at once (a staging slot each, plus one per sink page);
-    model_type: what a ``mean_center`` bias file is checked against. stage: keep the partly filled pages at full
-    precision (lossless pages need none)."""
+    the model's attention (``dtype``: its K/V dtype, which ``none`` pages keep); pages: pages per layer (each
+    ``kv_heads x 32`` tokens); max_rows: rows alive at once (each with ``1 + sink pages + residual / 32`` staging
+    slots); model_type: what a ``mean_center`` bias file is checked against. stage: keep the residual and the sinks
+    at full precision (lossless pages need none; False: every token read from its codes)."""
 
     def __init__(
         self,
