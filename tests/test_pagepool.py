@@ -185,6 +185,35 @@ def test_a_failed_forward_leaves_the_rows_as_they_were(model, spec):
     assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
 
 
+def test_a_plan_that_fails_midway_takes_nothing(model, monkeypatch):
+    pool = pool_for(model, "q4_0,residual=32", pages=8, max_rows=1)
+    row = pool.new_row()
+    with torch.inference_mode():
+        forward_pages(model, pool, [(_ids(70, 12), row)])
+        state = (
+            list(row.pages),
+            row.length,
+            pool.free_pages,
+            pool.stager.map.clone(),
+            pool.stager.free_slots,
+        )
+
+        def boom(*args, **kwargs):
+            raise RuntimeError("injected")
+
+        monkeypatch.setattr(pool.stager, "plan", boom)
+        with pytest.raises(RuntimeError, match="injected"):
+            forward_pages(model, pool, [(_ids(40, 13), row)])
+        monkeypatch.undo()
+        assert (list(row.pages), row.length, pool.free_pages) == state[:3]
+        assert torch.equal(pool.stager.map, state[3]) and pool.stager.free_slots == state[4]
+        plan = pool.plan([row], [1])
+        pool.abandon(plan)
+        with pytest.raises(ValueError, match="committed or abandoned already"):
+            pool.commit(plan)
+        assert plan.abandoned and row.length == 70
+
+
 @pytest.mark.parametrize(
     ("spec", "match"),
     [
@@ -201,7 +230,7 @@ def test_what_pages_cannot_store_is_refused_in_one_line(spec, match):
     assert "\n" not in str(e.value) and not str(e.value).startswith("kvslim:")
 
 
-def test_copy_row_copies_whole_pages_only(model):
+def test_copy_row_copies_codes_and_staged_pages(model):
     ids = _ids(64, 9)
     with torch.inference_mode():
         pool = pool_for(model, "q4_0", pages=12, max_rows=3)

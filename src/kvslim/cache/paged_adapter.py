@@ -117,12 +117,12 @@ def forward_pages(
         ids += tokens
     n_rows = len(feeds)
     fill = -len(ids) % row_multiple
-    plan = pool.plan(rows + [None] * fill, lengths + [1] * fill)
     ids += [0] * fill
     device = model.device
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)
     last = torch.tensor(lengths, device=device).cumsum(0) - 1
     keep = torch.cat([last, last.new_full((-n_rows % row_multiple,), len(ids) - 1)])
+    plan = pool.plan(rows + [None] * fill, lengths + [1] * fill)
     try:
         out = model(
             input_ids=input_ids,

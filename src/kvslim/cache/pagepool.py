@@ -127,6 +127,8 @@ class StepPlan:
     undo: tuple | None = None
     #: whether any of the step's tokens is staged
     staged_any: bool = False
+    #: set by :meth:`PagePool.abandon`
+    abandoned: bool = False
 
     @property
     def n_tokens(self) -> int:
@@ -248,19 +250,21 @@ class PagePool:
                     f"the staging pool has {self.stager.free_slots} free slots, copying row {src.id} needs {staged}"
                 )
         row = self.new_row()
-        pages = [self._free.pop() for _ in src.pages]
-        with torch.inference_mode():
-            for layer in self.pages:
-                layer[pages] = layer[src.pages]
-            if (
-                self.stager is not None
-            ):  # its staged pages (sinks, residual, the partly filled one) staged alike
-                for a, b in zip(src.pages, pages, strict=True):
-                    slots = self.stager.copy(a, b)
-                    if slots is not None:
-                        for layer in self.staged:
-                            layer[slots[1]] = layer[slots[0]]
-        row.pages, row.length = pages, src.length
+        row.pages = [self._free.pop() for _ in src.pages]
+        try:
+            with torch.inference_mode():
+                for layer in self.pages:
+                    layer[row.pages] = layer[src.pages]
+                if self.stager is not None:  # its staged pages (sinks, residual, the partly filled one) alike
+                    for a, b in zip(src.pages, row.pages, strict=True):
+                        slots = self.stager.copy(a, b)
+                        if slots is not None:
+                            for layer in self.staged:
+                                layer[slots[1]] = layer[slots[0]]
+        except BaseException:
+            self.free(row)  # its pages and any slot they took, back
+            raise
+        row.length = src.length
         return row
 
     @property
@@ -313,8 +317,19 @@ class PagePool:
                 f"(32 tokens a page): free rows or build a larger pool"
             )
         before = [(r, list(r.pages)) for r in rows if r is not None]
+        free0 = list(self._free)
         with torch.inference_mode():
             stager_state = None if self.stager is None else self.stager.state()
+        try:
+            return self._lay_out(rows, lengths, (before, free0, stager_state))
+        except BaseException:  # nothing taken, nothing planned
+            self._undo((before, free0, stager_state, None, None))
+            raise
+
+    def _lay_out(self, rows: list, lengths: list[int], snapshot: tuple) -> StepPlan:
+        """:meth:`plan`'s changes (pages taken, the staging planned), after its checks; ``snapshot``: what
+        :meth:`abandon` puts back."""
+        before, free0, stager_state = snapshot
         taken, slots, pos, kv_lens, tables = [], [], [], [], []
         for row, n in zip(rows, lengths, strict=True):
             if row is None:
@@ -342,13 +357,13 @@ class PagePool:
         starts = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
         table = paged.Rows.of(starts, torch.tensor(kv_lens, dtype=torch.int32), block)
         plan = StepPlan(list(rows), list(lengths), torch.cat(slots), table, torch.cat(pos)[None], taken=taken)
-        plan.undo = (before, stager_state, None, None)
+        plan.undo = (before, free0, stager_state, None, None)
         for row, more in zip(rows, taken, strict=True):
             if row is not None:
                 row.pages = row.pages + more  # the pages are the row's from here (commit advances its length)
         if self.stager is not None:
             with torch.inference_mode():  # its map: an inference tensor whichever mode the step runs in
-                plan.stage_dest = self.stager.plan(plan.slots, self._pinned(rows, lengths))
+                plan.stage_dest = self.stager.plan(plan.slots, self._keep_staged(rows, lengths))
             plan.stage_map = self.stager.map
             plan.staged_any = bool((plan.stage_dest >= 0).any())
             # slots this step hands from one page to another (a page left a residual, a new one starts): their
@@ -357,13 +372,19 @@ class PagePool:
             moved = [i for i, p in enumerate(self.stager._page) if owners[i] >= 0 and p != owners[i]]
             if moved:
                 index = torch.tensor(moved)
-                plan.undo = (before, stager_state, index, [layer[index].clone() for layer in self.staged])
+                plan.undo = (
+                    before,
+                    free0,
+                    stager_state,
+                    index,
+                    [layer[index].clone() for layer in self.staged],
+                )
         return plan
 
-    def _pinned(self, rows: list, lengths: list[int]) -> list[int]:
+    def _keep_staged(self, rows: list, lengths: list[int]) -> list[int]:
         """The pages every live row keeps staged after this step (stepped or not): its sink pages and the last
-        ``residual_pages`` of its full pages. The pages a stepped row's residual leaves in this step are dropped
-        from the staging pool here (their codes are read from now on, as a SlimCache encodes a group leaving its
+        ``residual_pages`` of its full pages. And a side effect: the pages a stepped row's residual leaves in this
+        step are dropped from the staging pool here (their codes are read from now on, as a SlimCache encodes a group leaving its
         residual)."""
         after = {id(r): r.length + n for r, n in zip(rows, lengths, strict=True) if r is not None}
         s, rp = self.sink_pages, self.residual_pages
@@ -379,13 +400,16 @@ class PagePool:
     def abandon(self, plan: StepPlan) -> None:
         """The step's forward failed: every row, the free pages, the staging plan and the staged tokens the step
         wrote over back to what they were before :meth:`plan` (the page slots the forward wrote lie past the rows'
-        lengths and are written again)."""
+        lengths and are written again). A plan already committed or abandoned is left as it is."""
         if plan.undo is None:
             return
-        before, stager_state, moved, contents = plan.undo
-        plan.undo = None
-        for more in plan.taken:
-            self._free.extend(reversed(more))
+        undo, plan.undo = plan.undo, None
+        plan.abandoned = True
+        self._undo(undo)
+
+    def _undo(self, undo: tuple) -> None:
+        before, free0, stager_state, moved, contents = undo
+        self._free[:] = free0
         for row, pages in before:
             row.pages = pages
         if stager_state is not None:
@@ -396,7 +420,9 @@ class PagePool:
                         layer[moved] = saved
 
     def commit(self, plan: StepPlan) -> None:
-        """The step's forward ran: each row holds its new tokens."""
+        """The step's forward ran: each row holds its new tokens (ValueError for a plan abandoned or committed)."""
+        if plan.undo is None:
+            raise ValueError("this step was committed or abandoned already")
         plan.undo = None
         for row, n in zip(plan.rows, plan.lengths, strict=True):
             if row is not None:
