@@ -162,13 +162,8 @@ class PagePool:
         if not isinstance(config, CacheConfig):
             raise ValueError(f"a page pool needs a CacheConfig or a spec string, got {config!r}")
         check_config(config)
-        for name, value in (
-            ("n_layers", n_layers),
-            ("kv_heads", kv_heads),
-            ("head_dim", head_dim),
-            ("pages", pages),
-            ("max_rows", max_rows),
-        ):
+        sizes = (("n_layers", n_layers), ("kv_heads", kv_heads), ("head_dim", head_dim), ("pages", pages))
+        for name, value in (*sizes, ("max_rows", max_rows)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"a page pool's {name} must be a positive integer, got {value!r}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
