@@ -33,7 +33,9 @@ def test_freeze_keeps_startup_objects_out_and_collects_new_cycles(unfrozen):
     old = _cycle()  # alive only through its own cycle: garbage, which the freeze's collection frees first
     frozen = heap.freeze_startup_heap()
     assert old() is None
-    assert frozen == gc.get_freeze_count() > 1000  # the interpreter's, pytest's and kvslim's objects
+    # the interpreter's, pytest's and kvslim's objects; a frozen object can still be freed (a thread an earlier test
+    # left winding down dropped two between the calls once), never one added: the count only falls
+    assert 1000 < gc.get_freeze_count() <= frozen
     young = _cycle()  # made after the freeze: the collector still reaches it
     assert young() is not None
     gc.collect()
