@@ -121,9 +121,8 @@ class StepPlan:
     positions: torch.Tensor
     stage_dest: torch.Tensor | None = None
     stage_map: torch.Tensor | None = None
-    #: the pages each row took for this step (given back if the step is abandoned: :meth:`PagePool.abandon`)
-    taken: list = field(default_factory=list)
-    #: what :meth:`PagePool.abandon` puts back: each row's pages before the step, and the stager's state
+    #: what :meth:`PagePool.abandon` puts back: each row's pages and the free list before the step, the stager's
+    #: state and the staged slots the step hands to other pages
     undo: tuple | None = None
     #: whether any of the step's tokens is staged
     staged_any: bool = False
@@ -351,7 +350,7 @@ class PagePool:
                 block[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
         starts = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
         table = paged.Rows.of(starts, torch.tensor(kv_lens, dtype=torch.int32), block)
-        plan = StepPlan(list(rows), list(lengths), torch.cat(slots), table, torch.cat(pos)[None], taken=taken)
+        plan = StepPlan(list(rows), list(lengths), torch.cat(slots), table, torch.cat(pos)[None])
         plan.undo = (before, free0, stager_state, None, None)
         for row, more in zip(rows, taken, strict=True):
             if row is not None:
