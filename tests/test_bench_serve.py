@@ -90,6 +90,7 @@ def model_dir(tmp_path_factory):
         (["--gc-freeze", "maybe"], {}, "argument --gc-freeze: invalid choice: 'maybe'"),
         (["--concurrency", "2", "--join", "64"], {}, "--join 64: a prompt length of at least 1 token, with --serve"),
         (["--concurrency", "2", "--serve", "--prefill-chunk", "0"], {}, "--prefill-chunk 0: a chunk of at least 1"),
+        (["--pages"], {}, "--pages applies to --concurrency's engine rows"),
     ],
 )
 def test_bad_flags_are_one_line(model_dir, argv, env, message):
@@ -97,6 +98,20 @@ def test_bad_flags_are_one_line(model_dir, argv, env, message):
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], out.stderr
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--pages", "0"], "argument --pages: expected a positive number of pages or auto, got '0'"),
+        (["--pages", "64", "--memory-budget", "1GiB"], "--pages N is the pool's size, which is its memory budget"),
+        (["--pages", "auto", "--session-dir", "sessions"], "--pages keeps idle sessions in memory only"),
+    ],
+)
+def test_serve_rejects_bad_pages_flags(model_dir, argv, message):
+    out = _cli("serve", "--model", str(model_dir), *argv)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
 
 
 def test_serve_rejects_bad_thread_flags(model_dir):
@@ -124,20 +139,25 @@ def test_decode_window():
 
 @pytest.mark.slow
 def test_bench_serve_drives_a_real_server(model_dir, tmp_path):
-    """A short real run: the engine rows and the same specs through a `kvslim serve` child, 2 streams each."""
+    """A short real run: the engine rows and the same specs through a `kvslim serve` child, 2 streams each; with
+    --pages the spec pages can store also in pages, in the bench and through a `kvslim serve --pages auto` child."""
     pytest.importorskip("uvicorn")
     pytest.importorskip("httpx")
     out_json = tmp_path / "bench.json"
     out = _cli("bench", "--model", str(model_dir), "--concurrency", "2", "--lengths", "16", "--steps", "4",
                "--warmup", "1", "--config", "int4", "none,sink=4,window=8", "--serve", "--no-continuous-batching",
-               "--threads", "1", "--json", str(out_json), "--quiet", "--join", "300", "--prefill-chunk", "64",
+               "--threads", "1", "--json", str(out_json), "--quiet", "--join", "300", "--prefill-chunk", "64", "--pages",
                timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("threads: 1 torch threads of")
     data = json.loads(out_json.read_text())
     rows = {r["mode"]: r for r in data["concurrency"]}
-    assert set(rows) == {"dynamic", "int4", "none,sink=4,window=8", "int4 via serve", "none,sink=4,window=8 via serve"}
-    for mode in ("int4 via serve", "none,sink=4,window=8 via serve"):
+    assert set(rows) == {"dynamic", "int4", "none,sink=4,window=8", "int4 via serve", "none,sink=4,window=8 via serve",
+                         "int4+pages", "int4+pages via serve"}
+    assert "window=8 is not supported in kvslim pages" in data["pages_refused"]["none,sink=4,window=8"]
+    with open(data["serve_pages_logs"][0]) as f:
+        assert "--pages auto" in f.read()
+    for mode in ("int4 via serve", "none,sink=4,window=8 via serve", "int4+pages via serve"):
         r = rows[mode]
         assert r["kind"] == "serve" and r["concurrency"] == 2 and r["length"] == 16
         assert r["aggregate_tok_s"] > 0 and r["itl_p50_ms"] <= r["itl_p90_ms"] <= r["itl_p99_ms"]
@@ -160,7 +180,8 @@ def test_bench_serve_drives_a_real_server(model_dir, tmp_path):
     assert "--omp-wait auto" in log and "threads: 1 torch threads" in log  # the server ran the bench's policy
     assert "--prefill-chunk 64" in log  # ... and its chunk
     joins = {j["spec"]: j for j in data["serve_join"]}  # a 300-token prompt joined each spec's 2 streams
-    assert set(joins) == {"int4", "none,sink=4,window=8"} and "joining prompt through kvslim serve" in out.stdout
+    assert set(joins) == {"int4", "none,sink=4,window=8", "int4+pages"}
+    assert "joining prompt through kvslim serve" in out.stdout
     for j in joins.values():
         assert j["join_tokens"] == 300 and j["chunk"] == 64 and j["chunks"] == 5 and not j["note"], j
         assert j["gaps_during"] >= 2 and j["itl_before_p50_ms"] > 0 and j["join_ttft_ms"] > 0

@@ -177,6 +177,21 @@ def test_cli_flags_come_from_the_declaration():
     assert cache_config_from_args(parser.parse_args(argv)) == CacheConfig(kv_quantize="int4", **want)
 
 
+@pytest.mark.parametrize(
+    "spec",
+    ["none", "int4", "q4_0", "int4,residual=0", "q8_0,rotate=kv,sink=32", "k8v4", "none,k=int8,v=q4_0", "int4,sink=4,window=60",
+     "int8,pre_rope=0,group=64,residual=64", "int4,keep_layers=last,keep_format=q8_0"],
+)
+def test_cache_flags_build_the_spec_back(spec):
+    """``cache_flags`` (what ``kvslim bench --serve --pages`` starts a server with): the flags give the spec back."""
+    from kvslim.cli.common import add_cache_flags, cache_config_from_args, cache_flags
+
+    parser = argparse.ArgumentParser()
+    add_cache_flags(parser)
+    cfg = parse_spec(spec)
+    assert cache_config_from_args(parser.parse_args(cache_flags(cfg))) == cfg
+
+
 # -- presets and per-layer precision ---------------------------------------------------------------------
 
 

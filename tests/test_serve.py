@@ -952,3 +952,49 @@ def test_embedded_model_two_turn_session(real_model, tmp_path):
     finally:
         srv.stop()
     assert any(p.suffix == ".safetensors" for p in tmp_path.iterdir())  # idle sessions parked at shutdown
+
+
+@pytest.fixture(scope="module")
+def paged(model):
+    """A server whose requests share one pool of int4 pages (``kvslim serve --pages``)."""
+    app = build_app(model, char_tokenizer(), model_name=NAME, cache="int4", memory_budget=None, pages=400,
+                    prefill_chunk=64)
+    srv = Server(app)
+    srv.runner = app.state.runner
+    yield srv
+    srv.stop()
+
+
+def test_a_paged_server_serves_concurrent_clients_and_sessions(paged):
+    """Through a real port: concurrent clients get what each gets alone; a session continues on its row of the
+    pool; a request naming other cache settings gets a 400 naming why; every page is back at the end."""
+    engine = paged.runner.engine
+    client = paged.client()
+    prompts = [f"paged prompt {i}: " + "ab" * (7 * i) for i in range(5)]
+    alone = [client.completions.create(model=NAME, prompt=p, max_tokens=12, temperature=0).choices[0].text
+             for p in prompts]
+    got: dict[int, str] = {}
+
+    def work(i: int) -> None:
+        got[i] = "".join(p.choices[0].text for p in paged.client().completions.create(
+            model=NAME, prompt=prompts[i], max_tokens=12, temperature=0, stream=True))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [got.get(i) for i in range(len(prompts))] == alone
+    first = "User: hi\nBot:"
+    a = client.completions.create(model=NAME, prompt=first, max_tokens=6, temperature=0, extra_body={"session": "p"})
+    second = first + a.choices[0].text + "\nUser: more\nBot:"
+    b = client.completions.create(model=NAME, prompt=second, max_tokens=6, temperature=0, extra_body={"session": "p"})
+    assert b.usage.prompt_tokens_details.cached_tokens == len(first) + 5
+    plain = client.completions.create(model=NAME, prompt=second, max_tokens=6, temperature=0)
+    assert b.choices[0].text == plain.choices[0].text
+    resp = httpx.post(paged.url + "/v1/completions", timeout=30, json={
+        "model": NAME, "prompt": "x", "max_tokens": 2, "kvslim_cache": "int8"})
+    assert resp.status_code == 400 and "cannot bring its own cache settings" in resp.json()["error"]["message"]
+    assert engine.pool.rows_alive == 1  # the session's row
+    assert httpx.delete(paged.url + "/v1/sessions/p", timeout=10).status_code == 204
+    assert engine.pool.rows_alive == 0 and engine.pool.free_pages == engine.pool.n_pages

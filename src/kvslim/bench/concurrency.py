@@ -10,6 +10,8 @@ in one process and interleaved round by round (as :mod:`.decode` does):
 - each kvslim spec through the batch engine's decode step (:func:`kvslim.generate.forward_rows`): ``C``
   batch-1 caches of their own, one ragged forward per step, attention on each row's codes, the linear layers
   through the engine's route (``linears``, :mod:`kvslim.engine.linears`; the plain cache keeps torch's);
+- each ``SPEC+pages`` (``--pages``): the spec's rows in one pool of pages, as ``Engine(pages=...)`` keeps them
+  (:mod:`.concurrency_pages`: one forward, two kernel calls a layer);
 - ``continuous-batching``: transformers' own continuous batching (``model.generate_batch``, its paged
   cache), where it runs: ``C`` prompts of ``L`` tokens, decode throughput read from its per-token
   timestamps after every request has produced its first token (its prefill excluded).
@@ -31,6 +33,7 @@ import torch
 
 from ..engine.linears import Linears, step_rows
 from ..generate import decode_one_token, forward_rows, prefill
+from .concurrency_pages import PagedRows, prefill_pages
 from .memory import cache_nbytes
 from .modes import DYNAMIC, Mode
 from .timing import quartiles, quiet, sync
@@ -93,7 +96,8 @@ def measure_concurrency(
     ids = _tokens(model, length, seed)
     g = torch.Generator().manual_seed(seed * 1_000_003 + length + 1)
     feed = torch.randint(0, model.get_input_embeddings().weight.shape[0], (warmup + steps, concurrency), generator=g)
-    built = built if built is not None else prefilled(model, modes, length, seed=seed, log=log)
+    if built is None:
+        built = prefilled(model, modes, length, seed=seed, log=log, rows=concurrency, extra=warmup + steps)
 
     rows_of: dict[str, object] = {}
     with torch.inference_mode():
@@ -101,6 +105,8 @@ def measure_concurrency(
             base = built[mode.name]
             if mode.kind == "kvslim":
                 rows_of[mode.name] = [copy.deepcopy(base) for _ in range(concurrency)]
+            elif mode.kind == "pages":
+                rows_of[mode.name] = PagedRows(*base, concurrency)
             else:
                 cache = copy.deepcopy(base)
                 cache.batch_repeat_interleave(concurrency)
@@ -116,6 +122,9 @@ def measure_concurrency(
                 if mode.kind == "kvslim":
                     with route.routed() as routed:  # filler rows only where a product needs them (Engine's rule)
                         logits = forward_rows(model, tokens, rows_of[mode.name], row_multiple=routed.row_multiple())
+                elif mode.kind == "pages":
+                    with route.routed() as routed:
+                        logits = rows_of[mode.name].step(model, tokens, routed.row_multiple())
                 else:
                     logits = decode_one_token(model, torch.tensor(tokens, device=device)[:, None], rows_of[mode.name])
                 logits.argmax(-1).tolist()  # what a sampler does; syncs the device
@@ -129,7 +138,11 @@ def measure_concurrency(
     for mode in modes:
         med, q1, q3 = quartiles(times[mode.name])
         cache = rows_of[mode.name]
-        held = sum(c.nbytes() for c in cache) if isinstance(cache, list) else cache_nbytes(cache)
+        if isinstance(cache, PagedRows):
+            held = cache.nbytes()
+            cache.close()
+        else:
+            held = sum(c.nbytes() for c in cache) if isinstance(cache, list) else cache_nbytes(cache)
         agg = concurrency / med
         if mode.name == DYNAMIC:
             base = agg
@@ -192,17 +205,23 @@ def _tokens(model, length: int, seed: int) -> torch.Tensor:
     return torch.randint(0, vocab, (1, length), generator=g).to(next(model.parameters()).device)
 
 
-def prefilled(model, modes: Sequence[Mode], length: int, *, seed: int = 0, log=None) -> dict:
-    """Mode name -> a batch-1 cache of that mode prefilled with the seeded ``length`` tokens."""
+def prefilled(
+    model, modes: Sequence[Mode], length: int, *, seed: int = 0, log=None, rows: int = 1, extra: int = 0
+) -> dict:
+    """Mode name -> a batch-1 cache of that mode prefilled with the seeded ``length`` tokens (a ``pages`` mode: its
+    pool, with room for ``rows`` copies of ``length + extra`` tokens, and the prefilled row)."""
     log = log or quiet
     ids = _tokens(model, length, seed)
     out = {}
     with torch.inference_mode():
         for mode in modes:
             t0 = time.perf_counter()
-            cache = mode.make()
-            prefill(model, ids, cache, chunk_size=1024)
-            out[mode.name] = cache
+            if mode.kind == "pages":
+                out[mode.name] = prefill_pages(model, mode, ids, rows=rows, tokens=length + extra + 1)
+            else:
+                cache = mode.make()
+                prefill(model, ids, cache, chunk_size=1024)
+                out[mode.name] = cache
             log(f"L={length} {mode.name}: prefilled in {time.perf_counter() - t0:.1f} s")
     return out
 
@@ -275,7 +294,7 @@ def run_concurrency(
     rows = []
     route = linears if isinstance(linears, Linears) else Linears(model, linears, batch_hint=step_rows(max(concurrencies)))
     for length in lengths:
-        built = prefilled(model, modes, length, seed=seed, log=log)
+        built = prefilled(model, modes, length, seed=seed, log=log, rows=max(concurrencies), extra=warmup + steps)
         for c in concurrencies:
             rows += measure_concurrency(
                 model, modes, length, c, steps, warmup=warmup, seed=seed,

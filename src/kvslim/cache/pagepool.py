@@ -261,6 +261,9 @@ class PagePool:
         row.length = src.length
         return row
 
+    def is_alive(self, row) -> bool:
+        return self._alive.get(getattr(row, "id", None)) is row
+
     @property
     def rows_alive(self) -> int:
         return len(self._alive)

@@ -11,7 +11,8 @@ import os
 import sys
 
 from .. import threads
-from ..heap import GcPauses, add_gc_flag, apply_gc_flag
+from ..heap import add_gc_flag, apply_gc_flag
+from .bench_concurrency import CONCURRENCY_PEERS, run_concurrency, with_load_after
 from .common import (
     LINEAR_ROUTES,
     UserError,
@@ -32,7 +33,6 @@ SMOKE_CONFIGS = ["int4", "q4_0,sink=4,window=28"]
 MAX_THREADS_PER_CPU = 4
 #: --peers of the single-stream bench (transformers' QuantizedCache backends) and of --concurrency (serving peers)
 SINGLE_PEERS = ("quanto", "hqq", "fp8")
-CONCURRENCY_PEERS = ("openvino", "vllm")
 SMOKE = dict(lengths=[16, 32], steps=2, warmup=1, append_lengths=[64, 256], append_reps=3, seen=[64, 256])
 
 
@@ -169,6 +169,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "not given)")
     parser.add_argument("--linears", choices=LINEAR_ROUTES, default=None, help="with --concurrency: the engine rows' (and "
                         "--serve's) linear layers (kvslim.engine.linears; default auto, as the engine's)")
+    parser.add_argument("--pages", action="store_true", help="with --concurrency: also each --config that pages can "
+                        "store with every stream in one pool of pages, as `kvslim serve --pages` keeps them "
+                        "('SPEC+pages'; with --serve, the server runs with --pages auto)")
     parser.add_argument(
         "--no-continuous-batching",
         action="store_true",
@@ -222,6 +225,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--linears {args.linears} applies to --concurrency's engine rows; add --concurrency C,...")
     if args.prefill_chunk is not None and (not args.serve or args.prefill_chunk < 1):
         raise UserError(f"--prefill-chunk {args.prefill_chunk}: a chunk of at least 1 token, with --serve")
+    if args.pages and not args.concurrency:
+        raise UserError("--pages applies to --concurrency's engine rows; add --concurrency C,...")
     if args.serve and args.concurrency is None:
         raise UserError("--serve measures many streams through the server: give --concurrency too (e.g. 1,16)")
     wrong = [p for p in args.peers or () if p not in (CONCURRENCY_PEERS if args.concurrency else SINGLE_PEERS)]
@@ -252,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
     attn = resolve_attn(args.attn)  # fails fast, before the model loads
     model, _ = load_model_from_args(args)
     if args.concurrency is not None:
-        return _run_concurrency(args, model, configs, settings, policy)
+        return run_concurrency(args, model, configs, settings, policy)
     print(apply_gc_flag(args.gc_freeze), flush=True)
     result = run_bench(
         model,
@@ -274,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
     )
     print(render(result))
     if args.json:
-        write_json(args.json, {**result.to_dict(), "thread_policy": _after(policy), "gc_freeze": args.gc_freeze})
+        write_json(args.json, {**result.to_dict(), "thread_policy": with_load_after(policy), "gc_freeze": args.gc_freeze})
         print(f"wrote {args.json}")
     if args.plot:
         from ..atomic import atomic_path
@@ -283,89 +288,6 @@ def run(args: argparse.Namespace) -> int:
         with atomic_path(args.plot, what="--plot") as tmp:
             plot_bench(result, tmp)
         print(f"wrote {args.plot}")
-    return 0
-
-
-def _after(policy: dict) -> dict:
-    """The thread policy record with the load average at the end of the run beside the one at its start."""
-    return {**policy, "load_average_after": threads.load_average()}
-
-
-def _run_concurrency(args, model, configs, settings, policy) -> int:
-    """``--concurrency``: many streams at once (kvslim.bench.concurrency), a table and JSON; with --serve the
-    same streams through ``kvslim serve``; with --peers the serving peers in their own venvs."""
-    import kvslim
-
-    from ..bench.concurrency import link_ratios, render_concurrency, run_concurrency, tokens
-    from ..bench.modes import build_modes
-    from ..bench.suite import _logger
-    from ..engine.linears import Linears, step_rows
-    from ..kernels.clib import bf16_instructions
-
-    kvslim.enable(model)  # the engine's ragged steps attend on each row's codes
-    modes, _ = build_modes(model, configs)
-    log = _logger(not args.quiet)
-    args.linears = args.linears or "auto"
-    route = Linears(model, args.linears, batch_hint=step_rows(max(args.concurrency)))
-    log(f"{route}; {apply_gc_flag(args.gc_freeze)}")  # the heap frozen after the engine's startup, as serve does
-    with GcPauses() as pauses:
-        rows = run_concurrency(model, modes, settings["lengths"], args.concurrency, settings["steps"],
-                               warmup=settings["warmup"], seed=args.seed, log=log, linears=route,
-                               continuous_batching=not args.no_continuous_batching)
-    extra: dict = {"gc": {"freeze": args.gc_freeze, **pauses.to_dict()}}
-
-    def prompt(length: int) -> list[int]:
-        return tokens(model, length, args.seed)[0].tolist()
-
-    if args.serve:
-        from ..bench.join import join_after, render_join
-        from ..bench.serve import run_serve
-
-        flags = ["--dtype", args.dtype, "--device", args.device, *(["--model", args.model] if args.model else []),
-                 "--linears", args.linears, "--gc-freeze", args.gc_freeze]
-        joins: list = []  # a prompt of --join tokens joins each spec's streams (kvslim.bench.join)
-        join = args.join and tokens(model, args.join, args.seed + 1)[0].tolist()
-        try:
-            served, extra["serve_log"] = run_serve(
-                flags, list(configs), prompt, settings["lengths"], args.concurrency, settings["steps"],
-                warmup=settings["warmup"], threads=args.threads, omp_wait=args.omp_wait, log=log,
-                after=join and join_after(join, settings["steps"], settings["warmup"], joins, log,
-                                          chunk=args.prefill_chunk),
-                prefill_chunk=args.prefill_chunk)
-        except RuntimeError as e:  # the server did not start: its log's last line says why
-            lines = [x for x in str(e).splitlines() if x.strip()]
-            raise UserError(f"--serve: {lines[0]} {lines[-1] if len(lines) > 1 else ''}".strip()) from None
-        rows += served
-        if joins:
-            print(render_join(joins))
-            extra["serve_join"] = [j.to_dict() for j in joins]
-    if args.peers is not None:
-        from ..bench.concurrency_peers import run_peers
-
-        found, extra["peers"] = run_peers(
-            args.peers or list(CONCURRENCY_PEERS), model, list(configs), prompt, settings["lengths"],
-            args.concurrency, settings["steps"], warmup=settings["warmup"], threads=policy["torch_threads"],
-            log=log,
-        )
-        rows += found
-        for line in extra["peers"].values():
-            print(line)
-    link_ratios(rows)
-    print(render_concurrency(rows))
-    if args.json:
-        write_json(
-            args.json,
-            {
-                "concurrency": [r.to_dict() for r in rows],
-                "settings": {"lengths": settings["lengths"], "concurrency": args.concurrency, "steps": settings["steps"],
-                             "threads": args.threads, "configs": list(configs), "serve": args.serve,
-                             "dtype": args.dtype, "cpu_bf16": bf16_instructions(), "linears": args.linears,
-                             "linears_route": route.route, "linears_reason": route.reason},
-                "thread_policy": _after(policy),
-                **extra,
-            },
-        )
-        print(f"wrote {args.json}")
     return 0
 
 

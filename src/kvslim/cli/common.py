@@ -303,6 +303,22 @@ def cache_config_from_args(args: argparse.Namespace) -> CacheConfig:
         raise UserError(flag_names(str(e))) from None
 
 
+def cache_flags(config: CacheConfig) -> list[str]:
+    """The cache flags that build ``config`` (:func:`cache_config_from_args`'s inverse: a server started with them
+    has ``config`` for its cache): every flagged option whose value is not its flag's default."""
+    out: list[str] = []
+    for opt in OPTIONS:
+        value = getattr(config, opt.name) if opt.flag else None
+        if value is None or value == opt.flag_default or (opt.kind == "layers" and not value):
+            continue
+        if opt.kind == "bool":
+            value = {True: "on", False: "off"}.get(value, value)
+        elif opt.kind == "layers":
+            value = ",".join(str(i) for i in value)
+        out += [opt.flag, str(value)]
+    return out
+
+
 def _dest(flag: str) -> str:
     """argparse's attribute for ``flag``."""
     return flag.lstrip("-").replace("-", "_")

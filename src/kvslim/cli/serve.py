@@ -177,6 +177,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--default-max-tokens", type=int, default=256, metavar="N", help="max_tokens when a request names none (256)"
     )
+    parser.add_argument(
+        "--pages", type=_pages, default=None, metavar="N|auto",
+        help="keep every request's cache in one pool of N pages a layer (32 tokens each), or auto: what "
+        "--memory-budget holds, at most --max-concurrency requests at the model's context; a step is two kernel "
+        "calls a layer whatever the requests (docs/serving.md, \"Pages\"): one cache format for all (the --kv flags), "
+        "no window, no sessions yet (default: a cache of its own per request)",
+    )
     threads.add_thread_flags(parser)
     add_gc_flag(parser)
 
@@ -232,7 +239,15 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or (
         EMBEDDED_NAME if args.model is None else os.path.basename(os.path.normpath(args.model))
     )
-    if args.memory_budget == "auto":
+    if args.pages is not None and args.session_dir is not None:
+        raise UserError("--pages keeps idle sessions in memory only (parking pages on disk: not yet): leave "
+                        "--session-dir out, or --pages")
+    if isinstance(args.pages, int):
+        if args.memory_budget != "auto":
+            raise UserError("--pages N is the pool's size, which is its memory budget: leave --memory-budget out "
+                            "(or use --pages auto to size the pool from it)")
+        budget, why = None, f"--pages {args.pages}"
+    elif args.memory_budget == "auto":
         budget, why = default_memory_budget(args.device)
     else:
         budget, why = args.memory_budget, "--memory-budget"
@@ -259,7 +274,12 @@ def run(args: argparse.Namespace) -> int:
         shutdown_grace=args.shutdown_grace,
         allow_other_model=args.kv_mean_center_any_model,
         linears=args.linears,
+        pages=args.pages,
     )
+    engine = app.state.runner.engine
+    if engine.pool is not None:
+        budget = engine.scheduler.memory_budget
+        why = f"{engine.pool.n_pages} pages a layer of {engine.pool.page_bytes()} bytes ({why})"
     host = f"[{args.host}]" if ":" in args.host else args.host
     say(
         f"kvslim: serving {name} on http://{host}:{args.port}/v1 (cache {cache_config.to_spec()}, "
@@ -273,6 +293,19 @@ def run(args: argparse.Namespace) -> int:
         f"{app.state.runner.engine.linears}; {heap}")
     run_server(app, host=args.host, port=args.port, grace=args.shutdown_grace)
     return 0
+
+
+def _pages(text: str):
+    """--pages: a positive number of pages, or auto."""
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of pages or auto, got {text!r}")
+    return n
 
 
 def _hours(seconds: float) -> str:

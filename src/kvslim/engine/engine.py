@@ -52,6 +52,8 @@ import torch
 
 from ..checks import check_int
 from ..config import CacheConfig, parse_spec
+from . import pages as paged
+from . import report
 from .errors import InputRefusal, QueueFull, RequestLimits, describe
 from .gate import BATCH_DEPENDENT_ROPE, Gate  # noqa: F401 - BATCH_DEPENDENT_ROPE re-exported
 from .linears import Linears, step_rows
@@ -93,7 +95,10 @@ class Engine(Stepping):
     ``onednn``, those whose product rounds a row alike at every step's row count (else a row's bits would depend on
     its neighbours), the faster (oneDNN where its products are 1.25x quicker, timed once); ``torch``; ``onednn``;
     ``packed``, oneDNN with a second copy of the weights; ``mkl``, MKL's packed sgemm at a full step's rows, torch's
-    bits); outside a step, and on other threads, torch's own.
+    bits); outside a step, and on other threads, torch's own. pages: None (each row in a SlimCache of its own), or
+    every row in one pool of ``pages`` pages a layer (an int, or ``"auto"``: what ``memory_budget`` holds, at most
+    ``max_batch`` rows at the model's context), a step two kernel calls a layer (:mod:`kvslim.engine.pages`: one
+    format, admission by pages, no sessions yet).
     """
 
     def __init__(
@@ -113,6 +118,7 @@ class Engine(Stepping):
         allow_other_model: bool = False,
         keep_decoded: bool = True,
         linears: str = "auto",
+        pages: int | str | None = None,
     ):
         self.default_cache = parse_spec(cache) if isinstance(cache, str) else cache
         if not isinstance(self.default_cache, CacheConfig):
@@ -143,6 +149,17 @@ class Engine(Stepping):
         )
         self.model, self.shapes, self.dtype = self.gate.model, self.gate.shapes, self.gate.dtype
         self.vocab_size = self.gate.vocab_size
+        self.pool = None
+        if pages is not None:
+            if session_dir is not None:
+                raise ValueError("pages keep sessions in memory only: run without session_dir, or without pages")
+            max_sessions = min(max_sessions or max_batch, max_batch)  # each kept row holds staging slots
+            ctx = self.shapes.max_position_embeddings
+            self.pool = paged.build_pool(
+                self.model, self.default_cache, pages, max_batch=max_batch, memory_budget=memory_budget, context=ctx,
+                rows=max_batch + max_sessions,
+            )
+            memory_budget = paged.budget(self.pool)
         self.scheduler = Scheduler(memory_budget, max_batch)
         self.prefill_chunk = prefill_chunk
         self.keep_decoded = keep_decoded
@@ -181,7 +198,10 @@ class Engine(Stepping):
         (cannot fit the memory budget even alone), :class:`QueueFull` (``max_queue`` requests waiting)."""
         if not isinstance(request, Request):
             raise InputRefusal(f"submit() takes a kvslim.engine.Request, got {type(request).__name__}")
-        cache, reserved = self.gate.check(request, prefill_chunk=self.prefill_chunk, scheduler=self.scheduler)
+        if self.pool is None:
+            cache, reserved = self.gate.check(request, prefill_chunk=self.prefill_chunk, scheduler=self.scheduler)
+        else:  # one pool of pages: its format, admission by pages
+            cache, reserved = None, paged.check_request(request, self.gate, self.pool, scheduler=self.scheduler)
         # a full queue after the request's own checks: a bad request is told what is wrong with it, not to retry
         self._check_queue()
         with self._lock:
@@ -204,7 +224,7 @@ class Engine(Stepping):
 
     def _kept_bytes(self, cache, n_prompt: int, reserved: int) -> int:
         """Bytes to reserve for the prompt's kept decoded bodies while it is read (0: it goes without)."""
-        if not self.keep_decoded or n_prompt <= self.prefill_chunk:
+        if not self.keep_decoded or cache is None or n_prompt <= self.prefill_chunk:
             return 0
         capacity = cache.policy.capacity
         if capacity is not None and n_prompt > capacity:  # every chunk evicts: a kept copy would start over
@@ -354,6 +374,8 @@ class Engine(Stepping):
                 row.empty, row.started = None, row.fed
                 self.results[row.request_id].cached_tokens = row.fed
                 return
+        if self.pool is not None:  # a row of the pool, its pages taken as its tokens come
+            row.empty = paged.PooledCache(self.pool, self.pool.new_row())
         row.cache, row.empty = row.empty, None
 
     def _emit(self, row: Row, token: int, logprob, top, events: list[Event]) -> None:
@@ -423,19 +445,22 @@ class Engine(Stepping):
         every generated token but the last (never fed), to its session."""
         session, cache, state = row.request.session, row.cache, row.state
         self.scheduler.release(row)
+        free = getattr(cache, "release", lambda: None)  # a row of the page pool: its pages back
         if session is None or cache is None or not row.keep_session:
-            return
+            return free()
         if row.failed:
+            free()
             self.sessions.forget(session)
             return
-        if row.fed:
-            fed = tuple(row.request.prompt[: row.fed])
-            if state == "decode":
-                fed += tuple(row.tokens[:-1])
-            self.sessions.keep(session, cache, fed, row.request.cache or self.default_cache)
-            budget = self.scheduler.memory_budget
-            if budget is not None:  # a cache may hold more than its reservation (buffers allocated ahead)
-                self.sessions.make_room(budget - self.scheduler.reserved)
+        if not row.fed:
+            return free()
+        fed = tuple(row.request.prompt[: row.fed])
+        if state == "decode":
+            fed += tuple(row.tokens[:-1])
+        self.sessions.keep(session, cache, fed, row.request.cache or self.default_cache)
+        budget = self.scheduler.memory_budget
+        if budget is not None:  # a cache may hold more than its reservation (buffers allocated ahead)
+            self.sessions.make_room(budget - self.scheduler.reserved)
 
     # -- convenience -----------------------------------------------------------------------
     def events(self) -> Iterator[Event]:
@@ -466,34 +491,8 @@ class Engine(Stepping):
             self.sessions.close(timeout)
 
     def memory(self) -> dict:
-        """Bytes now: held by the admitted caches, by the decoded copies kept while prompts are read
-        (``kept_decoded_bytes``, :meth:`kvslim.SlimCache.keep_decoded`), reserved for them, held by idle sessions in memory, the
-        budget; ``fp16_bytes``: what plain fp16 caches of every token the admitted rows and the idle sessions
-        hold would take (no window, no compression: the comparison a user makes); rows waiting and active;
-        requests ended by a failure (``row_errors``); sessions kept in memory and parked on disk, and the
-        session counters."""
+        """Bytes now (:func:`kvslim.engine.report.memory`): the admitted caches, the decoded copies kept while prompts
+        are read, the reservations, the idle sessions, the budget, what plain fp16 caches would take; rows waiting
+        and active; requests ended by a failure; the session counters; with ``pages``, the pool's figures."""
         with self._lock:
-            active = self.scheduler.active
-            sh = self.shapes
-            per_token = (
-                2 * sh.n_layers * sh.n_kv_heads * (sh.k_head_dim + sh.v_head_dim)
-            )  # fp16 K + V, all layers
-            tokens = sum(r.fed + max(len(r.tokens) - 1, 0) for r in active if r.cache is not None)
-            tokens += sum(len(k.tokens) for k in self.sessions.kept.values())
-            return {
-                "cache_bytes": sum(r.cache.nbytes() for r in active if r.cache is not None),
-                "kept_decoded_bytes": sum(r.cache.kept_nbytes() for r in active if r.cache is not None),
-                "packed_weight_bytes": self.linears.nbytes,
-                "reserved_bytes": self.scheduler.reserved,
-                "session_bytes": self.sessions.held(),
-                "memory_budget": self.scheduler.memory_budget,
-                "fp16_bytes": tokens * per_token,
-                "active": len(active),
-                "waiting": len(self.scheduler.waiting),
-                "row_errors": self.row_errors,
-                "sessions_kept": len(self.sessions.kept),
-                "sessions_on_disk": self.sessions.on_disk(),
-                "prefilled_tokens": self.prefilled_tokens,
-                **{f"sessions_{k}": v for k, v in vars(self.sessions.stats).items()},
-            }
-
+            return report.memory(self)

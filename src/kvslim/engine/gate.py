@@ -108,12 +108,9 @@ class Gate:
             )
         return cache
 
-    def check(self, request, *, prefill_chunk: int, scheduler) -> tuple:
-        """Every check of ``request`` that needs no lock, in the order a client is best told about them; returns
-        ``(empty cache, bytes to reserve)``. Raises :class:`InputRefusal` (a token id outside the vocabulary, a
-        prompt past ``max_prompt_tokens``), :class:`SettingsRefusal` (cache settings this model cannot take, or
-        past ``request_limits``), :class:`ContextRefusal` (prompt + max_new_tokens past the model's context
-        without bounded position ids), :class:`BudgetRefusal` (cannot fit ``scheduler``'s budget even alone)."""
+    def check_input(self, request) -> None:
+        """The checks of ``request``'s tokens: :class:`InputRefusal` for a token id outside the vocabulary or a prompt
+        past ``max_prompt_tokens``."""
         n_prompt = len(request.prompt)
         top = max(request.prompt)
         if self.vocab_size and top >= self.vocab_size:
@@ -125,6 +122,15 @@ class Gate:
                 f"the prompt has {n_prompt} tokens, more than this server takes ({self.max_prompt_tokens}, "
                 "max_prompt_tokens)"
             )
+
+    def check(self, request, *, prefill_chunk: int, scheduler) -> tuple:
+        """Every check of ``request`` that needs no lock, in the order a client is best told about them; returns
+        ``(empty cache, bytes to reserve)``. Raises :class:`InputRefusal` (a token id outside the vocabulary, a
+        prompt past ``max_prompt_tokens``), :class:`SettingsRefusal` (cache settings this model cannot take, or
+        past ``request_limits``), :class:`ContextRefusal` (prompt + max_new_tokens past the model's context
+        without bounded position ids), :class:`BudgetRefusal` (cannot fit ``scheduler``'s budget even alone)."""
+        self.check_input(request)
+        n_prompt = len(request.prompt)
         cfg = request.cache or self.default_cache
         ctx = self.shapes.max_position_embeddings
         if request.cache is not None and request.cache != self.default_cache:

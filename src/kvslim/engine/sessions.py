@@ -23,6 +23,9 @@ snapshot itself (a memory copy) or waits for the writer's to finish, so the writ
 engine is extending; the file then holds the previous turn, replaced at the next keep. A file stays while
 its session runs (it is the last finished turn: a request that fails falls back to it).
 
+Pages (``Engine(pages=...)``): a session keeps its row of the pool (in memory only; a paged engine has no
+``session_dir``), and a row the store drops gives its pages back (:func:`_release`).
+
 Memory: an idle session's cache counts against the engine's memory budget. When admission needs room,
 :meth:`~SessionStore.make_room` frees the least recently used idle sessions: one whose file is current needs
 no second write, one whose write is pending is freed when the write has run (its bytes count in
@@ -180,7 +183,9 @@ class SessionStore:
         with self._cond:
             ix = self._ix
             ix.taken.discard(key)
-            self._pop_kept(session)
+            old = self._pop_kept(session)
+            if old is not None and old.cache is not cache:
+                _release(old)
             self.kept[session] = kept
             self._kept_bytes += kept.nbytes
             ix.current.discard(key)
@@ -303,7 +308,7 @@ class SessionStore:
         ix = self._ix
         entry = ix.last.pop(key, None)
         for s in {session, entry and entry.session} - {None}:
-            self._pop_kept(s)
+            _release(self._pop_kept(s))
         job = self.writer.pending(key)
         if job is not None:
             self.writer.cancel(job)
@@ -336,6 +341,7 @@ class SessionStore:
                 )
                 n, why = self._rule(saved, prompt, config)
                 if n is None:
+                    _release(kept)
                     self._start_over(session, key, why)
                     return None
                 self._hold(key)
@@ -394,6 +400,7 @@ class SessionStore:
         key = session_key(session)
         ix = self._ix
         if self.files is None:
+            _release(kept)
             self.stats.dropped += 1
             ix.last.pop(key, None)
             log.warning(
@@ -470,6 +477,14 @@ class SessionStore:
             self.stats.dropped += 1
             ix.last.pop(job.key, None)
             log.warning("session %s dropped: it was parked and its write failed", _show(job.session))
+
+
+def _release(kept: Kept | None) -> None:
+    """A kept cache leaves memory for good: one that holds memory outside itself (a row of the engine's page pool,
+    :class:`kvslim.engine.pages.PooledCache`) gives it back; a SlimCache's is freed with it."""
+    release = getattr(kept and kept.cache, "release", None)
+    if release is not None:
+        release()
 
 
 def _show(session: str) -> str:

@@ -21,18 +21,31 @@ from __future__ import annotations
 import torch
 
 from .. import generate as gen
+from ..cache.paged_adapter import forward_pages
 from .scheduler import Row
 
 
 def forward(
-    model, prefilled: list[Row], rows: list[Row], chunk: int, errors: dict, row_multiple: int = gen.ROW_MULTIPLE
+    model,
+    prefilled: list[Row],
+    rows: list[Row],
+    chunk: int,
+    errors: dict,
+    row_multiple: int = gen.ROW_MULTIPLE,
+    pool=None,
 ) -> tuple[list[int], torch.Tensor]:
     """The step's one forward: the next chunk (at most ``chunk`` tokens) of each row in ``prefilled``, then the
     pending token of each row in ``rows``. Returns (where each prompt row's chunk ends, logits (P + R, V) of each
     row's last new token). errors: receives ``{index: exception}`` for a row dropped from the forward.
     row_multiple: filler rows pad the step to a multiple of it (:meth:`Linears.row_multiple
-    <kvslim.engine.linears.Linears.row_multiple>`: 1 where every product rounds a row alike at any row count)."""
+    <kvslim.engine.linears.Linears.row_multiple>`: 1 where every product rounds a row alike at any row count).
+    pool: the engine's :class:`~kvslim.cache.pagepool.PagePool` when its rows live in pages
+    (:func:`kvslim.cache.paged_adapter.forward_pages`: a failure fails the whole forward, no row is dropped)."""
     ends = [min(r.fed + chunk, len(r.request.prompt)) for r in prefilled]
+    if pool is not None:
+        feeds = [(r.request.prompt[r.fed : end], r.cache.row) for r, end in zip(prefilled, ends, strict=True)]
+        feeds += [([r.pending], r.cache.row) for r in rows]
+        return ends, forward_pages(model, pool, feeds, row_multiple=row_multiple)
     if not prefilled:
         return ends, gen.forward_rows(
             model, [r.pending for r in rows], [r.cache for r in rows], row_multiple=row_multiple, errors=errors
@@ -70,7 +83,7 @@ def sample(row: Row, logits: torch.Tensor, is_finite: bool | None = None):
 
 class Stepping:
     """The step half of :class:`~kvslim.engine.engine.Engine`: its one forward and each row's share of it. Reads
-    the engine's ``model``, ``linears``, ``scheduler``, ``prefill_chunk``, ``results``, ``prefilled_tokens``; ends rows through its
+    the engine's ``model``, ``linears``, ``scheduler``, ``prefill_chunk``, ``pool``, ``results``, ``prefilled_tokens``; ends rows through its
     ``_fail`` and hands tokens to its ``_emit``."""
 
     def _forward(self, prefilled: list[Row], rows: list[Row], events: list) -> None:
@@ -83,7 +96,9 @@ class Stepping:
             self.scheduler.start_prefill(r, self.prefill_chunk)
         try:
             with self.linears.routed() as route:  # the model's linear layers through the engine's route
-                ends, logits = forward(self.model, prefilled, rows, self.prefill_chunk, errors, route.row_multiple())
+                ends, logits = forward(
+                    self.model, prefilled, rows, self.prefill_chunk, errors, route.row_multiple(), self.pool
+                )
             ok = finite(logits).tolist()  # one sync for the step
         except Exception as e:  # noqa: BLE001 - the forward failed as a whole: its rows end, the engine goes on
             for b, r in enumerate(everyone):

@@ -48,6 +48,7 @@ def build_app(
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
     allow_other_model: bool = False,
     linears: str = "auto",
+    pages: int | str | None = None,
 ):
     """The ASGI app serving ``(model, tokenizer)``: a :class:`~kvslim.engine.Engine` (cache, memory_budget,
     max_batch=max_concurrency, prefill_chunk, session_dir, max_queue, max_prompt_tokens — None: the model's
@@ -58,7 +59,8 @@ def build_app(
     loopback are refused (421), so pass the real address when binding elsewhere. max_body: the largest
     request body, bytes. allow_other_model: take a ``mean_center`` bias file calibrated for another model (the
     engine reads and checks it once, here). linears: the engine's route for the model's linear layers
-    (:mod:`kvslim.engine.linears`). The runner is ``app.state.runner``."""
+    (:mod:`kvslim.engine.linears`). pages: every request's cache in one pool of pages (:mod:`kvslim.engine.pages`;
+    None: a cache of its own each). The runner is ``app.state.runner``."""
     from .app import create_app
     from .runner import Runner
     from .security import is_loopback_host
@@ -80,6 +82,7 @@ def build_app(
         session_ttl=session_ttl,
         allow_other_model=allow_other_model,
         linears=linears,
+        pages=pages,
     )
     app = create_app(
         runner,

@@ -1,0 +1,79 @@
+"""``kvslim bench --concurrency --pages``: each spec's streams also in one pool of pages (``SPEC+pages``).
+
+The engine's rows in pages (``Engine(pages=...)``, :mod:`kvslim.engine.pages`) decode through
+:func:`~kvslim.cache.paged_adapter.forward_pages`: every row's token in one forward, two kernel calls a layer. Here a
+spec's row is prefilled once into a pool sized for every concurrency of the run, and each concurrency's ``C`` rows are
+copies of it (:meth:`PagePool.copy_row <kvslim.cache.pagepool.PagePool.copy_row>`: its codes and its staged pages),
+as the SlimCache rows are copies of one prefill; they step interleaved with the other modes, through the same route
+for the linear layers. A spec pages cannot store (a window, KIVI's per-channel K, ...) gets no pages row, and the run
+says why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..cache.paged_adapter import forward_pages
+from ..cache.pagepool import PagePool, check_config, pool_for
+from ..config import parse_spec
+from ..engine.pages import pages_for
+from .modes import Mode
+
+#: the mode name's suffix of a spec's rows in pages
+SUFFIX = "+pages"
+#: prompt tokens a prefill forward reads
+PREFILL_CHUNK = 1024
+
+
+def pages_modes(modes: Sequence[Mode]) -> tuple[list[Mode], dict[str, str]]:
+    """A ``SPEC+pages`` mode for each kvslim mode pages can store, and ``{spec: why not}`` for the others."""
+    out, notes = [], {}
+    for mode in modes:
+        if mode.kind != "kvslim" or mode.compiled:
+            continue
+        cfg = parse_spec(mode.name)
+        try:
+            check_config(cfg)
+        except ValueError as e:
+            notes[mode.name] = str(e)
+            continue
+        out.append(Mode(mode.name + SUFFIX, "pages", lambda cfg=cfg: cfg, mode.bits))
+    return out, notes
+
+
+def prefill_pages(model, mode: Mode, ids: torch.Tensor, *, rows: int, tokens: int) -> tuple[PagePool, object]:
+    """A pool with room for ``rows`` copies of a row of ``tokens`` tokens beside the prefilled row of ``ids`` (1, L),
+    and that row."""
+    need = pages_for(tokens)
+    pool = pool_for(model, mode.make(), pages=(rows + 1) * need, max_rows=rows + 1)
+    row = pool.new_row()
+    prompt = ids[0].tolist()
+    with torch.inference_mode():
+        for start in range(0, len(prompt), PREFILL_CHUNK):
+            forward_pages(model, pool, [(prompt[start : start + PREFILL_CHUNK], row)])
+    return pool, row
+
+
+class PagedRows:
+    """``concurrency`` copies of a prefilled row in its pool, stepped together."""
+
+    def __init__(self, pool: PagePool, base, concurrency: int):
+        self.pool = pool
+        self.rows = [pool.copy_row(base) for _ in range(concurrency)]
+
+    def step(self, model, tokens: list[int], row_multiple: int) -> torch.Tensor:
+        """One decode step of every row: (C, V) logits."""
+        return forward_pages(model, self.pool, [([t], r) for t, r in zip(tokens, self.rows, strict=True)],
+                             row_multiple=row_multiple)
+
+    def nbytes(self) -> int:
+        """The rows' pages, every layer, plus the pool's staging (the full-precision newest tokens) for these rows."""
+        stage = self.pool.stage_bytes() * len(self.rows) // self.pool.max_rows
+        return sum(self.pool.nbytes(r) for r in self.rows) + stage
+
+    def close(self) -> None:
+        for r in self.rows:
+            self.pool.free(r)
+        self.rows = []

@@ -1,0 +1,126 @@
+"""``kvslim bench --concurrency``: many streams at once (:mod:`kvslim.bench.concurrency`), with ``--serve`` the same
+streams through ``kvslim serve``, with ``--peers`` the serving peers in their own venvs, with ``--pages`` each spec's
+streams also in one pool of pages."""
+
+from __future__ import annotations
+
+from .. import threads
+from ..heap import GcPauses, apply_gc_flag
+from .common import UserError, write_json
+
+CONCURRENCY_PEERS = ("openvino", "vllm")
+
+
+def with_load_after(policy: dict) -> dict:
+    """The thread policy record with the load average at the end of the run beside the one at its start."""
+    return {**policy, "load_average_after": threads.load_average()}
+
+
+def run_concurrency(args, model, configs, settings, policy) -> int:
+    """``--concurrency``: many streams at once (kvslim.bench.concurrency), a table and JSON; with --serve the
+    same streams through ``kvslim serve``; with --peers the serving peers in their own venvs."""
+    import kvslim
+
+    from ..bench.concurrency import link_ratios, render_concurrency, run_concurrency, tokens
+    from ..bench.modes import build_modes
+    from ..bench.suite import _logger
+    from ..engine.linears import Linears, step_rows
+    from ..kernels.clib import bf16_instructions
+
+    kvslim.enable(model)  # the engine's ragged steps attend on each row's codes
+    modes, _ = build_modes(model, configs)
+    log = _logger(not args.quiet)
+    extra: dict = {}
+    if args.pages:
+        from ..bench.concurrency_pages import pages_modes
+
+        paged, extra["pages_refused"] = pages_modes(modes)
+        for spec, why in extra["pages_refused"].items():
+            log(f"{spec}: no pages row ({why})")
+        modes += paged
+    args.linears = args.linears or "auto"
+    route = Linears(model, args.linears, batch_hint=step_rows(max(args.concurrency)))
+    log(f"{route}; {apply_gc_flag(args.gc_freeze)}")  # the heap frozen after the engine's startup, as serve does
+    with GcPauses() as pauses:
+        rows = run_concurrency(model, modes, settings["lengths"], args.concurrency, settings["steps"],
+                               warmup=settings["warmup"], seed=args.seed, log=log, linears=route,
+                               continuous_batching=not args.no_continuous_batching)
+    extra["gc"] = {"freeze": args.gc_freeze, **pauses.to_dict()}
+
+    def prompt(length: int) -> list[int]:
+        return tokens(model, length, args.seed)[0].tolist()
+
+    if args.serve:
+        rows += _serve(args, model, configs, [m.name for m in modes if m.kind == "pages"], settings, prompt, log, extra)
+    if args.peers is not None:
+        from ..bench.concurrency_peers import run_peers
+
+        found, extra["peers"] = run_peers(
+            args.peers or list(CONCURRENCY_PEERS), model, list(configs), prompt, settings["lengths"],
+            args.concurrency, settings["steps"], warmup=settings["warmup"], threads=policy["torch_threads"],
+            log=log,
+        )
+        rows += found
+        for line in extra["peers"].values():
+            print(line)
+    link_ratios(rows)
+    print(render_concurrency(rows))
+    if args.json:
+        write_json(
+            args.json,
+            {
+                "concurrency": [r.to_dict() for r in rows],
+                "settings": {"lengths": settings["lengths"], "concurrency": args.concurrency, "steps": settings["steps"],
+                             "threads": args.threads, "configs": list(configs), "serve": args.serve, "pages": args.pages,
+                             "dtype": args.dtype, "cpu_bf16": bf16_instructions(), "linears": args.linears,
+                             "linears_route": route.route, "linears_reason": route.reason},
+                "thread_policy": with_load_after(policy),
+                **extra,
+            },
+        )
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _serve(args, model, configs, paged: list[str], settings: dict, prompt, log, extra: dict) -> list:
+    """``--serve``: the specs through one ``kvslim serve`` child; with ``--pages`` each spec pages can store (``paged``,
+    named ``SPEC+pages``) through a child of its own, started with that spec's cache flags and ``--pages auto``."""
+    from ..bench.concurrency import tokens
+    from ..bench.join import join_after, render_join
+    from ..bench.serve import run_serve
+    from ..config import parse_spec
+    from .common import cache_flags
+
+    flags = ["--dtype", args.dtype, "--device", args.device, *(["--model", args.model] if args.model else []),
+             "--linears", args.linears, "--gc-freeze", args.gc_freeze]
+    joins: list = []  # a prompt of --join tokens joins each spec's streams (kvslim.bench.join)
+    join = args.join and tokens(model, args.join, args.seed + 1)[0].tolist()
+    runs = [(flags, list(configs), "")]
+    runs += [(flags + cache_flags(parse_spec(name[: -len("+pages")])) + ["--pages", "auto"],
+              [name[: -len("+pages")]], "+pages") for name in paged]
+    rows, logs = [], []
+    for run_flags, specs, suffix in runs:
+        before = len(joins)
+        try:
+            served, log_path = run_serve(
+                run_flags, specs, prompt, settings["lengths"], args.concurrency, settings["steps"],
+                warmup=settings["warmup"], threads=args.threads, omp_wait=args.omp_wait, log=log,
+                after=join and join_after(join, settings["steps"], settings["warmup"], joins, log,
+                                          chunk=args.prefill_chunk),
+                prefill_chunk=args.prefill_chunk)
+        except RuntimeError as e:  # the server did not start: its log's last line says why
+            lines = [x for x in str(e).splitlines() if x.strip()]
+            raise UserError(f"--serve: {lines[0]} {lines[-1] if len(lines) > 1 else ''}".strip()) from None
+        for row in served:  # "int4 via serve" -> "int4+pages via serve"
+            row.mode = row.mode.replace(" via serve", f"{suffix} via serve")
+        for j in joins[before:]:
+            j.spec += suffix
+        rows += served
+        logs.append(log_path)
+    extra["serve_log"] = logs[0]
+    if len(logs) > 1:
+        extra["serve_pages_logs"] = logs[1:]
+    if joins:
+        print(render_join(joins))
+        extra["serve_join"] = [j.to_dict() for j in joins]
+    return rows
