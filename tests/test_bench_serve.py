@@ -154,7 +154,7 @@ def test_bench_serve_drives_a_real_server(model_dir, tmp_path):
     rows = {r["mode"]: r for r in data["concurrency"]}
     assert set(rows) == {"dynamic", "int4", "none,sink=4,window=8", "int4 via serve", "none,sink=4,window=8 via serve",
                          "int4+pages", "int4+pages via serve"}
-    assert "window=8 is not supported in kvslim pages" in data["pages_refused"]["none,sink=4,window=8"]
+    assert "window=8 in kvslim pages keeps every key" in data["pages_refused"]["none,sink=4,window=8"]
     with open(data["serve_pages_logs"][0]) as f:
         assert "--pages auto" in f.read()
     for mode in ("int4 via serve", "none,sink=4,window=8 via serve", "int4+pages via serve"):

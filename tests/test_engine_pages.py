@@ -102,7 +102,7 @@ def test_a_failed_forward_ends_its_rows_and_leaves_the_pool_as_it_was(model, mon
 
 
 def test_what_pages_cannot_serve_is_refused_in_one_line(model, tmp_path):
-    with pytest.raises(ValueError, match="pages: window=60 is not supported in kvslim pages"):
+    with pytest.raises(ValueError, match="pages: window=60 in kvslim pages keeps every key at its original position"):
         Engine(model, cache="int4,sink=4,window=60", pages=8)
     with pytest.raises(ValueError, match="pages keep sessions in memory only"):
         Engine(model, cache="int4", pages=8, session_dir=tmp_path)
@@ -169,7 +169,7 @@ def test_concurrency_bench_has_a_pages_row_per_spec_pages_can_store(model):
     modes, _ = build_modes(model, ["int4", "q4_0,sink=4,window=28"])
     paged, refused = pages_modes(modes)
     assert [m.name for m in paged] == ["int4+pages"]
-    assert "window=28 is not supported in kvslim pages" in refused["q4_0,sink=4,window=28"]
+    assert "window=28 in kvslim pages keeps every key at its original position" in refused["q4_0,sink=4,window=28"]
     rows = run_concurrency(model, modes + paged, [40], [1, 3], steps=2, warmup=1, continuous_batching=False)
     got = {(r.mode, r.concurrency): r for r in rows}
     probe = pool_for(model, "int4", pages=1, max_rows=4)  # the bench's pool: 3 copies and the prefilled row
@@ -178,3 +178,27 @@ def test_concurrency_bench_has_a_pages_row_per_spec_pages_can_store(model):
         assert r.kind == "pages" and r.aggregate_tok_s > 0
         held = c * 2 * probe.page_bytes() + probe.stage_bytes() * c // 4  # 40 + 3 tokens: 2 pages a row
         assert r.bytes_per_stream == held // c
+
+
+def test_a_windowed_pool_reserves_its_window_and_each_request_equals_itself_alone(model):
+    """``sink=4,window=192,positions=original`` in pages: a request reserves its sink page, its window and a prefill
+    chunk (9 pages here, not the 12 its 360 tokens would fill), so a pool of 27 pages runs three at once; each
+    request's tokens equal it alone, and every page comes back."""
+    spec = "int4,sink=4,window=192,positions=original"
+    g = torch.Generator().manual_seed(5)
+    reqs = [Request(torch.randint(3, 128, (300,), generator=g).tolist(), max_new_tokens=60) for _ in range(3)]
+    engine = Engine(model, cache=spec, pages=27, max_batch=3, prefill_chunk=32)
+    for r in reqs:
+        engine.submit(r)
+    most = 0
+    while not engine.idle:
+        engine.step()
+        mem = engine.memory()
+        most = max(most, mem["active"])
+        assert mem["reserved_bytes"] <= mem["memory_budget"] and mem["cache_bytes"] <= mem["reserved_bytes"]
+    assert most == 3
+    for rid, req in zip(sorted(engine.results), reqs, strict=True):
+        got = engine.results[rid]
+        assert got.reserved_bytes == 9 * engine.pool.page_bytes()
+        assert got.tokens == Engine(model, cache=spec, pages=12, prefill_chunk=32).run([req])[0].tokens
+    assert engine.pool.free_pages == 27 and engine.pool.rows_alive == 0

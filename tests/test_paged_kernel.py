@@ -227,6 +227,38 @@ def test_few_long_rows_split_over_threads_equal_the_reference(fmt_k, fmt_v, wind
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("fmt_k,fmt_v", [("int4", "int4"), ("q4_0", "q4_0"), ("none", "none"), ("q8_0", "int2")])
+@pytest.mark.parametrize(("window", "sink"), [(45, 4), (100, 40), (64, 32), (300, 1), (45, 0)])
+def test_sinks_beside_a_window_equal_the_reference(fmt_k, fmt_v, window, sink):
+    """StreamingLLM in the kernel: with a window, keys ``0 .. sink - 1`` stay visible to every query (a sink inside
+    the first page, across two, a whole page; rows shorter than sink + window, where the two meet, and longer ones);
+    decode rows and prompt chunks (several queries: each its own window); split over threads too. The pages between
+    the sink pages and the window are never read: the C kernel gets them as -1 in the block table (a pool gave them
+    back), and the results equal the reference's on the whole table."""
+    case = _step(fmt_k, fmt_v, [300, 137, 50, 1000, 20], [1, 37, 1, 3, 20], 9, 3, seed=window + sink)
+    layout, pages, query, rows, key, value = case
+    ref = torch.zeros(query.shape)
+    paged.attend_reference(layout, pages, query, ref, rows, 0.125, window, True, key, value, None, sink)
+    holed = rows.block_table.clone()
+    for r, (n, m) in enumerate(zip(rows.kv_lens, [1, 37, 1, 3, 20], strict=True)):
+        first = n - m - window + 1  # the row's first query's window
+        for p in range(-(-sink // T), max(0, first) // T):
+            holed[r, p] = -1
+    holey = paged.Rows.of(torch.tensor(rows.starts, dtype=torch.int32), torch.tensor(rows.kv_lens), holed)
+    before = torch.get_num_threads()
+    for threads in (before, 4):
+        torch.set_num_threads(threads)
+        try:
+            out = torch.zeros(query.shape)
+            paged.attend(layout, pages, query, out, holey, 0.125, window, True, key, value, None, sink)
+        finally:
+            torch.set_num_threads(before)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    plain = torch.zeros(query.shape)
+    paged.attend_reference(layout, pages, query, plain, rows, 0.125, window, True, key, value, None, 0)
+    assert sink == 0 or (plain - ref).abs().max() > 1e-3  # the sinks were read
+
+
 def test_c_writes_refuse_shapes_they_cannot_trust():
     """K/V whose heads or head size do not match the pages never reach C (it cannot check a pointer's extent):
     the torch path raises, nothing is written."""

@@ -63,6 +63,9 @@ def _alone(model, spec: str, prompt: list[int], tokens: list[int]) -> list[torch
         # rows past their residual: pages leave it (read from their codes from then on) in the mixed steps
         ("q4_0,residual=32,sink=32", (130, 150)),
         ("int4,residual=64", (150, 97)),
+        # StreamingLLM in pages: a row's pages leave its window (given back) in the mixed steps
+        ("int4,sink=4,window=64,residual=32,positions=original", (130, 150)),
+        ("q4_0,sink=40,window=100,residual=0,positions=original", (150, 97)),
     ],
 )
 def test_each_row_is_bit_for_bit_the_row_alone(model, spec, lengths):
@@ -217,7 +220,12 @@ def test_a_plan_that_fails_midway_takes_nothing(model, monkeypatch):
 @pytest.mark.parametrize(
     ("spec", "match"),
     [
-        ("int4,sink=4,window=60", r"window=60 is not supported in kvslim pages: StreamingLLM"),
+        ("int4,sink=4,window=200", r"window=200 in kvslim pages keeps every key at its original position: add "
+         r"positions=original"),
+        ("int4,window=200,positions=original", r"window=200 in kvslim pages needs its sinks named: add sink=N"),
+        ("int4,sink=4,window=100,positions=original", r"window=100 in kvslim pages must hold the full-precision "
+         r"residual and a page more \(128 \+ 32 tokens\)"),
+        ("int4,positions=original", r"positions='original' is not supported in kvslim pages without a window"),
         ("int2", r"K format 'int2' needs KIVI's per-channel K groups"),
         ("int4,residual=48,group=16", r"residual=48 in kvslim pages must be a multiple of 32"),
         ("int4,keep_layers=0", r"keep_layers=\(0,\) is not supported in kvslim pages"),
@@ -320,3 +328,42 @@ def test_the_bench_script_runs_on_the_embedded_model(tmp_path):
 
     got = json.loads(out.read_text())
     assert len(got["ms"]["q4_0"]["pages"]) == 2 and len(got["ms"]["q4_0"]["slimcache"]) == 2
+
+
+@pytest.mark.parametrize(("spec", "window", "sink"), [("none", 50, 4), ("q8_0,residual=0", 50, 4), ("none", 40, 36)])
+def test_a_window_in_pages_is_streamingllm_at_original_positions(model, spec, window, sink):
+    """``sink=N,window=W,positions=original``: each step's logits are the plain forward's over the tokens a query
+    sees (its first ``sink`` and its last ``window``, every key at its original position: a 4-D mask); the pages that
+    left every later query's window went back to the pool, and the row holds at most its sink pages, its window and
+    a page; the same bits as a SlimCache window at original positions would be read from other kernels, so the
+    reference here is the masked forward."""
+    cfg = f"{spec},sink={sink},window={window},positions=original"
+    ids = _ids(150, 21)
+    n = len(ids)
+    pos = torch.arange(n)
+    seen = (pos[None, :] <= pos[:, None]) & ((pos[None, :] > pos[:, None] - window) | (pos[None, :] < sink))
+    mask = torch.zeros(1, 1, n, n).masked_fill(~seen, float("-inf"))
+    with torch.inference_mode():
+        plain = kvslim.enable(tiny_model("llama"))
+        plain.set_attn_implementation("sdpa")
+        ref = plain(torch.tensor([ids]), attention_mask=mask).logits[0].float()
+        pool = pool_for(model, cfg, pages=12, max_rows=2)
+        row = pool.new_row()
+        got = [forward_pages(model, pool, [(ids[:70], row)])[0]]  # a prompt chunk past its window
+        for t in ids[70:]:
+            got.append(forward_pages(model, pool, [([t], row)])[0])
+            live = sum(p >= 0 for p in row.pages)
+            assert live <= -(-sink // 32) + -(-(window + 1) // 32) + 1
+            assert pool.free_pages == pool.n_pages - live and pool.nbytes(row) == live * pool.page_bytes()
+    tol = 1e-4 if spec == "none" else 0.05
+    torch.testing.assert_close(torch.stack(got), torch.cat([ref[69:70], ref[70:]]), atol=tol, rtol=tol)
+    assert row.gone > 0 and -1 in row.pages
+    twin = pool.copy_row(row) if pool.free_pages >= sum(p >= 0 for p in row.pages) else None
+    if twin is not None:
+        assert [p < 0 for p in twin.pages] == [p < 0 for p in row.pages]
+        with torch.inference_mode():
+            a, b = forward_pages(model, pool, [([5], row), ([5], twin)])
+        assert torch.equal(a, b)
+        pool.free(twin)
+    pool.free(row)
+    assert pool.free_pages == pool.n_pages

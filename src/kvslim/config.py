@@ -230,7 +230,15 @@ class CacheConfig:
         flag_help="K mean-centering bias file (GGUF)",
     )
     positions: str = option(
-        DEFAULT_POSITIONS, "choice", "positions", choices=POSITIONS, what="where StreamingLLM's kept keys sit"
+        DEFAULT_POSITIONS,
+        "choice",
+        "positions",
+        choices=POSITIONS,
+        what="where StreamingLLM's kept keys sit",
+        flag="--streaming-llm-positions",
+        flag_help="where the kept keys sit with a window: cache (the paper: one contiguous sequence), original (each "
+        f"at its own position: what `kvslim serve --pages` keeps) or auto: cache where the model's RoPE allows it "
+        f"(default: {DEFAULT_POSITIONS})",
     )
     residual_dtype: str = option(
         DEFAULT_RESIDUAL_DTYPE,

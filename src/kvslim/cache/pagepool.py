@@ -22,12 +22,14 @@ plugin), and a row's newest tokens at full precision (the staging pool, :mod:`kv
 ``residual_dtype``: as a SlimCache, float16 for a float32 model): its partly filled last page and its last
 ``residual / 32`` full pages (``residual=auto``: 128, kvslim's default; a multiple of 32), so between ``residual`` and
 ``residual + 31`` newest tokens, as a SlimCache keeps its residual (every token is still encoded as it is written: a
-page leaving the residual is read from its codes from then on, never encoded again). What it does not keep: a
-StreamingLLM window, KIVI's per-channel K (int2/int3 K), pre-RoPE keys, clipping, codebooks and per-layer formats —
-:func:`check_config` refuses each in one line.
+page leaving the residual is read from its codes from then on, never encoded again), and StreamingLLM's sinks + window
+with every key at its original position (``sink=N,window=W,positions=original``, :mod:`kvslim.cache.pagespec`: the
+pages that leave every later query's window go back to the pool at :meth:`PagePool.commit`). What it does not keep:
+a window that moves the kept keys (``positions=cache``), KIVI's per-channel K (int2/int3 K), pre-RoPE keys, clipping,
+codebooks and per-layer formats — :func:`check_config` refuses each in one line.
 
-Rows and positions: a row's tokens sit at positions ``0 .. length - 1`` (no re-base: a row holds at most the pool's
-pages), token ``j`` in slot ``j % 32`` of page ``pages[j // 32]``. :meth:`PagePool.plan` lays out one step (each row's
+Rows and positions: a row's tokens sit at positions ``0 .. length - 1`` (no re-base), token ``j`` in slot ``j % 32``
+of page ``pages[j // 32]`` (``GONE`` once a window gave it back). :meth:`PagePool.plan` lays out one step (each row's
 new tokens packed into one sequence, the pages they need taken from the free list first: a step the pool cannot
 hold changes nothing), :meth:`PagePool.commit` advances the rows once the step's forward has run, and
 :meth:`PagePool.abandon` puts a failed step back: the rows, the free pages, the staging plan and the staged tokens the
@@ -39,7 +41,7 @@ This module knows nothing about transformers; :mod:`kvslim.cache.paged_adapter` 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,51 +51,20 @@ from ..vllm import attend as paged
 from ..vllm.basis import ModelShape, PageBasis
 from ..vllm.basis import attend as attend_in_basis
 from ..vllm.pages import PAGE_TOKENS, PageLayout
-from ..vllm.spec import check_supported, sink_pages
+from ..vllm.spec import sink_pages
 from ..vllm.staging import Stager
+from .pagespec import (  # noqa: F401 - DEFAULT_RESIDUAL, check_config, residual_pages, stage_dtype re-exported
+    DEFAULT_RESIDUAL,
+    check_config,
+    check_half,
+    evictable,
+    residual_pages,
+    sink_tokens,
+    stage_dtype,
+)
 
-#: the residual of ``residual=auto``: kvslim's own cache's default (:mod:`kvslim.config`)
-DEFAULT_RESIDUAL = 128
-
-
-def residual_pages(config: CacheConfig) -> int:
-    """Whole pages of newest tokens a row keeps staged beside its partly filled one: ``residual / 32``."""
-    residual = DEFAULT_RESIDUAL if config.residual == "auto" else config.residual
-    return residual // PAGE_TOKENS
-
-
-def stage_dtype(config: CacheConfig, dtype: torch.dtype) -> torch.dtype:
-    """The dtype a row's full-precision tokens are staged in: ``residual_dtype`` as a SlimCache resolves it (``auto``:
-    float16 for a float32 model, else the model's dtype)."""
-    if config.residual_dtype == "auto":
-        return torch.float16 if dtype == torch.float32 else dtype
-    return {"model": dtype, "float16": torch.float16, "bfloat16": torch.bfloat16}[config.residual_dtype]
-
-
-def check_config(config: CacheConfig) -> None:
-    """ValueError in one line unless pages can store ``config`` (the module docstring's list)."""
-    if config.window is not None:
-        raise ValueError(
-            f"window={config.window} is not supported in kvslim pages: StreamingLLM's sinks + window need the "
-            f"SlimCache rows (the engine's default)"
-        )
-    if config.pre_rope is True:
-        raise ValueError("pre_rope=1 is not supported in kvslim pages: their keys are stored after RoPE")
-    if config.positions != CacheConfig().positions:
-        raise ValueError(
-            f"positions={config.positions!r} is not supported in kvslim pages: every key keeps its own position"
-        )
-    if config.residual != "auto" and config.residual % PAGE_TOKENS:
-        raise ValueError(
-            f"residual={config.residual} in kvslim pages must be a multiple of {PAGE_TOKENS} (whole pages kept at "
-            f"full precision)"
-        )
-    try:  # the vLLM plugin's rules, but for its residual of one page in the model's dtype
-        check_supported(replace(config, residual="auto", residual_dtype="auto"))
-    except ValueError as e:
-        text = str(e).removeprefix("kvslim: ").replace("in vLLM", "in kvslim pages")
-        raise ValueError(text) from None
-
+#: a page a windowed row gave back (its place in the row's token order kept: the kernel never reads it)
+GONE = -1
 
 @dataclass(eq=False)
 class PagedRow:
@@ -102,6 +73,8 @@ class PagedRow:
     id: int
     pages: list[int] = field(default_factory=list)
     length: int = 0
+    #: pages past the sink pages given back (a window: they are GONE in ``pages``)
+    gone: int = 0
 
     def get_seq_length(self) -> int:
         return self.length
@@ -179,6 +152,7 @@ class PagePool:
         self._alive: dict[int, PagedRow] = {}  # id -> row: every alive row's sink pages stay staged
         lossy = self.layout.k.family != "cast" or self.layout.v.family != "cast"
         self.sink_pages = sink_pages(config)
+        self.window, self.sink = config.window, sink_tokens(config)  # StreamingLLM's, kept in pages
         self.residual_pages = residual_pages(config)
         self.stager = self.stage_layout = self.stage_dtype = None
         self.staged: list[torch.Tensor] = []
@@ -215,11 +189,12 @@ class PagePool:
                 f"row {row.id} is not a live row of this page pool (freed already, or another pool's)"
             )
         del self._alive[row.id]
+        live = [p for p in row.pages if p != GONE]
         if self.stager is not None:  # a page's staged copy is its old tokens' (the next owner may copy in)
             with torch.inference_mode():  # the stager's map is made in the steps' inference mode
-                self.stager.forget(row.pages)
-        self._free.extend(reversed(row.pages))
-        row.pages, row.length = [], 0
+                self.stager.forget(live)
+        self._free.extend(reversed(live))
+        row.pages, row.length, row.gone = [], 0, 0
 
     def copy_row(self, src: PagedRow) -> PagedRow:
         """A new row holding ``src``'s tokens in pages of its own: its codes copied in every layer, and its staged
@@ -227,9 +202,10 @@ class PagePool:
         in one line where the pool has too few free pages or rows; nothing changes)."""
         if self._alive.get(src.id) is not src:
             raise ValueError(f"row {src.id} is not a live row of this page pool")
-        if len(src.pages) > len(self._free):
+        live = [i for i, p in enumerate(src.pages) if p != GONE]
+        if len(live) > len(self._free):
             raise ValueError(
-                f"the page pool has {len(self._free)} free pages, copying row {src.id} needs {len(src.pages)}"
+                f"the page pool has {len(self._free)} free pages, copying row {src.id} needs {len(live)}"
             )
         if len(self._alive) >= self.max_rows:
             raise ValueError(
@@ -237,20 +213,23 @@ class PagePool:
             )
         if self.stager is not None:
             staged = sum(
-                1 for p in src.pages if 0 <= p < self.stager.map.shape[0] and int(self.stager.map[p]) >= 0
+                1 for i in live if src.pages[i] < self.stager.map.shape[0] and int(self.stager.map[src.pages[i]]) >= 0
             )
             if staged > self.stager.free_slots:
                 raise ValueError(
                     f"the staging pool has {self.stager.free_slots} free slots, copying row {src.id} needs {staged}"
                 )
         row = self.new_row()
-        row.pages = [self._free.pop() for _ in src.pages]
+        row.pages = [GONE] * len(src.pages)
+        for i in live:
+            row.pages[i] = self._free.pop()
         try:
             with torch.inference_mode():
+                mine, theirs = [row.pages[i] for i in live], [src.pages[i] for i in live]
                 for layer in self.pages:
-                    layer[row.pages] = layer[src.pages]
+                    layer[mine] = layer[theirs]
                 if self.stager is not None:  # its staged pages (sinks, residual, the partly filled one) alike
-                    for a, b in zip(src.pages, row.pages, strict=True):
+                    for a, b in zip(theirs, mine, strict=True):
                         slots = self.stager.copy(a, b)
                         if slots is not None:
                             for layer in self.staged:
@@ -258,7 +237,7 @@ class PagePool:
         except BaseException:
             self.free(row)  # its pages and any slot they took, back
             raise
-        row.length = src.length
+        row.length, row.gone = src.length, src.gone
         return row
 
     def is_alive(self, row) -> bool:
@@ -278,7 +257,7 @@ class PagePool:
 
     def nbytes(self, row: PagedRow) -> int:
         """The bytes ``row`` holds: its pages in every layer (the staging pool is the pool's, :meth:`stage_bytes`)."""
-        return len(row.pages) * self.page_bytes()
+        return sum(p != GONE for p in row.pages) * self.page_bytes()
 
     def stage_bytes(self) -> int:
         """Bytes of the staging pool, every layer."""
@@ -390,8 +369,8 @@ class PagePool:
             full = after.get(id(row), row.length) // PAGE_TOKENS
             if id(row) in after:
                 before = row.length // PAGE_TOKENS
-                self.stager.forget(row.pages[max(s, before - rp) : max(s, full - rp)])
-            pinned += row.pages[:s] + row.pages[max(s, full - rp) : full]
+                self.stager.forget([p for p in row.pages[max(s, before - rp) : max(s, full - rp)] if p != GONE])
+            pinned += [p for p in row.pages[:s] + row.pages[max(s, full - rp) : full] if p != GONE]
         return pinned
 
     def abandon(self, plan: StepPlan) -> None:
@@ -424,6 +403,22 @@ class PagePool:
         for row, n in zip(plan.rows, plan.lengths, strict=True):
             if row is not None:
                 row.length += n
+                if self.window is not None:
+                    self._evict(row)
+
+    def _evict(self, row: PagedRow) -> None:
+        """A windowed row's pages that no later query sees go back to the pool (:func:`pagespec.evictable`)."""
+        first, last = evictable(self.config, row.length)
+        gone = [p for p in row.pages[first + row.gone : last] if p != GONE]
+        if not gone:
+            return
+        for i in range(first + row.gone, last):
+            row.pages[i] = GONE
+        row.gone = last - first
+        if self.stager is not None:
+            with torch.inference_mode():
+                self.stager.forget(gone)
+        self._free.extend(reversed(gone))
 
     def attend(
         self,
@@ -442,7 +437,7 @@ class PagePool:
             staged_tokens = (
                 plan.stage_dest >= 0
             )  # only what is staged is cast: a prompt's other tokens are encoded
-            _check_half(keys[staged_tokens], values[staged_tokens])
+            check_half(keys[staged_tokens], values[staged_tokens])
         paged.store(self.layout, self.pages[layer], keys, values, plan.slots)
         staged = None
         if self.stager is not None:
@@ -457,24 +452,14 @@ class PagePool:
             out,
             plan.table,
             scale,
-            0,
+            self.window or 0,
             True,
             keys,
             values,
             staged,
+            self.sink,
         )
         return out
-
-
-def _check_half(keys: torch.Tensor, values: torch.Tensor) -> None:
-    """ValueError in one line where a K/V value staged in float16 would not be finite there (as a SlimCache's float16
-    residual refuses it): never an inf in the staging pool."""
-    for name, x in (("key", keys), ("value", values)):
-        if not bool(torch.isfinite(x.to(torch.float16)).all()):
-            raise ValueError(
-                f"a {name} value is not finite in float16 (beyond its range, or NaN/inf): the pool stages its newest "
-                f"tokens in float16; build it with residual_dtype=model"
-            )
 
 
 def pool_for(model, config: CacheConfig | str, *, pages: int, max_rows: int, stage: bool = True) -> PagePool:

@@ -157,7 +157,7 @@ class Engine(Stepping):
             ctx = self.shapes.max_position_embeddings
             self.pool = paged.build_pool(
                 self.model, self.default_cache, pages, max_batch=max_batch, memory_budget=memory_budget, context=ctx,
-                rows=max_batch + max_sessions,
+                rows=max_batch + max_sessions, chunk=prefill_chunk,
             )
             memory_budget = paged.budget(self.pool)
         self.scheduler = Scheduler(memory_budget, max_batch)
@@ -201,7 +201,9 @@ class Engine(Stepping):
         if self.pool is None:
             cache, reserved = self.gate.check(request, prefill_chunk=self.prefill_chunk, scheduler=self.scheduler)
         else:  # one pool of pages: its format, admission by pages
-            cache, reserved = None, paged.check_request(request, self.gate, self.pool, scheduler=self.scheduler)
+            cache, reserved = None, paged.check_request(
+                request, self.gate, self.pool, scheduler=self.scheduler, chunk=self.prefill_chunk
+            )
         # a full queue after the request's own checks: a bad request is told what is wrong with it, not to retry
         self._check_queue()
         with self._lock:

@@ -10,9 +10,11 @@ What changes for a request:
 
 - one format for every row: the engine's default cache settings, which the pool stores (a request naming other
   settings is refused, :class:`~kvslim.engine.errors.SettingsRefusal`; so are the settings pages cannot store:
-  :func:`kvslim.cache.pagepool.check_config`);
-- admission by pages: a row reserves ``ceil((prompt + max_new_tokens) / 32)`` pages when it is admitted (the
-  scheduler's byte budget is the pool's pages), so a step never runs out of them;
+  :func:`kvslim.cache.pagepool.check_config`); a window keeps every key at its original position
+  (``sink=N,window=W,positions=original``, :mod:`kvslim.cache.pagespec`), so a row still ends at the context;
+- admission by pages: a row reserves ``ceil((prompt + max_new_tokens) / 32)`` pages when it is admitted, or with a
+  window the most it can hold (its sink pages, its window and a prefill chunk: :func:`window_pages`; the scheduler's
+  byte budget is the pool's pages), so a step never runs out of them;
 - sessions are kept in memory: a session's row stays in the pool, its pages counted against the budget (dropped,
   least recently used first, when admission needs them); at most ``max_batch`` idle sessions (each holds a row's
   staging slots); no ``session_dir`` (parking pages on disk: not yet); any other finished row's pages go back;
@@ -26,6 +28,7 @@ Greedy output of a request equals the request run alone through a paged engine, 
 from __future__ import annotations
 
 from ..cache.pagepool import PagedRow, PagePool, check_config, pool_for
+from ..cache.pagespec import window_pages
 from ..config import CacheConfig
 from ..vllm.pages import PAGE_TOKENS
 from .errors import BudgetRefusal, ContextRefusal, SettingsRefusal
@@ -74,7 +77,7 @@ def pages_for(tokens: int) -> int:
 
 
 def build_pool(
-    model, config: CacheConfig, pages, *, max_batch: int, memory_budget: int | None, context, rows: int
+    model, config: CacheConfig, pages, *, max_batch: int, memory_budget: int | None, context, rows: int, chunk: int
 ) -> PagePool:
     """The engine's pool of ``rows`` rows alive at most (decoding and kept for sessions): ``pages`` pages a layer (an
     int), or ``"auto"``: as many as ``memory_budget`` holds beside the staging pool, at most ``max_batch`` rows at the
@@ -86,6 +89,8 @@ def build_pool(
         raise ValueError(f"pages: {e}") from None
     if pages == "auto":
         most = max_batch * pages_for(context or DEFAULT_CONTEXT)
+        if config.window is not None:  # a windowed row holds at most its window and a chunk
+            most = min(most, max_batch * window_pages(config, chunk))
         probe = pool_for(model, config, pages=1, max_rows=rows)
         if memory_budget is None:
             pages = most
@@ -105,11 +110,11 @@ def build_pool(
     return pool_for(model, config, pages=pages, max_rows=rows)
 
 
-def check_request(request, gate, pool: PagePool, *, scheduler) -> int:
+def check_request(request, gate, pool: PagePool, *, scheduler, chunk: int) -> int:
     """A request's checks in a paged engine; returns the bytes it reserves (its pages). Raises the ``gate``'s
     :class:`~kvslim.engine.errors.InputRefusal` (:meth:`Gate.check_input <kvslim.engine.gate.Gate.check_input>`),
     :class:`SettingsRefusal` (its own settings), :class:`ContextRefusal`, :class:`BudgetRefusal` (more pages than
-    the pool has)."""
+    the pool has). chunk: the engine's ``prefill_chunk`` (a windowed row holds at most its window and a chunk)."""
     gate.check_input(request)
     default, context = gate.default_cache, gate.shapes.max_position_embeddings
     if request.cache is not None and request.cache != default:
@@ -121,9 +126,12 @@ def check_request(request, gate, pool: PagePool, *, scheduler) -> int:
     if context is not None and total > context:
         raise ContextRefusal(
             f"prompt ({len(request.prompt)} tokens) + max_new_tokens ({request.max_new_tokens}) = {total} is past "
-            f"the model's context of {context} tokens, and pages keep every token: shorten it"
+            f"the model's context of {context} tokens, and pages keep every key at its position: shorten it"
         )
     need = pages_for(total)
+    bound = window_pages(pool.config, chunk)
+    if bound is not None:
+        need = min(need, bound)
     reserved = need * pool.page_bytes()
     if not scheduler.fits_alone(reserved):
         raise BudgetRefusal(

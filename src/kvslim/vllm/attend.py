@@ -45,8 +45,8 @@ from .staging import overlay
 KERNEL_ENV = "KVSLIM_VLLM_KERNEL"
 #: kvp_attend's ABI and table widths (csrc/kvslim_paged.c: H_FIELDS, R_FIELDS, W_FIELDS), checked when the
 #: library loads.
-ABI = 4
-HEAD_FIELDS = 36
+ABI = 5
+HEAD_FIELDS = 37
 ROW_FIELDS = 5
 WRITE_FIELDS = 19
 #: C's row decoders of the cast dtypes.
@@ -179,13 +179,16 @@ def attend(
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
     staged: Staged | None = None,
+    sink: int = 0,
 ) -> None:
     """Attention of every row's queries on its pages, written into ``out``.
 
     kv_cache: uint8 (num_pages, H_kv, T, row_bytes); query, out: (N, H_q, D) (out in any float dtype);
     window: keys a query sees counting itself (0: all); key, value: (N, H_kv, D), the step's raw K/V packed like
     the queries: each row's new keys are read from them (module docstring); None: every key from the pages;
-    staged: pages with a staging slot are read from it instead of their codes (:mod:`.staging`)."""
+    staged: pages with a staging slot are read from it instead of their codes (:mod:`.staging`); sink: with a window,
+    keys ``0 .. sink - 1`` stay visible to every query (StreamingLLM's sinks); the pages between a row's sink pages
+    and its window's first page are never read (a pool may have freed them)."""
     if (key is None) != (value is None):
         raise ValueError("kvslim paged attention: give both the step's raw key and value, or neither")
     if query.dim() != 3 or query.shape[1] % kv_cache.shape[1]:
@@ -205,7 +208,7 @@ def attend(
                 )
     lib = None if _reference_asked() else library()
     if lib is None:
-        attend_reference(layout, kv_cache, query, out, rows, scale, window, causal, key, value, staged)
+        attend_reference(layout, kv_cache, query, out, rows, scale, window, causal, key, value, staged, sink)
         return
     kcode, vcode = _part_codes(lib, layout)
     # vLLM's queries are a view of its qkv projection: read in place (a token stride), not copied
@@ -274,6 +277,7 @@ def attend(
         ]
     else:
         head += [0] * 9
+    head.append(sink)
     args = torch.tensor(head, dtype=torch.int64)
     rc = lib.kvp_attend(args.data_ptr())
     if rc:
@@ -390,6 +394,7 @@ def attend_reference(
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
     staged: Staged | None = None,
+    sink: int = 0,
 ) -> None:
     """:func:`attend` in torch: each row's cached keys decoded from its pages to fp32 (with ``key``/``value``,
     its new keys taken from them), a masked softmax. The oracle of the C kernel."""
@@ -419,6 +424,6 @@ def attend_reference(
         kpos = torch.arange(kv_len)[None, :]  # (1, L)
         keep = kpos <= qpos if causal else torch.ones(n, kv_len, dtype=torch.bool)
         if window > 0:
-            keep = keep & (kpos > qpos - window)
+            keep = keep & ((kpos > qpos - window) | (kpos < sink))
         s = s.masked_fill(~keep, float("-inf"))
         out[q0:q1] = (torch.softmax(s, -1) @ v).transpose(0, 1).to(out.dtype)  # (n, H_q, D)

@@ -200,17 +200,18 @@ def attend(
     keys: torch.Tensor | None = None,
     values: torch.Tensor | None = None,
     staged: paged.Staged | None = None,
+    sink: int = 0,
 ) -> None:
     """:func:`kvslim.vllm.attend.attend` on pages stored in ``basis``: the queries rotated into K's basis, the output
     written into ``out`` in the model's basis. ``keys``, ``values``: the step's raw K/V already in the basis
     (:meth:`PageBasis.keys`, :meth:`PageBasis.values`), as the staging slots hold them."""
     if basis.v is None:
         paged.attend(
-            layout, kv_cache, basis.queries(query), out, rows, scale, window, causal, keys, values, staged
+            layout, kv_cache, basis.queries(query), out, rows, scale, window, causal, keys, values, staged, sink
         )
         return
     summed = torch.empty(out.shape, dtype=torch.float32)  # the values' sum, in V's basis
     paged.attend(
-        layout, kv_cache, basis.queries(query), summed, rows, scale, window, causal, keys, values, staged
+        layout, kv_cache, basis.queries(query), summed, rows, scale, window, causal, keys, values, staged, sink
     )
     out.copy_(basis.output(summed))

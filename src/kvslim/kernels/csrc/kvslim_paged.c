@@ -67,7 +67,7 @@
 #include <immintrin.h>
 #endif
 
-#define KVP_ABI_VERSION 4
+#define KVP_ABI_VERSION 5
 /* Queries per task (a prefill row is split into chunks of QC queries). */
 #define KVP_QC 16
 /* Largest page (tokens) and head dim the scratch is sized for. */
@@ -308,6 +308,7 @@ enum {
     H_SVOFF,     /* V's byte offset in a staged token row (K at 0) */
     H_SMAP,      /* int32 page id -> staging slot or -1 */
     H_SMAP_LEN,  /* entries of H_SMAP (a page beyond it has no slot) */
+    H_SINK,      /* with a window: keys [0, H_SINK) stay visible to every query (StreamingLLM's sinks) */
     H_FIELDS
 };
 /* A row: its first query, its number of queries, its number of keys, its block table (int32 page ids) and
@@ -430,7 +431,7 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, int64_t pa, int64_t
     const int64_t qlen = row[R_QLEN], kvlen = row[R_KVLEN], tlen = row[R_TABLE_LEN];
     const int32_t *table = (const int32_t *)(intptr_t)row[R_TABLE];
     const int M = (int)(qlen - q0 < KVP_QC ? qlen - q0 : KVP_QC), MG = M * G;
-    const int64_t window = a[H_WINDOW], causal = a[H_CAUSAL];
+    const int64_t window = a[H_WINDOW], causal = a[H_CAUSAL], sink = window > 0 && a[H_SINK] > 0 ? a[H_SINK] : 0;
     const int64_t pos0 = kvlen - qlen + q0; /* position of the task's first query */
     const float *q = (const float *)(intptr_t)a[H_Q];
     const uint8_t *pool = (const uint8_t *)(intptr_t)a[H_PAGES];
@@ -472,13 +473,17 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, int64_t pa, int64_t
         mx[i] = -INFINITY;
         sum[i] = 0.0f;
     }
-    /* keys any query of the task may see: [lo, hi) */
+    /* keys any query of the task may see: [0, sink) and [lo, hi); the pages between the sink pages [0, sp) and the
+     * window's first page are never read (a pool may have freed them) */
     int64_t hi = causal ? pos0 + M : kvlen, lo = window > 0 ? pos0 - window + 1 : 0;
     if (hi > kvlen) hi = kvlen;
     if (lo < 0) lo = 0;
-    for (int64_t p = lo / T > pa ? lo / T : pa; p * T < hi && p < pb; p++) {
+    const int64_t sp = (sink + T - 1) / T, pw = lo / T;
+    for (int64_t p = pa; p * T < hi && p < pb; p++) {
+        if (p >= sp && p < pw) p = pw < pb ? pw : pb - 1; /* jump to the window's first page */
+        if (p >= sp && p < pw) break;
         int64_t t0 = p * T;
-        int ta = (int)(lo > t0 ? lo - t0 : 0), tb = (int)(hi - t0 < T ? hi - t0 : T);
+        int ta = (int)(p < sp || lo <= t0 ? 0 : lo - t0), tb = (int)(hi - t0 < T ? hi - t0 : T);
         /* tile tokens [ta, tc) from the page, [tc, tb) from the raw K/V */
         int tc = (int)(cached - t0 < ta ? ta : cached - t0 < tb ? cached - t0 : tb);
         const uint8_t *base = NULL;
@@ -520,15 +525,26 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, int64_t pa, int64_t
             const int64_t qpos = pos0 + m; /* the query sees keys [first, last) */
             const int64_t first = window > 0 ? qpos - window + 1 : 0, last = causal ? qpos + 1 : kvlen;
             int u0 = (int)(first > t0 + ta ? first - t0 : ta), u1 = (int)(last < t0 + tb ? last - t0 : tb);
+            if (u0 > tb) u0 = tb; /* a sink page wholly before the query's window */
             if (u1 < u0) u1 = u0;
+            /* sinks: tokens [ta, s1) of the page, as far as the query sees (its causal end); joined to [u0, u1)
+             * where they meet it, else a second range */
+            int s1 = (int)(sink - t0 < ta ? ta : sink - t0 < tb ? sink - t0 : tb);
+            if (s1 > (int)(last - t0)) s1 = (int)(last - t0) > ta ? (int)(last - t0) : ta;
+            if (s1 > ta && s1 >= u0) {
+                if (u1 < s1) u1 = s1;
+                u0 = ta;
+                s1 = ta;
+            }
             for (int g = 0; g < G; g++) {
                 int i = m * G + g;
                 float *w = S + (size_t)i * T;
-                for (int t = ta; t < u0; t++) w[t] = 0.0f;
+                for (int t = s1; t < u0; t++) w[t] = 0.0f;
                 for (int t = u1; t < tb; t++) w[t] = 0.0f;
-                if (u0 == u1) continue;
+                if (u0 == u1 && s1 == ta) continue;
                 seen = 1;
                 float pm = -INFINITY;
+                for (int t = ta; t < s1; t++) pm = w[t] > pm ? w[t] : pm;
                 for (int t = u0; t < u1; t++) pm = w[t] > pm ? w[t] : pm;
                 float nm = pm > mx[i] ? pm : mx[i];
                 if (nm != mx[i] && mx[i] != -INFINITY) {
@@ -536,6 +552,7 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, int64_t pa, int64_t
                     sum[i] *= corr;
                     for (int d = 0; d < D; d++) ac[d] *= corr;
                 }
+                if (s1 > ta) sum[i] += kvs_exp_sum(w + ta, s1 - ta, nm);
                 sum[i] += kvs_exp_sum(w + u0, u1 - u0, nm);
                 mx[i] = nm;
             }
