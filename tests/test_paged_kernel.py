@@ -235,28 +235,30 @@ def test_sinks_beside_a_window_equal_the_reference(fmt_k, fmt_v, window, sink):
     decode rows and prompt chunks (several queries: each its own window); split over threads too. The pages between
     the sink pages and the window are never read: the C kernel gets them as -1 in the block table (a pool gave them
     back), and the results equal the reference's on the whole table."""
-    case = _step(fmt_k, fmt_v, [300, 137, 50, 1000, 20], [1, 37, 1, 3, 20], 9, 3, seed=window + sink)
-    layout, pages, query, rows, key, value = case
-    ref = torch.zeros(query.shape)
-    paged.attend_reference(layout, pages, query, ref, rows, 0.125, window, True, key, value, None, sink)
-    holed = rows.block_table.clone()
-    for r, (n, m) in enumerate(zip(rows.kv_lens, [1, 37, 1, 3, 20], strict=True)):
-        first = n - m - window + 1  # the row's first query's window
-        for p in range(-(-sink // T), max(0, first) // T):
-            holed[r, p] = -1
-    holey = paged.Rows.of(torch.tensor(rows.starts, dtype=torch.int32), torch.tensor(rows.kv_lens), holed)
-    before = torch.get_num_threads()
-    for threads in (before, 4):
-        torch.set_num_threads(threads)
-        try:
-            out = torch.zeros(query.shape)
-            paged.attend(layout, pages, query, out, holey, 0.125, window, True, key, value, None, sink)
-        finally:
-            torch.set_num_threads(before)
-        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
-    plain = torch.zeros(query.shape)
-    paged.attend_reference(layout, pages, query, plain, rows, 0.125, window, True, key, value, None, 0)
-    assert sink == 0 or (plain - ref).abs().max() > 1e-3  # the sinks were read
+    # many tasks; and few long rows, whose pages are split over the threads (split-K: the first part reads the sinks)
+    for kv_lens, q_lens in (([300, 137, 50, 1000, 20], [1, 37, 1, 3, 20]), ([1500, 700], [1, 3])):
+        case = _step(fmt_k, fmt_v, kv_lens, q_lens, 9, 3, seed=window + sink)
+        layout, pages, query, rows, key, value = case
+        ref = torch.zeros(query.shape)
+        paged.attend_reference(layout, pages, query, ref, rows, 0.125, window, True, key, value, None, sink)
+        holed = rows.block_table.clone()
+        for r, (n, m) in enumerate(zip(rows.kv_lens, q_lens, strict=True)):
+            first = n - m - window + 1  # the row's first query's window
+            for p in range(-(-sink // T), max(0, first) // T):
+                holed[r, p] = -1
+        holey = paged.Rows.of(torch.tensor(rows.starts, dtype=torch.int32), torch.tensor(rows.kv_lens), holed)
+        before = torch.get_num_threads()
+        for threads in (before, 4):
+            torch.set_num_threads(threads)
+            try:
+                out = torch.zeros(query.shape)
+                paged.attend(layout, pages, query, out, holey, 0.125, window, True, key, value, None, sink)
+            finally:
+                torch.set_num_threads(before)
+            torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+        plain = torch.zeros(query.shape)
+        paged.attend_reference(layout, pages, query, plain, rows, 0.125, window, True, key, value, None, 0)
+        assert sink == 0 or (plain - ref).abs().max() > 1e-3  # the sinks were read
 
 
 def test_c_writes_refuse_shapes_they_cannot_trust():

@@ -5,8 +5,8 @@ The engine's rows in pages (``Engine(pages=...)``, :mod:`kvslim.engine.pages`) d
 spec's row is prefilled once into a pool sized for every concurrency of the run, and each concurrency's ``C`` rows are
 copies of it (:meth:`PagePool.copy_row <kvslim.cache.pagepool.PagePool.copy_row>`: its codes and its staged pages),
 as the SlimCache rows are copies of one prefill; they step interleaved with the other modes, through the same route
-for the linear layers. A spec pages cannot store (a window, KIVI's per-channel K, ...) gets no pages row, and the run
-says why.
+for the linear layers. A spec pages cannot store (a window at ``cache`` positions, KIVI's per-channel K, ...) gets no
+pages row, and the run says why.
 """
 
 from __future__ import annotations

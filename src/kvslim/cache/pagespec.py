@@ -6,6 +6,8 @@ store keys after RoPE, so they are not moved as the ``cache`` positions of a Sli
 the first ``N`` tokens and its last ``W`` (the kernel's ``sink`` and ``window``), and a row's pages that hold no sink
 and have left every later query's window go back to the pool (:func:`evictable`): a row holds at most
 :func:`window_pages` pages. Positions are never re-based, so a windowed row still ends at the model's context.
+
+This module knows nothing about pages' bytes, rows or steps (:mod:`kvslim.cache.pagepool` applies these rules).
 """
 
 from __future__ import annotations

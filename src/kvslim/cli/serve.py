@@ -182,8 +182,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="keep every request's cache in one pool of N pages a layer (32 tokens each), or auto: what "
         "--memory-budget holds, at most --max-concurrency requests at the model's context; a step is two kernel "
         "calls a layer whatever the requests (docs/serve.md, \"Pages\"): one cache format for all (the --kv flags; a "
-        "window keeps keys at their original positions: --kv-positions original, sinks named), idle sessions in memory "
-        "only (default: a cache of its own per request)",
+        "window keeps keys at their original positions: --streaming-llm-positions original, sinks named), idle "
+        "sessions in memory only (default: a cache of its own per request)",
     )
     threads.add_thread_flags(parser)
     add_gc_flag(parser)

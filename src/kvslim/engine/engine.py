@@ -98,7 +98,7 @@ class Engine(Stepping):
     bits); outside a step, and on other threads, torch's own. pages: None (each row in a SlimCache of its own), or
     every row in one pool of ``pages`` pages a layer (an int, or ``"auto"``: what ``memory_budget`` holds, at most
     ``max_batch`` rows at the model's context), a step two kernel calls a layer (:mod:`kvslim.engine.pages`: one
-    format, admission by pages, no sessions yet).
+    format, admission by pages, sessions kept in memory).
     """
 
     def __init__(

@@ -5,9 +5,9 @@ disk, or both, or taken by a running request. :class:`SessionIndex` keeps that, 
 order, and answers the two bound questions — which sessions are idle past a TTL (:meth:`~SessionIndex.due`)
 and which must go to stay within a count (:meth:`~SessionIndex.over`) — without removing anything: the
 store (:mod:`kvslim.engine.sessions`) does, memory, pending write and file together. :class:`SessionStats`
-are the counters ``/metrics`` shows.
+are the counters ``/metrics`` shows; :class:`Kept` is one idle session in memory, :func:`release` what leaving does.
 
-This module knows no caches, no files and no threads (the store holds its lock around every call).
+This module reads no cache, no file and no thread (the store holds its lock around every call).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+
+from ..config import CacheConfig
 
 
 @dataclass
@@ -91,3 +93,20 @@ class SessionIndex:
                 if len(victims) == excess:
                     break
         return victims
+
+
+@dataclass(eq=False)
+class Kept:
+    """One idle session in memory: its cache, the token ids it holds, its settings, its bytes."""
+
+    cache: object  # SlimCache
+    tokens: tuple[int, ...]
+    config: CacheConfig
+    nbytes: int
+
+
+def release(kept: Kept | None) -> None:
+    """A kept cache leaves for good: a row of the engine's page pool (:class:`~kvslim.engine.pages.PooledCache`) back."""
+    release = getattr(kept and kept.cache, "release", None)
+    if release is not None:
+        release()

@@ -23,8 +23,7 @@ snapshot itself (a memory copy) or waits for the writer's to finish, so the writ
 engine is extending; the file then holds the previous turn, replaced at the next keep. A file stays while
 its session runs (it is the last finished turn: a request that fails falls back to it).
 
-Pages (``Engine(pages=...)``): a session keeps its row of the pool (in memory only; a paged engine has no
-``session_dir``), and a row the store drops gives its pages back (:func:`_release`).
+Pages (``Engine(pages=...)``): a session keeps its row of the pool in memory; one dropped gives it back (:func:`_release`).
 
 Memory: an idle session's cache counts against the engine's memory budget. When admission needs room,
 :meth:`~SessionStore.make_room` frees the least recently used idle sessions: one whose file is current needs
@@ -50,7 +49,6 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
 
@@ -58,7 +56,8 @@ from .. import promptcache as pc  # looked up per call (pc.check_continuation, .
 from ..cache.adapter import SlimCache
 from ..config import CacheConfig
 from .session_files import DIR_MODE, FILE_MODE, SUFFIX, SessionFiles, session_key, snapshot
-from .session_index import SessionIndex, SessionStats
+from .session_index import Kept, SessionIndex, SessionStats
+from .session_index import release as _release
 from .session_writer import WRITER_IDLE_S, SessionWriter, WriteJob
 
 __all__ = [
@@ -71,16 +70,6 @@ log = logging.getLogger("kvslim.engine")
 #: running rows of the caller's step are not held up (admission asks again at its next step), long enough
 #: that an engine with nothing else to do does not spin while a write lands.
 PARK_WAIT_S = 0.05
-
-
-@dataclass(eq=False)
-class Kept:
-    """One idle session in memory: its cache, the token ids it holds, its settings, its bytes."""
-
-    cache: object  # SlimCache
-    tokens: tuple[int, ...]
-    config: CacheConfig
-    nbytes: int
 
 
 class SessionStore:
@@ -179,7 +168,11 @@ class SessionStore:
         not change it until :meth:`take` gives it back. With write-through it is written in the background.
         Then the bounds are applied (``max_sessions``, ``ttl``)."""
         key = session_key(session)
-        kept = Kept(cache, tuple(tokens), config, int(cache.nbytes()))
+        try:
+            kept = Kept(cache, tuple(tokens), config, int(cache.nbytes()))
+        except BaseException:
+            _release(Kept(cache, (), config, 0))  # never kept: a pool row goes back now
+            raise
         with self._cond:
             ix = self._ix
             ix.taken.discard(key)
@@ -336,10 +329,14 @@ class SessionStore:
                 kept = self.writer.unpark(job)
             if kept is not None:
                 ix.current.discard(key)
-                saved = pc.SavedCache.of(
-                    kept.cache, kept.tokens, cache_config=kept.config, model_fingerprint=self.model_fingerprint
-                )
-                n, why = self._rule(saved, prompt, config)
+                try:
+                    saved = pc.SavedCache.of(
+                        kept.cache, kept.tokens, cache_config=kept.config, model_fingerprint=self.model_fingerprint
+                    )
+                    n, why = self._rule(saved, prompt, config)
+                except BaseException:
+                    _release(kept)  # take() starts the session over: a pool row goes back with it
+                    raise
                 if n is None:
                     _release(kept)
                     self._start_over(session, key, why)
@@ -477,14 +474,6 @@ class SessionStore:
             self.stats.dropped += 1
             ix.last.pop(job.key, None)
             log.warning("session %s dropped: it was parked and its write failed", _show(job.session))
-
-
-def _release(kept: Kept | None) -> None:
-    """A kept cache leaves memory for good: one that holds memory outside itself (a row of the engine's page pool,
-    :class:`kvslim.engine.pages.PooledCache`) gives it back; a SlimCache's is freed with it."""
-    release = getattr(kept and kept.cache, "release", None)
-    if release is not None:
-        release()
 
 
 def _show(session: str) -> str:

@@ -693,6 +693,9 @@ int kvp_attend(const int64_t *a) {
                 hi = hi > kvlen ? kvlen : hi;
                 lo = lo < 0 ? 0 : lo;
                 const int64_t p0 = lo / c.T, pages = hi > lo ? (hi - 1) / c.T + 1 - p0 : 0;
+                /* with sinks beside a window, the first part also reads the sink pages (kvp_task jumps from them to
+                 * the window's first page) */
+                const int64_t sinks = a[H_WINDOW] > 0 && a[H_SINK] > 0 && lo > 0 ? a[H_SINK] : 0;
                 int64_t k = want < pages / 4 ? want : pages / 4;
                 k = k < 1 ? 1 : k;
                 const int64_t floats = m * c.G * (c.D + 2);
@@ -700,8 +703,9 @@ int kvp_attend(const int64_t *a) {
                     if (k > 1 && pass) split[ns] = (kvp_split){r, q0, np, h, (int)k};
                     for (int64_t j = 0; j < k; j++, n++) {
                         if (pass)
-                            task[n] = (kvp_work){(hi - lo + c.T) * m / k, n, r, q0, h,
-                                                 k > 1 ? p0 + pages * j / k : 0, k > 1 ? p0 + pages * (j + 1) / k : INT64_MAX,
+                            task[n] = (kvp_work){(hi - lo + sinks + c.T) * m / k, n, r, q0, h,
+                                                 k > 1 && (j || !sinks) ? p0 + pages * j / k : 0,
+                                                 k > 1 ? p0 + pages * (j + 1) / k : INT64_MAX,
                                                  k > 1 ? np + j * floats : -1};
                     }
                     if (k > 1) {
