@@ -60,12 +60,9 @@ def test_lossless_pages_follow_the_slimcache_rows(model):
         assert got.tokens == single
 
 
-def test_admission_is_by_pages_and_never_runs_the_pool_dry(model):
-    """A pool of 12 pages holds two rows of 5 pages at once: the third waits until one leaves, and every request's
-    tokens are what it produces alone."""
-    reqs = [Request(list(range(3, 3 + 100)), max_new_tokens=40) for _ in range(3)]  # 140 tokens: 5 pages
-    one = Engine(model, cache="int4", pages=8).run(reqs[:1])[0]
-    engine = Engine(model, cache="int4", pages=12, max_batch=3)
+def _most_at_once(engine: Engine, reqs: list[Request]) -> int:
+    """Run ``reqs`` to the end, checking at every step that the reservations stay within the pool and every row's
+    pages within its reservation; returns the most rows that ran at once."""
     for r in reqs:
         engine.submit(r)
     most = 0
@@ -75,7 +72,16 @@ def test_admission_is_by_pages_and_never_runs_the_pool_dry(model):
         most = max(most, mem["active"])
         assert mem["reserved_bytes"] <= mem["memory_budget"] == mem["pool_bytes"]
         assert mem["cache_bytes"] <= mem["reserved_bytes"]
-    assert most == 2
+    return most
+
+
+def test_admission_is_by_pages_and_never_runs_the_pool_dry(model):
+    """A pool of 12 pages holds two rows of 5 pages at once: the third waits until one leaves, and every request's
+    tokens are what it produces alone."""
+    reqs = [Request(list(range(3, 3 + 100)), max_new_tokens=40) for _ in range(3)]  # 140 tokens: 5 pages
+    one = Engine(model, cache="int4", pages=8).run(reqs[:1])[0]
+    engine = Engine(model, cache="int4", pages=12, max_batch=3)
+    assert _most_at_once(engine, reqs) == 2
     assert all(res.tokens == one.tokens for res in engine.results.values())
     assert engine.pool.free_pages == 12
 
@@ -188,15 +194,7 @@ def test_a_windowed_pool_reserves_its_window_and_each_request_equals_itself_alon
     g = torch.Generator().manual_seed(5)
     reqs = [Request(torch.randint(3, 128, (300,), generator=g).tolist(), max_new_tokens=60) for _ in range(3)]
     engine = Engine(model, cache=spec, pages=27, max_batch=3, prefill_chunk=32)
-    for r in reqs:
-        engine.submit(r)
-    most = 0
-    while not engine.idle:
-        engine.step()
-        mem = engine.memory()
-        most = max(most, mem["active"])
-        assert mem["reserved_bytes"] <= mem["memory_budget"] and mem["cache_bytes"] <= mem["reserved_bytes"]
-    assert most == 3
+    assert _most_at_once(engine, reqs) == 3
     for rid, req in zip(sorted(engine.results), reqs, strict=True):
         got = engine.results[rid]
         assert got.reserved_bytes == 9 * engine.pool.page_bytes()
