@@ -184,7 +184,7 @@ class PagePool:
 
     def free(self, row: PagedRow) -> None:
         """Give ``row``'s pages back (the row is empty afterwards and no longer counts as alive)."""
-        if self._alive.get(row.id) is not row:
+        if not self.is_alive(row):
             raise ValueError(
                 f"row {row.id} is not a live row of this page pool (freed already, or another pool's)"
             )
@@ -200,7 +200,7 @@ class PagePool:
         """A new row holding ``src``'s tokens in pages of its own: its codes copied in every layer, and its staged
         pages (sinks, residual, the partly filled one) staged alike, so the copy reads what ``src`` reads (ValueError
         in one line where the pool has too few free pages or rows; nothing changes)."""
-        if self._alive.get(src.id) is not src:
+        if not self.is_alive(src):
             raise ValueError(f"row {src.id} is not a live row of this page pool")
         live = [i for i, p in enumerate(src.pages) if p != GONE]
         if len(live) > len(self._free):
@@ -283,7 +283,7 @@ class PagePool:
                 continue
             if id(row) in seen:
                 raise ValueError("a paged step feeds each row at most once")
-            if self._alive.get(getattr(row, "id", None)) is not row:
+            if not self.is_alive(row):
                 raise ValueError("a paged step's rows must be live rows of its pool (new_row(), not freed)")
             seen.add(id(row))
             need += max(0, -(-(row.length + n) // PAGE_TOKENS) - len(row.pages))

@@ -18,7 +18,7 @@ import torch
 
 from ..config import CacheConfig
 from ..vllm.pages import PAGE_TOKENS
-from ..vllm.spec import check_supported
+from ..vllm.spec import check_supported, sink_pages
 
 #: formats a page stores as plain values (no staging, so no residual)
 CAST_FORMATS = ("none", "fp16", "bf16")
@@ -50,7 +50,7 @@ def window_pages(config: CacheConfig, chunk: int) -> int | None:
     of its window and the chunk, and one a page boundary may add); None without a window."""
     if config.window is None:
         return None
-    return -(-sink_tokens(config) // PAGE_TOKENS) + -(-(config.window + chunk) // PAGE_TOKENS) + 1
+    return sink_pages(config) + -(-(config.window + chunk) // PAGE_TOKENS) + 1
 
 
 def evictable(config: CacheConfig, length: int) -> tuple[int, int]:
@@ -58,7 +58,7 @@ def evictable(config: CacheConfig, length: int) -> tuple[int, int]:
     and wholly before the window of the next query (position ``length``). ``(0, 0)`` without a window."""
     if config.window is None:
         return 0, 0
-    first = -(-sink_tokens(config) // PAGE_TOKENS)
+    first = sink_pages(config)  # a window names its sinks (check_config)
     return first, max(first, (length - config.window + 1) // PAGE_TOKENS)
 
 

@@ -144,7 +144,7 @@ def check_request(request, gate, pool: PagePool, *, scheduler, chunk: int) -> in
 def memory(pool: PagePool) -> dict:
     """The pool's figures for :meth:`Engine.memory <kvslim.engine.engine.Engine.memory>`."""
     return {
-        "pool_bytes": pool.n_pages * pool.page_bytes(),
+        "pool_bytes": budget(pool),
         "stage_bytes": pool.stage_bytes(),
         "pages": pool.n_pages,
         "free_pages": pool.free_pages,
