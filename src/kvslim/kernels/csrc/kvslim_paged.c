@@ -178,6 +178,13 @@ static void kvp_decode_row(int fmt, const uint8_t *restrict src, int D, float *r
         memcpy(dst, src, (size_t)D * 4);
         return;
     case KVP_F16:
+#if defined(__AVX512F__) && defined(__F16C__)
+        if (D % 16 == 0) { /* the same conversion, 16 at a time */
+            for (int i = 0; i < D; i += 16)
+                _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + 2 * i))));
+            return;
+        }
+#endif
         for (int i = 0; i < D; i++) dst[i] = kvp_h2f(src + 2 * i);
         return;
     case KVP_BF16:
@@ -386,6 +393,230 @@ static int kvp_affine(int fmt, int MG, int D, int64_t ts) {
                : 0;
 }
 
+/* ------------------------------------------------------------------------------------------ AVX-512 decode loops
+ *
+ * Built for AVX-512 (F + VL, -march=native on such a CPU), a decode task's affine pages (int8 / int4 / int2 codes,
+ * D % 64 == 0) and every task's softmax take these loops instead of kvslim_kernels.c's, which keep the rows
+ * kernels' operation order (lane for lane the tiles' arithmetic, exp to expf's last bit). Here only fp32 accuracy
+ * is kept, not that order (tests/test_paged_kernel.py holds the kernel to the torch reference at 2e-5):
+ * - a unit of packed codes is widened once and every plane of it is taken from that register; an int4 / int2 code
+ *   becomes its float by a 16-entry table lookup of the low bits (vpermps), not a mask and a conversion;
+ * - the tokens' fp16 scales and zeros of a page are converted 16 at a time into floats;
+ * - K: a query's dot with the codes, then times the token's scale plus its zero times the query's sum, 8 tokens at
+ *   once; V: each weight times the token's scale multiplies the codes, and the weights times the zeros, summed
+ *   over the page, are added to every channel once;
+ * - the softmax's maxima, exponentials (Cephes' expf polynomial, about 1 ulp) and sums 16 tokens a register, the
+ *   query's visible tokens a lane mask.
+ * At 16 rows x 4,096 tokens of int4 the layer's call takes 0.50x the time of the loops it replaces (AMD EPYC
+ * Zen 4, 2 threads; docs/performance.md). */
+#if defined(__AVX512F__) && defined(__AVX512VL__) && defined(__F16C__)
+#define KVP_FAST 1
+
+/* e^x in 16 lanes (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-7 polynomial, times 2^n by scalef); x below
+ * -104 is taken as -104 (e^x then rounds to 0), NaN stays NaN. */
+static inline __m512 kvp_exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Lanes t .. t + 15 that lie in [a, b) or [c, d). */
+static inline __mmask16 kvp_lanes(int t, int a, int b, int c, int d) {
+    const __m512i i = _mm512_add_epi32(_mm512_set1_epi32(t),
+                                       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __mmask16 x = _mm512_cmpge_epi32_mask(i, _mm512_set1_epi32(a)) & _mm512_cmplt_epi32_mask(i, _mm512_set1_epi32(b));
+    const __mmask16 y = _mm512_cmpge_epi32_mask(i, _mm512_set1_epi32(c)) & _mm512_cmplt_epi32_mask(i, _mm512_set1_epi32(d));
+    return x | y;
+}
+
+/* The largest score of w[t] over t in [ta, s1) and [u0, u1) (-inf if none). */
+static float kvp_vmax(const float *w, int ta, int s1, int u0, int u1, int tb) {
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    for (int t = ta; t < tb; t += 16)
+        m = _mm512_max_ps(m, _mm512_mask_loadu_ps(m, kvp_lanes(t, ta, s1, u0, u1), w + t));
+    return _mm512_reduce_max_ps(m);
+}
+
+/* w[t] = e^(w[t] - mx) for t in [ta, s1) and [u0, u1), 0 for the other t in [ta, tb). Returns their sum. */
+static float kvp_vexp(float *w, int ta, int s1, int u0, int u1, int tb, float mx) {
+    __m512 s = _mm512_setzero_ps();
+    for (int t = ta; t < tb; t += 16) {
+        const __mmask16 in = kvp_lanes(t, ta, tb, 0, 0), vis = kvp_lanes(t, ta, s1, u0, u1);
+        const __m512 e = _mm512_maskz_mov_ps(
+            vis, kvp_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(vis, w + t), _mm512_set1_ps(mx))));
+        _mm512_mask_storeu_ps(w + t, in, e);
+        s = _mm512_add_ps(s, e);
+    }
+    return _mm512_reduce_add_ps(s);
+}
+
+/* The fp16 scale and zero of tokens [ta, tc) (each a dword at sz + t * ts: scale, then zero) -> sc[t], z[t]. The
+ * dwords are copied one by one, then converted 16 at a time (a gather is slower on Zen 4: microcoded). */
+static void kvp_scales(const uint8_t *sz, int64_t ts, int ta, int tc, float *sc, float *z) {
+    uint32_t buf[16];
+    for (int t = ta; t < tc; t += 16) {
+        const int n = tc - t < 16 ? tc - t : 16;
+        for (int j = 0; j < n; j++) memcpy(buf + j, sz + (t + j) * ts, 4);
+        const __mmask16 in = (__mmask16)((1u << n) - 1);
+        const __m512i d = _mm512_maskz_loadu_epi32(in, buf);
+        _mm512_mask_storeu_ps(sc + t, in, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(d)));
+        _mm512_mask_storeu_ps(z + t, in, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(d, 16))));
+    }
+}
+
+/* 16 widened code units (dwords) -> the plane of shift sh as floats: bits 8 a conversion, 4 and 2 a lookup of the
+ * low 4 bits in tab (tab[j] = j & (2^bits - 1)). */
+static inline __m512 kvp_plane(__m512i v, int sh, int bits, __m512 tab) {
+    if (bits == 8) return _mm512_cvtepi32_ps(v);
+    return _mm512_permutexvar_ps(sh ? _mm512_srli_epi32(v, (unsigned)sh) : v, tab);
+}
+
+static inline __m512 kvp_tab(int bits) {
+    const __m512 t = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return bits == 2 ? _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3) : t;
+}
+
+/* The sums of the 8-lane halves of a0 .. a3 (tokens 0, 1 in a0; 2, 3 in a1; ...): 8 token sums in order. */
+static inline __m256 kvp_sum8x2(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x88), _mm512_shuffle_f32x4(a0, a1, 0xDD));
+    const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x88), _mm512_shuffle_f32x4(a2, a3, 0xDD));
+    const __m512 p = _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x88), _mm512_shuffle_ps(x, y, 0xDD));
+    const __m512 q = _mm512_add_ps(_mm512_shuffle_ps(p, p, 0x88), _mm512_shuffle_ps(p, p, 0xDD));
+    return _mm512_castps512_ps256(
+        _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), q));
+}
+
+/* K scores of NM query-heads (plane-order queries qp, rows D apart, their sums qs) against n tokens of affine codes
+ * (c0 + ts * j): o[m * os + j] = (qp[m] . codes(j)) * sc[j] + z[j] * qs[m]. Two tokens a register (8 units each),
+ * 8 tokens at a time; the last group's missing tokens re-read token n - 1 and are not written. */
+static inline __attribute__((always_inline)) void kvp_k_aff_n(int bits, int NM, const float *qp, const float *qs,
+                                                             int D, const uint8_t *c0, int64_t ts, int n,
+                                                             const float *sc, const float *z, float *o, int64_t os) {
+    const int per = 8 / bits, np = D / per;
+    const __m512 tab = kvp_tab(bits);
+    for (int j = 0; j < n; j += 8) {
+        const uint8_t *cp[8];
+        for (int x = 0; x < 8; x++) cp[x] = c0 + ts * (j + x < n ? j + x : n - 1);
+        __m512 a[3][4];
+        for (int m = 0; m < NM; m++)
+            for (int y = 0; y < 4; y++) a[m][y] = _mm512_setzero_ps();
+        for (int u = 0; u < np; u += 8) {
+            __m512i v[4];
+            for (int y = 0; y < 4; y++)
+                v[y] = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(cp[2 * y] + u)),
+                                                               _mm_loadl_epi64((const __m128i *)(cp[2 * y + 1] + u))));
+            for (int i = 0; i < per; i++) {
+                __m512 q[3];
+                for (int m = 0; m < NM; m++) {
+                    const __m256 h = _mm256_loadu_ps(qp + (int64_t)m * D + i * np + u);
+                    q[m] = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(h)));
+                }
+                for (int y = 0; y < 4; y++) {
+                    const __m512 f = kvp_plane(v[y], bits * i, bits, tab);
+                    for (int m = 0; m < NM; m++) a[m][y] = _mm512_fmadd_ps(q[m], f, a[m][y]);
+                }
+            }
+        }
+        const __mmask8 keep = (__mmask8)(n - j >= 8 ? 0xff : (1u << (n - j)) - 1);
+        const __m256 s = _mm256_maskz_loadu_ps(keep, sc + j), zz = _mm256_maskz_loadu_ps(keep, z + j);
+        for (int m = 0; m < NM; m++) {
+            const __m256 d = kvp_sum8x2(a[m][0], a[m][1], a[m][2], a[m][3]);
+            _mm256_mask_storeu_ps(o + m * os + j, keep, _mm256_fmadd_ps(zz, _mm256_set1_ps(qs[m]), _mm256_mul_ps(d, s)));
+        }
+    }
+}
+
+static void kvp_k_aff(int bits, int MG, const float *qp, const float *qs, int D, const uint8_t *c0, int64_t ts,
+                      int n, const float *sc, const float *z, float *o, int64_t os) {
+    for (int m = 0; m < MG; m += 3) {
+        const float *q = qp + (int64_t)m * D, *s = qs + m;
+        float *om = o + m * os;
+        const int nm = MG - m < 3 ? MG - m : 3; /* bits and queries as constants: the loops unrolled in registers */
+#define KVP_K(B, N) kvp_k_aff_n(B, N, q, s, D, c0, ts, n, sc, z, om, os)
+        switch (bits * 4 + nm) {
+        case 33: KVP_K(8, 1); break;
+        case 34: KVP_K(8, 2); break;
+        case 35: KVP_K(8, 3); break;
+        case 17: KVP_K(4, 1); break;
+        case 18: KVP_K(4, 2); break;
+        case 19: KVP_K(4, 3); break;
+        case 9: KVP_K(2, 1); break;
+        case 10: KVP_K(2, 2); break;
+        default: KVP_K(2, 3); break;
+        }
+#undef KVP_K
+    }
+}
+
+/* V sums of NM query-heads: acc[m, :] (plane order) += p[m * ps + t] * codes(t) over tokens t in [ta, tc) (c0 + ts *
+ * t), p the weights times the token's scale (the zeros are the caller's). 64 channels of acc a block in registers:
+ * 64 / per units, each 16 widened once and all per planes taken from them. */
+static inline __attribute__((always_inline)) void kvp_v_aff_n(int bits, int NM, const float *p, int64_t ps,
+                                                             const uint8_t *c0, int64_t ts, int ta, int tc, int D,
+                                                             float *acc) {
+    const int per = 8 / bits, np = D / per, chunks = 4 / per; /* 16-unit chunks a block (int2: 1, 4 planes) */
+    const __m512 tab = kvp_tab(bits);
+    for (int ub = 0; ub < np; ub += 16 * chunks) {
+        __m512 a[3][4];
+        for (int m = 0; m < NM; m++)
+            for (int ch = 0; ch < chunks; ch++)
+                for (int i = 0; i < per; i++)
+                    a[m][ch * per + i] = _mm512_loadu_ps(acc + (int64_t)m * D + i * np + ub + 16 * ch);
+        for (int t = ta; t < tc; t++) {
+            const uint8_t *c = c0 + ts * t;
+            _mm_prefetch((const char *)(c + 8 * ts), _MM_HINT_T0);
+            __m512 w[3];
+            for (int m = 0; m < NM; m++) w[m] = _mm512_set1_ps(p[m * ps + t]);
+            for (int ch = 0; ch < chunks; ch++) {
+                const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + ub + 16 * ch)));
+                for (int i = 0; i < per; i++) {
+                    const __m512 f = kvp_plane(v, bits * i, bits, tab);
+                    for (int m = 0; m < NM; m++) a[m][ch * per + i] = _mm512_fmadd_ps(w[m], f, a[m][ch * per + i]);
+                }
+            }
+        }
+        for (int m = 0; m < NM; m++)
+            for (int ch = 0; ch < chunks; ch++)
+                for (int i = 0; i < per; i++)
+                    _mm512_storeu_ps(acc + (int64_t)m * D + i * np + ub + 16 * ch, a[m][ch * per + i]);
+    }
+}
+
+static void kvp_v_aff(int bits, int MG, const float *p, int64_t ps, const uint8_t *c0, int64_t ts, int ta, int tc,
+                      int D, float *acc) {
+    for (int m = 0; m < MG; m += 3) {
+        const float *pm = p + (int64_t)m * ps;
+        float *am = acc + (int64_t)m * D;
+        const int nm = MG - m < 3 ? MG - m : 3;
+#define KVP_V(B, N) kvp_v_aff_n(B, N, pm, ps, c0, ts, ta, tc, D, am)
+        switch (bits * 4 + nm) {
+        case 33: KVP_V(8, 1); break;
+        case 34: KVP_V(8, 2); break;
+        case 35: KVP_V(8, 3); break;
+        case 17: KVP_V(4, 1); break;
+        case 18: KVP_V(4, 2); break;
+        case 19: KVP_V(4, 3); break;
+        case 9: KVP_V(2, 1); break;
+        case 10: KVP_V(2, 2); break;
+        default: KVP_V(2, 3); break;
+        }
+#undef KVP_V
+    }
+}
+#else
+#define KVP_FAST 0
+#endif
+
 /* x (D values) in place, natural order -> plane order of per codes per byte: x'[i * np + j] = x[per * j + i]. */
 static void kvp_to_planes(float *x, int D, int per, float *tmp) {
     const int np = D / per;
@@ -408,7 +639,8 @@ static void kvp_fill(const int64_t *a, int fmt, int64_t off, const uint8_t *base
  * the scaled queries (and in plane order), the accumulators, the running maxima and sums, the queries' sums, the
  * scores of a page, a row. */
 static size_t kvp_scratch(int T, int D, int MG) {
-    return 2 * (size_t)(T + 4) * D + 3 * (size_t)MG * D + 3 * (size_t)MG + (size_t)MG * T + D + 16;
+    return 2 * (size_t)(T + 4) * D + 3 * (size_t)MG * D + 3 * (size_t)MG + (size_t)MG * T + D + 16 +
+           (size_t)MG * T + 4 * (size_t)T + (size_t)MG + 64; /* KVP_FAST: weights x scales, scales, zeros, sums */
 }
 
 static void kvp_finish(const kvp_call *c, int r, int h, int q0, int M, const float *sum, const float *acc, int vper);
@@ -451,6 +683,9 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, int64_t pa, int64_t
         acc = sum + MG;
     }
     float *qp = S + (size_t)MG * T, *qsum = qp + (size_t)MG * D, *tmp = qsum + MG;
+#if KVP_FAST /* after tmp's D + 16: the V weights times scales (MG x T), the pages' K and V scales and zeros */
+    float *ws = tmp + D + 16, *ksc = ws + (size_t)MG * T, *kz = ksc + T, *vsc = kz + T, *vz = vsc + T, *zsum = vz + T;
+#endif
     const int kaff = kvp_affine((int)a[H_KFMT], MG, D, a[H_TOKEN_STRIDE]);
     const int vaff = kvp_affine((int)a[H_VFMT], MG, D, a[H_TOKEN_STRIDE]), vper = vaff ? 8 / vaff : 1;
     for (int m = 0; m < M; m++)
@@ -494,6 +729,13 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, int64_t pa, int64_t
             int64_t blk = table[p];
             if (blk < 0 || blk >= a[H_NPAGES]) return 2;
             base = pool + blk * a[H_PAGE_STRIDE] + (int64_t)h * a[H_HEAD_STRIDE];
+#if defined(__F16C__)
+            if (p + 1 < pb && p + 1 < tlen && (p + 1) * T < hi && table[p + 1] >= 0 && table[p + 1] < a[H_NPAGES]) {
+                /* the next page's rows of this head, fetched while this one is read (pages are not adjacent) */
+                const char *next = (const char *)pool + table[p + 1] * a[H_PAGE_STRIDE] + (int64_t)h * a[H_HEAD_STRIDE];
+                for (int64_t b = 0; b < (int64_t)T * a[H_TOKEN_STRIDE]; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+            }
+#endif
             int64_t slot = stage && blk < a[H_SMAP_LEN] ? smap[blk] : -1;
             if (slot >= a[H_SNSLOTS]) return 2;
             if (slot >= 0) { /* a partly filled page, staged at full precision */
@@ -509,6 +751,12 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, int64_t pa, int64_t
         const int kk = tc > ta ? kvp_direct(kfmt, MG, D) : -1, ka = tc > ta && !staged ? kaff : 0;
         const int k0 = kk >= 0 || ka ? tc : ta;
         if (kk >= 0) kvs_k_ggml(kk, MG, qq, D, D, base + koff + ta * ts, ts, tc - ta, S + ta, T);
+#if KVP_FAST
+        if (ka && D % 64 == 0) {
+            kvp_scales(base + koff + D * ka / 8, ts, ta, tc, ksc, kz);
+            kvp_k_aff(ka, MG, qp, qsum, D, base + koff + ta * ts, ts, tc - ta, ksc + ta, kz + ta, S + ta, T);
+        } else
+#endif
         if (ka) {
             kvs_k_affine(ka, MG, qp, D, base + koff + ta * ts, ts, tc - ta, S + ta, T);
             for (int t = ta; t < tc; t++) { /* the token's fp16 scale and zero follow its codes */
@@ -539,6 +787,25 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, int64_t pa, int64_t
             for (int g = 0; g < G; g++) {
                 int i = m * G + g;
                 float *w = S + (size_t)i * T;
+#if KVP_FAST
+                if (u0 == u1 && s1 == ta) {
+                    memset(w + ta, 0, sizeof(float) * (size_t)(tb - ta));
+                    continue;
+                }
+                seen = 1;
+                {
+                    const float vm = kvp_vmax(w, ta, s1, u0, u1, tb), vn = vm > mx[i] ? vm : mx[i];
+                    if (vn != mx[i] && mx[i] != -INFINITY) {
+                        const float corr = expf(mx[i] - vn);
+                        float *ac = acc + (size_t)i * D;
+                        sum[i] *= corr;
+                        for (int d = 0; d < D; d++) ac[d] *= corr;
+                    }
+                    sum[i] += kvp_vexp(w, ta, s1, u0, u1, tb, vn);
+                    mx[i] = vn;
+                    continue;
+                }
+#endif
                 for (int t = s1; t < u0; t++) w[t] = 0.0f;
                 for (int t = u1; t < tb; t++) w[t] = 0.0f;
                 if (u0 == u1 && s1 == ta) continue;
@@ -562,6 +829,28 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, int64_t pa, int64_t
         const int vk = tc > ta ? kvp_direct(vfmt, MG, D) : -1, va = tc > ta && !staged ? vaff : 0;
         const int v0 = vk >= 0 || va ? tc : ta;
         if (vk >= 0) kvs_v_ggml(vk, MG, S, T, base + voff, ts, ta, tc, D, acc);
+#if KVP_FAST
+        if (va && D % 64 == 0) { /* sum_t w (c s + z) = sum_t (w s) c + sum_t w z */
+            kvp_scales(base + voff + D * va / 8, ts, ta, tc, vsc, vz);
+            for (int i = 0; i < MG; i++) {
+                const float *w = S + (size_t)i * T;
+                float *p = ws + (size_t)i * T;
+                __m512 zs = _mm512_setzero_ps();
+                for (int t = ta; t < tc; t += 16) {
+                    const __mmask16 in = kvp_lanes(t, ta, tc, 0, 0);
+                    const __m512 wt = _mm512_maskz_loadu_ps(in, w + t);
+                    _mm512_mask_storeu_ps(p + t, in, _mm512_mul_ps(wt, _mm512_maskz_loadu_ps(in, vsc + t)));
+                    zs = _mm512_fmadd_ps(wt, _mm512_maskz_loadu_ps(in, vz + t), zs);
+                }
+                zsum[i] = _mm512_reduce_add_ps(zs);
+            }
+            kvp_v_aff(va, MG, ws, T, base + voff, ts, ta, tc, D, acc);
+            for (int i = 0; i < MG; i++) {
+                float *ac = acc + (size_t)i * D;
+                for (int d = 0; d < D; d++) ac[d] += zsum[i];
+            }
+        } else
+#endif
         if (va) kvs_v_affine(va, MG, S, T, base + voff, ts, ta, tc, D, acc);
         kvp_fill(a, vfmt, voff, base, ts, vnew, raw0, t0, v0, tc, tb, D, vt);
         if (vaff) /* the accumulators are in plane order: so is every V tile row */
