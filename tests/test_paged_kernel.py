@@ -412,3 +412,23 @@ def test_c_writes_leave_a_value_beyond_fp16_to_the_torch_encoder(fmt_v, monkeypa
     assert codes == [4] and (pages == 0).all()
     paged.store(layout, pages, key[:1], value[:1], torch.tensor([0]))  # the good row alone: C writes it
     assert codes == [4, 0] and pages[0, 0, 0].any()
+
+
+@pytest.mark.parametrize("fmt_k,fmt_v", [("int4", "int4"), ("q4_0", "int2"), ("none", "none")])
+@pytest.mark.parametrize("rotate", [(64, 64), (64, 0), (0, 32)])
+def test_rotation_inside_the_call_equals_the_reference(fmt_k, fmt_v, rotate):
+    """``rotate``: each query head rotated into K's Hadamard basis first and each output head back from V's last, in
+    the kernel (a transform of the head's row) and in the reference (torch's matmul), decode rows and a prompt
+    chunk; the rotation really moves the answer; a block that is not a power of two dividing the head size is
+    refused in one line."""
+    case = _step(fmt_k, fmt_v, [300, 1, 95, 120], [1, 1, 1, 37], 9, 3, seed=7)
+    layout, pages, query, rows, key, value = case
+    ref, out, plain = (torch.zeros(query.shape) for _ in range(3))
+    paged.attend_reference(layout, pages, query, ref, rows, 0.125, 0, True, key, value, None, 0, rotate)
+    paged.attend(layout, pages, query, out, rows, 0.125, 0, True, key, value, None, 0, rotate)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    paged.attend(layout, pages, query, plain, rows, 0.125, 0, True, key, value)
+    assert (plain - out).abs().max() > 1e-2
+    for bad in ((48, 0), (0, 128), (-2, 0)):
+        with pytest.raises(ValueError, match="power of two dividing the head size 64"):
+            paged.attend(layout, pages, query, out, rows, 0.125, 0, True, key, value, None, 0, bad)

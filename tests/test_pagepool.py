@@ -277,6 +277,16 @@ def test_a_value_beyond_float16_is_refused_where_it_would_be_staged():
         q, k = torch.randn(1, 1, 32), torch.randn(1, 1, 32)
         with pytest.raises(ValueError, match="not finite in float16 .* residual_dtype=model"):
             pool.attend(plan, 0, q, k * 1e6, k, 0.1)
+        assert pool.basis.v is not None  # V is staged rotated: the edge is put where the rotation takes it
+        for at, ok in ((-65510.0, True), (65530.0, False), (float("nan"), False)):  # from 65520 on: inf
+            edge = torch.zeros(1, 1, 32)
+            edge[0, 0, 3] = at
+            v = pool.basis.v.apply(edge)  # H is its own inverse: v rotates back to edge
+            if ok:  # rounds to float16's largest, -65504: staged
+                pool.attend(plan, 0, q, k, v, 0.1)
+                continue
+            with pytest.raises(ValueError, match="a value value is not finite in float16"):
+                pool.attend(plan, 0, q, k, v, 0.1)
         wide = PagePool("q8_0,residual_dtype=model", n_layers=1, kv_heads=1, head_dim=32, dtype=torch.float32,
                         pages=2, max_rows=1)  # fmt: skip
         wrow = wide.new_row()

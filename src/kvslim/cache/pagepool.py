@@ -99,6 +99,8 @@ class StepPlan:
     undo: tuple | None = None
     #: whether any of the step's tokens is staged
     staged_any: bool = False
+    #: the staged tokens' indices where only some are (a prompt's encoded tokens beside them), None where all are
+    staged_index: torch.Tensor | None = None
     #: set by :meth:`PagePool.abandon`
     abandoned: bool = False
 
@@ -341,7 +343,10 @@ class PagePool:
             with torch.inference_mode():  # its map: an inference tensor whichever mode the step runs in
                 plan.stage_dest = self.stager.plan(plan.slots, self._keep_staged(rows, lengths))
             plan.stage_map = self.stager.map
-            plan.staged_any = bool((plan.stage_dest >= 0).any())
+            staged = plan.stage_dest >= 0
+            plan.staged_any = bool(staged.any())
+            if plan.staged_any and not bool(staged.all()):
+                plan.staged_index = staged.nonzero().flatten()
             # slots this step hands from one page to another (a page left a residual, a new one starts): their
             # contents are kept, so that an abandoned step can put them back (its layers write the new owner's)
             owners = stager_state[1]
@@ -434,10 +439,8 @@ class PagePool:
         (causal). Returns (N, H_q, D) float32."""
         keys, values = self.basis.keys(key, layer), self.basis.values(value)
         if self.stage_dtype == torch.float16 and self.dtype != torch.float16 and plan.staged_any:
-            staged_tokens = (
-                plan.stage_dest >= 0
-            )  # only what is staged is cast: a prompt's other tokens are encoded
-            check_half(keys[staged_tokens], values[staged_tokens])
+            at = plan.staged_index  # only what is staged is cast: a prompt's other tokens are encoded
+            check_half(keys if at is None else keys[at], values if at is None else values[at])
         paged.store(self.layout, self.pages[layer], keys, values, plan.slots)
         staged = None
         if self.stager is not None:

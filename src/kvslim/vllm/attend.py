@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache.hadamard import Hadamard
 from ..formats import get_format
 from .pages import PageLayout, Part, gather, write
 from .staging import overlay
@@ -45,8 +46,8 @@ from .staging import overlay
 KERNEL_ENV = "KVSLIM_VLLM_KERNEL"
 #: kvp_attend's ABI and table widths (csrc/kvslim_paged.c: H_FIELDS, R_FIELDS, W_FIELDS), checked when the
 #: library loads.
-ABI = 5
-HEAD_FIELDS = 37
+ABI = 6
+HEAD_FIELDS = 39
 ROW_FIELDS = 5
 WRITE_FIELDS = 19
 #: C's row decoders of the cast dtypes.
@@ -180,6 +181,7 @@ def attend(
     value: torch.Tensor | None = None,
     staged: Staged | None = None,
     sink: int = 0,
+    rotate: tuple[int, int] = (0, 0),
 ) -> None:
     """Attention of every row's queries on its pages, written into ``out``.
 
@@ -188,7 +190,9 @@ def attend(
     the queries: each row's new keys are read from them (module docstring); None: every key from the pages;
     staged: pages with a staging slot are read from it instead of their codes (:mod:`.staging`); sink: with a window,
     keys ``0 .. sink - 1`` stay visible to every query (StreamingLLM's sinks); the pages between a row's sink pages
-    and its window's first page are never read (a pool may have freed them)."""
+    and its window's first page are never read (a pool may have freed them); rotate: (K's block, V's block) of the
+    normalized Sylvester Hadamard rotation the pages are stored in (0: none): each query head is rotated into K's
+    basis first and each output head back from V's last, inside the call (:mod:`.basis`)."""
     if (key is None) != (value is None):
         raise ValueError("kvslim paged attention: give both the step's raw key and value, or neither")
     if query.dim() != 3 or query.shape[1] % kv_cache.shape[1]:
@@ -206,9 +210,15 @@ def attend(
                     f"({query.shape[0]}, {want[0]}, {want[1]}) ({want[0]} KV heads): the step's tokens packed like "
                     f"the queries"
                 )
+    for name, block in zip(("K", "V"), rotate, strict=True):
+        if block < 0 or (block and (block & (block - 1) or layout.head_dim % block)):
+            raise ValueError(
+                f"kvslim paged attention: {name}'s rotation block {block} must be 0 or a power of two dividing the "
+                f"head size {layout.head_dim}"
+            )
     lib = None if _reference_asked() else library()
     if lib is None:
-        attend_reference(layout, kv_cache, query, out, rows, scale, window, causal, key, value, staged, sink)
+        attend_reference(layout, kv_cache, query, out, rows, scale, window, causal, key, value, staged, sink, rotate)
         return
     kcode, vcode = _part_codes(lib, layout)
     # vLLM's queries are a view of its qkv projection: read in place (a token stride), not copied
@@ -277,7 +287,7 @@ def attend(
         ]
     else:
         head += [0] * 9
-    head.append(sink)
+    head += [sink, rotate[0], rotate[1]]
     args = torch.tensor(head, dtype=torch.int64)
     rc = lib.kvp_attend(args.data_ptr())
     if rc:
@@ -395,6 +405,7 @@ def attend_reference(
     value: torch.Tensor | None = None,
     staged: Staged | None = None,
     sink: int = 0,
+    rotate: tuple[int, int] = (0, 0),
 ) -> None:
     """:func:`attend` in torch: each row's cached keys decoded from its pages to fp32 (with ``key``/``value``,
     its new keys taken from them), a masked softmax. The oracle of the C kernel."""
@@ -418,7 +429,10 @@ def attend_reference(
             kv = [torch.cat([x, raw[q0:q1].float().transpose(0, 1)], 1) for x, raw in zip(kv, (key, value))]
         g = h_q // kv[0].shape[0]
         k, v = (x.repeat_interleave(g, 0) for x in kv)  # (H_q, L, D)
-        q = query[q0:q1].float().transpose(0, 1)  # (H_q, n, D)
+        q = query[q0:q1].float()
+        if rotate[0]:  # into K's basis
+            q = Hadamard(layout.head_dim, rotate[0]).apply(q)
+        q = q.transpose(0, 1)  # (H_q, n, D)
         s = (q @ k.transpose(1, 2)) * scale  # (H_q, n, L)
         qpos = torch.arange(kv_len - n, kv_len)[:, None]  # (n, 1)
         kpos = torch.arange(kv_len)[None, :]  # (1, L)
@@ -426,4 +440,7 @@ def attend_reference(
         if window > 0:
             keep = keep & ((kpos > qpos - window) | (kpos < sink))
         s = s.masked_fill(~keep, float("-inf"))
-        out[q0:q1] = (torch.softmax(s, -1) @ v).transpose(0, 1).to(out.dtype)  # (n, H_q, D)
+        o = (torch.softmax(s, -1) @ v).transpose(0, 1)  # (n, H_q, D)
+        if rotate[1]:  # back from V's basis
+            o = Hadamard(layout.head_dim, rotate[1]).apply(o)
+        out[q0:q1] = o.to(out.dtype)

@@ -9,8 +9,9 @@ basis, and rotates only what crosses its border:
 - the K and V a step writes (:meth:`PageBasis.keys`, :meth:`PageBasis.values`), before they are encoded into
   their pages or copied into a staging slot (:mod:`.staging`), so a page's codes, a staged page and the step's own
   raw K/V are all in one basis;
-- the queries, by K's matrix (:meth:`PageBasis.queries`), before the kernel scores them;
-- the attention output, by V's matrix (:meth:`PageBasis.output`), after the kernel sums the values.
+- the queries, by K's matrix, before the kernel scores them, and the attention output, by V's matrix, after it
+  sums the values: both inside the kernel's call (:func:`attend`, the kernel's ``rotate``: a Hadamard transform of
+  each head's row, rather than two more torch calls a layer).
 
 The matrix is kvslim's own (:class:`~kvslim.cache.hadamard.Hadamard`: Sylvester, block the largest power of two
 dividing head_dim), so a rotated page holds byte for byte the codes kvslim's own cache encodes for the same K/V
@@ -145,15 +146,6 @@ class PageBasis:
         """Values (N, H_kv, D) as the pages store them: rotated to float32 by V's matrix, or as given."""
         return x if self.v is None else self.v.apply(x)
 
-    def queries(self, q: torch.Tensor) -> torch.Tensor:
-        """Queries (N, H_q, D) in the keys' basis (float32), or as given."""
-        return q if self.k is None else self.k.apply(q)
-
-    def output(self, o: torch.Tensor) -> torch.Tensor:
-        """The kernel's output (N, H_q, D), a sum of stored values, back to the model's basis (float32; ``H`` is its
-        own inverse), or as given."""
-        return o if self.v is None else self.v.inverse(o)
-
 
 def load_biases(path, model: ModelShape, layout: PageLayout, k_rot: bool) -> tuple[torch.Tensor, ...]:
     """Every layer's K bias of the file at ``path`` (H_kv, D) float32, checked as kvslim's own cache checks it
@@ -202,16 +194,9 @@ def attend(
     staged: paged.Staged | None = None,
     sink: int = 0,
 ) -> None:
-    """:func:`kvslim.vllm.attend.attend` on pages stored in ``basis``: the queries rotated into K's basis, the output
-    written into ``out`` in the model's basis. ``keys``, ``values``: the step's raw K/V already in the basis
-    (:meth:`PageBasis.keys`, :meth:`PageBasis.values`), as the staging slots hold them."""
-    if basis.v is None:
-        paged.attend(
-            layout, kv_cache, basis.queries(query), out, rows, scale, window, causal, keys, values, staged, sink
-        )
-        return
-    summed = torch.empty(out.shape, dtype=torch.float32)  # the values' sum, in V's basis
-    paged.attend(
-        layout, kv_cache, basis.queries(query), summed, rows, scale, window, causal, keys, values, staged, sink
-    )
-    out.copy_(basis.output(summed))
+    """:func:`kvslim.vllm.attend.attend` on pages stored in ``basis``: the queries rotated into K's basis and the
+    output back from V's inside the kernel's call (its ``rotate``), ``out`` in the model's basis. ``keys``,
+    ``values``: the step's raw K/V already in the basis (:meth:`PageBasis.keys`, :meth:`PageBasis.values`), as the
+    staging slots hold them."""
+    rotate = (basis.k.block if basis.k is not None else 0, basis.v.block if basis.v is not None else 0)
+    paged.attend(layout, kv_cache, query, out, rows, scale, window, causal, keys, values, staged, sink, rotate)

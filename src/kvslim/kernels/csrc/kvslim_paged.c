@@ -67,7 +67,7 @@
 #include <immintrin.h>
 #endif
 
-#define KVP_ABI_VERSION 5
+#define KVP_ABI_VERSION 6
 /* Queries per task (a prefill row is split into chunks of QC queries). */
 #define KVP_QC 16
 /* Largest page (tokens) and head dim the scratch is sized for. */
@@ -316,6 +316,8 @@ enum {
     H_SMAP,      /* int32 page id -> staging slot or -1 */
     H_SMAP_LEN,  /* entries of H_SMAP (a page beyond it has no slot) */
     H_SINK,      /* with a window: keys [0, H_SINK) stay visible to every query (StreamingLLM's sinks) */
+    H_QROT,      /* 0, or the block of the normalized Sylvester Hadamard rotation applied to each query head first */
+    H_OROT,      /* 0, or the block of the one applied to each output head last (pages in a rotated basis) */
     H_FIELDS
 };
 /* A row: its first query, its number of queries, its number of keys, its block table (int32 page ids) and
@@ -643,6 +645,23 @@ static size_t kvp_scratch(int T, int D, int MG) {
            (size_t)MG * T + 4 * (size_t)T + (size_t)MG + 64; /* KVP_FAST: weights x scales, scales, zeros, sums */
 }
 
+/* x (D values) times the normalized Sylvester Hadamard matrix of order hb, block by block (hb a power of two dividing
+ * D): the basis the pages are stored in (kvslim.cache.hadamard; H is symmetric and its own inverse). */
+static void kvp_fwht(float *restrict x, int D, int hb) {
+    const float norm = 1.0f / sqrtf((float)hb);
+    for (int b0 = 0; b0 < D; b0 += hb) {
+        float *restrict y = x + b0;
+        for (int h = 1; h < hb; h *= 2)
+            for (int i = 0; i < hb; i += 2 * h)
+                for (int j = i; j < i + h; j++) {
+                    const float u = y[j], v = y[j + h];
+                    y[j] = u + v;
+                    y[j + h] = u - v;
+                }
+    }
+    for (int d = 0; d < D; d++) x[d] *= norm;
+}
+
 static void kvp_finish(const kvp_call *c, int r, int h, int q0, int M, const float *sum, const float *acc, int vper);
 
 /* One task: row r, KV head h, queries q0 .. q0 + M - 1 of the row, over its pages [pa, pb) (of those it may see).
@@ -693,6 +712,7 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, int64_t pa, int64_t
             const float *src = q + (row[R_QSTART] + q0 + m) * a[H_QS] + (int64_t)(h * G + g) * D;
             float *dst = qq + (size_t)(m * G + g) * D;
             for (int d = 0; d < D; d++) dst[d] = src[d] * c->scale;
+            if (a[H_QROT]) kvp_fwht(dst, D, (int)a[H_QROT]); /* into the keys' basis */
         }
     if (kaff) /* plane-order queries and their sums */
         for (int i = 0; i < MG; i++) {
@@ -879,6 +899,7 @@ static void kvp_finish(const kvp_call *c, int r, int h, int q0, int M, const flo
             } else {
                 for (int d = 0; d < D; d++) dst[d] = ac[d] * inv;
             }
+            if (a[H_OROT]) kvp_fwht(dst, D, (int)a[H_OROT]); /* back from the values' basis */
         }
 }
 
@@ -944,6 +965,8 @@ int kvp_attend(const int64_t *a) {
     if (a[H_KFMT] < 0 || a[H_KFMT] >= KVP_NFORMATS || a[H_VFMT] < 0 || a[H_VFMT] >= KVP_NFORMATS) return 2;
     if (!a[H_KNEW] != !a[H_VNEW] || (a[H_KNEW] && a[H_NEWS] < (int64_t)c.Hkv * c.D)) return 2;
     if (a[H_STAGE] && (!a[H_SMAP] || a[H_SFMT] < KVP_F32 || a[H_SFMT] > KVP_BF16)) return 2;
+    for (int f = H_QROT; f <= H_OROT; f++) /* a rotation's block: a power of two dividing D */
+        if (a[f] < 0 || a[f] > c.D || (a[f] && (a[f] & (a[f] - 1) || c.D % a[f]))) return 2;
     c.G = c.Hq / c.Hkv;
     const int64_t nrows = a[H_NROWS];
     int64_t ntasks = 0;
