@@ -18,6 +18,15 @@ pytestmark = pytest.mark.skipif(paged.library() is None, reason=f"C kernels unav
 T = PAGE_TOKENS
 
 
+@pytest.fixture(params=["avx512", "avx2"])
+def loops(request):
+    """Each attention test on both decode paths of the kernel: its AVX-512 loops (where built) and the AVX2 loops a
+    build without them takes."""
+    paged.use_avx512_loops(request.param == "avx512")
+    yield request.param
+    paged.use_avx512_loops(True)
+
+
 def _step(fmt_k, fmt_v, kv_lens, q_lens, h_q, h_kv, d=64, seed=0, dtype=torch.float32):
     """Pages of shuffled ids holding every row's cached keys (not its new ones: those are raw, as the backend
     attends), the queries, the rows and the step's raw K/V."""
@@ -66,7 +75,7 @@ FORMATS = [
 
 @pytest.mark.parametrize("fmt_k,fmt_v", FORMATS)
 @pytest.mark.parametrize("h_q,h_kv", [(9, 3), (2, 2), (8, 2), (14, 2)])
-def test_decode_steps_over_many_pages_equal_the_reference(fmt_k, fmt_v, h_q, h_kv):
+def test_decode_steps_over_many_pages_equal_the_reference(fmt_k, fmt_v, h_q, h_kv, loops):
     """Decode rows (one query each) of 1 to 300 keys: the GQA group (1, 3, 4, 7 query-heads a task) on both sides
     of the in-register bound (6), page-boundary lengths, a one-key row."""
     kv_lens = [300, 1, 32, 33, 64, 257, 95]
@@ -77,7 +86,7 @@ def test_decode_steps_over_many_pages_equal_the_reference(fmt_k, fmt_v, h_q, h_k
 
 @pytest.mark.parametrize("fmt_k,fmt_v", FORMATS[:5])
 @pytest.mark.parametrize("window", [0, 45])
-def test_prefill_chunks_over_a_cached_prefix_equal_the_reference(fmt_k, fmt_v, window):
+def test_prefill_chunks_over_a_cached_prefix_equal_the_reference(fmt_k, fmt_v, window, loops):
     """Rows of 37 and 70 new queries continuing 100 and 13 cached keys (chunks of 16 queries, tiles), beside a
     decode row, with and without a window; and the same rows non-causal."""
     case = _step(fmt_k, fmt_v, [137, 83, 200], [37, 70, 1], 9, 3, seed=1)
@@ -88,7 +97,7 @@ def test_prefill_chunks_over_a_cached_prefix_equal_the_reference(fmt_k, fmt_v, w
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "int8", "int4"])
-def test_staged_last_pages_are_read_from_the_pool(fmt):
+def test_staged_last_pages_are_read_from_the_pool(fmt, loops):
     """Each decode row's partly filled last page staged (fp32 copies of its tokens): the kernel reads those pages
     from the pool and the rest from their codes, as the reference does; in-register rows and staged tile rows mix
     in one task (affine V sums in plane order on both)."""
@@ -212,7 +221,7 @@ def test_queries_and_raw_kv_read_in_place_from_a_wider_tensor():
 
 @pytest.mark.parametrize("fmt_k,fmt_v", [("q4_0", "q4_0"), ("int4", "int2"), ("none", "none")])
 @pytest.mark.parametrize("window", [0, 300])
-def test_few_long_rows_split_over_threads_equal_the_reference(fmt_k, fmt_v, window):
+def test_few_long_rows_split_over_threads_equal_the_reference(fmt_k, fmt_v, window, loops):
     """Fewer (row, KV head) tasks than ~4 a thread: each row's pages are split over the threads and the parts merged
     (split-K); the same results as the reference, and the same bits on every call."""
     before = torch.get_num_threads()
@@ -229,7 +238,7 @@ def test_few_long_rows_split_over_threads_equal_the_reference(fmt_k, fmt_v, wind
 
 @pytest.mark.parametrize("fmt_k,fmt_v", [("int4", "int4"), ("q4_0", "q4_0"), ("none", "none"), ("q8_0", "int2")])
 @pytest.mark.parametrize(("window", "sink"), [(45, 4), (100, 40), (64, 32), (300, 1), (45, 0)])
-def test_sinks_beside_a_window_equal_the_reference(fmt_k, fmt_v, window, sink):
+def test_sinks_beside_a_window_equal_the_reference(fmt_k, fmt_v, window, sink, loops):
     """StreamingLLM in the kernel: with a window, keys ``0 .. sink - 1`` stay visible to every query (a sink inside
     the first page, across two, a whole page; rows shorter than sink + window, where the two meet, and longer ones);
     decode rows and prompt chunks (several queries: each its own window); split over threads too. The pages between
@@ -416,7 +425,7 @@ def test_c_writes_leave_a_value_beyond_fp16_to_the_torch_encoder(fmt_v, monkeypa
 
 @pytest.mark.parametrize("fmt_k,fmt_v", [("int4", "int4"), ("q4_0", "int2"), ("none", "none")])
 @pytest.mark.parametrize("rotate", [(64, 64), (64, 0), (0, 32)])
-def test_rotation_inside_the_call_equals_the_reference(fmt_k, fmt_v, rotate):
+def test_rotation_inside_the_call_equals_the_reference(fmt_k, fmt_v, rotate, loops):
     """``rotate``: each query head rotated into K's Hadamard basis first and each output head back from V's last, in
     the kernel (a transform of the head's row) and in the reference (torch's matmul), decode rows and a prompt
     chunk; the rotation really moves the answer; a block that is not a power of two dividing the head size is

@@ -155,6 +155,15 @@ def library():
     return _state["lib"]
 
 
+def use_avx512_loops(on: bool) -> bool:
+    """Whether :func:`attend`'s C kernel takes its AVX-512 decode loops (``True``, the default where the library was
+    built with them) or the AVX2 loops a build without them takes (``False``): for tests (both paths against the
+    reference on one machine) and ``scripts/paged_attend_time.py`` (both timed in one process). Not during a call.
+    Returns whether this build has the AVX-512 loops (False as well where the C kernel is unavailable)."""
+    lib = library()
+    return bool(lib.kvp_set_fast(int(on))) if lib is not None else False
+
+
 def _reference_asked() -> bool:
     """Whether ``$KVSLIM_VLLM_KERNEL`` asks for the torch reference."""
     return os.environ.get(KERNEL_ENV, "c") == "reference"

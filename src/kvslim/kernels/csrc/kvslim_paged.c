@@ -39,7 +39,10 @@
  * accumulator at once, all in fp32. The loops are kvslim_kernels.c's (kvs_*: its tiles' AVX2 dots and sums, q8_0 /
  * q4_0 / sym8 rows and KIVI-style affine codes read 8 at a time in registers, exp in lanes), not a second copy: at
  * up to KVP_DIRECT_MAX query-heads (a decode step) codes are used in registers and never written out; more (a
- * prefill chunk) decode each page once into an fp32 tile in L1, as the step's raw K/V and staged pages are.
+ * prefill chunk) decode each page once into an fp32 tile in L1, as the step's raw K/V and staged pages are. Built
+ * for AVX-512, a decode task's affine pages and every task's softmax take this file's own loops instead ("AVX-512
+ * decode loops" below: fp32-accurate, not the rows kernels' operation order), and the queries and outputs are
+ * rotated into and out of the pages' Hadamard basis here (H_QROT, H_OROT) rather than by two more torch calls.
  * Tasks run in parallel (OpenMP, the caller's thread count), costliest first; when there are fewer than ~4 a
  * thread (a few long decodes), each task's pages are split over the threads and the parts merged in page order
  * (split-K; the split depends on the shapes and the thread count only). No full fp32 copy of the history is made.
@@ -111,6 +114,16 @@ static const struct {
 #define KVP_NFORMATS ((int)(sizeof(KVP_FORMATS) / sizeof(KVP_FORMATS[0])))
 
 int kvp_abi_version(void) { return KVP_ABI_VERSION; }
+
+/* Whether kvp_attend takes the AVX-512 decode loops where built (1, the default) or the loops of kvslim_kernels.c
+ * an AVX2 build takes (0): the tests hold both paths to the reference on one machine, and scripts/paged_attend_time.py
+ * times both in one process. Set it between calls, never during one. Returns whether the loops are built. */
+static int kvp_fast = KVP_FAST;
+
+int kvp_set_fast(int on) {
+    kvp_fast = KVP_FAST && on;
+    return KVP_FAST;
+}
 
 int kvp_format(const char *name, int32_t *elements, int32_t *bytes) {
     for (int i = 0; i < KVP_NFORMATS; i++)
@@ -252,7 +265,7 @@ static void kvp_decode_row(int fmt, const uint8_t *restrict src, int D, float *r
         int nb = D * bits / 8;
         float s = kvp_h2f(src + nb), z = kvp_h2f(src + nb + 2);
 #if KVP_FAST
-        if ((bits == 8 || bits == 4) && D % 32 == 0) { /* 16 codes a register: code * s + z, as below */
+        if (kvp_fast && (bits == 8 || bits == 4) && D % 32 == 0) { /* 16 codes a register: code * s + z, as below */
             const __m512 vs = _mm512_set1_ps(s), vz = _mm512_set1_ps(z);
             for (int i = 0; i < D; i += 32) {
                 __m128i lo, hi; /* channels i .. i + 15 and i + 16 .. i + 31, a byte each */
@@ -437,8 +450,8 @@ static int kvp_affine(int fmt, int MG, int D, int64_t ts) {
  *   over the page, are added to every channel once;
  * - the softmax's maxima, exponentials (Cephes' expf polynomial, about 1 ulp) and sums 16 tokens a register, the
  *   query's visible tokens a lane mask.
- * At 16 rows x 4,096 tokens of int4 the layer's call takes 0.50x the time of the loops it replaces (AMD EPYC
- * Zen 4, 2 threads; docs/performance.md). */
+ * kvp_set_fast(0) takes the AVX2 loops instead (tests hold both to the reference; scripts/paged_attend_time.py
+ * times both: docs/performance.md, "The pages kernel on AVX-512"). */
 #if KVP_FAST
 
 /* e^x in 16 lanes (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-7 polynomial, times 2^n by scalef); x below
@@ -797,7 +810,7 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, int64_t pa, int64_t
         const int k0 = kk >= 0 || ka ? tc : ta;
         if (kk >= 0) kvs_k_ggml(kk, MG, qq, D, D, base + koff + ta * ts, ts, tc - ta, S + ta, T);
 #if KVP_FAST
-        if (ka && D % 64 == 0) {
+        if (kvp_fast && ka && D % 64 == 0) {
             kvp_scales(base + koff + D * ka / 8, ts, ta, tc, ksc, kz);
             kvp_k_aff(ka, MG, qp, qsum, D, base + koff + ta * ts, ts, tc - ta, ksc + ta, kz + ta, S + ta, T);
         } else
@@ -833,12 +846,12 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, int64_t pa, int64_t
                 int i = m * G + g;
                 float *w = S + (size_t)i * T;
 #if KVP_FAST
-                if (u0 == u1 && s1 == ta) {
-                    memset(w + ta, 0, sizeof(float) * (size_t)(tb - ta));
-                    continue;
-                }
-                seen = 1;
-                {
+                if (kvp_fast) {
+                    if (u0 == u1 && s1 == ta) {
+                        memset(w + ta, 0, sizeof(float) * (size_t)(tb - ta));
+                        continue;
+                    }
+                    seen = 1;
                     const float vm = kvp_vmax(w, ta, s1, u0, u1, tb), vn = vm > mx[i] ? vm : mx[i];
                     if (vn != mx[i] && mx[i] != -INFINITY) {
                         const float corr = expf(mx[i] - vn);
@@ -875,7 +888,7 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, int64_t pa, int64_t
         const int v0 = vk >= 0 || va ? tc : ta;
         if (vk >= 0) kvs_v_ggml(vk, MG, S, T, base + voff, ts, ta, tc, D, acc);
 #if KVP_FAST
-        if (va && D % 64 == 0) { /* sum_t w (c s + z) = sum_t (w s) c + sum_t w z */
+        if (kvp_fast && va && D % 64 == 0) { /* sum_t w (c s + z) = sum_t (w s) c + sum_t w z */
             kvp_scales(base + voff + D * va / 8, ts, ta, tc, vsc, vz);
             for (int i = 0; i < MG; i++) {
                 const float *w = S + (size_t)i * T;
