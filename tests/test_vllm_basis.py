@@ -290,3 +290,29 @@ def test_attention_over_centered_pages_is_attention_over_the_keys(tmp_path, refe
     raw_k = torch.cat([k[n - m :] for k, n, m in zip(ks, kv_lens, q_lens, strict=True)])
     vb.attend(uncentered_raw, layout, pages, query, wrong, rows, 0.125, 0, True, raw_k, value)
     assert (wrong - _exact(query, rows, ks, vs, 0.125)).abs().max() > 1e-2
+
+
+@pytest.mark.skipif(paged.library() is None, reason=f"C kernels unavailable: {paged.status()}")
+@pytest.mark.parametrize("roles", ["k", "v", "kv", "none"])
+def test_a_steps_kv_rotated_in_one_call_are_hadamard_applys_bits(roles):
+    """``PageBasis.stored``: the step's K and V through one C call are bit for bit ``keys``/``values`` (Hadamard.apply
+    through kvslim's linear kernel), read in place from transformers' (1, H, N, D) layout, with the largest
+    magnitude of both (NaN if any); with a K bias they are rotated in torch (no magnitude)."""
+    from kvslim.cache.hadamard import Hadamard
+    from kvslim.kernels import linear
+
+    if not linear.ready():
+        pytest.skip("kvslim's linear kernel is not built here")
+    had = Hadamard.for_head_dim(64)
+    basis = PageBasis(had if "k" in roles else None, had if "v" in roles else None)
+    g = torch.Generator().manual_seed(3)
+    kv = torch.randn(2, 1, 3, 17, 64, generator=g) * 50
+    key, value = kv[0, 0].transpose(0, 1), kv[1, 0].transpose(0, 1)  # (N, H, D) views, as the attention gets them
+    keys, values, largest = basis.stored(key, value, 0)
+    assert torch.equal(keys, basis.keys(key, 0)) and torch.equal(values, basis.values(value))
+    assert largest == max(keys.abs().max().item(), values.abs().max().item())
+    value[16, 2, 63] = float("nan")
+    assert basis.stored(key, value, 0)[2] != basis.stored(key, value, 0)[2]  # NaN
+    biased = PageBasis(basis.k, basis.v, (torch.zeros(3, 64),))
+    keys_b, values_b, none = biased.stored(key, value, 0)
+    assert none is None and torch.equal(keys_b, biased.keys(key, 0))

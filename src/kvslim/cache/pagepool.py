@@ -55,6 +55,7 @@ from ..vllm.spec import sink_pages
 from ..vllm.staging import Stager
 from .pagespec import (  # noqa: F401 - DEFAULT_RESIDUAL, check_config, residual_pages, stage_dtype re-exported
     DEFAULT_RESIDUAL,
+    HALF_LIMIT,
     check_config,
     check_half,
     evictable,
@@ -437,10 +438,11 @@ class PagePool:
         """Layer ``layer`` of the step: the step's ``key``, ``value`` (N, H_kv, D) written to their pages (and staging
         slots), then every row's queries ``query`` (N, H_q, D) attended on its history and its own new tokens
         (causal). Returns (N, H_q, D) float32."""
-        keys, values = self.basis.keys(key, layer), self.basis.values(value)
+        keys, values, largest = self.basis.stored(key, value, layer)
         if self.stage_dtype == torch.float16 and self.dtype != torch.float16 and plan.staged_any:
             at = plan.staged_index  # only what is staged is cast: a prompt's other tokens are encoded
-            check_half(keys if at is None else keys[at], values if at is None else values[at])
+            if at is not None or largest is None or not largest < HALF_LIMIT:  # (NaN: not <) says which is out
+                check_half(keys if at is None else keys[at], values if at is None else values[at])
         paged.store(self.layout, self.pages[layer], keys, values, plan.slots)
         staged = None
         if self.stager is not None:

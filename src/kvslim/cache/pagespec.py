@@ -105,12 +105,16 @@ def check_config(config: CacheConfig) -> None:
         raise ValueError(text) from None
 
 
+#: From this magnitude on a float32 rounds to an infinite float16 (its largest finite value is 65504).
+HALF_LIMIT = 65520.0
+
+
 def check_half(keys: torch.Tensor, values: torch.Tensor) -> None:
     """ValueError in one line where a K/V value staged in float16 would not be finite there (as a SlimCache's float16
     residual refuses it): never an inf in the staging pool."""
     for name, x in (("key", keys), ("value", values)):
         # finite in float16 <=> |x| < 65520 (from there it rounds to inf); NaN fails the comparison too: one op a tensor
-        if x.numel() and not float(torch.linalg.vector_norm(x, float("inf"))) < 65520.0:
+        if x.numel() and not float(torch.linalg.vector_norm(x, float("inf"))) < HALF_LIMIT:
             raise ValueError(
                 f"a {name} value is not finite in float16 (beyond its range, or NaN/inf): the pool stages its newest "
                 f"tokens in float16; build it with residual_dtype=model"

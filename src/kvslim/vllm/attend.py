@@ -140,6 +140,10 @@ def library():
                     lib.kvp_write.restype = ctypes.c_int
                     lib.kvp_layout.argtypes = [ctypes.c_void_p]
                     lib.kvp_layout.restype = None
+                    lib.kvp_rotate.argtypes = [ctypes.c_void_p]
+                    lib.kvp_rotate.restype = ctypes.c_int
+                    lib.kvp_set_fast.argtypes = [ctypes.c_int]
+                    lib.kvp_set_fast.restype = ctypes.c_int
                     if lib.kvp_abi_version() != ABI:  # before kvp_layout: an older one writes fewer widths
                         raise RuntimeError(f"kvp_attend has ABI {lib.kvp_abi_version()}, expected {ABI}")
                     widths = (ctypes.c_int64 * 3)()
@@ -153,6 +157,43 @@ def library():
                 except Exception as e:  # any failure: the reference, said once
                     _state["reason"] = f"torch reference ({type(e).__name__}: {e})"
     return _state["lib"]
+
+
+def rotate_kv(
+    key: torch.Tensor, value: torch.Tensor, k_rot: Hadamard | None, v_rot: Hadamard | None
+) -> tuple[torch.Tensor, torch.Tensor, float, float] | None:
+    """A step's K and V (N, H, D) as rotated pages store them, in one C call (``kvp_rotate``): each times its role's
+    Hadamard rotation (None: copied), bit for bit :meth:`Hadamard.apply <kvslim.cache.hadamard.Hadamard.apply>`
+    (both are kvslim's linear kernel over rows of the block), as new contiguous float32 tensors, with each one's
+    largest ``|value|`` (NaN if any). None where the call cannot take them (no C library or no vectorized linear
+    kernel, not float32 CPU tensors whose rows are contiguous, a tensor autograd tracks): the caller rotates in
+    torch."""
+    lib = None if _reference_asked() else library()
+    if lib is None or key.shape != value.shape or key.dim() != 3 or not key.shape[0]:
+        return None
+    for x in (key, value):
+        if type(x) is not torch.Tensor or x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(2) != 1:
+            return None
+        if x.requires_grad and torch.is_grad_enabled():
+            return None
+    n, h, d = key.shape
+    keys, values = torch.empty(n, h, d), torch.empty(n, h, d)
+    amax = torch.empty(2)
+    mats = [None if r is None else r.block_matrix() for r in (k_rot, v_rot)]
+    args = torch.tensor(
+        [
+            key.data_ptr(), value.data_ptr(), n, h, d,
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            keys.data_ptr(), values.data_ptr(),
+            0 if mats[0] is None else mats[0].data_ptr(), 0 if k_rot is None else k_rot.block,
+            0 if mats[1] is None else mats[1].data_ptr(), 0 if v_rot is None else v_rot.block,
+            amax.data_ptr(),
+        ],
+        dtype=torch.int64,
+    )  # fmt: skip
+    if lib.kvp_rotate(args.data_ptr()):
+        return None
+    return keys, values, float(amax[0]), float(amax[1])
 
 
 def use_avx512_loops(on: bool) -> bool:

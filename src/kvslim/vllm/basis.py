@@ -142,6 +142,19 @@ class PageBasis:
             )
         return y.float() - bias
 
+    def stored(
+        self, key: torch.Tensor, value: torch.Tensor, layer: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, float | None]:
+        """``(keys(key, layer), values(value), m)``: the step's K and V as the pages store them, in one C call where it
+        can take them (:func:`kvslim.vllm.attend.rotate_kv`: the same bits, no K bias), and m the largest ``|value|``
+        of both (NaN if any; None where they were rotated in torch)."""
+        if self.k_bias is None:
+            got = paged.rotate_kv(key, value, self.k, self.v)
+            if got is not None:
+                keys, values, km, vm = got
+                return keys, values, km if km != km or km > vm else vm
+        return self.keys(key, layer), self.values(value), None
+
     def values(self, x: torch.Tensor) -> torch.Tensor:
         """Values (N, H_kv, D) as the pages store them: rotated to float32 by V's matrix, or as given."""
         return x if self.v is None else self.v.apply(x)

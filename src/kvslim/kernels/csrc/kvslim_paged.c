@@ -125,6 +125,50 @@ int kvp_set_fast(int on) {
     return KVP_FAST;
 }
 
+/* --------------------------------------------------------------------------------------- a step's K/V rotated */
+
+int kv_linear(const int64_t *args); /* csrc/kvslim_linear.c, the same library */
+
+/* A step's K and V as the pages store them, in one call (kvslim.vllm.basis): each role's rows (N, H, D) fp32 at
+ * token stride ts and head stride hs (floats; a row's D values contiguous) into a new (N, H, D) contiguous fp32
+ * tensor, times its block-diagonal rotation where it has one (mat: the B x B block, symmetric; 0: copied), and the
+ * largest |value| of each role's result (NaN if any). The product is kv_linear's over rows of B values, one thread:
+ * bit for bit what kvslim.cache.hadamard.Hadamard.apply computes on the CPU (a row's bits do not depend on the
+ * rows beside it or the threads). Fields (int64): key, value, N, H, D, key ts, key hs, value ts, value hs, out key,
+ * out value, K's block matrix, its B, V's block matrix, its B, the two maxima (float32 out[2]). Returns 0, 2 (a
+ * block that is not a divisor of D) or -1 (kv_linear not built: no AVX2 and FMA; nothing written). */
+int kvp_rotate(const int64_t *a) {
+    const int64_t N = a[2], H = a[3], D = a[4];
+    float *amax = (float *)(intptr_t)a[15];
+    for (int role = 0; role < 2; role++) {
+        const float *x = (const float *)(intptr_t)a[role];
+        const int64_t ts = a[5 + 2 * role], hs = a[6 + 2 * role], B = a[12 + 2 * role];
+        const float *mat = (const float *)(intptr_t)a[11 + 2 * role];
+        float *y = (float *)(intptr_t)a[9 + role];
+        if (mat && (B <= 0 || D % B)) return 2;
+        for (int64_t h = 0; h < H; h++) {
+            if (!mat) {
+                for (int64_t i = 0; i < N; i++) memcpy(y + (i * H + h) * D, x + i * ts + h * hs, sizeof(float) * (size_t)D);
+                continue;
+            }
+            for (int64_t b = 0; b < D; b += B) {
+                const int64_t args[11] = {(int64_t)(intptr_t)(x + h * hs + b), N, B, ts, (int64_t)(intptr_t)mat, B, B, 0,
+                                          (int64_t)(intptr_t)(y + h * D + b), H * D, 1};
+                if (kv_linear(args)) return -1;
+            }
+        }
+        float m = 0.0f;
+        int nan = 0;
+        for (int64_t i = 0; i < N * H * D; i++) {
+            const float v = fabsf(y[i]);
+            nan |= v != v;
+            m = v > m ? v : m;
+        }
+        amax[role] = nan ? NAN : m;
+    }
+    return 0;
+}
+
 int kvp_format(const char *name, int32_t *elements, int32_t *bytes) {
     for (int i = 0; i < KVP_NFORMATS; i++)
         if (!strcmp(name, KVP_FORMATS[i].name)) {
