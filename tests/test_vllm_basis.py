@@ -297,7 +297,8 @@ def test_attention_over_centered_pages_is_attention_over_the_keys(tmp_path, refe
 def test_a_steps_kv_rotated_in_one_call_are_hadamard_applys_bits(roles):
     """``PageBasis.stored``: the step's K and V through one C call are bit for bit ``keys``/``values`` (Hadamard.apply
     through kvslim's linear kernel), read in place from transformers' (1, H, N, D) layout, with the largest
-    magnitude of both (NaN if any); with a K bias they are rotated in torch (no magnitude)."""
+    magnitude of both (NaN if any); with a K bias they are rotated in torch (no magnitude); with no rotation they are
+    the tensors given."""
     from kvslim.cache.hadamard import Hadamard
     from kvslim.kernels import linear
 
@@ -310,6 +311,9 @@ def test_a_steps_kv_rotated_in_one_call_are_hadamard_applys_bits(roles):
     key, value = kv[0, 0].transpose(0, 1), kv[1, 0].transpose(0, 1)  # (N, H, D) views, as the attention gets them
     keys, values, largest = basis.stored(key, value, 0)
     assert torch.equal(keys, basis.keys(key, 0)) and torch.equal(values, basis.values(value))
+    if roles == "none":  # nothing to rotate: as given, no call
+        assert keys is key and values is value and largest is None
+        return
     assert largest == max(keys.abs().max().item(), values.abs().max().item())
     value[16, 2, 63] = float("nan")
     assert basis.stored(key, value, 0)[2] != basis.stored(key, value, 0)[2]  # NaN

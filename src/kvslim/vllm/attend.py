@@ -177,9 +177,13 @@ def rotate_kv(
         if x.requires_grad and torch.is_grad_enabled():
             return None
     n, h, d = key.shape
-    keys, values = torch.empty(n, h, d), torch.empty(n, h, d)
-    amax = torch.empty(2)
+    keys, values = torch.empty(n, h, d, dtype=torch.float32), torch.empty(n, h, d, dtype=torch.float32)
+    amax = torch.empty(2, dtype=torch.float32)
     mats = [None if r is None else r.block_matrix() for r in (k_rot, v_rot)]
+    # a decode step's few rows on this thread alone (handing them to a second costs more than it saves); a prompt
+    # chunk's on torch's threads (the bits are a row's own either way)
+    block = max(r.block for r in (k_rot, v_rot) if r is not None) if (k_rot or v_rot) else 0
+    threads = 1 if n * h * d * block < 1 << 20 else torch.get_num_threads()
     args = torch.tensor(
         [
             key.data_ptr(), value.data_ptr(), n, h, d,
@@ -187,7 +191,7 @@ def rotate_kv(
             keys.data_ptr(), values.data_ptr(),
             0 if mats[0] is None else mats[0].data_ptr(), 0 if k_rot is None else k_rot.block,
             0 if mats[1] is None else mats[1].data_ptr(), 0 if v_rot is None else v_rot.block,
-            amax.data_ptr(),
+            amax.data_ptr(), threads,
         ],
         dtype=torch.int64,
     )  # fmt: skip
@@ -273,7 +277,7 @@ def attend(
     kcode, vcode = _part_codes(lib, layout)
     # vLLM's queries are a view of its qkv projection: read in place (a token stride), not copied
     q = _raw(query)
-    o = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty(q.shape)
+    o = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty(q.shape, dtype=torch.float32)
     n_pages, h_kv, t, _ = kv_cache.shape
     b = kv_cache.element_size()
     head = [

@@ -148,6 +148,8 @@ class PageBasis:
         """``(keys(key, layer), values(value), m)``: the step's K and V as the pages store them, in one C call where it
         can take them (:func:`kvslim.vllm.attend.rotate_kv`: the same bits, no K bias), and m the largest ``|value|``
         of both (NaN if any; None where they were rotated in torch)."""
+        if self.k is None and self.v is None and self.k_bias is None:
+            return key, value, None
         if self.k_bias is None:
             got = paged.rotate_kv(key, value, self.k, self.v)
             if got is not None:

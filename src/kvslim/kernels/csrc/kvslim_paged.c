@@ -132,10 +132,10 @@ int kv_linear(const int64_t *args); /* csrc/kvslim_linear.c, the same library */
 /* A step's K and V as the pages store them, in one call (kvslim.vllm.basis): each role's rows (N, H, D) fp32 at
  * token stride ts and head stride hs (floats; a row's D values contiguous) into a new (N, H, D) contiguous fp32
  * tensor, times its block-diagonal rotation where it has one (mat: the B x B block, symmetric; 0: copied), and the
- * largest |value| of each role's result (NaN if any). The product is kv_linear's over rows of B values, one thread:
- * bit for bit what kvslim.cache.hadamard.Hadamard.apply computes on the CPU (a row's bits do not depend on the
- * rows beside it or the threads). Fields (int64): key, value, N, H, D, key ts, key hs, value ts, value hs, out key,
- * out value, K's block matrix, its B, V's block matrix, its B, the two maxima (float32 out[2]). Returns 0, 2 (a
+ * largest |value| of each role's result (NaN if any). The product is kv_linear's over rows of B values: bit for bit
+ * what kvslim.cache.hadamard.Hadamard.apply computes on the CPU (a row's bits do not depend on the rows beside it or
+ * the threads). Fields (int64): key, value, N, H, D, key ts, key hs, value ts, value hs, out key, out value, K's block
+ * matrix, its B, V's block matrix, its B, the two maxima (float32 out[2]), kv_linear's threads. Returns 0, 2 (a
  * block that is not a divisor of D) or -1 (kv_linear not built: no AVX2 and FMA; nothing written). */
 int kvp_rotate(const int64_t *a) {
     const int64_t N = a[2], H = a[3], D = a[4];
@@ -153,7 +153,7 @@ int kvp_rotate(const int64_t *a) {
             }
             for (int64_t b = 0; b < D; b += B) {
                 const int64_t args[11] = {(int64_t)(intptr_t)(x + h * hs + b), N, B, ts, (int64_t)(intptr_t)mat, B, B, 0,
-                                          (int64_t)(intptr_t)(y + h * D + b), H * D, 1};
+                                          (int64_t)(intptr_t)(y + h * D + b), H * D, a[16]};
                 if (kv_linear(args)) return -1;
             }
         }
