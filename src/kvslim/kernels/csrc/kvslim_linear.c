@@ -45,6 +45,9 @@
 #define LIN_OT 6
 #define LIN_RT 4
 #define LIN_RC 64
+/* The next block's weights are fetched into L2, not L1: asked into L1 a pass over the model's products took 22-27 ms
+ * at one row against 18-20, 40-42 at 16 rows against 36 (docs/performance.md, "Prefetching into L2"). */
+#define LIN_PFH _MM_HINT_T1
 /* Below this many multiply-adds a call runs on the calling thread alone (no hand-off for a tiny product). */
 #define LIN_MIN_PARALLEL 65536
 /* How long a worker spins for the next call before it sleeps, and the most workers (threads beyond the caller's). */
@@ -112,7 +115,7 @@ static inline float lin_sum(__m256 v) {
             lin_vec wv[OT];                                                                                         \
             for (int o = 0; o < OT; o++) wv[o] = LIN_LOAD(w + o * a->ws + i);                                       \
             if (pf)                                                                                                 \
-                for (int o = 0; o < OT; o++) _mm_prefetch((const char *)(pf + o * a->ws + i), _MM_HINT_T0);         \
+                for (int o = 0; o < OT; o++) _mm_prefetch((const char *)(pf + o * a->ws + i), LIN_PFH);            \
             for (int r = 0; r < RT; r++) {                                                                          \
                 const lin_vec xv = LIN_LOAD(x + r * a->xs + i);                                                     \
                 for (int o = 0; o < OT; o++) acc[r][o] = LIN_FMA(xv, wv[o], acc[r][o]);                             \

@@ -833,9 +833,11 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, int64_t pa, int64_t
             base = pool + blk * a[H_PAGE_STRIDE] + (int64_t)h * a[H_HEAD_STRIDE];
 #if defined(__F16C__)
             if (p + 1 < pb && p + 1 < tlen && (p + 1) * T < hi && table[p + 1] >= 0 && table[p + 1] < a[H_NPAGES]) {
-                /* the next page's rows of this head, fetched while this one is read (pages are not adjacent) */
+                /* the next page's rows of this head, fetched into L2 while this one is read (pages are not adjacent).
+                 * Into L2, not L1: a page of a head is 36 lines (int4), more than L1 has fill buffers; asked into L1
+                 * the step's attention took 82.7 ms against 69.3 (docs/performance.md, "Prefetching into L2") */
                 const char *next = (const char *)pool + table[p + 1] * a[H_PAGE_STRIDE] + (int64_t)h * a[H_HEAD_STRIDE];
-                for (int64_t b = 0; b < (int64_t)T * a[H_TOKEN_STRIDE]; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+                for (int64_t b = 0; b < (int64_t)T * a[H_TOKEN_STRIDE]; b += 64) _mm_prefetch(next + b, _MM_HINT_T1);
             }
 #endif
             int64_t slot = stage && blk < a[H_SMAP_LEN] ? smap[blk] : -1;
