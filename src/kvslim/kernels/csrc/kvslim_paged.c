@@ -704,6 +704,20 @@ static void kvp_v_aff(int bits, int MG, const float *p, int64_t ps, const uint8_
 /* x (D values) in place, natural order -> plane order of per codes per byte: x'[i * np + j] = x[per * j + i]. */
 static void kvp_to_planes(float *x, int D, int per, float *tmp) {
     const int np = D / per;
+    if (per == 1) return;
+#if defined(__AVX512F__)
+    if (per == 2 && D % 32 == 0) { /* 32 values a time: the even ones to plane 0, the odd ones to plane 1 */
+        const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+        for (int j = 0; j < np; j += 16) {
+            const __m512 lo = _mm512_loadu_ps(x + 2 * j), hi = _mm512_loadu_ps(x + 2 * j + 16);
+            _mm512_storeu_ps(tmp + j, _mm512_permutex2var_ps(lo, ev, hi));
+            _mm512_storeu_ps(tmp + np + j, _mm512_permutex2var_ps(lo, od, hi));
+        }
+        memcpy(x, tmp, sizeof(float) * (size_t)D);
+        return;
+    }
+#endif
     for (int j = 0; j < np; j++)
         for (int i = 0; i < per; i++) tmp[i * np + j] = x[per * j + i];
     memcpy(x, tmp, sizeof(float) * (size_t)D);
@@ -832,12 +846,18 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, int64_t pa, int64_t
             if (blk < 0 || blk >= a[H_NPAGES]) return 2;
             base = pool + blk * a[H_PAGE_STRIDE] + (int64_t)h * a[H_HEAD_STRIDE];
 #if defined(__F16C__)
-            if (p + 1 < pb && p + 1 < tlen && (p + 1) * T < hi && table[p + 1] >= 0 && table[p + 1] < a[H_NPAGES]) {
-                /* the next page's rows of this head, fetched into L2 while this one is read (pages are not adjacent).
-                 * Into L2, not L1: a page of a head is 36 lines (int4), more than L1 has fill buffers; asked into L1
-                 * the step's attention took 82.7 ms against 69.3 (docs/performance.md, "Prefetching into L2") */
-                const char *next = (const char *)pool + table[p + 1] * a[H_PAGE_STRIDE] + (int64_t)h * a[H_HEAD_STRIDE];
-                for (int64_t b = 0; b < (int64_t)T * a[H_TOKEN_STRIDE]; b += 64) _mm_prefetch(next + b, _MM_HINT_T1);
+            /* the next page's rows of this head (past the pages a window skips), or its staging slot's, fetched
+             * into L2 while this one is read (pages are not adjacent). Into L2, not L1: a page of a head is 36 lines
+             * (int4), more than L1 has fill buffers; asked into L1 the step's attention took 82.7 ms against 69.3
+             * (docs/performance.md, "Prefetching into L2") */
+            const int64_t pn = p + 1 >= sp && p + 1 < pw ? pw : p + 1;
+            if (pn < pb && pn < tlen && pn * T < hi && table[pn] >= 0 && table[pn] < a[H_NPAGES]) {
+                const int64_t ns = stage && table[pn] < a[H_SMAP_LEN] ? smap[table[pn]] : -1;
+                const char *next = ns >= 0 && ns < a[H_SNSLOTS]
+                                       ? (const char *)stage + ns * a[H_SSLOT_STRIDE] + (int64_t)h * a[H_SHEAD_STRIDE]
+                                       : (const char *)pool + table[pn] * a[H_PAGE_STRIDE] + (int64_t)h * a[H_HEAD_STRIDE];
+                const int64_t span = (int64_t)T * (ns >= 0 && ns < a[H_SNSLOTS] ? a[H_STOKEN_STRIDE] : a[H_TOKEN_STRIDE]);
+                for (int64_t b = 0; b < span; b += 64) _mm_prefetch(next + b, _MM_HINT_T1);
             }
 #endif
             int64_t slot = stage && blk < a[H_SMAP_LEN] ? smap[blk] : -1;
