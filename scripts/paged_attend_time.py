@@ -12,7 +12,10 @@ a row, each round timing the kernel's AVX-512 decode loops and the AVX2 loops a 
 a call and ns per (token, KV head) of the rows' history; and the largest difference between the two paths' outputs.
 
 A replay in a warm loop, not the step: inside a step the linear layers' weights pass through the caches between
-two attention calls (``scripts/paged_step.py`` times whole steps). Measure on a quiet machine, alone.
+two attention calls (``scripts/paged_step.py`` times whole steps). ``--sequence`` replays the step's calls as the
+step makes them instead: every layer's call in order (each layer's own pages, so the rows' history comes from
+memory, not from a cache the last call warmed), with a product streaming ~7 MB of weights between two calls as a
+layer's linear layers do; only the calls are timed. Measure on a quiet machine, alone.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--chunk", type=int, default=1024)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--sequence", action="store_true", help="every layer's call in order, weights streamed between (docstring)"
+    )
     a = p.parse_args()
     if min(a.rows, a.length, a.reps, a.rounds, a.chunk, a.threads) < 1:
         p.error("--rows, --length, --reps, --rounds, --chunk and --threads must be positive")
@@ -77,18 +83,30 @@ def main() -> None:
                 forward_pages(model, pool, [([t], r) for t, r in zip(tokens, rows, strict=True)])
             finally:
                 paged.attend = attend
-            picked = [calls[0], calls[len(calls) // 2], calls[-1]]
+            picked = calls if a.sequence else [calls[0], calls[len(calls) // 2], calls[-1]]
+            weights, x = torch.randn(3072, 576), torch.randn(576, a.rows)  # ~7 MB: a layer's share of the weights
             best: dict = {}
             outs: dict = {}
             for _ in range(a.rounds):
                 for path in ("avx512", "avx2") if built else ("avx2",):
                     paged.use_avx512_loops(path == "avx512")
-                    for i, (args, kwargs) in enumerate(picked):
-                        t = time.perf_counter()
+                    if a.sequence:
+                        spent = 0.0
                         for _ in range(a.reps):
+                            for args, kwargs in picked:
+                                torch.mm(weights, x)
+                                t = time.perf_counter()
+                                attend(*args, **kwargs)
+                                spent += time.perf_counter() - t
+                        ms = spent / (a.reps * len(picked)) * 1e3
+                        best[path] = min(best.get(path, ms), ms)
+                    for i, (args, kwargs) in enumerate(picked):  # (in --sequence: once each, for the outputs)
+                        t = time.perf_counter()
+                        for _ in range(1 if a.sequence else a.reps):
                             attend(*args, **kwargs)
                         ms = (time.perf_counter() - t) / a.reps * 1e3
-                        best[path] = min(best.get(path, ms), ms)
+                        if not a.sequence:
+                            best[path] = min(best.get(path, ms), ms)
                         outs[path, i] = args[3].clone()  # the call's output
             paged.use_avx512_loops(True)
         heads = picked[0][0][1].shape[1]  # the pages' KV heads
