@@ -58,12 +58,18 @@ def main() -> None:
     ids = torch.randint(0, model.config.vocab_size, (1, max(a.length, a.join)), generator=g)
     steps = sum(2 * -(-a.join // c) for c in a.chunk)  # every row's decode steps, all chunk sizes
     per_row = -(-(a.length + steps + 64) // 32)
+    joiner_pages = -(-(a.join + 64) // 32)  # one joining row at a time
     results: dict = {}
     with torch.inference_mode(), route.routed():
-        pool = pool_for(model, a.config, pages=per_row * (a.rows + 2), max_rows=a.rows + 2)
+        pool = pool_for(model, a.config, pages=per_row * (a.rows + 1) + joiner_pages, max_rows=a.rows + 2)
         src = pool.new_row()
         for start in range(0, a.length, a.prefill):
-            forward_pages(model, pool, [(ids[0, start : start + a.prefill].tolist(), src)], row_multiple=multiple)
+            forward_pages(
+                model,
+                pool,
+                [(ids[0, start : min(start + a.prefill, a.length)].tolist(), src)],
+                row_multiple=multiple,
+            )
         rows = [pool.copy_row(src) for _ in range(a.rows)]
         pool.free(src)
 
@@ -73,7 +79,10 @@ def main() -> None:
             return (time.perf_counter() - t) * 1e3
 
         def decode():
-            return [([int(x)], r) for x, r in zip(torch.randint(0, 1000, (a.rows,), generator=g), rows, strict=True)]
+            return [
+                ([int(x)], r)
+                for x, r in zip(torch.randint(0, 1000, (a.rows,), generator=g), rows, strict=True)
+            ]
 
         for _ in range(2):
             step(decode())  # warm-up
@@ -82,7 +91,7 @@ def main() -> None:
             alone, mixed = [], []
             for start in range(0, a.join, chunk):
                 alone.append(step(decode()))
-                mixed.append(step([(ids[0, start : start + chunk].tolist(), joiner)] + decode()))
+                mixed.append(step([(ids[0, start : min(start + chunk, a.join)].tolist(), joiner)] + decode()))
             pool.free(joiner)
             base, with_chunk = statistics.median(alone), statistics.median(mixed)
             results[chunk] = {

@@ -705,7 +705,7 @@ static void kvp_v_aff(int bits, int MG, const float *p, int64_t ps, const uint8_
 static void kvp_to_planes(float *x, int D, int per, float *tmp) {
     const int np = D / per;
     if (per == 1) return;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__F16C__) /* (immintrin.h comes with __F16C__) */
     if (per == 2 && D % 32 == 0) { /* 32 values a time: the even ones to plane 0, the odd ones to plane 1 */
         const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
         const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
