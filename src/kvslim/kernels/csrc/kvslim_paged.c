@@ -856,8 +856,19 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, int64_t pa, int64_t
                 const char *next = ns >= 0 && ns < a[H_SNSLOTS]
                                        ? (const char *)stage + ns * a[H_SSLOT_STRIDE] + (int64_t)h * a[H_SHEAD_STRIDE]
                                        : (const char *)pool + table[pn] * a[H_PAGE_STRIDE] + (int64_t)h * a[H_HEAD_STRIDE];
-                const int64_t span = (int64_t)T * (ns >= 0 && ns < a[H_SNSLOTS] ? a[H_STOKEN_STRIDE] : a[H_TOKEN_STRIDE]);
+                const int64_t span =
+                    (int64_t)T * (ns >= 0 && ns < a[H_SNSLOTS] ? a[H_STOKEN_STRIDE] : a[H_TOKEN_STRIDE]);
                 for (int64_t b = 0; b < span; b += 64) _mm_prefetch(next + b, _MM_HINT_T1);
+                /* a staged page (128 lines of float16 K and V at D 64) two pages ahead as well: one page of lead
+                 * was not enough for it (docs/performance.md, "Prefetching into L2") */
+                const int64_t p2 = pn + 1;
+                if (p2 < pb && p2 < tlen && p2 * T < hi && table[p2] >= 0 && table[p2] < a[H_NPAGES] && stage &&
+                    table[p2] < a[H_SMAP_LEN] && smap[table[p2]] >= 0 && smap[table[p2]] < a[H_SNSLOTS]) {
+                    const char *n2 =
+                        (const char *)stage + smap[table[p2]] * a[H_SSLOT_STRIDE] + (int64_t)h * a[H_SHEAD_STRIDE];
+                    for (int64_t b = 0; b < (int64_t)T * a[H_STOKEN_STRIDE]; b += 64)
+                        _mm_prefetch(n2 + b, _MM_HINT_T1);
+                }
             }
 #endif
             int64_t slot = stage && blk < a[H_SMAP_LEN] ? smap[blk] : -1;
