@@ -183,3 +183,33 @@ def test_every_thread_of_a_call_rounds_as_the_caller():
     finally:
         torch.set_flush_denormal(False)
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(("o", "i"), [(576, 576), (37, 21), (13, 1), (1, 40)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_a_prepared_weight_gives_linears_bits(o, i, bias, rows):
+    g = torch.Generator().manual_seed(o * 100 + i)
+    w, x = torch.randn(o, i, generator=g), torch.randn(2, rows, i, generator=g)
+    b = torch.randn(o, generator=g) if bias else None
+    p = lin.Prepared.of(w, b)
+    with torch.inference_mode():
+        assert torch.equal(p(x), lin.linear(x, w, b))
+        assert torch.equal(p(x[:, :, :].transpose(0, 1)), lin.linear(x.transpose(0, 1), w, b))  # rows not contiguous
+        assert p(x.double()) is None and p(x[..., :-1] if i > 1 else x.expand(2, rows, 2)) is None
+    assert p(x) is None  # autograd recording: the caller's general path decides
+    assert p.fits(w, b) and not p.fits(w.clone(), b) and not p.fits(w, None if bias else torch.zeros(o))
+
+
+def test_what_is_not_prepared_and_a_weight_that_moved():
+    w = torch.randn(8, 6)
+    assert lin.Prepared.of(w.T.contiguous().T, None) is None  # rows not contiguous (a transposed view)
+    assert lin.Prepared.of(w.double(), None) is None and lin.Prepared.of(w[:, :0], None) is None
+    assert lin.Prepared.of(w, torch.randn(7)) is None and lin.Prepared.of(w, torch.randn(16)[::2]) is None
+    m = torch.nn.Linear(6, 8)
+    p = lin.Prepared.of(m.weight, m.bias)
+    assert p.fits(m.weight, m.bias)
+    m.weight.data = torch.randn(8, 6)  # the same Parameter at another address
+    assert not p.fits(m.weight, m.bias)
+    m.weight.data = m.weight.data.half()
+    assert not lin.Prepared.of(m.weight, m.bias)

@@ -259,6 +259,36 @@ def test_packed_weights_follow_the_model(model):
         assert torch.equal(layer(x), _onednn(x, layer.weight))
 
 
+@pytest.mark.skipif(not lin.kvslim_ready(), reason="kvslim's linear needs the C kernels with AVX2 and FMA")
+def test_kvslims_route_follows_the_weights():
+    """kvslim's route checks a weight once (kernels.linear.Prepared): a weight changed in place is read as it is
+    now, one replaced (a new Parameter, or new data under the same one) is checked again, never read stale."""
+    from kvslim.kernels import linear as kernel
+
+    m = tiny_model("llama", seed=3)
+    routes = lin.Linears(m, "kvslim", batch_hint=4)
+    layer = m.model.layers[1].self_attn.o_proj
+    x = torch.randn(4, layer.in_features)
+
+    def check():
+        with torch.inference_mode(), routes.routed():
+            assert torch.equal(layer(x), kernel.linear(x, layer.weight, layer.bias))
+            assert torch.equal(layer(x), kernel.linear(x, layer.weight, layer.bias))  # (the second through Prepared)
+
+    check()
+    assert id(layer) in routes._prepared
+    with torch.no_grad():
+        layer.weight.mul_(2.0)
+    check()
+    layer.weight = torch.nn.Parameter(torch.randn_like(layer.weight))
+    check()
+    layer.weight.data = torch.randn_like(layer.weight)
+    check()
+    with routes.routed():  # autograd recording: torch's own forward, with its backward
+        y = layer(x.requires_grad_())
+    assert y.requires_grad and y.grad_fn is not None
+
+
 def test_the_route_holds_only_in_the_thread_that_opened_it():
     """Another thread calling the model while a block is open runs torch's forward; a torch block inside an oneDNN
     one runs torch's; one thread closing its block leaves another thread's block routed."""

@@ -53,6 +53,7 @@ from ..vllm.basis import attend as attend_in_basis
 from ..vllm.pages import PAGE_TOKENS, PageLayout
 from ..vllm.spec import sink_pages
 from ..vllm.staging import Stager
+from . import pagecalls
 from .pagespec import (  # noqa: F401 - DEFAULT_RESIDUAL, check_config, residual_pages, stage_dtype re-exported
     DEFAULT_RESIDUAL,
     HALF_LIMIT,
@@ -104,6 +105,8 @@ class StepPlan:
     staged_index: torch.Tensor | None = None
     #: set by :meth:`PagePool.abandon`
     abandoned: bool = False
+    #: the step's argument tables (:mod:`kvslim.cache.pagecalls`), built at its first layer
+    calls: object = None
 
     @property
     def n_tokens(self) -> int:
@@ -438,6 +441,9 @@ class PagePool:
         """Layer ``layer`` of the step: the step's ``key``, ``value`` (N, H_kv, D) written to their pages (and staging
         slots), then every row's queries ``query`` (N, H_q, D) attended on its history and its own new tokens
         (causal). Returns (N, H_q, D) float32."""
+        out = pagecalls.attend(self, plan, layer, query, key, value, scale)  # the step's tables, laid out once
+        if out is not None:
+            return out
         keys, values, largest = self.basis.stored(key, value, layer)
         if self.stage_dtype == torch.float16 and self.dtype != torch.float16 and plan.staged_any:
             at = plan.staged_index  # only what is staged is cast: a prompt's other tokens are encoded

@@ -47,15 +47,10 @@ step's fp32 CPU ``nn.Linear`` layers through it:
   request's exact bits follow the machine (and, near the margin, could follow its load at start-up): name a route
   to pin them.
 
-Measured (docs/performance.md, "The weights' products"): under the torch profiler the step's linear ops take
-126-130 ms a step with torch's route, 89-110 with ``onednn``, 84-97 with ``packed`` (16 rows, the embedded
-model), but a whole step under ``OMP_WAIT_POLICY=PASSIVE`` (the CLI's default) gains 0-4% with ``onednn`` and
-0-7% with ``packed``, within the machine's noise (where the rest goes is not explained yet). With the runtime's
-own wait policy the gains were 7% and 11%. On an AMD EPYC (Zen 4), MKL's products at 4-64 rows are 1.4-1.8x
-slower than oneDNN's (1.14x at prompt-chunk sizes) and a whole 16-row step 1.07-1.19x (docs/performance.md, "The
-default route on an AMD CPU"): ``auto`` weighs speed where both keep a row's bits. ``mkl`` (2026-12-03, 16 x 4,096
-int4, the AVX-512 rows kernels): the weights' products alone 37-40 ms a step against torch's 46.5, a whole step
-0.97-1.03x torch's route, the same bits (docs/performance.md, "MKL's packed weights").
+Measured: docs/performance.md, "The weights' products" (torch, ``onednn``, ``packed``: the products 84-130 ms a
+16-row step, a whole step within 0-11% of each other), "The default route on an AMD CPU" (MKL's products 1.4-1.8x
+slower than oneDNN's at 4-64 rows) and "MKL's packed weights" (``mkl``: a whole step 0.97-1.03x torch's route).
+``kvslim`` checks a weight once (:class:`kvslim.kernels.linear.Prepared`) and an input at every call.
 
 Bit-identity. The engine's rows are bit for bit what they are in a step of their own because the library
 rounds a row of a product the same whatever the row count, for multiples of 4 (:mod:`kvslim.cache.ragged`,
@@ -205,19 +200,19 @@ def _product(route: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
     if route == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
     if route == "kvslim":
-        return _kvslim_linear()(x, w, bias)
+        return _kvslim_linear().linear(x, w, bias)
     return torch.nn.functional.linear(x, w, bias)
 
 
 def _kvslim_linear():
-    """:func:`kvslim.kernels.linear.linear`, imported on first use (the kernels' package is not imported with this
-    module) and kept: a step calls it ~211 times."""
-    fn = _LINEAR.get("fn")
-    if fn is None:
-        from ..kernels.linear import linear as fn
+    """:mod:`kvslim.kernels.linear`, imported on first use (the kernels' package is not imported with this module)
+    and kept: a step calls it ~211 times."""
+    mod = _LINEAR.get("mod")
+    if mod is None:
+        from ..kernels import linear as mod
 
-        _LINEAR["fn"] = fn
-    return fn
+        _LINEAR["mod"] = mod
+    return mod
 
 
 _LINEAR: dict = {}
@@ -366,6 +361,7 @@ class Linears:
         self._ids = {id(m) for m in self.modules}
         self._every = route == "kvslim" and _products_covered(model, self._ids)
         self._packed: dict[int, tuple[torch.Tensor, tuple, int]] = {}  # id(module) -> (packed, key, bytes)
+        self._prepared: dict = {}  # id(module) -> kernels.linear.Prepared (or None): kvslim's route
         if route in ("packed", "mkl"):
             with torch.no_grad():
                 for m in self.modules:
@@ -407,6 +403,9 @@ class Linears:
 
     def _forward(self, module, x: torch.Tensor, stock) -> torch.Tensor:
         w, bias = module.weight, module.bias
+        p = self._prepared.get(id(module))  # kvslim's route: the weight checked once (kernels.linear.Prepared)
+        if p is not None and p.fits(w, bias) and (y := p(x)) is not None:
+            return y
         usable = (
             id(module) in self._ids
             and _plain_fp32_cpu(x)
@@ -423,7 +422,8 @@ class Linears:
         if self.route == "kvslim":
             if x.dim() == 0 or x.shape[-1] != w.shape[1]:
                 return stock(x)  # torch's own error
-            return _kvslim_linear()(x, w, bias)
+            self._prepared[id(module)] = _kvslim_linear().Prepared.of(w, bias)
+            return _kvslim_linear().linear(x, w, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._weight(module), bias, "none", [], "")
 
     def row_multiple(self) -> int:

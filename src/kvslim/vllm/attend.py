@@ -39,8 +39,8 @@ import torch
 
 from ..cache.hadamard import Hadamard
 from ..formats import get_format
-from .pages import PageLayout, Part, gather, write
-from .staging import overlay
+from .attend_ref import attend_reference
+from .pages import PageLayout, Part, write
 
 #: ``$KVSLIM_VLLM_KERNEL``: ``c`` (default: the C kernel when it builds) or ``reference``.
 KERNEL_ENV = "KVSLIM_VLLM_KERNEL"
@@ -50,6 +50,13 @@ ABI = 6
 HEAD_FIELDS = 39
 ROW_FIELDS = 5
 WRITE_FIELDS = 19
+#: Where the argument tables of ``kvp_rotate``, ``kvp_write`` and ``kvp_attend`` (:func:`rotate_args`,
+#: :func:`store_args`, :func:`attend_args`) hold what one layer of a step changes from the last, the rest being the
+#: step's (:mod:`kvslim.cache.pagecalls` lays them out once a step and sets these): the raw key's and value's
+#: addresses; the pages' address; the query's, the output's, the pages' and the staging pool's addresses.
+ROTATE_KEY, ROTATE_VALUE = 0, 1
+WRITE_PAGES = 10
+HEAD_QUERY, HEAD_OUT, HEAD_PAGES, HEAD_STAGED = 7, 9, 11, 27
 #: C's row decoders of the cast dtypes.
 CAST_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 
@@ -168,6 +175,21 @@ def rotate_kv(
     largest ``|value|`` (NaN if any). None where the call cannot take them (no C library or no vectorized linear
     kernel, not float32 CPU tensors whose rows are contiguous, a tensor autograd tracks): the caller rotates in
     torch."""
+    got = rotate_args(key, value, k_rot, v_rot)
+    if got is None:
+        return None
+    args, keys, values, amax = got
+    table = torch.tensor(args, dtype=torch.int64)
+    if library().kvp_rotate(table.data_ptr()):
+        return None
+    return keys, values, float(amax[0]), float(amax[1])
+
+
+def rotate_args(
+    key: torch.Tensor, value: torch.Tensor, k_rot: Hadamard | None, v_rot: Hadamard | None
+) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """:func:`rotate_kv`'s argument table for ``kvp_rotate`` and the tensors it writes: ``(args, keys, values,
+    amax)`` (amax float32 (2,): each role's largest ``|value|``), or None where the call cannot take them."""
     lib = None if _reference_asked() else library()
     if lib is None or key.shape != value.shape or key.dim() != 3 or not key.shape[0]:
         return None
@@ -184,20 +206,15 @@ def rotate_kv(
     # chunk's on torch's threads (the bits are a row's own either way)
     block = max(r.block for r in (k_rot, v_rot) if r is not None) if (k_rot or v_rot) else 0
     threads = 1 if n * h * d * block < 1 << 20 else torch.get_num_threads()
-    args = torch.tensor(
-        [
-            key.data_ptr(), value.data_ptr(), n, h, d,
-            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-            keys.data_ptr(), values.data_ptr(),
-            0 if mats[0] is None else mats[0].data_ptr(), 0 if k_rot is None else k_rot.block,
-            0 if mats[1] is None else mats[1].data_ptr(), 0 if v_rot is None else v_rot.block,
-            amax.data_ptr(), threads,
-        ],
-        dtype=torch.int64,
-    )  # fmt: skip
-    if lib.kvp_rotate(args.data_ptr()):
-        return None
-    return keys, values, float(amax[0]), float(amax[1])
+    args = [
+        key.data_ptr(), value.data_ptr(), n, h, d,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        keys.data_ptr(), values.data_ptr(),
+        0 if mats[0] is None else mats[0].data_ptr(), 0 if k_rot is None else k_rot.block,
+        0 if mats[1] is None else mats[1].data_ptr(), 0 if v_rot is None else v_rot.block,
+        amax.data_ptr(), threads,
+    ]  # fmt: skip
+    return args, keys, values, amax
 
 
 def use_avx512_loops(on: bool) -> bool:
@@ -274,6 +291,44 @@ def attend(
     if lib is None:
         attend_reference(layout, kv_cache, query, out, rows, scale, window, causal, key, value, staged, sink, rotate)
         return
+    head, o, keep = attend_args(
+        lib, layout, kv_cache, query, out, rows, scale, window, causal, key, value, staged, sink, rotate
+    )
+    args = torch.tensor(head, dtype=torch.int64)
+    check_rc(lib.kvp_attend(args.data_ptr()))
+    del keep  # (what the table points at, held until here)
+    if o is not out:
+        out.copy_(o)
+
+
+def check_rc(rc: int) -> None:
+    """``kvp_attend``'s return code: 0, or RuntimeError."""
+    if rc:
+        raise RuntimeError(
+            f"kvslim paged attention failed (code {rc}: {'out of memory' if rc == 1 else 'bad arguments'})"
+        )
+
+
+def attend_args(
+    lib,
+    layout: PageLayout,
+    kv_cache: torch.Tensor,
+    query: torch.Tensor,
+    out: torch.Tensor,
+    rows: Rows,
+    scale: float,
+    window: int,
+    causal: bool,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    staged: Staged | None,
+    sink: int,
+    rotate: tuple[int, int],
+) -> tuple[list[int], torch.Tensor, tuple]:
+    """:func:`attend`'s argument table for ``kvp_attend`` of ``lib`` (its arguments checked by it already), the
+    float32 tensor the kernel writes (``out`` itself where it is float32 and contiguous, else a new one to copy
+    from), and the tensors the table points at that the caller did not give (copies of the query, key, value or
+    map in the layout the kernel reads): hold them until the call returns."""
     kcode, vcode = _part_codes(lib, layout)
     # vLLM's queries are a view of its qkv projection: read in place (a token stride), not copied
     q = _raw(query)
@@ -312,6 +367,7 @@ def attend(
             k, v = k.contiguous(), v.contiguous()
         head += [k.data_ptr(), v.data_ptr(), k.stride(0)]
     else:
+        k = v = None
         head += [0, 0, 0]
     if staged is not None:
         pool, smap = staged.pool, staged.map
@@ -340,16 +396,10 @@ def attend(
             smap.shape[0],
         ]
     else:
+        smap = None
         head += [0] * 9
     head += [sink, rotate[0], rotate[1]]
-    args = torch.tensor(head, dtype=torch.int64)
-    rc = lib.kvp_attend(args.data_ptr())
-    if rc:
-        raise RuntimeError(
-            f"kvslim paged attention failed (code {rc}: {'out of memory' if rc == 1 else 'bad arguments'})"
-        )
-    if o is not out:
-        out.copy_(o)
+    return head, o, (q, k, v, smap)
 
 
 def _c_writes(part: Part) -> bool:
@@ -397,42 +447,44 @@ def store(
     """:func:`~.pages.write` (the same arguments, the same bytes), in one C call (``kvp_write``) where the library
     encodes both parts (:func:`_c_writes`), else in torch: a write per layer and step costs
     one call instead of some twenty small torch ops per part."""
-    n = slot_mapping.shape[0]
-    ok = not _reference_asked() and _c_can_store(layout, kv_cache, key, value, slot_mapping)
-    lib = library() if ok else None
-    if lib is None:
+    got = store_args(layout, kv_cache, key, value, slot_mapping)
+    if got is None:
         write(layout, kv_cache, key, value, slot_mapping)
         return
+    args, keep = got
+    table = torch.tensor(args, dtype=torch.int64)
+    # nothing written: a format or value it leaves to torch, or a bad slot
+    if library().kvp_write(table.data_ptr()):
+        write(layout, kv_cache, key, value, slot_mapping)
+    del keep
+
+
+def store_args(
+    layout: PageLayout,
+    kv_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[list[int], tuple] | None:
+    """:func:`store`'s argument table for ``kvp_write`` and the tensors it points at that the caller did not give
+    (hold them until the call returns), or None where the write is torch's (:func:`~.pages.write`)."""
+    n = slot_mapping.shape[0]
+    if _reference_asked() or not _c_can_store(layout, kv_cache, key, value, slot_mapping):
+        return None
+    lib = library()
+    if lib is None:
+        return None
     kcode, vcode = _part_codes(lib, layout)
     k, v = _raw(key[:n]), _raw(value[:n])
     slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
     slots = slots.contiguous()
-    args = torch.tensor(
-        [
-            ABI,
-            n,
-            k.data_ptr(),
-            v.data_ptr(),
-            k.stride(0),
-            v.stride(0),
-            slots.data_ptr(),
-            kv_cache.shape[1],
-            layout.head_dim,
-            kv_cache.shape[2],
-            kv_cache.data_ptr(),
-            kv_cache.shape[0],
-            kv_cache.stride(0),
-            kv_cache.stride(1),
-            kv_cache.stride(2),
-            kcode,
-            layout.k.offset,
-            vcode,
-            layout.v.offset,
-        ],
-        dtype=torch.int64,
-    )
-    if lib.kvp_write(args.data_ptr()):  # nothing written: a format or value it leaves to torch, or a bad slot
-        write(layout, kv_cache, key, value, slot_mapping)
+    args = [
+        ABI, n, k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), slots.data_ptr(),
+        kv_cache.shape[1], layout.head_dim, kv_cache.shape[2],
+        kv_cache.data_ptr(), kv_cache.shape[0], kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        kcode, layout.k.offset, vcode, layout.v.offset,
+    ]  # fmt: skip
+    return args, (k, v, slots)
 
 
 def _raw(x: torch.Tensor) -> torch.Tensor:
@@ -444,57 +496,3 @@ def _raw(x: torch.Tensor) -> torch.Tensor:
     # a fresh tensor, not contiguous(): a one-token view such as (1, H, D) with strides (D, D, 1) is contiguous to
     # torch (a dimension of size 1 has any stride) and would come back with a token stride the kernel refuses
     return torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x)
-
-
-def attend_reference(
-    layout: PageLayout,
-    kv_cache: torch.Tensor,
-    query: torch.Tensor,
-    out: torch.Tensor,
-    rows: Rows,
-    scale: float,
-    window: int = 0,
-    causal: bool = True,
-    key: torch.Tensor | None = None,
-    value: torch.Tensor | None = None,
-    staged: Staged | None = None,
-    sink: int = 0,
-    rotate: tuple[int, int] = (0, 0),
-) -> None:
-    """:func:`attend` in torch: each row's cached keys decoded from its pages to fp32 (with ``key``/``value``,
-    its new keys taken from them), a masked softmax. The oracle of the C kernel."""
-    h_q = query.shape[1]
-    staged_kv = None
-    if staged is not None:
-        staged_kv = staged.layout.decode(staged.pool)  # (K, V) fp32 (slots, H, T, D)
-    for r, kv_len in enumerate(rows.kv_lens):
-        q0, q1 = rows.starts[r], rows.starts[r + 1]
-        n = q1 - q0
-        if n == 0:
-            continue
-        cached = kv_len if key is None else kv_len - n  # keys read from the pages' codes
-        if cached:
-            kv = gather(layout, kv_cache, rows.block_table[r], cached)  # K, V: (H_kv, cached, D) fp32
-            if staged_kv is not None:
-                kv = overlay(kv, staged_kv, staged.map, rows.block_table[r], cached)
-        else:
-            kv = (torch.empty(kv_cache.shape[1], 0, layout.head_dim),) * 2
-        if key is not None:  # the row's new keys, raw
-            kv = [torch.cat([x, raw[q0:q1].float().transpose(0, 1)], 1) for x, raw in zip(kv, (key, value))]
-        g = h_q // kv[0].shape[0]
-        k, v = (x.repeat_interleave(g, 0) for x in kv)  # (H_q, L, D)
-        q = query[q0:q1].float()
-        if rotate[0]:  # into K's basis
-            q = Hadamard(layout.head_dim, rotate[0]).apply(q)
-        q = q.transpose(0, 1)  # (H_q, n, D)
-        s = (q @ k.transpose(1, 2)) * scale  # (H_q, n, L)
-        qpos = torch.arange(kv_len - n, kv_len)[:, None]  # (n, 1)
-        kpos = torch.arange(kv_len)[None, :]  # (1, L)
-        keep = kpos <= qpos if causal else torch.ones(n, kv_len, dtype=torch.bool)
-        if window > 0:
-            keep = keep & ((kpos > qpos - window) | (kpos < sink))
-        s = s.masked_fill(~keep, float("-inf"))
-        o = (torch.softmax(s, -1) @ v).transpose(0, 1)  # (n, H_q, D)
-        if rotate[1]:  # back from V's basis
-            o = Hadamard(layout.head_dim, rotate[1]).apply(o)
-        out[q0:q1] = o.to(out.dtype)

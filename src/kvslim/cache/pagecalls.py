@@ -1,0 +1,158 @@
+"""A paged step's pool calls with their argument tables laid out once a step, not once a layer.
+
+:meth:`PagePool.attend <kvslim.cache.pagepool.PagePool.attend>` makes four C calls a layer: the step's K/V rotated
+into the pages' basis (``kvp_rotate``), written to their pages and to their staging slots (``kvp_write`` twice), and
+the attention over every row's pages (``kvp_attend``). Each goes through the vLLM plugin's function for it
+(:mod:`kvslim.vllm.attend`), which checks its arguments and builds its table anew: some 0.1 ms of Python a layer, a
+few milliseconds of a 30-layer step whose attention takes ~25 ms (docs/performance.md, "The pool's calls laid out
+once a step").
+
+Within one step every layer's calls read the same rows, formats, shapes and thread count; what changes from one
+layer to the next is the layer's pages, its staging pool, and the step's query, key and value. :class:`StepCalls`
+builds the four tables at the step's first layer, through the same builders (:func:`~kvslim.vllm.attend.rotate_args`,
+:func:`~kvslim.vllm.attend.store_args`, :func:`~kvslim.vllm.attend.attend_args`: the same checks, the same values),
+and each layer sets only those addresses (``ROTATE_KEY`` .. ``HEAD_STAGED`` there) in int64 arrays before calling.
+The rotated K/V go to two buffers of the step's, written and read within one layer's calls and never handed out.
+
+It applies where the pages are rotated by ``kvp_rotate`` (a Hadamard basis, no K bias: the default of every lossy
+format) and the C kernel runs; a layer whose query, key or value does not have the first layer's dtype, shape and
+strides, or whose rotation the C call declines, gets ``None`` from :func:`attend` and takes the general path. The
+results are the general path's bit for bit (tests/test_pagecalls.py).
+
+This module knows nothing about transformers, scheduling or page formats (the builders do).
+"""
+
+from __future__ import annotations
+
+import array
+
+import torch
+
+from ..vllm import attend as paged
+from .pagespec import HALF_LIMIT, check_half
+
+#: a plan's ``calls`` where its step has none (checked once, at its first layer)
+NONE = False
+
+
+def _table(values: list[int]) -> tuple[array.array, int]:
+    """An int64 array of ``values`` and its address (the array is never resized: the address stays)."""
+    a = array.array("q", values)
+    return a, a.buffer_info()[0]
+
+
+def _form(x: torch.Tensor) -> tuple:
+    """What a layer's step tensor must keep for the step's tables to read it: type, dtype, shape, strides."""
+    return type(x), x.dtype, x.device.type, tuple(x.shape), x.stride()
+
+
+class StepCalls:
+    """One step's four argument tables (module docstring), built by :meth:`of`."""
+
+    __slots__ = (
+        "pool", "plan", "lib", "forms", "scale", "rotate", "amax", "keys", "values", "write", "stage",
+        "head", "keep", "half",
+    )  # fmt: skip
+
+    @classmethod
+    def of(cls, pool, plan, layer: int, query, key, value, scale: float) -> StepCalls | None:
+        """The step's tables from its first layer's tensors, or None where this path does not apply."""
+        basis = pool.basis
+        if paged._reference_asked() or basis.k_bias is not None or (basis.k is None and basis.v is None):
+            return None
+        lib = paged.library()
+        if lib is None or any(
+            type(x) is not torch.Tensor or x.dtype != torch.float32 for x in (query, key, value)
+        ):
+            return None
+        h, d = query.shape[1:] if query.dim() == 3 else (0, 0)
+        if not (
+            query.dim() == 3 and query.stride(2) == 1 and query.stride(1) == d and query.stride(0) >= h * d
+        ):
+            return None  # (the kernel would read a copy: not worth laying out)
+        rot = paged.rotate_args(key, value, basis.k, basis.v)
+        if rot is None:
+            return None
+        self = cls()
+        self.pool, self.plan, self.lib, self.scale = pool, plan, lib, scale
+        self.forms = (_form(query), _form(key), _form(value))
+        args, self.keys, self.values, self.amax = rot
+        self.rotate = _table(args)
+        keep = [self.keys, self.values, self.amax]
+        got = paged.store_args(pool.layout, pool.pages[layer], self.keys, self.values, plan.slots)
+        if got is None:
+            return None
+        self.write = _table(got[0])
+        keep.append(got[1])
+        self.stage = None
+        staged = None
+        if pool.stager is not None:
+            got = paged.store_args(
+                pool.stage_layout, pool.staged[layer], self.keys, self.values, plan.stage_dest
+            )
+            if got is None:
+                return None
+            self.stage = _table(got[0])
+            keep.append(got[1])
+            staged = paged.Staged(pool.staged[layer], pool.stage_layout, plan.stage_map)
+        out = torch.empty(query.shape, dtype=torch.float32)
+        rotate = (basis.k.block if basis.k is not None else 0, basis.v.block if basis.v is not None else 0)
+        head, o, held = paged.attend_args(
+            lib, pool.layout, pool.pages[layer], query, out, plan.table, scale, pool.window or 0, True,
+            self.keys, self.values, staged, pool.sink, rotate,
+        )  # fmt: skip
+        if o is not out or held[0] is not query or held[1] is not self.keys or held[2] is not self.values:
+            return None  # the kernel would read copies of the step's tensors: this path keeps none
+        self.head = _table(head)
+        keep.append(held)
+        self.keep = keep
+        # the float16 staging check of PagePool.attend: only what is staged is cast
+        self.half = pool.stage_dtype == torch.float16 and pool.dtype != torch.float16 and plan.staged_any
+        return self
+
+    def run(self, layer: int, query, key, value, scale: float) -> torch.Tensor | None:
+        """Layer ``layer``'s four calls: (N, H_q, D) float32, or None (nothing written) where the layer's tensors
+        do not fit the step's tables or the rotation's C call declines them: the caller takes the general path."""
+        if scale != self.scale or (_form(query), _form(key), _form(value)) != self.forms:
+            return None
+        pool, plan, lib = self.pool, self.plan, self.lib
+        rot, rot_at = self.rotate
+        rot[paged.ROTATE_KEY], rot[paged.ROTATE_VALUE] = key.data_ptr(), value.data_ptr()
+        if lib.kvp_rotate(rot_at):
+            return None
+        if self.half:
+            km, vm = self.amax.tolist()
+            largest = km if km != km or km > vm else vm
+            at = plan.staged_index
+            if at is not None or not largest < HALF_LIMIT:  # (NaN: not <) says which is out
+                check_half(
+                    self.keys if at is None else self.keys[at], self.values if at is None else self.values[at]
+                )
+        pages = pool.pages[layer]
+        table, at = self.write
+        table[paged.WRITE_PAGES] = pages.data_ptr()
+        if lib.kvp_write(at):  # a value it leaves to torch: the general path's own fallback
+            paged.write(pool.layout, pages, self.keys, self.values, plan.slots)
+        head, head_at = self.head
+        if self.stage is not None:
+            staged = pool.staged[layer]
+            table, at = self.stage
+            table[paged.WRITE_PAGES] = staged.data_ptr()
+            if lib.kvp_write(at):
+                paged.write(pool.stage_layout, staged, self.keys, self.values, plan.stage_dest)
+            head[paged.HEAD_STAGED] = staged.data_ptr()
+        out = torch.empty(query.shape, dtype=torch.float32)
+        head[paged.HEAD_QUERY], head[paged.HEAD_OUT], head[paged.HEAD_PAGES] = (
+            query.data_ptr(), out.data_ptr(), pages.data_ptr(),
+        )  # fmt: skip
+        paged.check_rc(lib.kvp_attend(head_at))
+        return out
+
+
+def attend(pool, plan, layer: int, query, key, value, scale: float) -> torch.Tensor | None:
+    """Layer ``layer`` of ``plan`` through its step's tables (built at the step's first layer), or None: the caller
+    takes :meth:`PagePool.attend <kvslim.cache.pagepool.PagePool.attend>`'s general path."""
+    calls = plan.calls
+    if calls is None:
+        calls = plan.calls = StepCalls.of(pool, plan, layer, query, key, value, scale) or NONE
+    return calls.run(layer, query, key, value, scale) if calls is not NONE else None
