@@ -313,32 +313,30 @@ class PagePool:
         :meth:`abandon` puts back."""
         before, free0, stager_state = snapshot
         taken, slots, pos, kv_lens, tables = [], [], [], [], []
-        for row, n in zip(rows, lengths, strict=True):
+        t = PAGE_TOKENS
+        for row, n in zip(rows, lengths, strict=True):  # plain lists, one tensor each at the end
             if row is None:
-                slots.append(torch.tensor([-1]))
-                pos.append(torch.zeros(1, dtype=torch.long))
+                slots.append(-1)
+                pos.append(0)
                 kv_lens.append(1)
                 tables.append([])
                 taken.append([])
                 continue
-            more = [
-                self._free.pop() for _ in range(max(0, -(-(row.length + n) // PAGE_TOKENS) - len(row.pages)))
-            ]
+            more = [self._free.pop() for _ in range(max(0, -(-(row.length + n) // t) - len(row.pages)))]
             taken.append(more)
-            pages = torch.tensor(row.pages + more, dtype=torch.long)
-            where = torch.arange(row.length, row.length + n)
-            slots.append(pages[where // PAGE_TOKENS] * PAGE_TOKENS + where % PAGE_TOKENS)
-            pos.append(where)
+            pages = row.pages + more
+            where = range(row.length, row.length + n)
+            slots += [pages[j // t] * t + j % t for j in where]
+            pos += where
             kv_lens.append(row.length + n)
-            tables.append(row.pages + more)
-        width = max(1, max(len(t) for t in tables))
-        block = torch.zeros((len(rows), width), dtype=torch.int32)
-        for b, t in enumerate(tables):
-            if t:
-                block[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
+            tables.append(pages)
+        width = max(1, max(len(p) for p in tables))
+        block = torch.tensor([p + [0] * (width - len(p)) for p in tables], dtype=torch.int32)
         starts = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
         table = paged.Rows.of(starts, torch.tensor(kv_lens, dtype=torch.int32), block)
-        plan = StepPlan(list(rows), list(lengths), torch.cat(slots), table, torch.cat(pos)[None])
+        plan = StepPlan(
+            list(rows), list(lengths), torch.tensor(slots, dtype=torch.long), table, torch.tensor([pos], dtype=torch.long)
+        )
         plan.undo = (before, free0, stager_state, None, None)
         for row, more in zip(rows, taken, strict=True):
             if row is not None:
