@@ -29,7 +29,7 @@ import array
 import torch
 
 from ..vllm import attend as paged
-from .pagespec import HALF_LIMIT, check_half
+from .pagespec import check_staged
 
 #: a plan's ``calls`` where its step has none (checked once, at its first layer)
 NONE = False
@@ -51,7 +51,7 @@ class StepCalls:
 
     __slots__ = (
         "pool", "plan", "lib", "forms", "scale", "rotate", "amax", "keys", "values", "write", "stage",
-        "head", "keep", "half",
+        "head", "keep",
     )  # fmt: skip
 
     @classmethod
@@ -106,8 +106,6 @@ class StepCalls:
         self.head = _table(head)
         keep.append(held)
         self.keep = keep
-        # the float16 staging check of PagePool.attend: only what is staged is cast
-        self.half = pool.stage_dtype == torch.float16 and pool.dtype != torch.float16 and plan.staged_any
         return self
 
     def run(self, layer: int, query, key, value, scale: float) -> torch.Tensor | None:
@@ -120,14 +118,10 @@ class StepCalls:
         rot[paged.ROTATE_KEY], rot[paged.ROTATE_VALUE] = key.data_ptr(), value.data_ptr()
         if lib.kvp_rotate(rot_at):
             return None
-        if self.half:
-            km, vm = self.amax.tolist()
-            largest = km if km != km or km > vm else vm
-            at = plan.staged_index
-            if at is not None or not largest < HALF_LIMIT:  # (NaN: not <) says which is out
-                check_half(
-                    self.keys if at is None else self.keys[at], self.values if at is None else self.values[at]
-                )
+        km, vm = self.amax.tolist()
+        check_staged(
+            pool.stage_dtype, pool.dtype, plan, self.keys, self.values, km if km != km or km > vm else vm
+        )
         pages = pool.pages[layer]
         table, at = self.write
         table[paged.WRITE_PAGES] = pages.data_ptr()

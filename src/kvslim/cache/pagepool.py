@@ -56,9 +56,8 @@ from ..vllm.staging import Stager
 from . import pagecalls
 from .pagespec import (  # noqa: F401 - DEFAULT_RESIDUAL, check_config, residual_pages, stage_dtype re-exported
     DEFAULT_RESIDUAL,
-    HALF_LIMIT,
     check_config,
-    check_half,
+    check_staged,
     evictable,
     residual_pages,
     sink_tokens,
@@ -443,10 +442,7 @@ class PagePool:
         if out is not None:
             return out
         keys, values, largest = self.basis.stored(key, value, layer)
-        if self.stage_dtype == torch.float16 and self.dtype != torch.float16 and plan.staged_any:
-            at = plan.staged_index  # only what is staged is cast: a prompt's other tokens are encoded
-            if at is not None or largest is None or not largest < HALF_LIMIT:  # (NaN: not <) says which is out
-                check_half(keys if at is None else keys[at], values if at is None else values[at])
+        check_staged(self.stage_dtype, self.dtype, plan, keys, values, largest)
         paged.store(self.layout, self.pages[layer], keys, values, plan.slots)
         staged = None
         if self.stager is not None:

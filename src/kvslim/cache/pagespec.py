@@ -119,3 +119,15 @@ def check_half(keys: torch.Tensor, values: torch.Tensor) -> None:
                 f"a {name} value is not finite in float16 (beyond its range, or NaN/inf): the pool stages its newest "
                 f"tokens in float16; build it with residual_dtype=model"
             )
+
+
+def check_staged(stage_dtype, dtype, plan, keys: torch.Tensor, values: torch.Tensor, largest: float | None) -> None:
+    """:func:`check_half` on what a step stages of its K/V (``keys``, ``values``: every token's, in the pages' basis)
+    where the staging pool is float16 for a model of another dtype: only the staged tokens (``plan.staged_index``,
+    None: all of them), and none where ``largest`` (the largest ``|value|`` of both, NaN if any; None: not known) says
+    every value fits."""
+    if stage_dtype != torch.float16 or dtype == torch.float16 or not plan.staged_any:
+        return
+    at = plan.staged_index  # only what is staged is cast: a prompt's other tokens are encoded
+    if at is not None or largest is None or not largest < HALF_LIMIT:  # (NaN: not <) says which is out
+        check_half(keys if at is None else keys[at], values if at is None else values[at])

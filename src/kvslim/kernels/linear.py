@@ -72,25 +72,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         rows = rows.contiguous()
     w = weight if weight.stride(1) == 1 or i <= 1 else weight.contiguous()
     b = None if bias is None else bias.contiguous()
-    r = rows.shape[0]
+    if i == 0:
+        r = rows.shape[0]
+        y = b.expand(r, o).clone() if b is not None else torch.zeros(r, o)
+        return y.reshape(*x.shape[:-1], o)
+    y = _product(rows, w.data_ptr(), o, w.stride(0), 0 if b is None else b.data_ptr())
+    return y.reshape(*x.shape[:-1], o)
+
+
+def _product(rows: torch.Tensor, wp: int, o: int, ws: int, bp: int) -> torch.Tensor:
+    """``kv_linear`` on ``rows`` (R, I) float32 with unit column stride, I > 0, and the weight (O, I) at address ``wp``
+    (row stride ``ws``), the bias at ``bp`` (0: none): a new (R, O) float32 tensor."""
+    r, i = rows.shape
     y = torch.empty(r, o, dtype=torch.float32)
     if r and o:
-        if i == 0:
-            y.copy_(b.expand(r, o) if b is not None else torch.zeros(r, o))
-        else:
-            args = array.array(
-                "q",
-                [
-                    rows.data_ptr(), r, i, rows.stride(0) if r > 1 else i,
-                    w.data_ptr(), o, w.stride(0) if o > 1 else i,
-                    0 if b is None else b.data_ptr(),
-                    y.data_ptr(), o, torch.get_num_threads(),
-                ],
-            )  # held until the call returns
-            rc = library().kv_linear(args.buffer_info()[0])
-            if rc != 0:
-                raise RuntimeError(f"kvslim's linear kernel refused the call (status {rc}): a build without AVX2 and FMA?")
-    return y.reshape(*x.shape[:-1], o)
+        args = array.array(
+            "q",
+            [
+                rows.data_ptr(), r, i, rows.stride(0) if r > 1 else i,
+                wp, o, ws if o > 1 else i, bp,
+                y.data_ptr(), o, torch.get_num_threads(),
+            ],
+        )  # fmt: skip
+        rc = library().kv_linear(args.buffer_info()[0])
+        if rc != 0:
+            raise RuntimeError(f"kvslim's linear kernel refused the call (status {rc}): a build without AVX2 and FMA?")
+    return y
 
 
 class Prepared:
@@ -138,18 +145,4 @@ class Prepared:
         rows = x.reshape(math.prod(x.shape[:-1]), i)
         if rows.stride(1) != 1:
             rows = rows.contiguous()
-        r = rows.shape[0]
-        y = torch.empty(r, o, dtype=torch.float32)
-        if r and o:
-            args = array.array(
-                "q",
-                [
-                    rows.data_ptr(), r, i, rows.stride(0) if r > 1 else i,
-                    self.wp, o, self.ws if o > 1 else i, self.bp,
-                    y.data_ptr(), o, torch.get_num_threads(),
-                ],
-            )  # fmt: skip
-            rc = library().kv_linear(args.buffer_info()[0])
-            if rc != 0:
-                raise RuntimeError(f"kvslim's linear kernel refused the call (status {rc}): a build without AVX2 and FMA?")
-        return y.reshape(*x.shape[:-1], o)
+        return _product(rows, self.wp, o, self.ws, self.bp).reshape(*x.shape[:-1], o)
