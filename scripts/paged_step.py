@@ -40,6 +40,7 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=1024)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--linears", default="auto", help="the route of the linear layers (kvslim.engine.linears)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's weights")
     p.add_argument(
         "--peers",
         nargs="*",
@@ -61,7 +62,7 @@ def main() -> None:
     from kvslim.models.load import load_model
 
     load = [os.getloadavg()[0]]
-    model = load_model(None)[0]
+    model = load_model(None, dtype=a.dtype)[0]
     kvslim.enable(model)
     route = Linears(model, a.linears, batch_hint=step_rows(a.rows))
     multiple = route.row_multiple()
@@ -120,7 +121,7 @@ def main() -> None:
     load.append(os.getloadavg()[0])
     print(
         f"\n{a.rows} rows x {a.length} tokens, {a.threads} threads, OMP_WAIT_POLICY="
-        f"{os.environ.get('OMP_WAIT_POLICY', '(unset)')}, {route}; load average {load[0]:.2f} -> {load[1]:.2f}\n"
+        f"{os.environ.get('OMP_WAIT_POLICY', '(unset)')}, {a.dtype}, {route}; load average {load[0]:.2f} -> {load[1]:.2f}\n"
     )
     print(f"{'config':10s} {'SlimCache rows ms':>18s} {'pages ms':>10s} {'min / min':>10s} {'speed-up':>9s}")
     for spec, t in results.items():

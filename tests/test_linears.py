@@ -9,6 +9,7 @@ import torch
 import kvslim
 from conftest import blas_row_identity, tiny_model
 from kvslim.engine import Engine, Request
+from kvslim.engine import linear_probe as probe
 from kvslim.engine import linears as lin
 
 pytestmark = pytest.mark.skipif(not lin.onednn_ready(), reason="this torch has no oneDNN")
@@ -28,7 +29,7 @@ def _onednn(x, w, b=None):
 
 def _product(route, x, w, b=None):
     """What ``route`` computes for one product (packed: oneDNN's bits on the same weight)."""
-    return lin._product("kvslim" if route == "kvslim" else "onednn", x, w, b)
+    return probe._product("kvslim" if route == "kvslim" else "onednn", x, w, b)
 
 
 def test_routes_and_their_errors(model):
@@ -142,13 +143,13 @@ def test_products_ms_times_both_routes_once(model, monkeypatch):
     """The speed probe runs every routable module's product through both routes, interleaved, and remembers it."""
     modules = [m for m in model.modules() if lin._routable(m)]
     calls = []
-    real = lin._product
+    real = probe._product
     def product(route, x, w, b):
         calls.append((route, x.shape[0]))
         return real(route, x, w, b)
 
-    monkeypatch.setattr(lin, "_product", product)
-    monkeypatch.setattr(lin, "_PROBED", {})
+    monkeypatch.setattr(probe, "_product", product)
+    monkeypatch.setattr(probe, "_PROBED", {})
     times = lin.products_ms(modules, 6)
     assert list(times) == ["torch", "onednn"] and min(times.values()) > 0
     timed = calls[2:]  # after one untimed product through each route
@@ -180,14 +181,14 @@ def test_rows_invariant_probes_the_models_shapes_once(model, monkeypatch):
     modules = [m for m in model.modules() if lin._routable(m)]
     shapes = {tuple(m.weight.shape) for m in modules}
     calls = []
-    real = lin._product
+    real = probe._product
 
     def spy(route, x, w, bias):
         calls.append((route, x.shape[0], tuple(w.shape)))
         return real(route, x, w, bias)
 
-    monkeypatch.setattr(lin, "_product", spy)
-    monkeypatch.setattr(lin, "_PROBED", {})
+    monkeypatch.setattr(probe, "_product", spy)
+    monkeypatch.setattr(probe, "_PROBED", {})
     assert lin.rows_invariant(modules, "onednn", 12)  # oneDNN: every multiple of 4 alike (tested below too)
     sizes = {n for _, n, _ in calls}
     assert {8, 12, *lin.PROBE_ROWS} <= sizes and {s for _, _, s in calls} == shapes
@@ -198,16 +199,16 @@ def test_rows_invariant_probes_the_models_shapes_once(model, monkeypatch):
     def by_size(route, x, w, bias):  # a product whose rounding depends on the row count
         return real(route, x, w, bias) * (1 + 1e-7 * (x.shape[0] > 8))
 
-    monkeypatch.setattr(lin, "_product", by_size)
+    monkeypatch.setattr(probe, "_product", by_size)
     assert not lin.rows_invariant(modules, "torch", 12)
 
     def by_place(route, x, w, bias):  # rows past the first 4 of a bigger product rounded otherwise
         out = real(route, x, w, bias)
         return torch.cat([out[:4], out[4:] * (1 + 1e-7)]) if x.shape[0] > 4 else out
 
-    monkeypatch.setattr(lin, "_product", by_place)
+    monkeypatch.setattr(probe, "_product", by_place)
     assert not lin.rows_invariant(modules, "onednn", 8)
-    monkeypatch.setattr(lin, "_product", by_size)
+    monkeypatch.setattr(probe, "_product", by_size)
     assert not lin.rows_invariant(modules, "torch", 4)  # steps of 4 rows alone: found at PROBE_ROWS
     assert not lin.rows_invariant(modules, "onednn", 16)
 

@@ -118,3 +118,21 @@ def test_a_layer_that_does_not_fit_takes_the_general_path():
         pools.append(pool)
     assert all(torch.equal(x, y) for x, y in zip(outs[0], outs[1], strict=True))
     assert all(torch.equal(x, y) for x, y in zip(pools[0].pages, pools[1].pages, strict=True))
+
+
+@pytest.mark.parametrize("spec", ["int4,residual=32", "q4_0,residual=32,sink=32"])
+def test_a_bfloat16_model_takes_the_tables_with_the_general_paths_bits(spec, monkeypatch):
+    """A bfloat16 model's query, key and value are widened to float32 for the tables, as the general path widens
+    them: the same logits and pages, and every layer goes through the tables."""
+    bf = kvslim.enable(tiny_model("llama", num_hidden_layers=3, seed=7).to(torch.bfloat16))
+    ran = []
+    real_run = pagecalls.StepCalls.run
+    monkeypatch.setattr(pagecalls.StepCalls, "run", lambda self, *a: ran.append(a[1].dtype) or real_run(self, *a))
+    fast, fast_pool = _run(bf, spec)
+    assert ran and set(ran) == {torch.float32}
+    with monkeypatch.context() as m:
+        _general_only(m)
+        slow, slow_pool = _run(bf, spec)
+    assert fast_pool.pages[0].dtype == torch.uint8
+    assert all(torch.equal(x, y) for x, y in zip(fast, slow, strict=True))
+    assert all(torch.equal(x, y) for x, y in zip(fast_pool.pages, slow_pool.pages, strict=True))

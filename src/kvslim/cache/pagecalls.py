@@ -15,7 +15,7 @@ and each layer sets only those addresses (``ROTATE_KEY`` .. ``HEAD_STAGED`` ther
 The rotated K/V go to two buffers of the step's, written and read within one layer's calls and never handed out.
 
 It applies where the pages are rotated by ``kvp_rotate`` (a Hadamard basis, no K bias: the default of every lossy
-format) and the C kernel runs; a layer whose query, key or value does not have the first layer's dtype, shape and
+format) and the C kernel runs, to a float32 model's tensors and to a bfloat16 or float16 model's widened to float32; a layer whose query, key or value does not have the first layer's dtype, shape and
 strides, or whose rotation the C call declines, gets ``None`` from :func:`attend` and takes the general path. The
 results are the general path's bit for bit (tests/test_pagecalls.py).
 
@@ -33,6 +33,8 @@ from .pagespec import check_staged
 
 #: a plan's ``calls`` where its step has none (checked once, at its first layer)
 NONE = False
+#: the model dtypes whose step tensors are widened to float32 for the tables (the C calls read float32)
+HALVES = (torch.bfloat16, torch.float16)
 
 
 def _table(values: list[int]) -> tuple[array.array, int]:
@@ -145,7 +147,10 @@ class StepCalls:
 
 def attend(pool, plan, layer: int, query, key, value, scale: float) -> torch.Tensor | None:
     """Layer ``layer`` of ``plan`` through its step's tables (built at the step's first layer), or None: the caller
-    takes :meth:`PagePool.attend <kvslim.cache.pagepool.PagePool.attend>`'s general path."""
+    takes :meth:`PagePool.attend <kvslim.cache.pagepool.PagePool.attend>`'s general path. A bfloat16 or float16
+    layer's tensors are widened to float32 first (exactly), as the general path widens them."""
+    if query.dtype in HALVES and key.dtype == value.dtype == query.dtype:
+        query, key, value = query.float(), key.float(), value.float()
     calls = plan.calls
     if calls is None:
         calls = plan.calls = StepCalls.of(pool, plan, layer, query, key, value, scale) or NONE

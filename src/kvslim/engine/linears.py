@@ -75,24 +75,35 @@ alone. The module knows nothing about caches or rows.
 from __future__ import annotations
 
 import threading
-import time
 from contextlib import contextmanager
 from contextvars import ContextVar
 
 import torch
 
 from ..generate import ROW_MULTIPLE
+from .linear_probe import (
+    DENSE_ROWS,
+    PASSES,
+    PROBE_ROWS,
+    _kvslim_linear,
+    products_ms,
+    rows_invariant,
+    step_rows,
+)
+
+__all__ = [
+    "DENSE_ROWS", "PASSES", "PROBE_ROWS", "ROUTES", "Linears", "kvslim_ready", "mkl_ready", "onednn_ready",
+    "products_ms", "rows_invariant", "step_rows",
+]  # fmt: skip
 
 #: the routes a user may ask for (module docstring)
 ROUTES = ("auto", "torch", "onednn", "packed", "mkl", "kvslim")
 
-#: The step sizes :func:`rows_invariant` compares rows at, beside every multiple of 4 up to the step's rows (up to
-#: 64, then the step's rows themselves): a mixed step carries a prompt chunk's tokens too (a row each; 256 by
-#: default beside 16 decode rows), sampled here.
-PROBE_ROWS = (36, 64, 132, 272, 516)
-#: the multiples of 4 compared one by one up to here; past it, the step's rows and PROBE_ROWS
-DENSE_ROWS = 64
-
+#: how much faster oneDNN's products must be for ``auto`` to leave torch's route where both keep a row's bits: wide,
+#: because the products alone overstate a whole step's gain (an AVX2 machine measured 1.14-1.46x on the products and
+#: 0.95-1.04x on the step, docs/performance.md "The weights' products"; an AMD EPYC 1.43-1.47x and 1.07-1.19x), and
+#: because the route decides a request's bits: a choice near the margin could flip between runs
+FASTER = 1.25
 #: the Linears whose block is open in this context (None: torch's own forward)
 _ACTIVE: ContextVar = ContextVar("kvslim_linears", default=None)
 #: id(module) -> [module, open blocks routing it]: the dispatching forwards installed
@@ -108,14 +119,6 @@ def onednn_ready() -> bool:
         return False
 
 
-def step_rows(rows: int) -> int:
-    """The rows of an engine step that carries ``rows`` one-token rows: padded to a multiple of 4, at least 4
-    (:mod:`kvslim.cache.ragged`, "Filler rows"); the ``batch_hint`` that makes the ``mkl`` route serve that step.
-    Where the step is not padded (:meth:`Linears.row_multiple` 1, kvslim's route) ``auto`` still times the routes at
-    these rows: a step of 1-3 rows then runs fewer than it timed."""
-    return max(4, -(-int(rows) // 4) * 4)
-
-
 def mkl_ready() -> bool:
     """Whether this torch can pack a weight for MKL's sgemm and run it (``torch.ops.mkl._mkl_linear``)."""
     try:
@@ -124,137 +127,44 @@ def mkl_ready() -> bool:
         return False
 
 
-def kvslim_ready() -> bool:
-    """Whether kvslim's own linear (:mod:`kvslim.kernels.linear`: the C kernels, built with AVX2 and FMA) runs here."""
+def kvslim_ready(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether kvslim's own linear (:mod:`kvslim.kernels.linear`: the C kernels, built with AVX2 and FMA; in
+    bfloat16, with AVX512-BF16) runs here for ``dtype``."""
     from ..kernels import linear
 
     try:
-        return linear.ready()
+        return linear.ready(dtype)
     except Exception:  # noqa: BLE001 - no kernels (no compiler): not ready, never an error here
         return False
 
 
-def rows_invariant(modules, route: str, rows: int) -> bool:
-    """Whether ``route``'s product (``torch``, ``onednn`` or ``kvslim``, as :class:`Linears` runs it) gives the rows of every
-    distinct weight shape of ``modules`` (routable ``nn.Linear``) the same bits in a step of the sizes the engine
-    makes as in a step of 4 rows, at the current thread count: at every multiple of 4 up to :func:`step_rows` of
-    ``rows`` (at most :data:`DENSE_ROWS`), at the step's rows and at :data:`PROBE_ROWS` (a sample: a mixed step's
-    sizes between them, and past 516 rows, are not checked), the first, a middle and the last 4 rows of each size.
-    Measured on each shape's first module's own weight with seeded inputs; remembered per process (shapes, sizes,
-    threads and route)."""
-    top = step_rows(rows)
-    sizes = sorted({*range(4, min(top, DENSE_ROWS) + 1, 4), top, *PROBE_ROWS})
-    first: dict = {}
-    for m in modules:
-        first.setdefault(tuple(m.weight.shape), m)
-    key = (route, tuple(sorted(first)), tuple(sizes), torch.get_num_threads())
-    if key not in _PROBED:
-        _PROBED[key] = _probe(first.values(), route, sizes)
-    return _PROBED[key]
+_BF16_READY = kvslim_ready  # (its own name: a test that stubs kvslim_ready() for float32 leaves bfloat16 be)
+#: the dtypes a route takes: float32; kvslim's, bfloat16 too where the CPU has AVX512-BF16 (:func:`_dtypes`)
+FP32 = (torch.float32,)
 
 
-_PROBED: dict = {}
-
-#: how much faster oneDNN's products must be for ``auto`` to leave torch's route where both keep a row's bits: wide,
-#: because the products alone overstate a whole step's gain (an AVX2 machine measured 1.14-1.46x on the products and
-#: 0.95-1.04x on the step, docs/performance.md "The weights' products"; an AMD EPYC 1.43-1.47x and 1.07-1.19x), and
-#: because the route decides a request's bits: a choice near the margin could flip between runs
-FASTER = 1.25
-#: timed passes over the model's products per route (interleaved; the fastest counts), fewer where a pass is long
-PASSES = 3
+def _dtypes(route: str) -> tuple:
+    return (torch.float32, torch.bfloat16) if route == "kvslim" and _BF16_READY(torch.bfloat16) else FP32
 
 
-def products_ms(modules, rows: int, routes=("torch", "onednn"), *, exact: bool = False) -> dict[str, float]:
-    """Milliseconds of one pass over ``modules``' products (every routable ``nn.Linear``, in order, each weight
-    streamed from memory as in a step) at :func:`step_rows` of ``rows`` rows (``exact``: ``rows`` itself, a single
-    stream's step) through each of ``routes`` (``torch``, ``onednn``, ``kvslim``): ``{route: ms}``, the fastest of
-    :data:`PASSES` passes each, the routes interleaved (their order rotating) so that a busy stretch of the machine
-    slows all alike, after one untimed product through each. Remembered per process (shapes, rows, threads)."""
-    n = int(rows) if exact else step_rows(rows)
-    routes = tuple(routes)
-    key = ("speed", tuple(tuple(m.weight.shape) for m in modules), n, routes, torch.get_num_threads())
-    if key not in _PROBED:
-        g = torch.Generator().manual_seed(0)
-        xs = {w: torch.randn(n, w, generator=g) for w in {m.weight.shape[1] for m in modules}}
-        calls = [
-            (xs[m.weight.shape[1]], m.weight.detach(), None if m.bias is None else m.bias.detach().contiguous())
-            for m in modules
-        ]
-        best = dict.fromkeys(routes, float("inf"))
-        with torch.no_grad():
-            for route in routes:  # untimed: each library's first call (its kernels, first touches)
-                _product(route, *calls[0])
-            for i in range(PASSES):
-                for route in routes[i % len(routes) :] + routes[: i % len(routes)]:
-                    t = time.perf_counter()
-                    for args in calls:
-                        _product(route, *args)
-                    best[route] = min(best[route], (time.perf_counter() - t) * 1e3)
-                if max(best.values()) > 1000:  # a large model: one pass each is measurement enough
-                    break
-        _PROBED[key] = best
-    return dict(_PROBED[key])
-
-
-def _product(route: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if route == "onednn":
-        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
-    if route == "kvslim":
-        return _kvslim_linear().linear(x, w, bias)
-    return torch.nn.functional.linear(x, w, bias)
-
-
-def _kvslim_linear():
-    """:mod:`kvslim.kernels.linear`, imported on first use (the kernels' package is not imported with this module)
-    and kept: a step calls it ~211 times."""
-    mod = _LINEAR.get("mod")
-    if mod is None:
-        from ..kernels import linear as mod
-
-        _LINEAR["mod"] = mod
-    return mod
-
-
-_LINEAR: dict = {}
-
-
-def _probe(modules, route: str, sizes) -> bool:
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for m in modules:
-            w, bias = m.weight.detach(), None if m.bias is None else m.bias.detach().contiguous()
-            x = torch.randn(max(sizes), w.shape[1], generator=g)
-            alone: dict = {}  # block start -> its 4 rows out of a step of 4 (the engine's smallest)
-            for n in sizes:
-                if n <= 4:
-                    continue
-                out = _product(route, x[:n], w, bias)
-                for i in (0, n // 8 * 4, n - 4):  # the first, a middle and the last 4 rows: a row's place counts too
-                    if i not in alone:
-                        alone[i] = _product(route, x[i : i + 4], w, bias)
-                    if not torch.equal(out[i : i + 4], alone[i]):
-                        return False
-    return True
-
-
-def _plain_fp32_cpu(t) -> bool:
-    """A plain (not a subclass such as a DTensor) strided float32 CPU tensor or Parameter."""
+def _plain_cpu(t, dtypes=FP32) -> bool:
+    """A plain (not a subclass such as a DTensor) strided CPU tensor or Parameter of one of ``dtypes``."""
     return (
         type(t) in (torch.Tensor, torch.nn.Parameter)
-        and t.dtype == torch.float32
+        and t.dtype in dtypes
         and t.device.type == "cpu"
         and t.layout == torch.strided
     )
 
 
-def _routable(module: torch.nn.Module) -> bool:
+def _routable(module: torch.nn.Module, dtypes=FP32) -> bool:
     """A plain ``nn.Linear`` (a subclass with its own forward, such as an adapter layer, keeps it; so does a
-    parametrized one) with a plain float32 CPU weight."""
+    parametrized one) with a plain CPU weight of one of ``dtypes`` (float32; kvslim's route: bfloat16 too)."""
     return (
         isinstance(module, torch.nn.Linear)
         and type(module).forward is torch.nn.Linear.forward
         and not torch.nn.utils.parametrize.is_parametrized(module)
-        and _plain_fp32_cpu(module._parameters.get("weight"))
+        and _plain_cpu(module._parameters.get("weight"), dtypes)
     )
 
 
@@ -351,11 +261,13 @@ class Linears:
             raise ValueError("linears='mkl' needs torch built with MKL (torch.backends.mkl), which this torch is not; use 'torch'")
         self.route = route
         self.batch_hint = int(batch_hint)
-        self.modules = [] if route == "torch" else [m for m in model.modules() if _routable(m)]
+        self.dtypes = _dtypes(route)
+        self.modules = [] if route == "torch" else [m for m in model.modules() if _routable(m, self.dtypes)]
         if route != "torch" and not self.modules:
             p = next(iter(model.parameters()), None)
+            kinds = "float32 or bfloat16" if len(self.dtypes) > 1 else "float32"
             raise ValueError(
-                f"linears={route!r} routes float32 CPU nn.Linear layers, and this model has none "
+                f"linears={route!r} routes {kinds} CPU nn.Linear layers, and this model has none "
                 f"({'no parameters' if p is None else f'{p.dtype} on {p.device}'}); use 'torch'"
             )
         self._ids = {id(m) for m in self.modules}
@@ -408,9 +320,10 @@ class Linears:
             return y
         usable = (
             id(module) in self._ids
-            and _plain_fp32_cpu(x)
-            and _plain_fp32_cpu(w)
-            and (bias is None or (_plain_fp32_cpu(bias) and bias.is_contiguous()))
+            and x.dtype == w.dtype
+            and _plain_cpu(x, self.dtypes)
+            and _plain_cpu(w, self.dtypes)
+            and (bias is None or (bias.dtype == w.dtype and _plain_cpu(bias, self.dtypes) and bias.is_contiguous()))
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
         )
         if not usable:
@@ -434,15 +347,14 @@ class Linears:
             return 1
         return ROW_MULTIPLE
 
-    @staticmethod
-    def _runs(module) -> bool:
+    def _runs(self, module) -> bool:
         """Whether ``module``'s products run this (kvslim's) route now: its dispatching forward installed, and its
         weight and bias still what :meth:`_forward` takes (not replaced by another dtype or device since)."""
         bias = module.bias
         return (
             _INSTALLED.get(id(module), (None,))[0] is module
-            and _routable(module)
-            and (bias is None or (_plain_fp32_cpu(bias) and bias.is_contiguous()))
+            and _routable(module, self.dtypes)
+            and (bias is None or (bias.dtype == module.weight.dtype and _plain_cpu(bias, self.dtypes) and bias.is_contiguous()))
         )
 
     @property
@@ -470,10 +382,12 @@ _NAMES = {"torch": "torch", "onednn": "oneDNN", "kvslim": "kvslim"}
 def _choose(model, rows: int, single: bool = False) -> tuple[str, str]:
     """``auto``'s route for ``model`` at steps of up to ``rows`` rows (``single``: one stream's steps of ``rows``
     rows, whose bits never meet another row's: speed alone), and why (module docstring)."""
-    modules = [m for m in model.modules() if _routable(m)]
+    modules = [m for m in model.modules() if _routable(m, _dtypes("kvslim"))]
     if not modules:
-        return "torch", "no float32 CPU linear layer to route"
+        return "torch", "no float32 CPU linear layer to route (nor a bfloat16 one on a CPU with AVX512-BF16)"
     ready = [r for r, ok in (("onednn", onednn_ready), ("kvslim", kvslim_ready)) if ok()]
+    if any(m.weight.dtype != torch.float32 for m in modules):  # bfloat16: kvslim's route alone takes it
+        ready = [r for r in ready if r == "kvslim"]
     if single:
         torch_ok, candidates, alike = True, ready, "one stream"
     else:

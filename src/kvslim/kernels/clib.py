@@ -263,9 +263,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     if hasattr(lib, "kv_encode_affine"):  # csrc/kvslim_encode.c (absent from a baseline build of older sources)
         lib.kv_encode_affine.argtypes = [ctypes.c_void_p]
         lib.kv_encode_affine.restype = _I
-    if hasattr(lib, "kv_linear"):  # csrc/kvslim_linear.c (likewise)
-        lib.kv_linear.argtypes = [ctypes.c_void_p]
-        lib.kv_linear.restype = _I
+    for name in ("kv_linear", "kv_linear_bf16"):  # csrc/kvslim_linear.c (likewise)
+        if hasattr(lib, name):
+            getattr(lib, name).argtypes = [ctypes.c_void_p]
+            getattr(lib, name).restype = _I
     lib.kv_row_format.argtypes = [
         ctypes.c_char_p,
         ctypes.POINTER(ctypes.c_int32),
