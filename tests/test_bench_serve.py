@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import save_tiny_word_model
 from kvslim import threads
@@ -251,3 +252,8 @@ def test_openvino_peer_when_installed(model_dir):
     assert "skipped int2" in notes["openvino"], notes
     assert [r.mode for r in rows] == ["openvino int4"], notes
     assert rows[0].aggregate_tok_s > 0 and rows[0].steps >= 1 and rows[0].note.startswith("KV u4")
+    bf = tiny_model("llama").to(torch.bfloat16)
+    bf.name_or_path = str(model_dir)
+    rows, notes = cp.run_peers(["openvino"], bf, ["int4"], lambda n: [3 + i for i in range(n)], [16], [2], 3,
+                               warmup=1, threads=1)
+    assert [r.mode for r in rows] == ["openvino int4"] and "bf16 compute" in rows[0].note, (notes, rows)

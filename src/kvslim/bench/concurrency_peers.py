@@ -7,7 +7,8 @@ source checkout kvslim runs from or in the current directory, or at ``$KVSLIM_OP
 (:mod:`.peer_openvino`, :mod:`.peer_vllm`) import nothing of kvslim; they get a JSON job and write JSON
 rows, which become :class:`~.concurrency.ConcurrencyRow`\\ s here.
 
-Cache specs map to the peer's own cache: OpenVINO's KV precision is ``f32`` for ``none``, ``u8`` for the
+OpenVINO computes in kvslim's model dtype (``INFERENCE_PRECISION_HINT`` ``f32``, or ``bf16`` beside a bfloat16
+model: ``--dtype bfloat16``). Cache specs map to the peer's own cache: OpenVINO's KV precision is ``f32`` for ``none``, ``u8`` for the
 8-bit formats, ``u4`` for the 4-bit ones, and a windowed spec becomes its cache eviction (start 32 tokens,
 recent up to 128, capped at sink + window rounded up to its 32-token blocks: what it can do, not StreamingLLM);
 vLLM runs its stock KV (``auto``: the model's dtype, bf16; ``KVSLIM_VLLM_DTYPE=float32`` runs its model and KV in
@@ -25,6 +26,8 @@ import subprocess
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+import torch
 
 from .concurrency import ConcurrencyRow
 from .timing import quiet
@@ -124,7 +127,10 @@ def run_peers(
                 continue
             runs += [{"spec": spec, **cache, "length": n, "concurrency": c, "prompt": list(prompt(n))}
                      for n in lengths for c in concurrencies]
-        rows_here, error = _run(peer, python, script, directory, runs, steps, warmup, threads, log) if runs else ([], "")
+        precision = "bf16" if getattr(model, "dtype", None) == torch.bfloat16 else "f32"
+        rows_here, error = (
+            _run(peer, python, script, directory, runs, steps, warmup, threads, log, precision) if runs else ([], "")
+        )
         rows += rows_here
         notes[peer] = (f"peer {peer}: {python.parent.parent.name}, {len(rows_here)} rows"
                        + (f"; failed: {error}" if error else "") + (f"; skipped {', '.join(skipped)}" if skipped else ""))
@@ -143,11 +149,15 @@ def _export_name(directory: str) -> str:
     return f"{Path(directory).name}-fp32-{h.hexdigest()[:12]}"
 
 
-def _run(peer, python, script, directory, runs, steps, warmup, threads, log) -> tuple[list[ConcurrencyRow], str]:
+def _run(
+    peer, python, script, directory, runs, steps, warmup, threads, log, precision="f32"
+) -> tuple[list[ConcurrencyRow], str]:
     from ..models.converted import cache_dir
 
     job = {"model_dir": directory, "ir_dir": str(cache_dir() / "openvino" / _export_name(directory)),
            "threads": threads, "steps": steps, "warmup": warmup, "runs": runs,
+           # OpenVINO's inference precision: kvslim's model dtype (f32; bf16 for a bfloat16 model)
+           "precision": precision,
            # vLLM's model dtype: its CPU build's bf16 by default; float32 where the CPU has no bf16 instructions
            "dtype": os.environ.get("KVSLIM_VLLM_DTYPE", "bfloat16")}
     with tempfile.TemporaryDirectory(prefix=f"kvslim-peer-{peer}-") as tmp:

@@ -5,12 +5,12 @@ imported by kvslim.
 
 JOB.json (written by :mod:`kvslim.bench.concurrency_peers`): ``model_dir`` (a transformers directory: the
 embedded model's converted copy), ``ir_dir`` (where its OpenVINO export is kept; made with optimum-intel's
-``optimum-cli export openvino --weight-format fp32`` when missing), ``threads``, ``steps``, ``warmup`` and
-``runs``: ``[{"spec", "kv", "eviction", "length", "concurrency", "prompt"}]``. kv: the KV cache precision
-(``f32``, ``u8``, ``u4``); eviction: ``[start, recent, max]`` tokens for OpenVINO's cache eviction (a windowed
-spec) or null.
+``optimum-cli export openvino --weight-format fp32`` when missing), ``threads``, ``steps``, ``warmup``,
+``precision`` (OpenVINO's inference precision: ``f32``, or ``bf16`` beside a bfloat16 kvslim model) and ``runs``:
+``[{"spec", "kv", "eviction", "length", "concurrency", "prompt"}]``. kv: the KV cache precision (``f32``, ``u8``,
+``u4``); eviction: ``[start, recent, max]`` tokens for OpenVINO's cache eviction (a windowed spec) or null.
 
-Each run is one ``ContinuousBatchingPipeline`` (f32 inference, ``threads`` threads, one stream) given
+Each run is one ``ContinuousBatchingPipeline`` (``precision`` inference, ``threads`` threads, one stream) given
 ``concurrency`` requests of the prompt's token ids, greedy, ``ignore_eos``, ``warmup + steps + 1`` new tokens,
 stepped by hand: a step is timed once every request has its first token (its prefill done, by OpenVINO's
 dynamic split-fuse scheduling) and while all still run; the first ``warmup`` such steps are not counted. Rows
@@ -68,13 +68,14 @@ def run_one(job: dict, run: dict, layers_kv: int) -> dict:
     sc.max_num_batched_tokens = common.step_budget(run)
     sc.dynamic_split_fuse = True
     sc.enable_prefix_caching = False  # every stream prefills its prompt, as kvslim's do
-    note = f"KV {run['kv']}"
+    precision = job.get("precision", "f32")
+    note = f"KV {run['kv']}" + (f", {precision} compute" if precision != "f32" else "")
     if run.get("eviction"):
         start, recent, most = run["eviction"]
         sc.use_cache_eviction = True
         sc.cache_eviction_config = g.CacheEvictionConfig(start, recent, most, g.AggregationMode.NORM_SUM)
         note += f", eviction start {start} recent {recent} max {most}"
-    props = {"INFERENCE_NUM_THREADS": job["threads"], "INFERENCE_PRECISION_HINT": "f32", "NUM_STREAMS": 1,
+    props = {"INFERENCE_NUM_THREADS": job["threads"], "INFERENCE_PRECISION_HINT": precision, "NUM_STREAMS": 1,
              "KV_CACHE_PRECISION": run["kv"]}
     pipe = g.ContinuousBatchingPipeline(job["ir_dir"], sc, "CPU", props)
     gc = g.GenerationConfig()
