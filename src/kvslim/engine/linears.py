@@ -28,7 +28,9 @@ step's fp32 CPU ``nn.Linear`` layers through it:
   with the step's rows in registers, every output one dot product in one fixed order, so a row's bits are its own
   whatever rows share the product (by construction, at any row count, 1-3 included), the weights read by the
   kernel's own workers (a bounded spin, not an OpenMP region that ``OMP_WAIT_POLICY=PASSIVE`` puts to sleep between
-  calls). Needs the C kernels built with AVX2 and FMA (or AVX-512); no memory added. On an AMD EPYC (Zen 4) its pass
+  calls). Needs the C kernels built with AVX2 and FMA (or AVX-512); no memory added. The one route for a bfloat16
+  model's layers too, where the CPU has AVX512-BF16 (``VDPBF16PS``, float32 sums rounded once to bfloat16:
+  docs/performance.md, "kvslim's linear in bfloat16"). On an AMD EPYC (Zen 4) its pass
   over the embedded model's products is 2.1x torch's at one row, 1.8x at 16, 0.89x at 1,024 rows (oneDNN's: 1.2x,
   1.5x, 1.15x; docs/performance.md, "kvslim's linear layers").
 - ``torch``: torch's own ``linear``, untouched.
@@ -66,7 +68,9 @@ counted, removed when the last one closes), which runs the route of the block op
 torch's own forward everywhere else. So the model outside the engine's steps, and on any other thread (a
 baseline measured in the same process, a user's own calls, a second engine with another route), runs as it
 would without kvslim. Routed: plain ``nn.Linear`` modules (not a subclass with its own forward, not
-parametrized) whose weight is a plain float32 CPU tensor (not a tensor subclass such as a DTensor). A call takes
+parametrized) whose weight is a plain float32 CPU tensor (not a tensor subclass such as a DTensor); on kvslim's
+route, bfloat16 too where the CPU has AVX512-BF16 (an input of another dtype than the weight's takes torch's
+forward). A call takes
 torch's own forward where its input is not a float32 CPU tensor, its bias is not contiguous, or autograd is
 recording (oneDNN's op has no backward). A module with an instance ``forward`` of somebody else's is left
 alone. The module knows nothing about caches or rows.
