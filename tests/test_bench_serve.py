@@ -254,6 +254,7 @@ def test_openvino_peer_when_installed(model_dir):
     assert rows[0].aggregate_tok_s > 0 and rows[0].steps >= 1 and rows[0].note.startswith("KV u4")
     bf = tiny_model("llama").to(torch.bfloat16)
     bf.name_or_path = str(model_dir)
-    rows, notes = cp.run_peers(["openvino"], bf, ["int4"], lambda n: [3 + i for i in range(n)], [16], [2], 3,
+    rows, notes = cp.run_peers(["openvino"], bf, ["int4", "none"], lambda n: [3 + i for i in range(n)], [16], [2], 3,
                                warmup=1, threads=1)
-    assert [r.mode for r in rows] == ["openvino int4"] and "bf16 compute" in rows[0].note, (notes, rows)
+    assert [r.mode for r in rows] == ["openvino int4", "openvino none"], (notes, rows)
+    assert "bf16 compute" in rows[0].note and rows[1].note.startswith("KV bf16, bf16 compute"), (notes, rows)

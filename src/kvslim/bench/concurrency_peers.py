@@ -8,7 +8,8 @@ source checkout kvslim runs from or in the current directory, or at ``$KVSLIM_OP
 rows, which become :class:`~.concurrency.ConcurrencyRow`\\ s here.
 
 OpenVINO computes in kvslim's model dtype (``INFERENCE_PRECISION_HINT`` ``f32``, or ``bf16`` beside a bfloat16
-model: ``--dtype bfloat16``). Cache specs map to the peer's own cache: OpenVINO's KV precision is ``f32`` for ``none``, ``u8`` for the
+model: ``--dtype bfloat16``). Cache specs map to the peer's own cache: OpenVINO's KV precision is ``f32`` for ``none``
+(``bf16`` beside a bfloat16 model: OpenVINO computing in bf16 refuses f32 KV), ``u8`` for the
 8-bit formats, ``u4`` for the 4-bit ones, and a windowed spec becomes its cache eviction (start 32 tokens,
 recent up to 128, capped at sink + window rounded up to its 32-token blocks: what it can do, not StreamingLLM);
 vLLM runs its stock KV (``auto``: the model's dtype, bf16; ``KVSLIM_VLLM_DTYPE=float32`` runs its model and KV in
@@ -120,14 +121,16 @@ def run_peers(
             notes[peer] = f"peer {peer}: needs the model as a transformers directory (--model DIR or the embedded one)"
             continue
         runs, skipped = [], []
+        precision = "bf16" if getattr(model, "dtype", None) == torch.bfloat16 else "f32"
         for spec in specs:
             cache, why = peer_cache(peer, spec)
             if cache is None:
                 skipped.append(f"{spec} ({why})")
                 continue
+            if cache["kv"] == "f32" and precision == "bf16":  # (OpenVINO computing in bf16 takes bf16 KV, not f32)
+                cache = {**cache, "kv": "bf16"}
             runs += [{"spec": spec, **cache, "length": n, "concurrency": c, "prompt": list(prompt(n))}
                      for n in lengths for c in concurrencies]
-        precision = "bf16" if getattr(model, "dtype", None) == torch.bfloat16 else "f32"
         rows_here, error = (
             _run(peer, python, script, directory, runs, steps, warmup, threads, log, precision) if runs else ([], "")
         )

@@ -7,8 +7,8 @@ JOB.json (written by :mod:`kvslim.bench.concurrency_peers`): ``model_dir`` (a tr
 embedded model's converted copy), ``ir_dir`` (where its OpenVINO export is kept; made with optimum-intel's
 ``optimum-cli export openvino --weight-format fp32`` when missing), ``threads``, ``steps``, ``warmup``,
 ``precision`` (OpenVINO's inference precision: ``f32``, or ``bf16`` beside a bfloat16 kvslim model) and ``runs``:
-``[{"spec", "kv", "eviction", "length", "concurrency", "prompt"}]``. kv: the KV cache precision (``f32``, ``u8``,
-``u4``); eviction: ``[start, recent, max]`` tokens for OpenVINO's cache eviction (a windowed spec) or null.
+``[{"spec", "kv", "eviction", "length", "concurrency", "prompt"}]``. kv: the KV cache precision (``f32``,
+``bf16``, ``u8``, ``u4``); eviction: ``[start, recent, max]`` tokens for OpenVINO's cache eviction (a windowed spec) or null.
 
 Each run is one ``ContinuousBatchingPipeline`` (``precision`` inference, ``threads`` threads, one stream) given
 ``concurrency`` requests of the prompt's token ids, greedy, ``ignore_eos``, ``warmup + steps + 1`` new tokens,
@@ -33,7 +33,7 @@ try:
 except ImportError:  # run as a script in the peer's venv: the sibling module, not the package
     import peer_common as common
 
-PER_TOKEN_BYTES = {"f32": 4, "u8": 1, "u4": 0.5}
+PER_TOKEN_BYTES = {"f32": 4, "bf16": 2, "u8": 1, "u4": 0.5}
 
 
 def export(model_dir: str, ir_dir: str) -> None:
