@@ -12,6 +12,11 @@ kl_from_log_probs`).
 
     OMP_NUM_THREADS=1 python scripts/bf16_quality.py --text tests/data/GPL-3.txt --tokens 1024 --prefill 512 \
         --config int8 --config int4 --config q4_0 --json bf16-quality.json
+
+A ``--dtypes`` entry ``DTYPE:ROUTE`` runs that dtype's forwards (prefill and decode) with the linear layers on
+``ROUTE`` (:mod:`kvslim.engine.linears`, as a single stream: ``kvslim sample --linears``); a plain ``DTYPE`` runs
+torch's own. ``--dtypes float32,bfloat16,bfloat16:kvslim`` scores kvslim's bfloat16 linear (the engine's route for
+a bfloat16 model on an AVX512-BF16 CPU) beside torch's, against the same float32 reference.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from kvslim.cli.common import load_model_from_args
+    from kvslim.engine.linears import Linears
     from kvslim.evaluate.modes import cache_maker, resolve_modes
     from kvslim.evaluate.perplexity import perplexity_through_cache
 
@@ -67,8 +73,10 @@ def main(argv=None) -> int:
         text = f.read()
     runs = []  # (dtype, spec, result, logits)
     for dtype in dtypes:
-        ns = argparse.Namespace(model=None, device="cpu", dtype=dtype, verify=False)
+        base, _, route = dtype.partition(":")
+        ns = argparse.Namespace(model=None, device="cpu", dtype=base, verify=False)
         model, tokenizer = load_model_from_args(ns, kvslim_attention=True)
+        linears = Linears(model, route or "torch", batch_hint=1, single=True)
         ids = tokenizer(text, return_tensors="pt").input_ids[:, : args.tokens]
         make = cache_maker(model, None)
         for mode in resolve_modes(specs):
@@ -76,15 +84,16 @@ def main(argv=None) -> int:
                 continue  # resolve_modes puts the reference "none" first; a "none" asked for again is the same run
             print(f"{dtype} {mode.label} ...", file=sys.stderr, flush=True)
             t0 = time.monotonic()
-            res, logits = perplexity_through_cache(
-                model,
-                ids,
-                lambda m=mode, mk=make: mk(m.config),
-                prefill=args.prefill,
-                keep_logits=True,
-                progress=False,
-                label=mode.label,
-            )
+            with linears.routed():
+                res, logits = perplexity_through_cache(
+                    model,
+                    ids,
+                    lambda m=mode, mk=make: mk(m.config),
+                    prefill=args.prefill,
+                    keep_logits=True,
+                    progress=False,
+                    label=mode.label,
+                )
             runs.append((dtype, mode.label, res, logits))
             print(f"  ppl {res.ppl:.3f} ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
         targets = ids[0, args.prefill :]
@@ -104,13 +113,13 @@ def main(argv=None) -> int:
             row[f"vs_{ref_dtype}"] = _scores(logits, ref, targets)
         rows.append(row)
     cols = [f"vs_{d}" for d in dtypes]
-    head = f"{'dtype':9} {'config':12} {'ppl':>7} {'±':>5}" + "".join(
+    head = f"{'dtype':16} {'config':12} {'ppl':>7} {'±':>5}" + "".join(
         f" {c + ' KLD mean':>20} {'p99':>8} {'top-1':>6}" for c in cols
     )
     print(head)
     print("-" * len(head))
     for r in rows:
-        line = f"{r['dtype']:9} {r['config']:12} {r['ppl']:7.3f} {r['ppl_stderr']:5.2f}"
+        line = f"{r['dtype']:16} {r['config']:12} {r['ppl']:7.3f} {r['ppl_stderr']:5.2f}"
         for c in cols:
             s = r[c]
             line += f" {s['kld_mean']:20.6f} {s['kld_p99']:8.4f} {s['top1']:6.4f}"

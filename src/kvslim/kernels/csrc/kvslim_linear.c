@@ -22,7 +22,8 @@
  * next call before it sleeps: a bounded spin, short enough that an idle process leaves the CPU at once, long
  * enough to span the gap between a layer's products. Outputs are split between the threads in blocks; a call made
  * while another holds the workers (two Python threads at once) runs on its own thread alone. Both give the same
- * bits (above). A fork's child starts its own workers.
+ * bits (above). A fork's child starts its own workers. kvslim_paged.c's attention runs its tasks on the same workers
+ * (kv_pool_run, at the end of this file), so a step's products and attention calls keep the same threads awake.
  *
  * bfloat16 (kv_linear_bf16). x, W, b and y in bfloat16, on a CPU with AVX512-BF16 (Zen 4, Cooper Lake and
  * later): each lane's partial sum takes two products a step with VDPBF16PS (the pairs i, i + 1 of 32 elements), in
@@ -228,6 +229,9 @@ static void lin_range(const lin_args *a, int64_t ob0, int64_t ob1) {
 }
 #endif
 
+/* A job the workers run: fn(arg, id, nt) on threads id = 0 .. nt - 1 (0: the caller). */
+typedef void (*kv_job_fn)(void *arg, int id, int nt);
+
 #ifdef LIN_LANES
 /* ------------------------------------------------------------------------------------------------ the workers */
 
@@ -239,8 +243,8 @@ static struct {
     pid_t pid;                 /* the process that started them */
     _Atomic uint64_t gen;      /* calls posted */
     _Atomic int pending;       /* workers not yet done with the current call */
-    const lin_args *a;         /* the current call: its arguments, output blocks and threads */
-    int64_t nob;
+    kv_job_fn fn;              /* the current call: fn(arg, id, nt) on each of its nt threads */
+    void *arg;
     int nt;
     unsigned csr;              /* the caller's MXCSR (denormals, rounding): every thread of a call rounds alike */
 } lin_pool = {.call = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
@@ -277,7 +281,7 @@ static void *lin_worker(void *p) {
         seen = g;
         const int nt = lin_pool.nt;
         if (_mm_getcsr() != lin_pool.csr) _mm_setcsr(lin_pool.csr);
-        if (w.id < nt) lin_range(lin_pool.a, lin_pool.nob * w.id / nt, lin_pool.nob * (w.id + 1) / nt);
+        if (w.id < nt) lin_pool.fn(lin_pool.arg, w.id, nt);
         atomic_fetch_sub_explicit(&lin_pool.pending, 1, memory_order_acq_rel);
     }
     return 0;
@@ -330,12 +334,14 @@ static int lin_workers(int want) {
     return lin_pool.started + 1 < want ? lin_pool.started + 1 : want;
 }
 
-static void lin_run(const lin_args *a, int64_t nob, int nt) {
+/* fn on up to nt threads (the caller and nt - 1 workers; the caller alone where another call holds the workers or
+ * none start); returns the threads it ran on. */
+static int lin_pool_run(kv_job_fn fn, void *arg, int nt) {
     if (nt > 1 && pthread_mutex_trylock(&lin_pool.call) == 0) {
         nt = lin_workers(nt);
         if (nt > 1) {
-            lin_pool.a = a;
-            lin_pool.nob = nob;
+            lin_pool.fn = fn;
+            lin_pool.arg = arg;
             lin_pool.nt = nt;
             lin_pool.csr = _mm_getcsr();
             atomic_store_explicit(&lin_pool.pending, lin_pool.started, memory_order_relaxed);
@@ -343,14 +349,31 @@ static void lin_run(const lin_args *a, int64_t nob, int nt) {
             atomic_fetch_add_explicit(&lin_pool.gen, 1, memory_order_release);
             pthread_cond_broadcast(&lin_pool.cv);
             pthread_mutex_unlock(&lin_pool.mu);
-            lin_range(a, 0, nob / nt);
+            fn(arg, 0, nt);
             while (atomic_load_explicit(&lin_pool.pending, memory_order_acquire) > 0) _mm_pause();
             pthread_mutex_unlock(&lin_pool.call);
-            return;
+            return nt;
         }
         pthread_mutex_unlock(&lin_pool.call);
     }
-    lin_range(a, 0, nob);
+    fn(arg, 0, 1);
+    return 1;
+}
+
+typedef struct {
+    const lin_args *a;
+    int64_t nob;
+} lin_job;
+
+/* a thread's share of a product's output blocks */
+static void lin_job_run(void *p, int id, int nt) {
+    const lin_job *j = p;
+    lin_range(j->a, j->nob * id / nt, j->nob * (id + 1) / nt);
+}
+
+static void lin_run(const lin_args *a, int64_t nob, int nt) {
+    lin_job j = {a, nob};
+    lin_pool_run(lin_job_run, &j, nt);
 }
 #endif
 
@@ -383,5 +406,18 @@ int kv_linear_bf16(const int64_t *args) {
 #else
     (void)args;
     return -1;
+#endif
+}
+
+/* fn(arg, id, nt) on up to nt threads of this file's workers (kvslim_paged.c's attention uses them too: the same
+ * bounded spin between calls, no OpenMP region to wake); the caller alone in a build without AVX2. Returns the
+ * threads it ran on; fn must give the same results whatever that number. */
+int kv_pool_run(kv_job_fn fn, void *arg, int nt) {
+#ifdef LIN_LANES
+    return lin_pool_run(fn, arg, nt);
+#else
+    (void)nt;
+    fn(arg, 0, 1);
+    return 1;
 #endif
 }

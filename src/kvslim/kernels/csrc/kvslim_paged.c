@@ -59,6 +59,7 @@
  */
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1094,7 +1095,7 @@ int kvp_attend(const int64_t *a) {
 #ifdef _OPENMP
     int nt = a[H_THREADS] > 0 ? (int)a[H_THREADS] : omp_get_max_threads();
 #else
-    int nt = 1;
+    int nt = a[H_THREADS] > 0 ? (int)a[H_THREADS] : 1;
 #endif
     /* Fewer tasks than ~4 a thread (a few long decodes): each task's pages split into up to want parts of >= 4
      * pages, merged after (flash-decoding's split-K); the parts depend on the shapes and threads only, so the
@@ -1155,41 +1156,68 @@ int kvp_attend(const int64_t *a) {
     return 0;
 }
 
-/* kvp_attend's tasks on nt threads, then the splits merged. */
+/* kvp_attend's tasks on nt threads, then the splits merged: on kvslim_linear.c's workers (kv_pool_run), each thread
+ * taking the next task as it finishes one (a counter), the merges after every task is done. A task writes only its
+ * own output rows or part, so the results do not depend on the threads or on which runs what. Not an OpenMP region:
+ * under OMP_WAIT_POLICY=PASSIVE (kvslim's CLI default) each call had to wake a sleeping thread; the workers spin a
+ * bounded while between calls, and the linear layers' calls between a step's attention calls keep them awake. */
+typedef void (*kv_job_fn)(void *arg, int id, int nt);
+int kv_pool_run(kv_job_fn fn, void *arg, int nt); /* csrc/kvslim_linear.c, the same library */
+
+typedef struct {
+    const kvp_call *c;
+    const kvp_work *task;
+    const kvp_split *split;
+    float *parts;
+    int64_t ntasks, nsplit;
+    size_t scratch_floats;
+    _Atomic int64_t next; /* the next task (merge) to take */
+    _Atomic int err;
+    int merging;
+} kvp_job;
+
+static void kvp_job_run(void *p, int id, int nt) {
+    kvp_job *j = p;
+    const kvp_call *c = j->c;
+    (void)id, (void)nt;
+    /* zeroed: the tiles' spare rows are read (never used) by kvs_k_tile */
+    float *scratch = calloc(j->scratch_floats, sizeof(float));
+    int err = 0;
+    for (;;) {
+        const int64_t i = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        if (i >= (j->merging ? j->nsplit : j->ntasks)) break;
+        if (!scratch) {
+            err |= 1;
+            continue;
+        }
+        if (!j->merging) {
+            const kvp_work *w = j->task + i;
+            err |= kvp_task(c, (int)w->row, w->head, (int)w->q0, w->pa, w->pb, w->part >= 0 ? j->parts + w->part : NULL,
+                            scratch);
+        } else {
+            const kvp_split *sp = j->split + i;
+            const int64_t qlen = c->rows[sp->row * R_FIELDS + R_QLEN];
+            const int M = (int)(qlen - sp->q0 < KVP_QC ? qlen - sp->q0 : KVP_QC);
+            kvp_merge(c, (int)sp->row, sp->head, (int)sp->q0, M, j->parts + sp->part, sp->ns, scratch);
+        }
+    }
+    free(scratch);
+    if (err) atomic_fetch_or_explicit(&j->err, err, memory_order_relaxed);
+}
+
 static int kvp_run(const kvp_call *cp, const kvp_work *task, int64_t ntasks, const kvp_split *split, int64_t nsplit,
                    float *parts, int nt) {
-    const kvp_call c = *cp;
-    const int64_t *a = c.a;
-    const size_t scratch_floats = kvp_scratch(c.T, c.D, KVP_QC * c.G);
-    int err = 0;
-    (void)a;
-#ifdef _OPENMP
-    if (nt > ntasks) nt = (int)ntasks;
-#pragma omp parallel num_threads(nt) reduction(| : err)
-#endif
-    {
-        /* zeroed: the tiles' spare rows are read (never used) by kvs_k_tile; every thread takes part in the loops */
-        float *scratch = calloc(scratch_floats, sizeof(float));
-#ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1)
-#endif
-        for (int64_t i = 0; i < ntasks; i++) {
-            const kvp_work *w = task + i;
-            err |= scratch ? kvp_task(&c, (int)w->row, w->head, (int)w->q0, w->pa, w->pb,
-                                      w->part >= 0 ? parts + w->part : NULL, scratch)
-                           : 1;
-        }
-#ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1)
-#endif
-        for (int64_t i = 0; i < nsplit; i++) {
-            const kvp_split *sp = split + i;
-            const int64_t qlen = c.rows[sp->row * R_FIELDS + R_QLEN];
-            const int M = (int)(qlen - sp->q0 < KVP_QC ? qlen - sp->q0 : KVP_QC);
-            if (scratch) kvp_merge(&c, (int)sp->row, sp->head, (int)sp->q0, M, parts + sp->part, sp->ns, scratch);
-        }
-        free(scratch);
+    kvp_job j = {.c = cp, .task = task, .split = split, .parts = parts, .ntasks = ntasks, .nsplit = nsplit,
+                 .scratch_floats = kvp_scratch(cp->T, cp->D, KVP_QC * cp->G), .merging = 0};
+    atomic_init(&j.next, 0);
+    atomic_init(&j.err, 0);
+    kv_pool_run(kvp_job_run, &j, nt > ntasks ? (int)ntasks : nt);
+    if (nsplit > 0) {
+        j.merging = 1;
+        atomic_store(&j.next, 0);
+        kv_pool_run(kvp_job_run, &j, nt > nsplit ? (int)nsplit : nt);
     }
+    const int err = atomic_load(&j.err);
     return err & 1 ? 1 : err ? 2 : 0;
 }
 
