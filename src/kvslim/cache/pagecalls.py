@@ -15,9 +15,10 @@ and each layer sets only those addresses (``ROTATE_KEY`` .. ``HEAD_STAGED`` ther
 The rotated K/V go to two buffers of the step's, written and read within one layer's calls and never handed out.
 
 It applies where the pages are rotated by ``kvp_rotate`` (a Hadamard basis, no K bias: the default of every lossy
-format) and the C kernel runs, to a float32 model's tensors and to a bfloat16 or float16 model's widened to float32; a layer whose query, key or value does not have the first layer's dtype, shape and
-strides, or whose rotation the C call declines, gets ``None`` from :func:`attend` and takes the general path. The
-results are the general path's bit for bit (tests/test_pagecalls.py).
+format) and the C kernel runs, to a float32 model's tensors and to a bfloat16 or float16 model's widened to
+float32; a layer whose query, key or value does not have the first layer's dtype, shape and strides, or whose
+rotation the C call declines, gets ``None`` from :func:`attend` and takes the general path. The results are the
+general path's bit for bit (tests/test_pagecalls.py).
 
 This module knows nothing about transformers, scheduling or page formats (the builders do).
 """
