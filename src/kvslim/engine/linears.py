@@ -192,10 +192,16 @@ def _dispatcher(module: torch.nn.Linear):
     """The ``forward`` installed on a routed module: the route of the block open in the calling context, else
     the module's own forward."""
     stock = type(module).forward.__get__(module)
+    key, params = id(module), module._parameters  # (the weight and bias without nn.Module.__getattr__: ~1 us each)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         route = _ACTIVE.get()
-        return stock(x) if route is None else route._forward(module, x, stock)
+        if route is None:
+            return stock(x)
+        p = route._prepared.get(key)  # kvslim's route: the weight checked once (kernels.linear.Prepared)
+        if p is not None and p.fits(params["weight"], params["bias"]) and (y := p(x)) is not None:
+            return y
+        return route._forward(module, x, stock)
 
     return forward
 
@@ -278,6 +284,7 @@ class Linears:
         self._every = route == "kvslim" and _products_covered(model, self._ids)
         self._packed: dict[int, tuple[torch.Tensor, tuple, int]] = {}  # id(module) -> (packed, key, bytes)
         self._prepared: dict = {}  # id(module) -> kernels.linear.Prepared (or None): kvslim's route
+        self._multiple: int | None = None  # row_multiple's answer in the open block (routed)
         if route in ("packed", "mkl"):
             with torch.no_grad():
                 for m in self.modules:
@@ -318,10 +325,7 @@ class Linears:
         return p
 
     def _forward(self, module, x: torch.Tensor, stock) -> torch.Tensor:
-        w, bias = module.weight, module.bias
-        p = self._prepared.get(id(module))  # kvslim's route: the weight checked once (kernels.linear.Prepared)
-        if p is not None and p.fits(w, bias) and (y := p(x)) is not None:
-            return y
+        w, bias = module.weight, module.bias  # (the dispatcher tried this module's Prepared first)
         usable = (
             id(module) in self._ids
             and x.dtype == w.dtype
@@ -346,10 +350,13 @@ class Linears:
     def row_multiple(self) -> int:
         """What a step's tokens are padded to with filler rows (:mod:`kvslim.cache.ragged`, "Filler rows"), called
         inside :meth:`routed`: 1 where every weight product of the model runs kvslim's kernel now (a row's bits its
-        own at any row count: a step of 1-3 rows needs no filler), else 4 (:data:`kvslim.generate.ROW_MULTIPLE`)."""
-        if self._every and _ACTIVE.get() is self and all(self._runs(m) for m in self.modules):
-            return 1
-        return ROW_MULTIPLE
+        own at any row count: a step of 1-3 rows needs no filler), else 4 (:data:`kvslim.generate.ROW_MULTIPLE`).
+        Looked at once a block (:meth:`routed`): every module checked costs ~0.7 ms, a step's share at one row."""
+        if not (self._every and _ACTIVE.get() is self):
+            return ROW_MULTIPLE
+        if self._multiple is None:
+            self._multiple = 1 if all(self._runs(m) for m in self.modules) else ROW_MULTIPLE
+        return self._multiple
 
     def _runs(self, module) -> bool:
         """Whether ``module``'s products run this (kvslim's) route now: its dispatching forward installed, and its
@@ -372,6 +379,7 @@ class Linears:
         (``torch``: their own forward, whatever an outer block routes)."""
         token = _ACTIVE.set(self)
         handled = _install(self.modules)
+        self._multiple = None  # row_multiple's answer, looked at again in this block
         try:
             yield self
         finally:
