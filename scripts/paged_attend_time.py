@@ -48,6 +48,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
 
     import kvslim
+    from kvslim.cache import pagecalls
     from kvslim.cache.paged_adapter import forward_pages
     from kvslim.cache.pagepool import pool_for
     from kvslim.models.load import load_model
@@ -82,10 +83,13 @@ def main() -> None:
             rows = [pool.copy_row(src) for _ in range(a.rows)]
             tokens = torch.randint(0, 1000, (a.rows,), generator=g).tolist()
             paged.attend = keep
+            # the step's own tables (kvslim.cache.pagecalls) call the kernel without kvslim.vllm.attend.attend: the
+            # captured step takes the pool's general path, the same kernel on the same arguments
+            fast, pagecalls.attend = pagecalls.attend, lambda *args, **kwargs: None
             try:
                 forward_pages(model, pool, [([t], r) for t, r in zip(tokens, rows, strict=True)])
             finally:
-                paged.attend = attend
+                paged.attend, pagecalls.attend = attend, fast
             picked = calls if a.sequence else [calls[0], calls[len(calls) // 2], calls[-1]]
             weights = [torch.randn(6144, 576) for _ in range(4)]  # 14 MB each: a layer's weights (docstring)
             x = torch.randn(576, a.rows)

@@ -121,6 +121,36 @@ def test_each_row_is_bit_for_bit_the_row_alone(model, spec, lengths):
             assert torch.equal(x, y), f"{spec}: row {name} step {i} differs from the row alone"
 
 
+def test_a_long_row_is_bit_for_bit_the_row_alone():
+    """A row long enough for the kernel to split its pages (flash-decoding's parts: 4,200 tokens, 132 pages) sums
+    them in the same parts alone, beside another row, and at 1, 2 and 3 threads: its logits are the same bits in
+    every case (the parts once depended on the step's task count and the threads)."""
+    model = kvslim.enable(tiny_model("llama", max_position_embeddings=8192))
+    prompt, toks = _ids(4200, 7), _ids(2, 8)
+    was, runs = torch.get_num_threads(), []
+    try:
+        with torch.inference_mode():
+            pool = pool_for(model, "int4", pages=4 * 140, max_rows=4)
+            src = pool.new_row()
+            for s in range(0, len(prompt), 1050):
+                forward_pages(model, pool, [(prompt[s : s + 1050], src)])
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                rows = [pool.copy_row(src) for _ in range(3)]
+                for t in toks:  # alone, then beside another (filler rows pad both: torch's products)
+                    runs.append(forward_pages(model, pool, [([t], rows[0])])[0])
+                    out = forward_pages(model, pool, [([t], rows[1]), ([t], rows[2])])
+                    runs += [out[0], out[1]]
+                for r in rows:
+                    pool.free(r)
+    finally:
+        torch.set_num_threads(was)
+    # each thread count's runs against 1 thread's row alone, token by token
+    for i in range(0, len(runs), 3 * len(toks)):
+        for j in range(3 * len(toks)):
+            assert torch.equal(runs[i + j], runs[3 * (j // 3)]), f"run {i + j} differs from the row alone"
+
+
 def test_lossy_pages_stay_near_the_reference_and_sinks_are_full_precision(model):
     ids = _ids(60, 4)
     with torch.inference_mode():

@@ -54,6 +54,10 @@ class JoinRow:
         return asdict(self)
 
 
+#: decode steps the streams run past the join's chunks (:func:`measure_join`: the join request's own latency)
+JOIN_MARGIN = 32
+
+
 def split_gaps(times: Sequence[Sequence[float]], start: float, sent: float, first: float) -> tuple[list, list]:
     """The streams' gaps (seconds) before the join (both ends in ``[start, sent]``) and during it (ending in
     ``(sent, first]``). times: each stream's chunk arrival times."""
@@ -106,8 +110,9 @@ def measure_join(
             row.note = f"prefill: {_failures(first)}"
             return row
         # enough tokens to decode through the warm-up, the steps before the join, its chunks (one a step, the
-        # streams' tokens riding along) and a margin
-        new = warmup + steps + chunks + c + 8
+        # streams' tokens riding along) and a margin of steps for the join request's own way in (its HTTP request
+        # and admission: at a small model's millisecond steps, 10 steps of margin were once too few)
+        new = warmup + steps + chunks + c + 8 + JOIN_MARGIN
         bodies = [{**common, "prompt": [*p, p[-1]], "max_tokens": new, "session": s} for p, s in zip(prompts, sessions)]
         t0 = time.perf_counter()
         records, joined = asyncio.run(_with_join(server, bodies, {**common, "prompt": list(join_ids), "max_tokens": 1},

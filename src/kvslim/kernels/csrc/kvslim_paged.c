@@ -81,6 +81,8 @@
 #define KVP_ABI_VERSION 6
 /* Queries per task (a prefill row is split into chunks of QC queries). */
 #define KVP_QC 16
+/* The fewest pages a part of a split row reads (kvp_attend): 4,096 tokens of 32-token pages in 2 parts */
+#define KVP_SPLIT_PAGES 64
 /* Largest page (tokens) and head dim the scratch is sized for. */
 #define KVP_MAX_T 256
 #define KVP_MAX_D 1024
@@ -1097,10 +1099,10 @@ int kvp_attend(const int64_t *a) {
 #else
     int nt = a[H_THREADS] > 0 ? (int)a[H_THREADS] : 1;
 #endif
-    /* Fewer tasks than ~4 a thread (a few long decodes): each task's pages split into up to want parts of >= 4
-     * pages, merged after (flash-decoding's split-K); the parts depend on the shapes and threads only, so the
-     * result is the same on every call. */
-    const int64_t want = nt > 1 && ntasks < 4 * (int64_t)nt ? (4 * (int64_t)nt + ntasks - 1) / ntasks : 1;
+    /* A decoding row's pages (one chunk of queries) split into parts of KVP_SPLIT_PAGES or more, merged after
+     * (flash-decoding's split-K): threads for a few long rows. The parts depend on the row alone (its queries and
+     * the pages they see), never on the other rows or the threads, so a row's bits are the same alone as in any
+     * step (an earlier rule split by the step's task count: a long row alone was summed in other parts). */
     int64_t nwork = 0, nsplit = 0, nparts = 0;
     for (int pass = 0; pass < 2; pass++) { /* count, then fill */
         kvp_work *task = pass ? malloc(sizeof(kvp_work) * (size_t)nwork) : NULL;
@@ -1124,7 +1126,7 @@ int kvp_attend(const int64_t *a) {
                 /* with sinks beside a window, the first part also reads the sink pages (kvp_task jumps from them to
                  * the window's first page) */
                 const int64_t sinks = a[H_WINDOW] > 0 && a[H_SINK] > 0 && lo > 0 ? a[H_SINK] : 0;
-                int64_t k = want < pages / 4 ? want : pages / 4;
+                int64_t k = qlen <= KVP_QC ? pages / KVP_SPLIT_PAGES : 1;
                 k = k < 1 ? 1 : k;
                 const int64_t floats = m * c.G * (c.D + 2);
                 for (int h = 0; h < c.Hkv; h++) {
