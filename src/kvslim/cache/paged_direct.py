@@ -1,10 +1,10 @@
 """The direct paged step: a Llama, Mistral or Qwen2 model's paged forward without transformers' module stack.
 
-:func:`~kvslim.cache.paged_adapter.forward_pages` runs ``model(...)`` on a step's packed tokens. For a
-``LlamaForCausalLM`` the same step costs 9-13 ms less written out here (docs/performance.md, "The direct paged step"):
-transformers' forward passes each of the 30 layers through its checkpointing wrapper, its kwargs merging and
-deprecation decorators, its attention interface lookup and the cache's ``update``, ~0.3-0.4 ms a layer of Python
-beside ~0.1 ms of tensor work at one to sixteen rows. :func:`step` makes the same calls on the same tensors in the
+:func:`~kvslim.cache.paged_adapter.forward_pages` runs ``model(...)`` on a step's packed tokens. Written out here,
+the embedded model's (Llama) step at 4,096 tokens costs 4-9 ms less: 1.28x faster at one row, 1.06x at sixteen
+(docs/performance.md, "The direct paged step"). Transformers' forward passes each of the 30 layers through its
+checkpointing wrapper, its kwargs merging and deprecation decorators, its attention interface lookup and the
+cache's ``update``, ~0.15-0.3 ms a layer of Python. :func:`step` makes the same calls on the same tensors in the
 same order, so its logits are the model's own, bit for bit (tests/test_paged_direct.py):
 
 - the embedding, the rotary embedding (the model's ``rotary_emb`` on the step's positions), each layer's norms,
@@ -100,11 +100,11 @@ def why_not(model) -> str | None:
     family = _family(model)
     if family is None:
         return f"{type(model).__name__} is not one of {', '.join(FAMILIES)} (transformers' own classes)"
-    _, top, decoder, layer_cls, attn_cls, mlp_cls, window = family
+    _, top, decoder_cls, layer_cls, attn_cls, mlp_cls, window = family
     hooks = torch.nn.modules.module
     if hooks._global_forward_hooks or hooks._global_forward_pre_hooks or hooks._global_backward_hooks:
         return "a global module hook is registered"
-    if not _plain(model, top) or not _plain(model.model, decoder):
+    if not _plain(model, top) or not _plain(model.model, decoder_cls):
         return "the model or its decoder has a forward or hook of its own, or is training"
     config = model.config
     if torch._C._get_tracing_state() is not None:
@@ -135,7 +135,7 @@ def why_not(model) -> str | None:
 
 
 def step(model, pool, plan, input_ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor | None:
-    """One paged step of ``model`` (``LlamaForCausalLM``) on ``input_ids`` (N,) int64, the step's tokens packed
+    """One paged step of ``model`` (one of :data:`FAMILIES`) on ``input_ids`` (N,) int64, the step's tokens packed
     (filler rows included) with ``plan`` (:meth:`PagePool.plan <kvslim.cache.pagepool.PagePool.plan>`): (len(keep), V)
     logits in the model's dtype, the rows ``keep`` (K,) of the step's tokens, as ``model(..., logits_to_keep=keep)``
     computes them; or None, nothing done, where the direct step does not serve the model now (:func:`why_not`)."""
