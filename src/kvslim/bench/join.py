@@ -54,8 +54,9 @@ class JoinRow:
         return asdict(self)
 
 
-#: decode steps the streams run past the join's chunks (:func:`measure_join`: the join request's own latency)
-JOIN_MARGIN = 32
+#: decode steps the streams run past the join's chunks and their own count (:func:`measure_join`): the join
+#: request's own way in (its HTTP request and admission: at a small model's millisecond steps, 8 were once too few)
+JOIN_MARGIN = 40
 
 
 def split_gaps(times: Sequence[Sequence[float]], start: float, sent: float, first: float) -> tuple[list, list]:
@@ -110,9 +111,8 @@ def measure_join(
             row.note = f"prefill: {_failures(first)}"
             return row
         # enough tokens to decode through the warm-up, the steps before the join, its chunks (one a step, the
-        # streams' tokens riding along) and a margin of steps for the join request's own way in (its HTTP request
-        # and admission: at a small model's millisecond steps, 10 steps of margin were once too few)
-        new = warmup + steps + chunks + c + 8 + JOIN_MARGIN
+        # streams' tokens riding along) and a margin
+        new = warmup + steps + chunks + c + JOIN_MARGIN
         bodies = [{**common, "prompt": [*p, p[-1]], "max_tokens": new, "session": s} for p, s in zip(prompts, sessions)]
         t0 = time.perf_counter()
         records, joined = asyncio.run(_with_join(server, bodies, {**common, "prompt": list(join_ids), "max_tokens": 1},

@@ -73,11 +73,7 @@ def _plain(module, cls) -> bool:
     """``module`` is exactly ``cls`` (no subclass), in eval mode, with no forward of its own and no hook: calling
     its class's forward in its place changes nothing."""
     return (
-        type(module) is cls
-        and not module.training
-        and "forward" not in module.__dict__
-        and not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks)
-        and not getattr(module, "_backward_pre_hooks", None)
+        type(module) is cls and not module.training and "forward" not in module.__dict__ and _hookless(module)
     )
 
 
@@ -93,14 +89,23 @@ def _hookless(module) -> bool:
 
 def why_not(model) -> str | None:
     """Why the direct step does not serve ``model`` now, or None where it does."""
+    return _check(model)[0]
+
+
+def _check(model) -> tuple[str | None, object]:
+    """(:func:`why_not`'s answer, the family's modeling module where it is None): one look a step."""
     if not ENABLED:
-        return "off (kvslim.cache.paged_direct.ENABLED)"
+        return "off (kvslim.cache.paged_direct.ENABLED)", None
     if torch.is_grad_enabled():
-        return "autograd is recording"
+        return "autograd is recording", None
     family = _family(model)
     if family is None:
-        return f"{type(model).__name__} is not one of {', '.join(FAMILIES)} (transformers' own classes)"
-    _, top, decoder_cls, layer_cls, attn_cls, mlp_cls, window = family
+        return f"{type(model).__name__} is not one of {', '.join(FAMILIES)} (transformers' own classes)", None
+    return _why_not_in(model, *family), family[0]
+
+
+def _why_not_in(model, _modeling, top, decoder_cls, layer_cls, attn_cls, mlp_cls, window) -> str | None:
+    """:func:`why_not` for a model of a family of :data:`FAMILIES` (its classes resolved by :func:`_family`)."""
     hooks = torch.nn.modules.module
     if hooks._global_forward_hooks or hooks._global_forward_pre_hooks or hooks._global_backward_hooks:
         return "a global module hook is registered"
@@ -139,9 +144,10 @@ def step(model, pool, plan, input_ids: torch.Tensor, keep: torch.Tensor) -> torc
     (filler rows included) with ``plan`` (:meth:`PagePool.plan <kvslim.cache.pagepool.PagePool.plan>`): (len(keep), V)
     logits in the model's dtype, the rows ``keep`` (K,) of the step's tokens, as ``model(..., logits_to_keep=keep)``
     computes them; or None, nothing done, where the direct step does not serve the model now (:func:`why_not`)."""
-    if why_not(model) is not None:
+    reason, modeling = _check(model)
+    if reason is not None:
         return None
-    modeling, decoder = _family(model)[0], model.model
+    decoder = model.model
     # every module is called through its forward: why_not saw no hook on any, and no trace (what nn.Module's
     # __call__ checks before it calls forward; ~330 calls a step, ~1 ms of Python at 16 rows)
     hidden = decoder.embed_tokens.forward(input_ids[None])  # (1, N, hidden): as the model embeds them
