@@ -274,3 +274,45 @@ def test_a_bad_spec_fails_at_engine_start_in_one_line(engines):
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     cleanup_dist_env_and_memory()
+
+
+def test_a_layers_kv_is_rotated_once_a_step(monkeypatch):
+    """do_kv_cache_update rotates the step's K/V into the pages' basis; forward, handed the same tensors, takes
+    what it rotated instead of rotating them again: one rotation per layer and step, not two. The text is the one
+    the engine gives with forward rotating them again itself."""
+    from vllm import SamplingParams
+
+    from kvslim.vllm import backend
+    from kvslim.vllm.basis import PageBasis
+
+    calls = {"stored": 0, "update": 0, "forward": 0}
+    stored, update, forward = PageBasis.stored, backend.KvslimCPUImpl.do_kv_cache_update, backend.KvslimCPUImpl.forward
+
+    def count(name, fn):
+        def counted(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+
+        return counted
+
+    monkeypatch.setattr(PageBasis, "stored", count("stored", stored))
+    monkeypatch.setattr(backend.KvslimCPUImpl, "do_kv_cache_update", count("update", update))
+    monkeypatch.setattr(backend.KvslimCPUImpl, "forward", count("forward", forward))
+    params = SamplingParams(max_tokens=helpers.GREEDY_TOKENS, temperature=0)
+    llm = helpers.start("q4_0")
+    try:
+        once = [o.outputs[0].token_ids for o in llm.generate(list(helpers.PROMPTS[:3]), params, use_tqdm=False)]
+        counted = dict(calls)
+        # forward rotating again, as before: the same tokens
+        monkeypatch.setattr(backend.KvslimCPUImpl, "_in_basis", _rotate_always)
+        twice = [o.outputs[0].token_ids for o in llm.generate(list(helpers.PROMPTS[:3]), params, use_tqdm=False)]
+    finally:
+        helpers.stop(llm)
+    assert counted["update"] > 0 and counted["forward"] >= counted["update"], counted
+    assert counted["stored"] == counted["update"], counted  # none of forward's calls rotated again
+    assert once == twice
+
+
+def _rotate_always(self, key, value, layer_idx, keep=False):
+    keys, values, _ = self.basis.stored(key, value, layer_idx)
+    return keys, values

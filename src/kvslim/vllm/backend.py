@@ -278,6 +278,7 @@ class KvslimCPUImpl(AttentionImpl):
         self.stage_layout = PageLayout.of("none", "none", head_size, config.model_config.dtype)
         self.staged: torch.Tensor | None = None  # this layer's staging pool, made on first use
         self._layer: int | None = None  # the model layer (its K bias), read from the first call's layer name
+        self._rotated = None  # do_kv_cache_update's (stamp of the K/V, keys, values in the basis)
 
     def forward(
         self,
@@ -302,10 +303,11 @@ class KvslimCPUImpl(AttentionImpl):
         # a layer sharing another's KV cache has no K/V of its own: everything from the pages.
         raw = key is not None and value is not None and self.kv_sharing_target_layer_name is None
         # A rotated cache (kvslim.vllm.basis): the step's K/V and the queries in the stored basis, the output back
+        keys = values = None
         if raw:
-            keys, values = self.basis.keys(key[:n], layer_idx), self.basis.values(value[:n])
-        else:
-            keys = values = None
+            keys, values = self._in_basis(key, value, layer_idx)
+            keys, values = keys[:n], values[:n]
+        self._rotated = None  # do_kv_cache_update's K/V serve this forward only
         staged = None
         if raw and attn_metadata.stage_map is not None:  # this step's tokens into their staging slots first
             if self.staged is None:
@@ -342,9 +344,23 @@ class KvslimCPUImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        """key, value: (N, H_kv, D): encoded once (in the pages' basis) and stored in their slots."""
-        keys = self.basis.keys(key, self._layer_index(layer))
-        paged.store(self.layout, kv_cache, keys, self.basis.values(value), slot_mapping)
+        """key, value: (N, H_kv, D): encoded once (in the pages' basis) and stored in their slots. The K/V in the
+        basis are kept for this layer's :meth:`forward`, which vLLM calls next on the same tensors."""
+        keys, values = self._in_basis(key, value, self._layer_index(layer), keep=True)
+        paged.store(self.layout, kv_cache, keys, values, slot_mapping)
+
+    def _in_basis(self, key, value, layer_idx, keep=False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``key``, ``value`` (N, H_kv, D) in the pages' basis (:meth:`PageBasis.stored`: one C call where it takes
+        them), rotated once a layer and step: :meth:`do_kv_cache_update` keeps what it rotated (``keep``), and
+        :meth:`forward` takes it where it is handed the same tensors (their storage, shape, strides and version counter
+        where they have one), and forgets it; anything else is rotated again."""
+        stamp = (_stamp(key), _stamp(value))
+        kept = self._rotated
+        if kept is not None and kept[0] == stamp:
+            return kept[1], kept[2]
+        keys, values, _ = self.basis.stored(key, value, layer_idx)
+        self._rotated = (stamp, keys, values) if keep else None
+        return keys, values
 
     def _layer_index(self, layer) -> int | None:
         """The model layer of vLLM's attention ``layer`` (its name, ``model.layers.12.self_attn.attn``), read once: which
@@ -366,3 +382,9 @@ class KvslimCPUImpl(AttentionImpl):
                 )
             self._layer = index
         return self._layer
+
+
+def _stamp(t: torch.Tensor) -> tuple:
+    """What identifies ``t``'s values between two calls of one layer: its storage, view and version counter (an
+    inference tensor, vLLM's under ``torch.inference_mode``, has none: its storage and view)."""
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype, None if t.is_inference() else t._version)
