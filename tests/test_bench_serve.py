@@ -32,6 +32,17 @@ def test_wait_policy_choice():
         threads.choose_wait("spin", {})
 
 
+def test_the_workers_spin_from_the_environment():
+    assert threads.spin_from_env({}) is None and threads.spin_from_env({"KVSLIM_POOL_SPIN_US": " "}) is None
+    assert threads.spin_from_env({"KVSLIM_POOL_SPIN_US": "0"}) == 0
+    assert threads.spin_from_env({"KVSLIM_POOL_SPIN_US": " 250 "}) == 250
+    for bad in ("abc", "-1", "100001", "2.5"):
+        with pytest.raises(ValueError, match=f"KVSLIM_POOL_SPIN_US={bad} must be a whole number of microseconds"):
+            threads.spin_from_env({"KVSLIM_POOL_SPIN_US": bad})
+    with pytest.raises(ValueError, match="KVSLIM_POOL_SPIN_US=x must be"):  # refused where the CLI sets its policy
+        threads.prepare("serve", [], {"KVSLIM_POOL_SPIN_US": "x"})
+
+
 def test_prepare_sets_the_environment_only_where_unset_and_only_for_its_commands():
     env: dict = {}
     policy = threads.prepare("bench", ["--concurrency", "2", "--threads", "3"], env)
@@ -92,6 +103,7 @@ def model_dir(tmp_path_factory):
         (["--concurrency", "2", "--join", "64"], {}, "--join 64: a prompt length of at least 1 token, with --serve"),
         (["--concurrency", "2", "--serve", "--prefill-chunk", "0"], {}, "--prefill-chunk 0: a chunk of at least 1"),
         (["--pages"], {}, "--pages applies to --concurrency's engine rows"),
+        ([], {"KVSLIM_POOL_SPIN_US": "-5"}, "KVSLIM_POOL_SPIN_US=-5 must be a whole number of microseconds 0-100000"),
     ],
 )
 def test_bad_flags_are_one_line(model_dir, argv, env, message):

@@ -57,6 +57,78 @@ def test_a_rows_bits_are_its_own_whatever_shares_the_call():
         torch.set_num_threads(before)
 
 
+def test_the_workers_spin_decides_who_waits_never_the_bits(monkeypatch):
+    """The workers' spin (kv_pool_spin): set and read back, from $KVSLIM_POOL_SPIN_US when the library loads, a bad
+    value refused (set) or warned about (environment: the default kept); products on 2 threads give the same bits
+    whether the workers sleep at once or spin."""
+    default = clib.pool_spin_us()
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(300, 200, generator=g), torch.randn(5, 200, generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        ref = lin.linear(x, w)
+        assert clib.pool_spin_us(0) == 0
+        for _ in range(3):
+            assert torch.equal(lin.linear(x, w), ref)
+        assert clib.pool_spin_us(default) == default
+        for bad in (-1, 100_001, 2.5, True):
+            with pytest.raises(ValueError, match="the workers' spin must be a whole number of microseconds 0-100000"):
+                clib.pool_spin_us(bad)
+        assert clib.pool_spin_us() == default
+        monkeypatch.setenv("KVSLIM_POOL_SPIN_US", "7")
+        clib._reset_for_tests()
+        assert clib.pool_spin_us() == 7 and torch.equal(lin.linear(x, w), ref)
+        monkeypatch.setenv("KVSLIM_POOL_SPIN_US", "soon")
+        clib._reset_for_tests()
+        with pytest.warns(RuntimeWarning, match="KVSLIM_POOL_SPIN_US=soon must be a whole number"):
+            clib.library()
+        assert clib.pool_spin_us() == 7  # left as it was
+    finally:
+        torch.set_num_threads(before)
+        monkeypatch.delenv("KVSLIM_POOL_SPIN_US")
+        clib._reset_for_tests()
+        clib.pool_spin_us(default)
+
+
+def test_a_worker_descheduled_in_its_spin_shortens_the_spin():
+    """A spin longer than the default, on one CPU shared with a busy loop: a worker is descheduled while it spins,
+    sees the gap, and the workers take the short spin (kv_pool_preempted counts it). The products keep their bits."""
+    import os
+    import sys
+
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no sched_setaffinity here")
+    cpu = min(os.sched_getaffinity(0))
+    code = (
+        "import os, torch\n"
+        f"os.sched_setaffinity(0, {{{cpu}}})\n"
+        "torch.set_num_threads(2)\n"
+        "from kvslim.kernels import clib, linear as lin\n"
+        "g = torch.Generator().manual_seed(5)\n"
+        "w, x = torch.randn(2000, 1000, generator=g), torch.randn(4, 1000, generator=g)\n"
+        "ref = lin.linear(x, w)\n"
+        "assert clib.pool_spin_us() == 100000, clib.pool_spin_us()\n"
+        "import time\n"
+        "for _ in range(100):\n"
+        "    assert torch.equal(lin.linear(x, w), ref)\n"
+        "    t = time.perf_counter()\n"
+        "    while time.perf_counter() - t < 3e-4:  # Python between two calls, as in a step: the worker spins\n"
+        "        pass\n"
+        "print(clib.pool_preempted())\n"
+    )
+    busy = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
+    try:
+        # the longest spin: it outlasts a time slice of the scheduler, so the busy loop takes the CPU mid-spin
+        env = {**os.environ, "KVSLIM_POOL_SPIN_US": "100000"}
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    finally:
+        busy.kill()
+        busy.wait()
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.split()[-1]) >= 1, out.stdout
+
+
 def test_inputs_that_are_not_contiguous_and_the_errors():
     g = torch.Generator().manual_seed(2)
     w = torch.randn(24, 64, generator=g)

@@ -17,6 +17,13 @@ changes nothing. A library user sets the variable before importing torch::
 
     OMP_WAIT_POLICY=PASSIVE python my_server.py
 
+kvslim's own C kernels (the linear layers, the paged attention) do not run OpenMP regions: their threads are
+the library's own workers (``csrc/kvslim_linear.c``), which spin a bounded while for the next call and then
+sleep -- 50 us by default, ``$KVSLIM_POOL_SPIN_US`` (microseconds, 0 sleeps at once) when the library loads, or
+:func:`kvslim.kernels.clib.pool_spin_us` at any time. Long enough to span a decode step's Python between two
+calls, short enough that an idle process leaves its cores at once (docs/performance.md, "How long the workers
+spin").
+
 Rules: the user's environment always wins (``OMP_WAIT_POLICY`` set: kept, whatever kvslim's default); an
 explicit ``--omp-wait`` that disagrees with the environment is an error rather than a silent choice;
 ``--threads N`` sets ``OMP_NUM_THREADS`` when the environment has none (the subcommand also calls
@@ -33,6 +40,8 @@ import os
 import sys
 from collections.abc import MutableMapping, Sequence
 from dataclasses import asdict, dataclass
+
+from .poolspin import spin_from_env
 
 #: --omp-wait choices: auto (the environment's OMP_WAIT_POLICY, else PASSIVE), passive, active, runtime (the
 #: OpenMP runtime's own default: the variable left unset, spin a while then sleep)
@@ -103,6 +112,7 @@ def prepare(command: str, argv: Sequence[str], env: MutableMapping[str, str] | N
     env = os.environ if env is None else env
     args = _scan(argv)
     wait, source = choose_wait(args.omp_wait, env)
+    spin_from_env(env)  # a bad value is refused here, not warned about when the kernels load
     if wait and source != "environment":  # the user's own value is left exactly as it is
         env[ENV_WAIT] = wait
     threads = None
@@ -159,6 +169,9 @@ def describe(policy: ThreadPolicy | None = None) -> dict:
         out["kmp_blocktime"] = env["KMP_BLOCKTIME"]
     if env.get("GOMP_SPINCOUNT"):
         out["gomp_spincount"] = env["GOMP_SPINCOUNT"]
+    from .kernels.clib import pool_spin_us
+
+    out["pool_spin_us"] = pool_spin_us()
     return out
 
 
@@ -167,6 +180,8 @@ def banner(info: dict) -> str:
     wait = info["omp_wait_policy"] or "unset (runtime default: spin, then sleep)"
     load = info["load_average"]
     extra = "".join(f", {k.upper()}={info[k]}" for k in ("kmp_blocktime", "gomp_spincount") if k in info)
+    if info.get("pool_spin_us") is not None:
+        extra += f"; kvslim's workers spin {info['pool_spin_us']} us"
     late = "" if info["in_effect"] is not False else " (set after torch loaded: not in effect)"
     return (
         f"threads: {info['torch_threads']} torch threads of {info['cpus']} CPUs; OMP_WAIT_POLICY {wait} "

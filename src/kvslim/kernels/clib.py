@@ -51,6 +51,7 @@ import torch
 from .. import paths
 from ..atomic import remove_stale
 from ..formats import FORMATS
+from ..poolspin import check_spin, spin_from_env
 
 ABI_VERSION = 9
 SOURCES = Path(__file__).parent / "csrc"
@@ -263,6 +264,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     if hasattr(lib, "kv_encode_affine"):  # csrc/kvslim_encode.c (absent from a baseline build of older sources)
         lib.kv_encode_affine.argtypes = [ctypes.c_void_p]
         lib.kv_encode_affine.restype = _I
+    if hasattr(lib, "kv_pool_spin"):  # csrc/kvslim_linear.c's workers (likewise)
+        lib.kv_pool_spin.argtypes = [ctypes.c_int64]
+        lib.kv_pool_spin.restype = ctypes.c_int64
+        lib.kv_pool_preempted.argtypes = []
+        lib.kv_pool_preempted.restype = ctypes.c_int64
     for name in ("kv_linear", "kv_linear_bf16"):  # csrc/kvslim_linear.c (likewise)
         if hasattr(lib, name):
             getattr(lib, name).argtypes = [ctypes.c_void_p]
@@ -342,6 +348,7 @@ def _load() -> None:
             f"{path} lays out kv_attend_rows' table as {rows_layout(lib)}, expected {ROWS_LAYOUT}"
         )
     openmp = bool(lib.kv_has_openmp())
+    _spin_from_env(lib)
     _state.update(
         lib=lib,
         rows=rows,
@@ -351,6 +358,38 @@ def _load() -> None:
         openmp=openmp,
         reason=f"built with {flags} ({'OpenMP' if openmp else 'single-threaded: no OpenMP'})",
     )
+
+
+def _spin_from_env(lib: ctypes.CDLL) -> None:
+    """$KVSLIM_POOL_SPIN_US (:data:`kvslim.poolspin.ENV_SPIN`) into the workers' spin; a bad value warns once and
+    leaves the library's default (``kvslim bench`` and ``serve`` refuse it at start, :func:`kvslim.threads.prepare`)."""
+    try:
+        us = spin_from_env(os.environ)
+    except ValueError as e:
+        warnings.warn(f"kvslim: {e}; the workers spin {lib.kv_pool_spin(-1) // 1000} us", RuntimeWarning, stacklevel=4)
+        return
+    if us is not None:
+        lib.kv_pool_spin(us * 1000)
+
+
+def pool_spin_us(us: int | None = None) -> int | None:
+    """How long the C kernels' workers spin for the next call before they sleep, in microseconds (loading the
+    library): set to ``us`` where given (0: sleep at once). None where the kernels are unavailable. A process-wide
+    setting, read by each worker when it starts to wait; no result depends on it."""
+    lib = library()
+    if lib is None or not hasattr(lib, "kv_pool_spin"):
+        return None
+    if us is not None:
+        lib.kv_pool_spin(check_spin(us) * 1000)
+    return lib.kv_pool_spin(-1) // 1000
+
+
+def pool_preempted() -> int | None:
+    """How many times one of the workers found itself descheduled in its spin since the process started: each time
+    the workers spin only 50 us for the next second (csrc/kvslim_linear.c, LIN_SPIN_SHARED_NS). None where the
+    kernels are unavailable."""
+    lib = library()
+    return lib.kv_pool_preempted() if lib is not None and hasattr(lib, "kv_pool_preempted") else None
 
 
 def library() -> ctypes.CDLL | None:

@@ -18,9 +18,11 @@
  * Threads. A step makes ~200 of these calls, a few hundred microseconds each at one row, with Python between them.
  * An OpenMP region under OMP_WAIT_POLICY=PASSIVE (kvslim's CLI default: it keeps torch's threads from spinning on a
  * shared machine) wakes its sleeping threads at every call: measured, that cost the whole gain of a second thread
- * at one row. So the call's other threads are this file's own workers, each spinning at most LIN_SPIN_NS for the
- * next call before it sleeps: a bounded spin, short enough that an idle process leaves the CPU at once, long
- * enough to span the gap between a layer's products. Outputs are split between the threads in blocks; a call made
+ * at one row. So the call's other threads are this file's own workers, each spinning a bounded while for the next
+ * call before it sleeps (kv_pool_spin; 50 us by default): short enough that an idle process leaves the CPU at
+ * once, long enough to span the gap between a layer's products. (A decode step at one row still finds the workers
+ * asleep at ~85 of its ~270 calls, after 50-200 us of Python; a longer spin wins a few percent on a quiet machine
+ * and loses more beside other work: docs/performance.md, "How long the workers spin".) Outputs are split between the threads in blocks; a call made
  * while another holds the workers (two Python threads at once) runs on its own thread alone. Both give the same
  * bits (above). A fork's child starts its own workers. kvslim_paged.c's attention runs its tasks on the same workers
  * (kv_pool_run, at the end of this file), so a step's products and attention calls keep the same threads awake.
@@ -59,8 +61,17 @@
 #define LIN_PFH _MM_HINT_T1
 /* Below this many multiply-adds a call runs on the calling thread alone (no hand-off for a tiny product). */
 #define LIN_MIN_PARALLEL 65536
-/* How long a worker spins for the next call before it sleeps, and the most workers (threads beyond the caller's). */
+/* How long a worker spins for the next call before it sleeps, by default (kv_pool_spin sets it), and the most
+ * workers (threads beyond the caller's). A longer spin pays only on cores of the process' own: beside other work a
+ * spinning worker is one more runnable thread, and it takes a core from the caller or the neighbour (a step at one
+ * row 1.5-2.5x slower with 400 us than with 50 beside busy loops; docs/performance.md, "How long the workers
+ * spin"). So a gap of LIN_PREEMPTED_NS between two turns of a spin longer than LIN_SPIN_SHARED_NS, which says the
+ * worker was descheduled (another thread wanted its core), makes every worker spin at most LIN_SPIN_SHARED_NS for
+ * LIN_SHARED_HOLD_NS; the longer spin is tried again after that. */
 #define LIN_SPIN_NS 50000
+#define LIN_SPIN_SHARED_NS 50000
+#define LIN_PREEMPTED_NS 300000
+#define LIN_SHARED_HOLD_NS 1000000000
 #define LIN_MAX_WORKERS 63
 
 typedef struct {
@@ -260,6 +271,21 @@ typedef struct {
     uint64_t seen;
 } lin_worker_arg;
 
+static _Atomic int64_t lin_spin_ns = LIN_SPIN_NS;
+static _Atomic int64_t lin_shared_until = 0; /* lin_now_ns() before which the workers spin the short while */
+static _Atomic int64_t lin_preempted = 0;    /* how many spins saw their worker descheduled (kv_pool_preempted) */
+
+/* The workers' spin before they sleep, in ns: set to ns where ns >= 0 (a worker spinning now keeps the spin it
+ * started with); returns the spin in force. Any spin gives the same bits: it only decides who waits how. */
+int64_t kv_pool_spin(int64_t ns) {
+    if (ns >= 0) atomic_store_explicit(&lin_spin_ns, ns, memory_order_relaxed);
+    return atomic_load_explicit(&lin_spin_ns, memory_order_relaxed);
+}
+
+/* How many times a worker found itself descheduled mid-spin (and the workers took the short spin), since the
+ * process started. */
+int64_t kv_pool_preempted(void) { return atomic_load_explicit(&lin_preempted, memory_order_relaxed); }
+
 static void *lin_worker(void *p) {
     const lin_worker_arg w = *(lin_worker_arg *)p;
     free(p);
@@ -267,8 +293,18 @@ static void *lin_worker(void *p) {
     for (;;) {
         uint64_t g = atomic_load_explicit(&lin_pool.gen, memory_order_acquire);
         const int64_t t0 = lin_now_ns();
+        int64_t spin = atomic_load_explicit(&lin_spin_ns, memory_order_relaxed), last = t0;
+        const int watch = spin > LIN_SPIN_SHARED_NS;
+        if (watch && t0 < atomic_load_explicit(&lin_shared_until, memory_order_relaxed)) spin = LIN_SPIN_SHARED_NS;
         while (g == seen) { /* the bounded spin, then sleep until the next call */
-            if (lin_now_ns() - t0 > LIN_SPIN_NS) {
+            const int64_t t = lin_now_ns();
+            if (watch && t - last > LIN_PREEMPTED_NS) { /* descheduled mid-spin: the cores are shared; sleep now */
+                atomic_store_explicit(&lin_shared_until, t + LIN_SHARED_HOLD_NS, memory_order_relaxed);
+                atomic_fetch_add_explicit(&lin_preempted, 1, memory_order_relaxed);
+                spin = 0;
+            }
+            last = t;
+            if (t - t0 > spin) {
                 pthread_mutex_lock(&lin_pool.mu);
                 while ((g = atomic_load_explicit(&lin_pool.gen, memory_order_acquire)) == seen)
                     pthread_cond_wait(&lin_pool.cv, &lin_pool.mu);
