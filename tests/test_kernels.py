@@ -6,6 +6,7 @@ row decoders against the format registry; the dispatch, the build cache and the 
 from __future__ import annotations
 
 import ctypes
+import platform
 import threading
 import warnings
 
@@ -394,6 +395,30 @@ def test_build_is_cached_and_safe_when_concurrent(monkeypatch, tmp_path):
     assert clib.build()[0] == path and path.stat().st_mtime_ns == mtime  # cached: not rebuilt
     (src / "k.c").write_text("int kv_abi_version(void) { return 2; }\n")
     assert clib.build()[0] != path  # a changed source is a new build
+
+
+def test_a_build_without_the_preferred_flags_says_why(monkeypatch, tmp_path):
+    """A source the first flag set cannot compile (an #error under -msse2 stands in for a bug, or a compiler
+    without -march=native) is built with the next set, with one warning naming the first error; a cached build
+    loads without one."""
+    if clib.find_compiler() is None:
+        pytest.skip("no C compiler")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "k.c").write_text(
+        "#ifdef __SSE2__\n#error the preferred build fails here\n#endif\nint kv_abi_version(void) { return 1; }\n"
+    )
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the stand-in failure needs x86's -msse2 / -mno-sse2")
+    monkeypatch.setattr(clib, "SOURCES", src)
+    monkeypatch.setattr(clib, "FLAG_VARIANTS", [["-msse2"], ["-mno-sse2"]])
+    monkeypatch.setenv("KVSLIM_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.warns(RuntimeWarning, match=r"built with -mno-sse2 because -msse2 failed: .*the preferred build fails"):
+        path, flags = clib.build()
+    assert flags.endswith("-mno-sse2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert clib.build() == (path, flags)  # cached: no warning
 
 
 def test_build_failure_warns_once_and_uses_the_reference(monkeypatch, tmp_path):

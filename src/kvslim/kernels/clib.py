@@ -156,7 +156,7 @@ def build(force: bool = False) -> tuple[Path, str]:
         if not force and _trusted_file(target):
             flags = flags_file.read_text() if flags_file.is_file() else "?"
             return target, flags
-        errors = []
+        errors, first_error = [], ""
         for variant in FLAG_VARIANTS:
             fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".so", dir=out_dir)
             os.close(fd)
@@ -165,17 +165,35 @@ def build(force: bool = False) -> tuple[Path, str]:
                 res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
                 if res.returncode == 0:
                     flags = " ".join(BASE_FLAGS + variant)
+                    if errors:  # a preferred flag set failed: say so once, at the build (a slower build, or a bug)
+                        warnings.warn(
+                            f"kvslim: the C kernels were built with {' '.join(variant) or 'no extra flags'} because "
+                            f"{' '.join(FLAG_VARIANTS[0])} failed: {first_error}",
+                            RuntimeWarning,
+                            stacklevel=2,
+                        )
                     from ..atomic import write_text
 
                     write_text(flags_file, flags, what="kernel flags")
                     os.chmod(tmp, 0o755)  # mkstemp's 0o600 + exec; never group/other-writable
                     os.replace(tmp, target)  # atomic: a concurrent build replaces an identical file
                     return target, flags
+                if not errors:
+                    first_error = _first_error(res.stderr)
                 errors.append(f"{' '.join(variant) or '(no extra flags)'}: {res.stderr.strip()[-400:]}")
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
     raise RuntimeError(f"{compiler[0]} failed to build the kvslim kernels:\n" + "\n".join(errors))
+
+
+def _first_error(message: str) -> str:
+    """The first line of a compiler's output that names an error (else its first line), for a one-line warning."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    for line in lines:
+        if "error" in line:
+            return line
+    return lines[0] if lines else "(no message)"
 
 
 def build_dir() -> Path:
