@@ -7,8 +7,10 @@ Prefills ``--length`` seeded random tokens of the embedded model into a :class:`
 ``--config``, copies the row into ``--rows`` rows, then times decode steps (``forward_pages`` on the linear route
 ``auto`` picks, as the engine steps): each round sets every spin of ``--spins`` in turn
 (:func:`kvslim.kernels.clib.pool_spin_us`; the order reversed every other round), runs one untimed step and
-``--steps`` timed ones. Prints each spin's median, quartiles and extremes, and how many times a worker found itself
-descheduled mid-spin (:func:`kvslim.kernels.clib.pool_preempted`: the workers then take the short spin for a
+``--steps`` timed ones; ``--renew both`` times each spin with the direct step's renewals of the spin
+(:data:`kvslim.cache.paged_direct.RENEW`) off and on (``on``, the default, and ``off``: one of them). Prints
+each one's median, quartiles and extremes, how often a worker went to sleep a step
+(:func:`kvslim.kernels.clib.pool_sleeps`), and how many times a worker found itself descheduled mid-spin (:func:`kvslim.kernels.clib.pool_preempted`: the workers then take the short spin for a
 second). ``--load busy:N`` runs N Python busy loops beside it, ``--load torch`` a torch process multiplying
 1024 x 1024 matrices on 2 threads (another OpenMP program); both are started after the prefill and ended at exit.
 Measure alone: the ratios come from one process, interleaved; the absolute times only give the context.
@@ -49,6 +51,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4, help="timed steps a spin and round")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--load", default="none", help="none, busy:N or torch")
+    p.add_argument("--renew", choices=("on", "off", "both"), default="on")
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
@@ -56,6 +59,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     import kvslim
+    from kvslim.cache import paged_direct
     from kvslim.cache.paged_adapter import forward_pages
     from kvslim.cache.pagepool import pool_for
     from kvslim.engine.linears import Linears, step_rows
@@ -69,7 +73,10 @@ def main() -> None:
     route = Linears(model, "auto", batch_hint=step_rows(args.rows))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (args.length,), generator=g).tolist()
-    times: dict[int, list[float]] = {us: [] for us in args.spins}
+    renews = {"on": (True,), "off": (False,), "both": (False, True)}[args.renew]
+    modes = [(us, r) for us in args.spins for r in renews]
+    times: dict[tuple, list[float]] = {m: [] for m in modes}
+    sleeps = dict.fromkeys(modes, 0)
     with torch.inference_mode():
         pages = -(-(args.length + 8 * args.rounds * (args.steps + 1) * len(args.spins)) // 32) * (
             args.rows + 1
@@ -95,13 +102,16 @@ def main() -> None:
             for _ in range(3):
                 step()
             for rnd in range(args.rounds):
-                for us in args.spins if rnd % 2 == 0 else args.spins[::-1]:
-                    clib.pool_spin_us(us)
+                for mode in modes if rnd % 2 == 0 else modes[::-1]:
+                    clib.pool_spin_us(mode[0])
+                    paged_direct.RENEW = mode[1]
                     step()
+                    slept = clib.pool_sleeps()
                     for _ in range(args.steps):
                         t = time.perf_counter()
                         step()
-                        times[us].append((time.perf_counter() - t) * 1e3)
+                        times[mode].append((time.perf_counter() - t) * 1e3)
+                    sleeps[mode] += clib.pool_sleeps() - slept
             preempted = clib.pool_preempted() - preempted
             after = load_average()
         finally:
@@ -112,16 +122,26 @@ def main() -> None:
         f"{args.rows} rows x {args.length} tokens, {args.config}, {args.dtype}, {args.threads} threads, "
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}, load {args.load}; load average {before} -> {after}"
     )
-    print(f"{'spin us':>8} {'median':>8} {'p25':>8} {'p75':>8} {'min':>8} {'max':>8}   ms a step")
-    for us in args.spins:
-        q = sorted(times[us])
+    head = (
+        f"{'spin us':>8} {'renew':>6} {'median':>8} {'p25':>8} {'p75':>8} {'min':>8} {'max':>8} {'sleeps':>7}"
+    )
+    print(head + "   (ms a step; a worker's sleeps a step)")
+    for mode in modes:
+        q = sorted(times[mode])
         print(
-            f"{us:>8} {statistics.median(q):>8.2f} {q[len(q) // 4]:>8.2f} {q[3 * len(q) // 4]:>8.2f} {q[0]:>8.2f} "
-            f"{q[-1]:>8.2f}"
+            f"{mode[0]:>8} {'on' if mode[1] else 'off':>6} {statistics.median(q):>8.2f} {q[len(q) // 4]:>8.2f} "
+            f"{q[3 * len(q) // 4]:>8.2f} {q[0]:>8.2f} {q[-1]:>8.2f} {sleeps[mode] / len(q):>7.1f}"
         )
     print(f"workers descheduled mid-spin: {preempted}")
     if args.json:
-        out = {**vars(args), "times_ms": {str(k): v for k, v in times.items()}, "preempted": preempted}
+        out = {
+            **vars(args),
+            "times_ms": {f"{us} {'renew' if r else 'plain'}": v for (us, r), v in times.items()},
+        }
+        out["preempted"] = preempted
+        out["sleeps_a_step"] = {
+            f"{us} {'renew' if r else 'plain'}": n / len(times[(us, r)]) for (us, r), n in sleeps.items()
+        }
         out["load_average"] = [before, after]
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -90,6 +90,21 @@ def test_the_direct_step_keeps_the_linear_route(route):
     )
 
 
+def test_the_direct_step_renews_the_workers_spin_three_times_a_layer(monkeypatch):
+    """Before each of a layer's three long stretches of Python (kvslim.kernels.clib.pool_renewer); the logits are
+    the same with it off."""
+    model = kvslim.enable(tiny_model("llama"))
+    calls = []
+    monkeypatch.setattr(paged_direct, "_renewer", lambda: lambda: calls.append(1))
+    with_renew = _run(model, "int4", True)
+    steps = len(with_renew)
+    assert len(calls) == 3 * model.config.num_hidden_layers * steps, (len(calls), steps)
+    monkeypatch.setattr(paged_direct, "RENEW", False)
+    calls.clear()
+    assert all(torch.equal(g, w) for g, w in zip(_run(model, "int4", True), with_renew, strict=True))
+    assert not calls
+
+
 def test_the_direct_step_in_bfloat16():
     model = kvslim.enable(tiny_model("llama", dtype=torch.bfloat16))
     assert all(

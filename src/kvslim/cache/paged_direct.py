@@ -34,6 +34,10 @@ import torch
 #: always the model's own forward; for A/B measurements and tests)
 ENABLED = True
 
+#: whether :func:`step` restarts the C kernels' workers' spin before each of a layer's three long stretches of
+#: Python (:func:`kvslim.kernels.clib.pool_renewer`; False: for A/B measurements)
+RENEW = True
+
 #: kvslim's attention implementation (:data:`kvslim.attention.NAME`; not imported from there: the attention
 #: imports this module's caller, and a test checks the two agree)
 ATTENTION = "kvslim"
@@ -156,8 +160,12 @@ def step(model, pool, plan, input_ids: torch.Tensor, keep: torch.Tensor) -> torc
     cos, sin = cos[0], sin[0]  # (N, D)
     h = hidden[0]  # (N, hidden)
     n = h.shape[0]
+    # Three stretches of Python a layer (a residual sum and RMSNorm twice, RoPE and the pool's tables) outlast the
+    # workers' 50 us spin at one row: restarting it inside each keeps the workers awake for the next call.
+    renew = _renewer() if RENEW else _no_renew
     for layer in decoder.layers:
         attn, mlp = layer.self_attn, layer.mlp
+        renew()
         x = layer.input_layernorm.forward(h)
         d = attn.head_dim
         q = attn.q_proj.forward(x).view(n, -1, d)  # (N, H_q, D)
@@ -165,9 +173,21 @@ def step(model, pool, plan, input_ids: torch.Tensor, keep: torch.Tensor) -> torc
         v = attn.v_proj.forward(x).view(n, -1, d)  # (N, H_kv, D)
         # cos (N, 1, D) against (N, H, D)
         q, k = modeling.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+        renew()  # (after RoPE: the pool's Python follows, 80-90 us from v_proj's end to the attention's call)
         out = pool.attend(plan, attn.layer_idx, q, k, v, attn.scaling).to(q.dtype)  # (N, H_q, D)
         h = h + attn.o_proj.forward(out.reshape(n, -1))
+        renew()
         x = layer.post_attention_layernorm.forward(h)
         h = h + mlp.down_proj.forward(mlp.act_fn.forward(mlp.gate_proj.forward(x)) * mlp.up_proj.forward(x))
     h = decoder.norm.forward(h)  # every token's row, as the model's decoder normalizes them all
     return model.lm_head.forward(h[keep])  # (K, V)
+
+
+def _renewer():
+    from ..kernels.clib import pool_renewer
+
+    return pool_renewer()
+
+
+def _no_renew() -> None:
+    return None

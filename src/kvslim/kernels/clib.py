@@ -287,6 +287,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.kv_pool_spin.restype = ctypes.c_int64
         lib.kv_pool_preempted.argtypes = []
         lib.kv_pool_preempted.restype = ctypes.c_int64
+        lib.kv_pool_sleeps.argtypes = []
+        lib.kv_pool_sleeps.restype = ctypes.c_int64
+        lib.kv_pool_renew.argtypes = []
+        lib.kv_pool_renew.restype = None
     for name in ("kv_linear", "kv_linear_bf16"):  # csrc/kvslim_linear.c (likewise)
         if hasattr(lib, name):
             getattr(lib, name).argtypes = [ctypes.c_void_p]
@@ -408,6 +412,25 @@ def pool_preempted() -> int | None:
     kernels are unavailable."""
     lib = library()
     return lib.kv_pool_preempted() if lib is not None and hasattr(lib, "kv_pool_preempted") else None
+
+
+def pool_sleeps() -> int | None:
+    """How many times one of the workers went to sleep after its spin since the process started (None where the
+    kernels are unavailable): each is a call that will wait for a wake-up."""
+    lib = library()
+    return lib.kv_pool_sleeps() if lib is not None and hasattr(lib, "kv_pool_sleeps") else None
+
+
+def _no_renew() -> None:
+    return None
+
+
+def pool_renewer():
+    """A function of no arguments that restarts the spinning workers' spin (``kv_pool_renew``, one relaxed atomic add):
+    for a caller about to run more Python than the spin before its next call. A no-op where the kernels are
+    unavailable. No result depends on it."""
+    lib = library()
+    return lib.kv_pool_renew if lib is not None and hasattr(lib, "kv_pool_renew") else _no_renew
 
 
 def library() -> ctypes.CDLL | None:

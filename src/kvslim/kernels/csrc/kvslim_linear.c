@@ -274,6 +274,17 @@ typedef struct {
 static _Atomic int64_t lin_spin_ns = LIN_SPIN_NS;
 static _Atomic int64_t lin_shared_until = 0; /* lin_now_ns() before which the workers spin the short while */
 static _Atomic int64_t lin_preempted = 0;    /* how many spins saw their worker descheduled (kv_pool_preempted) */
+static _Atomic int64_t lin_sleeps = 0;       /* how many times a worker went to sleep (kv_pool_sleeps) */
+static _Atomic uint64_t lin_renewed = 0;     /* kv_pool_renew's count: a spinning worker restarts its spin */
+
+/* A caller that will post a call soon, after Python that may outlast the spin, restarts the spinning workers' spin
+ * now (one relaxed add; a worker asleep stays asleep, a worker working is not disturbed). The direct paged step calls
+ * it before each of a layer's three long stretches of Python (kvslim.cache.paged_direct): a decode step at one row
+ * then finds its workers awake at ~85 more calls, without a longer spin between steps. */
+void kv_pool_renew(void) { atomic_fetch_add_explicit(&lin_renewed, 1, memory_order_relaxed); }
+
+/* How many times a worker went to sleep after its spin, since the process started. */
+int64_t kv_pool_sleeps(void) { return atomic_load_explicit(&lin_sleeps, memory_order_relaxed); }
 
 /* The workers' spin before they sleep, in ns: set to ns where ns >= 0 (a worker spinning now keeps the spin it
  * started with); returns the spin in force. Any spin gives the same bits: it only decides who waits how. */
@@ -293,7 +304,8 @@ static void *lin_worker(void *p) {
     for (;;) {
         uint64_t g = atomic_load_explicit(&lin_pool.gen, memory_order_acquire);
         const int64_t t0 = lin_now_ns();
-        int64_t spin = atomic_load_explicit(&lin_spin_ns, memory_order_relaxed), last = t0;
+        int64_t spin = atomic_load_explicit(&lin_spin_ns, memory_order_relaxed), last = t0, from = t0;
+        uint64_t renewed = atomic_load_explicit(&lin_renewed, memory_order_relaxed);
         const int watch = spin > LIN_SPIN_SHARED_NS;
         if (watch && t0 < atomic_load_explicit(&lin_shared_until, memory_order_relaxed)) spin = LIN_SPIN_SHARED_NS;
         while (g == seen) { /* the bounded spin, then sleep until the next call */
@@ -304,7 +316,10 @@ static void *lin_worker(void *p) {
                 spin = 0;
             }
             last = t;
-            if (t - t0 > spin) {
+            const uint64_t r = atomic_load_explicit(&lin_renewed, memory_order_relaxed);
+            if (r != renewed) renewed = r, from = t; /* kv_pool_renew: the spin starts again */
+            if (t - from > spin) {
+                atomic_fetch_add_explicit(&lin_sleeps, 1, memory_order_relaxed);
                 pthread_mutex_lock(&lin_pool.mu);
                 while ((g = atomic_load_explicit(&lin_pool.gen, memory_order_acquire)) == seen)
                     pthread_cond_wait(&lin_pool.cv, &lin_pool.mu);
