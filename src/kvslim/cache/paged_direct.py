@@ -15,6 +15,10 @@ same order, so its logits are the model's own, bit for bit (tests/test_paged_dir
   the model's dtype;
 - the residual sums, the final norm over every token of the step, then the language-model head on the kept rows.
 
+Between its calls into kvslim's C kernels it restarts their workers' spin three times a layer (:data:`RENEW`), where
+a stretch of Python outlasts the 50 us spin at one row: the step at one row 0.93x the time (docs/performance.md, "How
+long the workers spin").
+
 What it skips is only what a paged step never uses: attention masks (the pool's calls are causal per row), output
 capturing, gradient checkpointing, the cache object. :func:`step` returns None (the caller runs the model) where
 any of this might not hold: another architecture, a subclass of one of its modules, a hook on any module of the

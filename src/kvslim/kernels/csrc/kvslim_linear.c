@@ -20,9 +20,10 @@
  * shared machine) wakes its sleeping threads at every call: measured, that cost the whole gain of a second thread
  * at one row. So the call's other threads are this file's own workers, each spinning a bounded while for the next
  * call before it sleeps (kv_pool_spin; 50 us by default): short enough that an idle process leaves the CPU at
- * once, long enough to span the gap between a layer's products. (A decode step at one row still finds the workers
- * asleep at ~85 of its ~270 calls, after 50-200 us of Python; a longer spin wins a few percent on a quiet machine
- * and loses more beside other work: docs/performance.md, "How long the workers spin".) Outputs are split between the threads in blocks; a call made
+ * once, long enough to span the gap between a layer's products. A decode step at one row found the workers asleep
+ * at ~75 of its ~270 calls, after 50-200 us of Python; a longer spin wins a few percent on a quiet machine and
+ * loses more beside other work, so a caller that knows a call is coming restarts the spin instead (kv_pool_renew:
+ * the direct paged step, three times a layer; docs/performance.md, "How long the workers spin"). Outputs are split between the threads in blocks; a call made
  * while another holds the workers (two Python threads at once) runs on its own thread alone. Both give the same
  * bits (above). A fork's child starts its own workers. kvslim_paged.c's attention runs its tasks on the same workers
  * (kv_pool_run, at the end of this file), so a step's products and attention calls keep the same threads awake.
