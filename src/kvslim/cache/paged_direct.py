@@ -38,7 +38,7 @@ import torch
 #: always the model's own forward; for A/B measurements and tests)
 ENABLED = True
 
-#: whether :func:`step` restarts the C kernels' workers' spin before each of a layer's three long stretches of
+#: whether :func:`step` restarts the C kernels' workers' spin inside each of a layer's three long stretches of
 #: Python (:func:`kvslim.kernels.clib.pool_renewer`; False: for A/B measurements)
 RENEW = True
 
