@@ -91,49 +91,54 @@ def test_the_workers_spin_decides_who_waits_never_the_bits(monkeypatch):
         clib.pool_spin_us(default)
 
 
+_RENEW_CHILD = """
+import time, torch
+torch.set_num_threads(2)
+from kvslim.kernels import clib, linear as lin
+renew = clib.pool_renewer()
+g = torch.Generator().manual_seed(4)
+w, x = torch.randn(300, 200, generator=g), torch.randn(5, 200, generator=g)
+def wait(s):
+    t = time.perf_counter()
+    while time.perf_counter() - t < s:
+        pass
+def sleeps(renewing):
+    lin.linear(x, w)
+    before = clib.pool_sleeps()
+    for _ in range(10):
+        wait(0.0012)
+        if renewing:
+            renew()
+        wait(0.0012)
+        lin.linear(x, w)
+    return clib.pool_sleeps() - before
+clib.pool_spin_us(2000)
+for _ in range(8):
+    preempted = clib.pool_preempted()
+    plain, renewed = sleeps(False), sleeps(True)
+    if clib.pool_preempted() == preempted:
+        print(plain, renewed)
+        break
+    time.sleep(1.1)  # the guard's second of short spins passes
+else:
+    print("busy")
+"""
+
+
 def test_a_renewed_spin_keeps_the_worker_awake():
     """kv_pool_renew restarts a spinning worker's spin: with a 2 ms spin, 2.4 ms of Python between two products put
-    the worker to sleep every time, and no time when the spin is renewed half-way (kv_pool_sleeps counts). Tried
-    again where a worker was descheduled meanwhile (the guard then shortens the spin)."""
-    import time
+    the worker to sleep every time, and no time when the spin is renewed half-way (kv_pool_sleeps counts). In a
+    process of its own (one worker, no guard tripped before); tried again where a worker was descheduled meanwhile
+    (the guard then shortens the spin)."""
+    import os
+    import sys
 
-    default = clib.pool_spin_us()
-    renew = clib.pool_renewer()
-    g = torch.Generator().manual_seed(4)
-    w, x = torch.randn(300, 200, generator=g), torch.randn(5, 200, generator=g)
-
-    def wait(s):
-        t = time.perf_counter()
-        while time.perf_counter() - t < s:
-            pass
-
-    def sleeps(renewing: bool) -> int:
-        lin.linear(x, w)  # the worker starts spinning here
-        before = clib.pool_sleeps()
-        for _ in range(10):
-            wait(0.0012)
-            if renewing:
-                renew()
-            wait(0.0012)
-            lin.linear(x, w)
-        return clib.pool_sleeps() - before
-
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        clib.pool_spin_us(2_000)
-        for _ in range(8):  # tries: one without a worker descheduled is the measurement
-            preempted = clib.pool_preempted()
-            plain, renewed = sleeps(False), sleeps(True)
-            if clib.pool_preempted() == preempted:
-                break
-            time.sleep(1.1)  # the guard's second of short spins passes
-        else:
-            pytest.skip("a worker was descheduled mid-spin in every try (a busy machine)")
-        assert plain == 10 and renewed == 0, (plain, renewed)
-    finally:
-        clib.pool_spin_us(default)
-        torch.set_num_threads(threads)
+    env = {k: v for k, v in os.environ.items() if k != "KVSLIM_POOL_SPIN_US"}
+    out = subprocess.run([sys.executable, "-c", _RENEW_CHILD], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    if out.stdout.split() == ["busy"]:
+        pytest.skip("a worker was descheduled mid-spin in every try (a busy machine)")
+    assert out.stdout.split() == ["10", "0"], out.stdout
 
 
 def test_a_worker_descheduled_in_its_spin_shortens_the_spin():

@@ -25,8 +25,9 @@
  * loses more beside other work, so a caller that knows a call is coming restarts the spin instead (kv_pool_renew:
  * the direct paged step, three times a layer; docs/performance.md, "How long the workers spin"). Outputs are split
  * between the threads in blocks; a call made while another holds the workers (two Python threads at once) runs on
- * its own thread alone. Both give the same bits (above). A fork's child starts its own workers. kvslim_paged.c's attention runs its tasks on the same workers
- * (kv_pool_run, at the end of this file), so a step's products and attention calls keep the same threads awake.
+ * its own thread alone. Both give the same bits (above). A fork's child starts its own workers. kvslim_paged.c's
+ * attention runs its tasks on the same workers (kv_pool_run, at the end of this file), so a step's products and
+ * attention calls keep the same threads awake.
  *
  * bfloat16 (kv_linear_bf16). x, W, b and y in bfloat16, on a CPU with AVX512-BF16 (Zen 4, Cooper Lake and
  * later): each lane's partial sum takes two products a step with VDPBF16PS (the pairs i, i + 1 of 32 elements), in
