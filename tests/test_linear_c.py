@@ -103,20 +103,25 @@ def wait(s):
     while time.perf_counter() - t < s:
         pass
 def sleeps(renewing):
+    # (sleeps, whether this thread kept to its timing: a stretch of Python it was descheduled in is longer than the
+    # spin whatever the renewal)
     lin.linear(x, w)
-    before = clib.pool_sleeps()
+    before, kept = clib.pool_sleeps(), True
     for _ in range(10):
+        t = time.perf_counter()
         wait(0.0012)
         if renewing:
             renew()
+        r = time.perf_counter()
         wait(0.0012)
+        kept = kept and r - t < 0.0016 and time.perf_counter() - r < 0.0016
         lin.linear(x, w)
-    return clib.pool_sleeps() - before
+    return clib.pool_sleeps() - before, kept
 clib.pool_spin_us(2000)
 for _ in range(8):
     preempted = clib.pool_preempted()
-    plain, renewed = sleeps(False), sleeps(True)
-    if clib.pool_preempted() == preempted:
+    (plain, _), (renewed, kept) = sleeps(False), sleeps(True)
+    if clib.pool_preempted() == preempted and kept:
         print(plain, renewed)
         break
     time.sleep(1.1)  # the guard's second of short spins passes
@@ -127,9 +132,9 @@ else:
 
 def test_a_renewed_spin_keeps_the_worker_awake():
     """kv_pool_renew restarts a spinning worker's spin: with a 2 ms spin, 2.4 ms of Python between two products put
-    the worker to sleep every time, and no time when the spin is renewed half-way (kv_pool_sleeps counts). In a
+    the worker to sleep every time, and (almost) no time when the spin is renewed half-way (kv_pool_sleeps). In a
     process of its own (one worker, no guard tripped before); tried again where a worker was descheduled meanwhile
-    (the guard then shortens the spin)."""
+    (the guard then shortens the spin) or the calling thread was (its Python then outlasts any spin)."""
     import os
     import sys
 
@@ -137,8 +142,11 @@ def test_a_renewed_spin_keeps_the_worker_awake():
     out = subprocess.run([sys.executable, "-c", _RENEW_CHILD], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     if out.stdout.split() == ["busy"]:
-        pytest.skip("a worker was descheduled mid-spin in every try (a busy machine)")
-    assert out.stdout.split() == ["10", "0"], out.stdout
+        pytest.skip("a thread was descheduled in every try (a busy machine)")
+    plain, renewed = map(int, out.stdout.split())
+    # every stretch without the renewal (a stray wake-up aside), at most a few with it: a renewal that did nothing
+    # gives ~10 here
+    assert plain >= 9 and renewed <= 3, out.stdout
 
 
 def test_a_worker_descheduled_in_its_spin_shortens_the_spin():
