@@ -17,12 +17,9 @@ With a :class:`Staged` pool, a page that has a staging slot (the partly filled l
 :mod:`.staging`) is read from the slot, at full precision, instead of its codes: kvslim's own cache keeps a partly
 filled group of 32 unencoded the same way (q4_0 through vLLM: 0.061 -> 0.0148, docs/vllm.md).
 
-The C entry point ``kvp_attend`` takes a row table whose records each carry a *pointer* to their block table:
-vLLM's rows point into its 2-D block table; kvslim's engine can point each row at a list of its own (the
-``rows`` shape of ``kv_attend_rows``), which is how the kernel is meant to be shared.
-
-:func:`attend` calls the kernel, or the reference when the library cannot be built or ``$KVSLIM_VLLM_KERNEL``
-is ``reference`` (the reference decodes a row's pages to fp32 and runs a masked softmax: correct, slow).
+``kvp_attend``'s row records each carry a *pointer* to their block table (vLLM's point into its 2-D table; kvslim's
+engine points each row at a list of its own). :func:`attend` calls it, the reference (:data:`KERNEL_ENV`; no C
+library), or on CUDA tensors the Triton program (:mod:`.attend_triton`).
 
 This module imports nothing of vLLM.
 """
@@ -39,10 +36,12 @@ import torch
 
 from ..cache.hadamard import Hadamard
 from ..formats import get_format
+from . import attend_triton as triton
 from .attend_ref import attend_reference
-from .pages import PageLayout, Part, write
+from .pages import PageLayout, Part, raw_rows, write
 
-#: ``$KVSLIM_VLLM_KERNEL``: ``c`` (default: the C kernel when it builds) or ``reference``.
+#: ``$KVSLIM_VLLM_KERNEL`` for CPU tensors: ``c`` (default: the C kernel when it builds), ``reference``, or ``triton``
+#: (the Triton program under its interpreter: for tests). CUDA tensors take Triton where it reads the pages.
 KERNEL_ENV = "KVSLIM_VLLM_KERNEL"
 #: kvp_attend's ABI and table widths (csrc/kvslim_paged.c: H_FIELDS, R_FIELDS, W_FIELDS), checked when the
 #: library loads.
@@ -218,23 +217,22 @@ def rotate_args(
 
 
 def use_avx512_loops(on: bool) -> bool:
-    """Whether :func:`attend`'s C kernel takes its AVX-512 decode loops (``True``, the default where the library was
-    built with them) or the AVX2 loops a build without them takes (``False``): for tests (both paths against the
-    reference on one machine) and ``scripts/paged_attend_time.py`` (both timed in one process). Not during a call.
-    Returns whether this build has the AVX-512 loops (False as well where the C kernel is unavailable)."""
+    """Whether the C kernel takes its AVX-512 decode loops (the default where built) or the AVX2 ones (``False``:
+    tests and ``scripts/paged_attend_time.py`` run both). Not during a call. Returns whether this build has them."""
     lib = library()
     return bool(lib.kvp_set_fast(int(on))) if lib is not None else False
 
 
 def _reference_asked() -> bool:
-    """Whether ``$KVSLIM_VLLM_KERNEL`` asks for the torch reference."""
-    return os.environ.get(KERNEL_ENV, "c") == "reference"
+    """Whether ``$KVSLIM_VLLM_KERNEL`` asks for another path than the C kernel (the torch reference, or Triton)."""
+    return os.environ.get(KERNEL_ENV, "c") in ("reference", "triton")
 
 
 def status() -> str:
-    """Which path :func:`attend` takes, and why."""
+    """Which path :func:`attend` takes for CPU tensors, and why (CUDA tensors: :mod:`.attend_triton`)."""
     if _reference_asked():
-        return f"torch reference (${KERNEL_ENV}=reference)"
+        asked = os.environ[KERNEL_ENV]
+        return f"{'Triton under its interpreter' if asked == 'triton' else 'torch reference'} (${KERNEL_ENV}={asked})"
     library()
     return _state["reason"]
 
@@ -287,9 +285,14 @@ def attend(
                 f"kvslim paged attention: {name}'s rotation block {block} must be 0 or a power of two dividing the "
                 f"head size {layout.head_dim}"
             )
-    lib = None if _reference_asked() else library()
+    args = (layout, kv_cache, query, out, rows, scale, window, causal, key, value, staged, sink, rotate)
+    cpu = kv_cache.device.type == "cpu"
+    if (not cpu or os.environ.get(KERNEL_ENV) == "triton") and triton.take(layout, kv_cache, staged):
+        triton.attend_triton(*args)
+        return
+    lib = None if _reference_asked() or not cpu else library()
     if lib is None:
-        attend_reference(layout, kv_cache, query, out, rows, scale, window, causal, key, value, staged, sink, rotate)
+        attend_reference(*args)
         return
     head, o, keep = attend_args(
         lib, layout, kv_cache, query, out, rows, scale, window, causal, key, value, staged, sink, rotate
@@ -331,7 +334,7 @@ def attend_args(
     map in the layout the kernel reads): hold them until the call returns."""
     kcode, vcode = _part_codes(lib, layout)
     # vLLM's queries are a view of its qkv projection: read in place (a token stride), not copied
-    q = _raw(query)
+    q = raw_rows(query)
     o = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty(q.shape, dtype=torch.float32)
     n_pages, h_kv, t, _ = kv_cache.shape
     b = kv_cache.element_size()
@@ -362,7 +365,7 @@ def attend_args(
         torch.get_num_threads(),
     ]
     if key is not None:
-        k, v = _raw(key), _raw(value)
+        k, v = raw_rows(key), raw_rows(value)
         if k.stride(0) != v.stride(0):  # the kernel takes one token stride for both
             k, v = k.contiguous(), v.contiguous()
         head += [k.data_ptr(), v.data_ptr(), k.stride(0)]
@@ -418,6 +421,8 @@ def _c_can_store(layout: PageLayout, kv_cache: torch.Tensor, key, value, slot_ma
     return (
         n > 0
         and slot_mapping.dim() == 1
+        and kv_cache.device.type == "cpu"
+        and key.device.type == "cpu"
         and kv_cache.dtype == torch.uint8
         and shape is not None
         and kv_cache.shape[3] == layout.row_bytes
@@ -475,7 +480,7 @@ def store_args(
     if lib is None:
         return None
     kcode, vcode = _part_codes(lib, layout)
-    k, v = _raw(key[:n]), _raw(value[:n])
+    k, v = raw_rows(key[:n]), raw_rows(value[:n])
     slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
     slots = slots.contiguous()
     args = [
@@ -486,13 +491,3 @@ def store_args(
     ]  # fmt: skip
     return args, (k, v, slots)
 
-
-def _raw(x: torch.Tensor) -> torch.Tensor:
-    """x (N, H, D) as the kernel reads raw K/V: fp32, heads D apart, values contiguous (any token stride)."""
-    x = x.float()
-    h, d = x.shape[1:]
-    if x.stride(2) == 1 and x.stride(1) == d and x.stride(0) >= h * d:
-        return x
-    # a fresh tensor, not contiguous(): a one-token view such as (1, H, D) with strides (D, D, 1) is contiguous to
-    # torch (a dimension of size 1 has any stride) and would come back with a token stride the kernel refuses
-    return torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x)

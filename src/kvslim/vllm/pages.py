@@ -208,3 +208,14 @@ def gather(layout: PageLayout, kv_cache: torch.Tensor, blocks: torch.Tensor, len
     h = pages.shape[1]
     rows = pages.transpose(0, 1).reshape(h, n * t, pages.shape[-1])[:, :length]  # (H, n*T, C) -> (H, L, C)
     return layout.decode(rows)
+
+
+def raw_rows(x: torch.Tensor) -> torch.Tensor:
+    """x (N, H, D) as the kernel reads raw K/V: fp32, heads D apart, values contiguous (any token stride)."""
+    x = x.float()
+    h, d = x.shape[1:]
+    if x.stride(2) == 1 and x.stride(1) == d and x.stride(0) >= h * d:
+        return x
+    # a fresh tensor, not contiguous(): a one-token view such as (1, H, D) with strides (D, D, 1) is contiguous to
+    # torch (a dimension of size 1 has any stride) and would come back with a token stride the kernel refuses
+    return torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x)
