@@ -96,6 +96,22 @@ def test_prefill_chunks_over_a_cached_prefix_equal_the_reference(fmt_k, fmt_v, w
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
+def _staged_last_pages(pages, rows, kv_lens) -> paged.Staged:
+    """A staging pool (fp32) holding other values for each decode row's partly filled last page, and its map."""
+    stage_layout = PageLayout.of("none", "none", 64, torch.float32)
+    pool = torch.zeros(4, 3, T, stage_layout.row_bytes, dtype=torch.uint8)
+    smap = torch.full((pages.shape[0],), -1, dtype=torch.int32)
+    g = torch.Generator().manual_seed(7)
+    for r, n in enumerate(kv_lens):
+        cached = n - 1
+        smap[int(rows.block_table[r, cached // T])] = r + 1
+        filled = cached % T  # tokens of the last page before this step
+        k = torch.randn(filled, 3, 64, generator=g)
+        v = torch.randn(filled, 3, 64, generator=g)
+        write(stage_layout, pool, k, v, (r + 1) * T + torch.arange(filled))
+    return paged.Staged(pool, stage_layout, smap)
+
+
 @pytest.mark.parametrize("fmt", ["q4_0", "int8", "int4"])
 def test_staged_last_pages_are_read_from_the_pool(fmt, loops):
     """Each decode row's partly filled last page staged (fp32 copies of its tokens): the kernel reads those pages
@@ -103,19 +119,7 @@ def test_staged_last_pages_are_read_from_the_pool(fmt, loops):
     in one task (affine V sums in plane order on both)."""
     kv_lens = [70, 129, 40]
     layout, pages, query, rows, key, value = _step(fmt, fmt, kv_lens, [1, 1, 1], 9, 3, seed=2)
-    stage_layout = PageLayout.of("none", "none", 64, torch.float32)
-    pool = torch.zeros(4, 3, T, stage_layout.row_bytes, dtype=torch.uint8)
-    smap = torch.full((pages.shape[0],), -1, dtype=torch.int32)
-    g = torch.Generator().manual_seed(7)
-    for r, n in enumerate(kv_lens):
-        cached = n - 1
-        page = int(rows.block_table[r, cached // T])
-        smap[page] = r + 1
-        filled = cached % T  # tokens of the last page before this step
-        k = torch.randn(filled, 3, 64, generator=g)
-        v = torch.randn(filled, 3, 64, generator=g)
-        write(stage_layout, pool, k, v, (r + 1) * T + torch.arange(filled))
-    staged = paged.Staged(pool, stage_layout, smap)
+    staged = _staged_last_pages(pages, rows, kv_lens)
     out, ref = _both(layout, pages, query, rows, key, value, staged=staged)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
     plain, _ = _both(layout, pages, query, rows, key, value)

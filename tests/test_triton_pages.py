@@ -18,7 +18,7 @@ from kvslim.kernels import gpu  # noqa: E402
 from kvslim.vllm import attend as paged  # noqa: E402
 from kvslim.vllm import attend_triton  # noqa: E402
 from kvslim.vllm.pages import PageLayout, write  # noqa: E402
-from test_paged_kernel import FORMATS, T, _step  # noqa: E402
+from test_paged_kernel import FORMATS, T, _staged_last_pages, _step  # noqa: E402
 
 TOL = {"atol": 2e-5, "rtol": 2e-5}
 
@@ -105,17 +105,7 @@ def test_staged_pages_are_read_from_the_pool():
     """Each row's partly filled last page staged (fp32 copies): read from the pool, the rest from the codes."""
     kv_lens = [70, 129, 40]
     layout, pages, query, rows, key, value = _step("int4", "int4", kv_lens, [1, 1, 1], 9, 3, seed=2)
-    stage_layout = PageLayout.of("none", "none", 64, torch.float32)
-    pool = torch.zeros(4, 3, T, stage_layout.row_bytes, dtype=torch.uint8)
-    smap = torch.full((pages.shape[0],), -1, dtype=torch.int32)
-    g = torch.Generator().manual_seed(7)
-    for r, n in enumerate(kv_lens):
-        cached = n - 1
-        smap[int(rows.block_table[r, cached // T])] = r + 1
-        filled = cached % T
-        k, v = torch.randn(filled, 3, 64, generator=g), torch.randn(filled, 3, 64, generator=g)
-        write(stage_layout, pool, k, v, (r + 1) * T + torch.arange(filled))
-    staged = paged.Staged(pool, stage_layout, smap)
+    staged = _staged_last_pages(pages, rows, kv_lens)
     out, ref = _run(layout, pages, query, rows, key, value, staged=staged)
     torch.testing.assert_close(out, ref, **TOL)
     plain, _ = _run(layout, pages, query, rows, key, value)

@@ -11,7 +11,8 @@ in one process and interleaved round by round (as :mod:`.decode` does):
   batch-1 caches of their own, one ragged forward per step, attention on each row's codes, the linear layers
   through the engine's route (``linears``, :mod:`kvslim.engine.linears`; the plain cache keeps torch's);
 - each ``SPEC+pages`` (``--pages``): the spec's rows in one pool of pages, as ``Engine(pages=...)`` keeps them
-  (:mod:`.concurrency_pages`: one forward, two kernel calls a layer);
+  (:mod:`.concurrency_pages`: one forward, two kernel calls a layer); ``SPEC+pages+compiled`` (``--pages
+  --compile``): the same rows stepped by the compiled paged step (:mod:`kvslim.cache.paged_compiled`);
 - ``continuous-batching``: transformers' own continuous batching (``model.generate_batch``, its paged
   cache), where it runs: ``C`` prompts of ``L`` tokens, decode throughput read from its per-token
   timestamps after every request has produced its first token (its prefill excluded).
@@ -33,7 +34,7 @@ import torch
 
 from ..engine.linears import Linears, step_rows
 from ..generate import decode_one_token, forward_rows, prefill
-from .concurrency_pages import PagedRows, prefill_pages
+from .concurrency_pages import PagedRows, compiled_step, prefill_pages
 from .memory import cache_nbytes
 from .modes import DYNAMIC, Mode
 from .timing import quartiles, quiet, sync
@@ -106,7 +107,7 @@ def measure_concurrency(
             if mode.kind == "kvslim":
                 rows_of[mode.name] = [copy.deepcopy(base) for _ in range(concurrency)]
             elif mode.kind == "pages":
-                rows_of[mode.name] = PagedRows(*base, concurrency)
+                rows_of[mode.name] = PagedRows(*base, concurrency, compiled_step(model) if mode.compiled else None)
             else:
                 cache = copy.deepcopy(base)
                 cache.batch_repeat_interleave(concurrency)

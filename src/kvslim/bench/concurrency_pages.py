@@ -11,24 +11,30 @@ pages row, and the run says why.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
 
 from ..cache.paged_adapter import forward_pages
+from ..cache.paged_compiled import CompiledStep
 from ..cache.pagepool import PagePool, check_config, pool_for
 from ..config import parse_spec
 from ..engine.pages import pages_for
 from .modes import Mode
 
-#: the mode name's suffix of a spec's rows in pages
+#: the mode name's suffix of a spec's rows in pages (and of those stepped by the compiled paged step, after it)
 SUFFIX = "+pages"
+COMPILED = "+compiled"
+#: model -> its compiled paged step, one per model for the process (its graphs compiled once per bucket of rows)
+_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: prompt tokens a prefill forward reads
 PREFILL_CHUNK = 1024
 
 
-def pages_modes(modes: Sequence[Mode]) -> tuple[list[Mode], dict[str, str]]:
-    """A ``SPEC+pages`` mode for each kvslim mode pages can store, and ``{spec: why not}`` for the others."""
+def pages_modes(modes: Sequence[Mode], compiled: bool = False) -> tuple[list[Mode], dict[str, str]]:
+    """A ``SPEC+pages`` mode for each kvslim mode pages can store (and, ``compiled``, a ``SPEC+pages+compiled`` one
+    stepped by the compiled paged step), and ``{spec: why not}`` for the others."""
     out, notes = [], {}
     for mode in modes:
         if mode.kind != "kvslim" or mode.compiled:
@@ -40,6 +46,8 @@ def pages_modes(modes: Sequence[Mode]) -> tuple[list[Mode], dict[str, str]]:
             notes[mode.name] = str(e)
             continue
         out.append(Mode(mode.name + SUFFIX, "pages", lambda cfg=cfg: cfg, mode.bits))
+        if compiled:
+            out.append(Mode(mode.name + SUFFIX + COMPILED, "pages", lambda cfg=cfg: cfg, mode.bits, compiled=True))
     return out, notes
 
 
@@ -56,17 +64,26 @@ def prefill_pages(model, mode: Mode, ids: torch.Tensor, *, rows: int, tokens: in
     return pool, row
 
 
-class PagedRows:
-    """``concurrency`` copies of a prefilled row in its pool, stepped together."""
+def compiled_step(model) -> CompiledStep:
+    """``model``'s compiled paged step (one a model; ValueError in one line where it cannot be compiled)."""
+    if model not in _steps:
+        _steps[model] = CompiledStep(model)
+    return _steps[model]
 
-    def __init__(self, pool: PagePool, base, concurrency: int):
+
+class PagedRows:
+    """``concurrency`` copies of a prefilled row in its pool, stepped together (through ``compiled``, a
+    :class:`~kvslim.cache.paged_compiled.CompiledStep`, where given)."""
+
+    def __init__(self, pool: PagePool, base, concurrency: int, compiled: CompiledStep | None = None):
         self.pool = pool
         self.rows = [pool.copy_row(base) for _ in range(concurrency)]
+        self.compiled = compiled
 
     def step(self, model, tokens: list[int], row_multiple: int) -> torch.Tensor:
         """One decode step of every row: (C, V) logits."""
         return forward_pages(model, self.pool, [([t], r) for t, r in zip(tokens, self.rows, strict=True)],
-                             row_multiple=row_multiple)
+                             row_multiple=row_multiple, compiled=self.compiled)
 
     def nbytes(self) -> int:
         """The rows' pages, every layer, plus the pool's staging (the full-precision newest tokens) for these rows."""

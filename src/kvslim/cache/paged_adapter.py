@@ -27,7 +27,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..checks import check_int
-from . import paged_direct
+from . import paged_compiled, paged_direct
 from .pagepool import PagePool, StepPlan
 from .ragged import StepLayer
 
@@ -98,13 +98,20 @@ class PagedStepCache(Cache):
 
 
 def forward_pages(
-    model, pool: PagePool, feeds: Sequence[tuple[Sequence[int], object]], *, row_multiple: int = 4
+    model,
+    pool: PagePool,
+    feeds: Sequence[tuple[Sequence[int], object]],
+    *,
+    row_multiple: int = 4,
+    compiled=None,
 ) -> torch.Tensor:
     """ONE forward of a paged step: ``feeds[b] = (token ids, row)``, a row of ``pool`` (its decode token or a prompt
     chunk), each row at most once. Returns (len(feeds), V) float32, each row's LAST token's logits; the rows hold
     their tokens afterwards. A forward that raises leaves every row and the pool as they were
     (:meth:`PagePool.abandon`). row_multiple: filler rows pad the step to a multiple of it (1 where every product rounds
-    a row alike at any row count: :meth:`kvslim.engine.linears.Linears.row_multiple`)."""
+    a row alike at any row count: :meth:`kvslim.engine.linears.Linears.row_multiple`). compiled: a
+    :class:`~kvslim.cache.paged_compiled.CompiledStep` of ``model``, which runs a step whose every row feeds one token
+    (padded with filler rows to its bucket) where it serves the model now; other steps run eagerly."""
     from ..compat import cache_kwargs
 
     check_int("row_multiple", row_multiple, minimum=1)
@@ -121,6 +128,10 @@ def forward_pages(
         ids += tokens
     n_rows = len(feeds)
     fill = -len(ids) % row_multiple
+    if compiled is not None and len(ids) == n_rows and paged_compiled.why_not(model) is None:
+        fill = compiled.rows_for(n_rows, row_multiple) - n_rows
+    else:
+        compiled = None
     ids += [0] * fill
     device = model.device
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)
@@ -128,7 +139,10 @@ def forward_pages(
     keep = torch.cat([last, last.new_full((-n_rows % row_multiple,), len(ids) - 1)])
     plan = pool.plan(rows + [None] * fill, lengths + [1] * fill)
     try:
-        logits = paged_direct.step(model, pool, plan, input_ids[0], keep)  # None: not a model it serves now
+        if compiled is not None:
+            logits = compiled.run(pool, plan, input_ids[0])
+        else:  # None: not a model the direct step serves now
+            logits = paged_direct.step(model, pool, plan, input_ids[0], keep)
         if logits is None:
             logits = model(
                 input_ids=input_ids,

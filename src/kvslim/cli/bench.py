@@ -181,7 +181,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--compile",
         action="store_true",
         help="also bench compiled decode steps side by side: transformers' StaticCache + torch.compile "
-        "('tf-static') and each --config as a StaticSlimCache ('SPEC+compiled'); needs --attn kvslim or auto",
+        "('tf-static') and each --config as a StaticSlimCache ('SPEC+compiled'); needs --attn kvslim or auto. With "
+        "--concurrency --pages: each pages row also through the compiled paged step ('SPEC+pages+compiled')",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
@@ -217,8 +218,8 @@ def run(args: argparse.Namespace) -> int:
         configs = args.config or SMOKE_CONFIGS
         bandwidth_bytes = 16 << 20
     prefill = None if args.prefill_lengths == "all" else args.prefill_lengths
-    if args.compile and args.concurrency is not None:
-        raise UserError("--compile and --concurrency do not combine yet (the batch engine steps eagerly)")
+    if args.compile and args.concurrency is not None and not args.pages:
+        raise UserError("--compile with --concurrency needs --pages (the compiled ragged step runs on pages)")
     if args.join is not None and (not args.serve or args.join < 1):
         raise UserError(f"--join {args.join}: a prompt length of at least 1 token, with --serve")
     if args.linears is not None and not args.concurrency:

@@ -34,7 +34,7 @@ def run_concurrency(args, model, configs, settings, policy) -> int:
     if args.pages:
         from ..bench.concurrency_pages import pages_modes
 
-        paged, extra["pages_refused"] = pages_modes(modes)
+        paged, extra["pages_refused"] = pages_modes(modes, compiled=args.compile)
         for spec, why in extra["pages_refused"].items():
             log(f"{spec}: no pages row ({why})")
         modes += paged
@@ -46,12 +46,19 @@ def run_concurrency(args, model, configs, settings, policy) -> int:
                                warmup=settings["warmup"], seed=args.seed, log=log, linears=route,
                                continuous_batching=not args.no_continuous_batching)
     extra["gc"] = {"freeze": args.gc_freeze, **pauses.to_dict()}
+    if args.compile:
+        from ..bench.concurrency_pages import compiled_step
+
+        step = compiled_step(model)
+        extra["compiled_pages"] = {"buckets": sorted(step.buckets), "compile_s": step.compile_s}
+        log(f"compiled paged step: {step.compiles} graph(s) (rows {sorted(step.buckets)}) in {step.compile_s:.1f} s")
 
     def prompt(length: int) -> list[int]:
         return tokens(model, length, args.seed)[0].tolist()
 
     if args.serve:
-        rows += _serve(args, model, configs, [m.name for m in modes if m.kind == "pages"], settings, prompt, log, extra)
+        paged_names = [m.name for m in modes if m.kind == "pages" and not m.compiled]
+        rows += _serve(args, model, configs, paged_names, settings, prompt, log, extra)
     if args.peers is not None:
         from ..bench.concurrency_peers import run_peers
 

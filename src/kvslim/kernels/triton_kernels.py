@@ -59,6 +59,16 @@ GGML = {"q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_1, "q5_0": Q5_0, "q5_1": Q5_1}
 
 
 @triton.jit
+def _maximum(a, b):  # tl.max / tl.sum are the standard library's jit helpers (module docstring): tl.reduce with these
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
 def _half(lo, hi):
     """Two uint8 tiles, the little-endian bytes of fp16 numbers -> fp32."""
     bits = lo.to(tl.uint16) | (hi.to(tl.uint16) << 8)

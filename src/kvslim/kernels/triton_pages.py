@@ -37,6 +37,7 @@ _k = _gpu.programs()  # this mode's copy of triton_kernels
 tile = _k.tile
 _half = _k._half
 _e4m3 = _k._e4m3
+_maximum, _add = _k._maximum, _k._add  # tl.reduce's combiners
 #: GGML kind name -> the tile decoder's layout code
 GGML_CODES = _k.GGML
 
@@ -44,16 +45,6 @@ GGML_CODES = _k.GGML
 P_GGML, P_AFFINE, P_SYM, P_FP8, P_CAST = (tl.constexpr(i) for i in range(5))
 #: int64 fields of a query token's record: row, qpos, cached, new0, nnew
 TOKEN_FIELDS = tl.constexpr(5)
-
-
-@triton.jit
-def _maximum(a, b):  # tl.max / tl.sum are the standard library's jit helpers: see triton_kernels' docstring
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _add(a, b):
-    return a + b
 
 
 @triton.jit

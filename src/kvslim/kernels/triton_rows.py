@@ -32,6 +32,7 @@ import triton.language as tl
 from . import gpu as _gpu
 
 tile = _gpu.programs().tile  # the decoder of this mode's copy of triton_kernels
+_maximum, _add = _gpu.programs()._maximum, _gpu.programs()._add  # tl.reduce's combiners
 
 #: int64 fields of a row record: qrow, S, RK, RV, NK, NV, K first piece, K pieces, V first piece, V pieces,
 #: K Hadamard matrix, V Hadamard matrix, scratch offset, T, then (offset, head stride, token stride) of k_sink,
@@ -40,16 +41,6 @@ ROW_FIELDS = tl.constexpr(26)
 #: int64 fields of a piece record: n, offset, group, ngroup, then the element offsets of x, s, z, f from their
 #: launch templates, then the (head, token) strides of x, s, z, f.
 PIECE_FIELDS = tl.constexpr(16)
-
-
-@triton.jit
-def _maximum(a, b):  # tl.max / tl.sum are the standard library's jit helpers: see triton_kernels' docstring
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _add(a, b):
-    return a + b
 
 
 @triton.jit

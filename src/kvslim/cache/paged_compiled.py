@@ -1,0 +1,190 @@
+"""The compiled paged step: a decode step of the direct paged forward (:mod:`.paged_direct`) as one ``torch.compile``
+graph per row count (issue 30 item 3).
+
+:func:`~kvslim.cache.paged_adapter.forward_pages` takes it when handed a :class:`CompiledStep` and every row of the
+step feeds one token (a decode step; a prompt chunk steps eagerly, through the direct step). The rows are padded with
+filler rows up to a *bucket* (the next power of two, at least the step's row multiple), so a step of 1, 2, 4, 8, 16,
+... rows is one compiled graph, compiled once per bucket (tens of seconds for the embedded model on 2 threads, a few
+for a tiny one; :attr:`CompiledStep.compile_s`), never again in steady state.
+
+What is compiled: the direct step's calls, traced (the embedding, the rotary embedding, each layer's norms, the
+model's own ``apply_rotary_pos_emb``, the activation, the residual sums, the final norm and the head), with two
+opaque custom ops in the graph:
+
+- ``torch.ops.kvslim.page_attend(q, k, v, handle, layer, scale)``: :meth:`PagePool.attend
+  <kvslim.cache.pagepool.PagePool.attend>` of the step's pool and plan (set by :meth:`CompiledStep.run` under
+  ``handle`` for the call; the graph never holds a pool), the step's K/V written to their pages, the C kernel's
+  attention on the codes;
+- ``torch.ops.kvslim.prepared_linear(x, weight, bias)``: kvslim's linear kernel (:class:`kvslim.kernels.linear.Prepared`,
+  a row's bits its own at any row count), or torch's ``linear`` where that kernel does not take the weight.
+
+Inductor fuses the rest (a norm, RoPE, SiLU times the up product, the residual sums) into a few C++ loops a layer,
+single-threaded (``cpp.threads`` 1: at a decode step's few rows a parallel region costs more than it saves, and the
+kernels' workers own the cores). What that removes is the eager step's ~5,000 Python calls and ~600 small torch ops.
+
+Not bit for bit the eager step: Inductor's fused norms and RoPE round in their own order (the logits within ~1e-5 of
+the eager step's on the embedded model; tests/test_paged_compiled.py checks a tiny model's greedy tokens and
+logits against the eager step's, and a row's logits the same bits in a bucket of 1 and of 4). It serves the models
+:func:`~kvslim.cache.paged_direct.why_not` serves, float32 or bfloat16, on CPU; :func:`why_not` says why not
+otherwise, and :func:`~kvslim.cache.paged_adapter.forward_pages` then steps eagerly.
+
+Not the engine's or the server's step yet: docs/compile.md says why. This module knows nothing about page formats,
+slots or rows (the pool's :meth:`~kvslim.cache.pagepool.PagePool.attend` does), nor about scheduling or sampling.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import torch
+
+from ..kernels import linear as _kernel_linear
+from ..kernels import ops as _kernel_ops  # noqa: F401  (defines the kvslim namespace)
+from . import paged_direct
+
+_LIB = torch.library.Library("kvslim", "FRAGMENT")
+_LIB.define("page_attend(Tensor q, Tensor k, Tensor v, int handle, int layer, float scale) -> Tensor")
+_LIB.define("prepared_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+
+#: handle -> (pool, plan) of the step running under it
+_steps: dict[int, tuple] = {}
+#: weight address -> its Prepared (checked against the weight at each call)
+_prepared: dict[int, object] = {}
+_handles = itertools.count(1)
+_lock = threading.Lock()
+
+
+def _page_attend(q, k, v, handle, layer, scale):
+    pool, plan = _steps[handle]
+    return pool.attend(plan, layer, q, k, v, scale)
+
+
+def _prepared_linear(x, weight, bias):
+    p = _prepared.get(weight.data_ptr())
+    if p is None or not (
+        p.dtype == weight.dtype
+        and (p.o, p.i) == tuple(weight.shape)
+        and p.bp == (0 if bias is None else bias.data_ptr())
+    ):
+        p = _prepared[weight.data_ptr()] = _kernel_linear.Prepared.of(weight, bias) or False
+    y = p(x) if p else None
+    return torch.nn.functional.linear(x, weight, bias) if y is None else y
+
+
+_LIB.impl("page_attend", _page_attend, "CPU")
+_LIB.impl("prepared_linear", _prepared_linear, "CPU")
+
+
+@torch.library.register_fake("kvslim::page_attend", lib=_LIB)
+def _(q, k, v, handle, layer, scale):
+    return q.new_empty(q.shape, dtype=torch.float32)
+
+
+@torch.library.register_fake("kvslim::prepared_linear", lib=_LIB)
+def _(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _linear(module, x):
+    return torch.ops.kvslim.prepared_linear(x, module.weight, module.bias)
+
+
+def _forward(model, modeling, handle: int, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """:func:`paged_direct.step <kvslim.cache.paged_direct.step>`'s calls, every row kept, on the ops above: (N, V)."""
+    decoder = model.model
+    hidden = decoder.embed_tokens(input_ids[None])  # (1, N, hidden)
+    cos, sin = decoder.rotary_emb(hidden, position_ids=positions)
+    cos, sin = cos[0], sin[0]
+    h = hidden[0]
+    n = h.shape[0]
+    for layer in decoder.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        x = layer.input_layernorm(h)
+        d = attn.head_dim
+        q = _linear(attn.q_proj, x).view(n, -1, d)
+        k = _linear(attn.k_proj, x).view(n, -1, d)
+        v = _linear(attn.v_proj, x).view(n, -1, d)
+        q, k = modeling.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+        out = torch.ops.kvslim.page_attend(q, k, v, handle, attn.layer_idx, attn.scaling).to(q.dtype)
+        h = h + _linear(attn.o_proj, out.reshape(n, -1))
+        x = layer.post_attention_layernorm(h)
+        h = h + _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
+    return _linear(model.lm_head, decoder.norm(h))
+
+
+def why_not(model) -> str | None:
+    """Why :class:`CompiledStep` does not serve ``model`` now, or None where it does."""
+    reason = paged_direct.why_not(model)
+    if reason is not None:
+        return f"the direct paged step does not serve it: {reason}"
+    p = next(model.parameters())
+    if p.device.type != "cpu" or p.dtype not in (torch.float32, torch.bfloat16):
+        return f"its weights are {p.dtype} on {p.device.type}: the compiled paged step runs float32 or bfloat16 on CPU"
+    return None
+
+
+def bucket(rows: int, multiple: int = 1) -> int:
+    """The compiled row count a step of ``rows`` decode rows is padded to: the next power of two, at least
+    ``multiple`` (a power of two: the route's row multiple, 1 or 4)."""
+    return max(1 << max(0, rows - 1).bit_length(), multiple)
+
+
+class CompiledStep:
+    """One model's compiled decode step, a graph per bucket of rows (module docstring). Not thread-safe: one step at a
+    time (as an engine steps)."""
+
+    #: compiled shapes a CompiledStep may hold (dynamo's recompile limit for its graphs)
+    MAX_BUCKETS = 16
+
+    def __init__(self, model, *, loop_threads: int = 1):
+        with torch.no_grad():  # (autograd's state is a step's, checked at each step)
+            reason = why_not(model)
+        if reason is not None:
+            raise ValueError(f"kvslim: cannot compile the paged step: {reason}")
+        family = paged_direct._family(model)
+        with _lock:
+            self.handle = next(_handles)
+        self.model = model
+        #: whether kvslim's linear kernel runs the products (a row's bits its own at any row count)
+        self.own_products = _kernel_linear.ready(next(model.parameters()).dtype)
+        self.buckets: set[int] = set()
+        self.compile_s = 0.0
+        fn = lambda ids, pos: _forward(model, family[0], self.handle, ids, pos)  # noqa: E731
+        # a code object of its own: dynamo keeps its graphs, guards and recompile limit per code object, so each
+        # CompiledStep has its own (another model's step never evicts or counts against this one's)
+        fn.__code__ = fn.__code__.replace()
+        # loop_threads: Inductor's own loops' threads (1; -1: its OpenMP default; scripts/paged_compiled_ab.py)
+        self._fn = torch.compile(fn, fullgraph=True, dynamic=False, options={"cpp.threads": loop_threads})
+
+    def rows_for(self, rows: int, multiple: int) -> int:
+        """The bucket a step of ``rows`` decode rows runs at: the route's row ``multiple`` (filler rows for a product
+        that rounds a row by the row count) applies only where torch's linear runs the products here."""
+        return bucket(rows, 1 if self.own_products else multiple)
+
+    @property
+    def compiles(self) -> int:
+        """Graphs compiled so far (one per bucket)."""
+        return len(self.buckets)
+
+    def run(self, pool, plan, input_ids: torch.Tensor) -> torch.Tensor:
+        """(N, V) logits of every token of the step (``input_ids`` (N,), N a bucket; one token a row) laid out by
+        ``plan`` in ``pool``; the first call at a bucket compiles it."""
+        n = int(input_ids.shape[0])
+        new = n not in self.buckets
+        if new and len(self.buckets) >= self.MAX_BUCKETS:
+            raise RuntimeError(f"kvslim: the compiled paged step holds {self.MAX_BUCKETS} row counts already")
+        _steps[self.handle] = (pool, plan)
+        t0 = time.perf_counter()
+        try:
+            with torch._dynamo.config.patch(
+                recompile_limit=self.MAX_BUCKETS, fail_on_recompile_limit_hit=True
+            ):
+                out = self._fn(input_ids, plan.positions)
+        finally:
+            del _steps[self.handle]
+        if new:
+            self.buckets.add(n)
+            self.compile_s += time.perf_counter() - t0
+        return out

@@ -1,0 +1,122 @@
+"""The compiled paged step (kvslim.cache.paged_compiled): a decode step as one torch.compile graph per bucket of rows
+gives the eager direct step's logits within rounding and its greedy tokens, compiles once per bucket and never again
+in steady state, keeps a row's logits the same bits in a bucket of 1 and of 4, leaves prompt chunks to the eager step,
+and refuses (or steps eagerly where) it cannot serve a model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvslim
+from conftest import tiny_model
+from kvslim.cache import paged_compiled
+from kvslim.cache.paged_adapter import forward_pages
+from kvslim.cache.pagepool import pool_for
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _decode(model, spec: str, compiled, rows: int = 3, steps: int = 6, multiple: int = 1):
+    """``rows`` rows prefilled with prompts of different lengths (eagerly), then greedy decode steps of them all:
+    (every step's logits, every row's tokens)."""
+    with torch.inference_mode():
+        pool = pool_for(model, spec, pages=8 * rows + 8, max_rows=rows + 4)
+        live = [pool.new_row() for _ in range(rows)]
+        last = [forward_pages(model, pool, [(_ids(20 + 13 * i, i), r)])[0] for i, r in enumerate(live)]
+        tokens = [[int(x.argmax())] for x in last]
+        out = []
+        for _ in range(steps):
+            feeds = [([t[-1]], r) for t, r in zip(tokens, live, strict=True)]
+            logits = forward_pages(model, pool, feeds, row_multiple=multiple, compiled=compiled)
+            out.append(logits)
+            for t, x in zip(tokens, logits, strict=True):
+                t.append(int(x.argmax()))
+    return out, tokens
+
+
+@pytest.mark.parametrize(
+    ("arch", "spec"), [("llama", "int4"), ("qwen2", "q8_0,sink=4,window=24,residual=0,positions=original")]
+)
+def test_compiled_decode_steps_match_the_eager_step(arch, spec):
+    """The same greedy tokens and logits within 1e-4 of the eager direct step's; three rows run in a bucket of 4,
+    compiled once over every step (and once more for the bucket of 1)."""
+    model = kvslim.enable(tiny_model(arch))
+    step = paged_compiled.CompiledStep(model)
+    want, want_tokens = _decode(model, spec, None)
+    got, got_tokens = _decode(model, spec, step)
+    assert got_tokens == want_tokens
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape == (3, model.config.vocab_size)
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    assert step.buckets == {4} and step.compiles == 1 and step.compile_s > 0
+    _decode(model, spec, step, rows=1, steps=2)
+    _decode(model, spec, step, rows=4, steps=2)  # bucket 4 again: no compile
+    assert step.buckets == {1, 4}
+
+
+def test_a_rows_logits_are_the_same_bits_alone_and_in_a_bucket():
+    """One row stepped alone (bucket 1) and the same row beside three copies (bucket 4): the same bits."""
+    model = kvslim.enable(tiny_model("llama"))
+    step = paged_compiled.CompiledStep(model)
+    with torch.inference_mode():
+        pool = pool_for(model, "int4", pages=40, max_rows=6)
+        src = pool.new_row()
+        forward_pages(model, pool, [(_ids(45, 9), src)])
+        alone = pool.copy_row(src)
+        group = [pool.copy_row(src) for _ in range(4)]
+        for t in _ids(4, 10):
+            a = forward_pages(model, pool, [([t], alone)], row_multiple=1, compiled=step)
+            b = forward_pages(model, pool, [([t], r) for r in group], row_multiple=1, compiled=step)
+            assert torch.equal(a[0], b[0]) and torch.equal(b[0], b[3])
+    assert step.buckets == {1, 4}
+
+
+def test_prompt_chunks_and_unserved_models_step_eagerly():
+    """A step with a prompt chunk runs the eager step (nothing compiled); a model the direct step does not serve (a
+    hook) is refused at construction in one line, and a CompiledStep handed to forward_pages then steps eagerly."""
+    model = kvslim.enable(tiny_model("llama"))
+    step = paged_compiled.CompiledStep(model)
+    with torch.inference_mode():
+        pool = pool_for(model, "int4", pages=20, max_rows=3)
+        a, b = pool.new_row(), pool.new_row()
+        forward_pages(model, pool, [(_ids(30, 1), a)], compiled=step)
+        forward_pages(model, pool, [([5], a), (_ids(7, 2), b)], compiled=step)
+        assert step.compiles == 0
+        handle = model.model.norm.register_forward_hook(lambda *args: None)
+        try:
+            assert "hook" in paged_compiled.why_not(model)
+            with pytest.raises(
+                ValueError, match="cannot compile the paged step: the direct paged step does not"
+            ):
+                paged_compiled.CompiledStep(model)
+            forward_pages(model, pool, [([5], a), ([6], b)], compiled=step)
+            assert step.compiles == 0
+        finally:
+            handle.remove()
+
+
+def test_buckets():
+    assert [paged_compiled.bucket(n) for n in (1, 2, 3, 4, 5, 9, 16, 17)] == [1, 2, 4, 4, 8, 16, 16, 32]
+    assert [paged_compiled.bucket(n, 4) for n in (1, 2, 3, 5)] == [4, 4, 4, 8]
+
+
+def test_the_concurrency_bench_has_a_compiled_pages_row():
+    """``kvslim bench --concurrency --pages --compile``: a ``SPEC+pages+compiled`` row beside ``SPEC+pages``, its
+    steps through the model's one compiled paged step (a graph per bucket of rows: 1, and 4 for 3 rows)."""
+    from kvslim.bench.concurrency import run_concurrency
+    from kvslim.bench.concurrency_pages import compiled_step, pages_modes
+    from kvslim.bench.modes import build_modes
+
+    model = kvslim.enable(tiny_model("llama"))
+    modes, _ = build_modes(model, ["int4"])
+    paged, _ = pages_modes(modes, compiled=True)
+    assert [(m.name, m.compiled) for m in paged] == [("int4+pages", False), ("int4+pages+compiled", True)]
+    rows = run_concurrency(model, modes + paged, [40], [1, 3], steps=2, warmup=1, continuous_batching=False)
+    got = {(r.mode, r.concurrency): r for r in rows}
+    for c in (1, 3):
+        assert got["int4+pages+compiled", c].aggregate_tok_s > 0
+        assert got["int4+pages+compiled", c].bytes_per_stream == got["int4+pages", c].bytes_per_stream
+    assert compiled_step(model).buckets == {1, 4}
