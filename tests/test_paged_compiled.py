@@ -120,3 +120,21 @@ def test_the_concurrency_bench_has_a_compiled_pages_row():
         assert got["int4+pages+compiled", c].aggregate_tok_s > 0
         assert got["int4+pages+compiled", c].bytes_per_stream == got["int4+pages", c].bytes_per_stream
     assert compiled_step(model).buckets == {1, 4}
+
+
+def test_torchs_linear_runs_where_kvslims_kernel_does_not(monkeypatch):
+    """A CPU without kvslim's linear kernel (no AVX2/FMA, or bfloat16 without AVX512-BF16): the products are torch's
+    linear, every step (the route's row multiple then applies to the bucket), with the eager step's greedy tokens."""
+    from kvslim.kernels import linear
+
+    monkeypatch.setattr(linear.Prepared, "of", classmethod(lambda cls, w, b: None))
+    monkeypatch.setattr(paged_compiled, "_prepared", {})
+    model = kvslim.enable(tiny_model("llama"))
+    step = paged_compiled.CompiledStep(model)
+    step.own_products = False
+    want, want_tokens = _decode(model, "int4", None, multiple=4)
+    got, got_tokens = _decode(model, "int4", step, multiple=4)
+    assert got_tokens == want_tokens and step.buckets == {4}
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    assert set(paged_compiled._prepared.values()) == {False}

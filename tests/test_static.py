@@ -306,7 +306,7 @@ def test_cli_compile_refusals(model_dir, capsys):
     code = main(["sample", "--model", str(model_dir), "--prompt", "t5", "--compile", "--prompt-cache", "x.kvc"])
     assert code == 2 and "--compile and --prompt-cache" in capsys.readouterr().err
     code = main(["bench", "--model", str(model_dir), "--compile", "--concurrency", "1,2"])
-    assert code == 2 and "--compile and --concurrency" in capsys.readouterr().err
+    assert code == 2 and "--compile with --concurrency needs --pages" in capsys.readouterr().err
 
 
 def test_a_fresh_cache_is_allocated_eagerly_even_for_a_one_token_prompt(model):

@@ -50,8 +50,8 @@ _LIB.define("prepared_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 
 #: handle -> (pool, plan) of the step running under it
 _steps: dict[int, tuple] = {}
-#: weight address -> its Prepared (checked against the weight at each call)
-_prepared: dict[int, object] = {}
+#: (weight address, dtype, shape, bias address) -> its Prepared, or False where kvslim's kernel does not take it
+_prepared: dict[tuple, object] = {}
 _handles = itertools.count(1)
 _lock = threading.Lock()
 
@@ -62,13 +62,10 @@ def _page_attend(q, k, v, handle, layer, scale):
 
 
 def _prepared_linear(x, weight, bias):
-    p = _prepared.get(weight.data_ptr())
-    if p is None or not (
-        p.dtype == weight.dtype
-        and (p.o, p.i) == tuple(weight.shape)
-        and p.bp == (0 if bias is None else bias.data_ptr())
-    ):
-        p = _prepared[weight.data_ptr()] = _kernel_linear.Prepared.of(weight, bias) or False
+    key = (weight.data_ptr(), weight.dtype, tuple(weight.shape), 0 if bias is None else bias.data_ptr())
+    p = _prepared.get(key)
+    if p is None:
+        p = _prepared[key] = _kernel_linear.Prepared.of(weight, bias) or False
     y = p(x) if p else None
     return torch.nn.functional.linear(x, weight, bias) if y is None else y
 
