@@ -11,7 +11,6 @@ pages row, and the run says why.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 
 import torch
@@ -26,8 +25,9 @@ from .modes import Mode
 #: the mode name's suffix of a spec's rows in pages (and of those stepped by the compiled paged step, after it)
 SUFFIX = "+pages"
 COMPILED = "+compiled"
-#: model -> its compiled paged step, one per model for the process (its graphs compiled once per bucket of rows)
-_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: id(model) -> its compiled paged step, one per model, held (with the model it closes over) for the bench's process:
+#: its graphs compile once per bucket of rows across the run's lengths and concurrencies
+_steps: dict[int, CompiledStep] = {}
 #: prompt tokens a prefill forward reads
 PREFILL_CHUNK = 1024
 
@@ -66,9 +66,9 @@ def prefill_pages(model, mode: Mode, ids: torch.Tensor, *, rows: int, tokens: in
 
 def compiled_step(model) -> CompiledStep:
     """``model``'s compiled paged step (one a model; ValueError in one line where it cannot be compiled)."""
-    if model not in _steps:
-        _steps[model] = CompiledStep(model)
-    return _steps[model]
+    if id(model) not in _steps:
+        _steps[id(model)] = CompiledStep(model)
+    return _steps[id(model)]
 
 
 class PagedRows:
