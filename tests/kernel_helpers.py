@@ -8,6 +8,8 @@ ulps of the magnitude of the sum: both sides round each product and sum in a dif
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -78,3 +80,26 @@ def case_codec(name, role, group):
     if name in AFFINE and role == "k":
         return make_codec(name, role, group_size=group)
     return make_codec(name, role, v_group_size=group)
+
+
+@contextlib.contextmanager
+def interpreted(program, backend: str | None = None):
+    """A Triton test module's set-up: ``TRITON_INTERPRET=1`` (Triton reads it when a program is decorated, so the
+    programs built under it are interpreted copies) and one torch thread. ``program()`` must come back as Triton's
+    interpreted function; ``backend``: kvslim's kernel backend within (the default again after)."""
+    from kvslim import kernels
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("TRITON_INTERPRET", "1")
+            from triton.runtime.interpreter import InterpretedFunction
+
+            assert isinstance(program(), InterpretedFunction)
+            if backend is not None:
+                kernels.set_backend(backend)
+            yield
+    finally:
+        kernels.set_backend(None)
+        torch.set_num_threads(threads)

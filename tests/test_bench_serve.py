@@ -119,6 +119,8 @@ def test_bad_flags_are_one_line(model_dir, argv, env, message):
         (["--pages", "0"], "argument --pages: expected a positive number of pages or auto, got '0'"),
         (["--pages", "64", "--memory-budget", "1GiB"], "--pages N is the pool's size, which is its memory budget"),
         (["--pages", "auto", "--session-dir", "sessions"], "--pages keeps idle sessions in memory only"),
+        (["--compile"], "--compile compiles the paged step: give --pages N or --pages auto as well"),
+        (["--no-warm-up"], "--no-warm-up goes with --compile"),
     ],
 )
 def test_serve_rejects_bad_pages_flags(model_dir, argv, message):

@@ -998,3 +998,35 @@ def test_a_paged_server_serves_concurrent_clients_and_sessions(paged):
     assert engine.pool.rows_alive == 1  # the session's row
     assert httpx.delete(paged.url + "/v1/sessions/p", timeout=10).status_code == 204
     assert engine.pool.rows_alive == 0 and engine.pool.free_pages == engine.pool.n_pages
+
+
+def test_a_compiled_paged_server_warms_up_then_serves_without_compiling(model):
+    """``kvslim serve --pages ... --compile``: the warm-up compiles every bucket before the port opens; concurrent
+    streaming clients then get what each gets alone, on the runner's thread, and nothing compiles again."""
+    app = build_app(model, char_tokenizer(), model_name=NAME, cache="int4", memory_budget=None, pages=200,
+                    prefill_chunk=64, max_concurrency=3, compile=True)
+    engine = app.state.runner.engine
+    warm = engine.warm_up()
+    assert warm and sorted(engine.compiled.buckets) == warm
+    compile_s = engine.compiled.compile_s
+    srv = Server(app)
+    try:
+        prompts = [f"compiled {i}: " + "xy" * (5 * i) for i in range(4)]
+        alone = [srv.client().completions.create(model=NAME, prompt=p, max_tokens=10, temperature=0).choices[0].text
+                 for p in prompts]
+        got: dict[int, str] = {}
+
+        def work(i: int) -> None:
+            got[i] = "".join(p.choices[0].text for p in srv.client().completions.create(
+                model=NAME, prompt=prompts[i], max_tokens=10, temperature=0, stream=True))
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert [got.get(i) for i in range(len(prompts))] == alone
+    finally:
+        srv.stop()
+    assert sorted(engine.compiled.buckets) == warm and engine.compiled.compile_s == compile_s
+    assert engine.pool.rows_alive == 0 and engine.pool.free_pages == engine.pool.n_pages

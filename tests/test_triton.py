@@ -27,7 +27,7 @@ import torch
 
 pytest.importorskip("triton", reason="Triton is not installed (pip install 'kvslim[gpu]')")
 
-from kernel_helpers import assert_scaled_close, case_codec, cases, encoded_view, probs, queries  # noqa: E402
+from kernel_helpers import assert_scaled_close, case_codec, cases, encoded_view, interpreted, probs, queries  # noqa: E402
 from kvslim import kernels  # noqa: E402
 from kvslim.formats import Block, Encoded, format_names, make_codec  # noqa: E402
 from kvslim.kernels import gpu, reference  # noqa: E402
@@ -48,19 +48,8 @@ SHAPES = [
 
 @pytest.fixture(autouse=True, scope="module")
 def interpreter():
-    """TRITON_INTERPRET=1 for this module (Triton reads it when a program is decorated: gpu.programs()
-    executes an interpreted copy of the programs under it), one torch thread, default backend after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        from triton.runtime.interpreter import InterpretedFunction
-
-        assert isinstance(gpu.programs().k_scores_kernel, InterpretedFunction)
+    with interpreted(lambda: gpu.programs().k_scores_kernel):
         yield
-    kernels.set_backend(None)
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture
 def triton_backend():

@@ -14,6 +14,7 @@ import torch
 
 pytest.importorskip("triton", reason="Triton is not installed (pip install 'kvslim[gpu]')")
 
+from kernel_helpers import interpreted  # noqa: E402
 from kvslim.kernels import gpu  # noqa: E402
 from kvslim.vllm import attend as paged  # noqa: E402
 from kvslim.vllm import attend_triton  # noqa: E402
@@ -25,17 +26,8 @@ TOL = {"atol": 2e-5, "rtol": 2e-5}
 
 @pytest.fixture(autouse=True, scope="module")
 def interpreter():
-    """TRITON_INTERPRET=1 for this module (as tests/test_triton_rows.py), one torch thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        from triton.runtime.interpreter import InterpretedFunction
-
-        assert isinstance(attend_triton.programs().pages_kernel, InterpretedFunction)
+    with interpreted(lambda: attend_triton.programs().pages_kernel):
         yield
-    torch.set_num_threads(threads)
-
 
 def _run(layout, pages, query, rows, key, value, window=0, causal=True, staged=None, sink=0, rotate=(0, 0)):
     """(Triton's output, the reference's) on the same arguments."""

@@ -23,7 +23,7 @@ import torch
 
 pytest.importorskip("triton", reason="Triton is not installed (pip install 'kvslim[gpu]')")
 
-from kernel_helpers import data, encoded_view  # noqa: E402
+from kernel_helpers import data, encoded_view, interpreted  # noqa: E402
 from kvslim import kernels  # noqa: E402
 from kvslim.cache.hadamard import Hadamard  # noqa: E402
 from kvslim.formats import format_names, make_codec  # noqa: E402
@@ -37,19 +37,8 @@ REL = 1e-5
 
 @pytest.fixture(autouse=True, scope="module")
 def interpreter():
-    """TRITON_INTERPRET=1 for this module (as tests/test_triton.py), the triton backend, one torch thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        from triton.runtime.interpreter import InterpretedFunction
-
-        assert isinstance(gpu_rows.programs().rows_kernel, InterpretedFunction)
-        kernels.set_backend("triton")
+    with interpreted(lambda: gpu_rows.programs().rows_kernel, backend="triton"):
         yield
-    kernels.set_backend(None)
-    torch.set_num_threads(threads)
-
 
 def _codec(name: str, role: str, vn: bool = False):
     codec = make_codec(name, role, group_size=8, v_group_size=16)

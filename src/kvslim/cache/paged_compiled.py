@@ -28,7 +28,9 @@ logits against the eager step's, and a row's logits the same bits in a bucket of
 :func:`~kvslim.cache.paged_direct.why_not` serves, float32 or bfloat16, on CPU; :func:`why_not` says why not
 otherwise, and :func:`~kvslim.cache.paged_adapter.forward_pages` then steps eagerly.
 
-Not the engine's or the server's step yet: docs/compile.md says why. This module knows nothing about page formats,
+The engine (``Engine(pages=..., compile=True)``, ``kvslim serve --pages ... --compile``) steps its decode rows through it
+and a prompt's chunks eagerly, in a forward of their own (:mod:`kvslim.engine.step`), so a row's tokens never depend
+on what joined its step. This module knows nothing about page formats,
 slots or rows (the pool's :meth:`~kvslim.cache.pagepool.PagePool.attend` does), nor about scheduling or sampling.
 """
 
@@ -164,6 +166,31 @@ class CompiledStep:
     def compiles(self) -> int:
         """Graphs compiled so far (one per bucket)."""
         return len(self.buckets)
+
+    def warm(self, pool, rows: int, multiple: int = 1, progress=None) -> list[int]:
+        """Compile now every bucket a decode step of 1 to ``rows`` rows runs at (a server's start-up: no request then
+        waits for a compile), each on a step of one new row's first token and filler rows, abandoned: the row (and
+        the page it took) goes back, nothing else in ``pool`` changes. Run it in the context the steps run in (grad
+        mode, the linear route): dynamo's guards compare it. Returns the buckets compiled by this call, smallest
+        first. progress: called ``(bucket, i, count)`` before each compile."""
+        todo = sorted({self.rows_for(r, multiple) for r in range(1, rows + 1)} - self.buckets)
+        done: list[int] = []
+        if not todo:
+            return done
+        row = pool.new_row()
+        try:
+            for n in todo:
+                if progress is not None:
+                    progress(n, len(done), len(todo))
+                plan = pool.plan([row] + [None] * (n - 1), [1] * n)
+                try:
+                    self.run(pool, plan, torch.zeros(n, dtype=torch.long, device=plan.positions.device))
+                finally:
+                    pool.abandon(plan)
+                done.append(n)
+        finally:
+            pool.free(row)
+        return done
 
     def run(self, pool, plan, input_ids: torch.Tensor) -> torch.Tensor:
         """(N, V) logits of every token of the step (``input_ids`` (N,), N a bucket; one token a row) laid out by

@@ -57,7 +57,7 @@ def run_concurrency(args, model, configs, settings, policy) -> int:
         return tokens(model, length, args.seed)[0].tolist()
 
     if args.serve:
-        paged_names = [m.name for m in modes if m.kind == "pages" and not m.compiled]
+        paged_names = [m.name for m in modes if m.kind == "pages"]
         rows += _serve(args, model, configs, paged_names, settings, prompt, log, extra)
     if args.peers is not None:
         from ..bench.concurrency_peers import run_peers
@@ -91,7 +91,9 @@ def run_concurrency(args, model, configs, settings, policy) -> int:
 
 def _serve(args, model, configs, paged: list[str], settings: dict, prompt, log, extra: dict) -> list:
     """``--serve``: the specs through one ``kvslim serve`` child; with ``--pages`` each spec pages can store (``paged``,
-    named ``SPEC+pages``) through a child of its own, started with that spec's cache flags and ``--pages auto``."""
+    named ``SPEC+pages``) through a child of its own, started with that spec's cache flags and ``--pages auto`` (and
+    with ``--compile``, ``SPEC+pages+compiled``: a child started with ``--compile`` as well, its warm-up before the
+    clients start)."""
     from ..bench.concurrency import tokens
     from ..bench.join import join_after, render_join
     from ..bench.serve import run_serve
@@ -103,8 +105,11 @@ def _serve(args, model, configs, paged: list[str], settings: dict, prompt, log, 
     joins: list = []  # a prompt of --join tokens joins each spec's streams (kvslim.bench.join)
     join = args.join and tokens(model, args.join, args.seed + 1)[0].tolist()
     runs = [(flags, list(configs), "")]
-    runs += [(flags + cache_flags(parse_spec(name[: -len("+pages")])) + ["--pages", "auto"],
-              [name[: -len("+pages")]], "+pages") for name in paged]
+    for name in paged:
+        suffix = name[name.index("+pages"):]  # "+pages" or "+pages+compiled"
+        spec = name[: -len(suffix)]
+        compiled = ["--compile"] if suffix.endswith("+compiled") else []
+        runs.append((flags + cache_flags(parse_spec(spec)) + ["--pages", "auto", *compiled], [spec], suffix))
     rows, logs = [], []
     for run_flags, specs, suffix in runs:
         before = len(joins)

@@ -185,6 +185,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "window keeps keys at their original positions: --streaming-llm-positions original, sinks named), idle "
         "sessions in memory only (default: a cache of its own per request)",
     )
+    parser.add_argument(
+        "--compile", action="store_true",
+        help="with --pages: decode steps through the compiled paged step (torch.compile, one graph per bucket of "
+        "rows: 1, 2, 4, ... up to --max-concurrency), every bucket compiled at start-up (~20 s each for the "
+        "embedded model; docs/compile.md); prompt chunks run eagerly",
+    )
+    parser.add_argument(
+        "--no-warm-up", dest="warm_up", action="store_false",
+        help="with --compile: compile each bucket on its first step instead of at start-up (that step waits)",
+    )
     threads.add_thread_flags(parser)
     add_gc_flag(parser)
 
@@ -219,6 +229,10 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"{flag} must be >= 1, got {value}")
     if not args.shutdown_grace >= 0 or args.shutdown_grace > 3600:
         raise UserError(f"--shutdown-grace must be in 0..3600 seconds, got {args.shutdown_grace}")
+    if args.compile and args.pages is None:
+        raise UserError("--compile compiles the paged step: give --pages N or --pages auto as well")
+    if not args.warm_up and not args.compile:
+        raise UserError("--no-warm-up goes with --compile (there is nothing to warm up without it)")
     key = api_key_from(args)
     if args.session_dir is not None and os.path.exists(args.session_dir) and not os.path.isdir(args.session_dir):
         raise UserError(f"--session-dir {args.session_dir!r} is a file; expected a directory (or a new path)")
@@ -243,6 +257,15 @@ def run(args: argparse.Namespace) -> int:
     if args.pages is not None and args.session_dir is not None:
         raise UserError("--pages keeps idle sessions in memory only (parking pages on disk: not yet): leave "
                         "--session-dir out, or --pages")
+    if args.compile:
+        import torch
+
+        from ..cache.paged_compiled import why_not
+
+        with torch.no_grad():  # (as the engine steps)
+            reason = why_not(model)
+        if reason is not None:
+            raise UserError(f"--compile: cannot compile the paged step for this model: {reason}")
     if isinstance(args.pages, int):
         if args.memory_budget != "auto":
             raise UserError("--pages N is the pool's size, which is its memory budget: leave --memory-budget out "
@@ -276,6 +299,7 @@ def run(args: argparse.Namespace) -> int:
         allow_other_model=args.kv_mean_center_any_model,
         linears=args.linears,
         pages=args.pages,
+        compile=args.compile,
     )
     engine = app.state.runner.engine
     if engine.pool is not None:
@@ -289,11 +313,26 @@ def run(args: argparse.Namespace) -> int:
         f"{_hours(args.session_ttl)} idle, in {args.session_dir or 'memory only'}; "
         f"{'API key required' if key else 'no API key'})"
     )
+    if args.compile and args.warm_up:
+        _warm_up(engine)
     heap = apply_gc_flag(args.gc_freeze)  # the model loaded and the engine built: the startup heap is what it is
     say(f"kvslim: {threads.banner(threads.describe(getattr(args, 'thread_policy', None)))}; "
         f"{app.state.runner.engine.linears}; {heap}")
     run_server(app, host=args.host, port=args.port, grace=args.shutdown_grace)
     return 0
+
+
+def _warm_up(engine) -> None:
+    """Compile every bucket of the compiled paged step before the server takes a request, a line each."""
+    import time
+
+    start = time.perf_counter()
+
+    def progress(rows: int, i: int, count: int) -> None:
+        say(f"kvslim: compiling the paged step for {rows} row(s) ({i + 1} of {count}; {time.perf_counter() - start:.0f} s so far)")
+
+    done = engine.warm_up(progress)
+    say(f"kvslim: compiled paged step: {len(done)} graph(s) (rows {done}) in {time.perf_counter() - start:.1f} s")
 
 
 def _pages(text: str):

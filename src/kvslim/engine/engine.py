@@ -60,7 +60,7 @@ from .linears import Linears, step_rows
 from .request import FINISH_REASONS, Event, Request, Result
 from .scheduler import Row, Scheduler
 from .sessions import SessionStore
-from .step import Stepping
+from .step import Stepping, generator
 from .trim import Trimmer
 
 log = logging.getLogger("kvslim.engine")
@@ -98,7 +98,9 @@ class Engine(Stepping):
     bits); outside a step, and on other threads, torch's own. pages: None (each row in a SlimCache of its own), or
     every row in one pool of ``pages`` pages a layer (an int, or ``"auto"``: what ``memory_budget`` holds, at most
     ``max_batch`` rows at the model's context), a step two kernel calls a layer (:mod:`kvslim.engine.pages`: one
-    format, admission by pages, sessions kept in memory).
+    format, admission by pages, sessions kept in memory). compile: True (or a model's ``CompiledStep`` to share):
+    with ``pages``, decode steps through the compiled paged step (:mod:`kvslim.cache.paged_compiled`; prompt chunks
+    eagerly: :mod:`kvslim.engine.step`); each bucket of rows compiles on its first step, or all at :meth:`warm_up`.
     """
 
     def __init__(
@@ -119,6 +121,7 @@ class Engine(Stepping):
         keep_decoded: bool = True,
         linears: str = "auto",
         pages: int | str | None = None,
+        compile=False,
     ):
         self.default_cache = parse_spec(cache) if isinstance(cache, str) else cache
         if not isinstance(self.default_cache, CacheConfig):
@@ -127,16 +130,14 @@ class Engine(Stepping):
             check_int("memory_budget", memory_budget, minimum=1, hint="bytes, or None for no limit")
         check_int("max_batch", max_batch, minimum=1)
         check_int("prefill_chunk", prefill_chunk, minimum=1)
-        if max_queue is not None:
-            check_int("max_queue", max_queue, minimum=1, hint="or None for no limit")
-        if max_prompt_tokens is not None:
-            check_int("max_prompt_tokens", max_prompt_tokens, minimum=1, hint="or None for no limit")
+        for name, limit in (("max_queue", max_queue), ("max_prompt_tokens", max_prompt_tokens)):
+            if limit is not None:
+                check_int(name, limit, minimum=1, hint="or None for no limit")
         if not isinstance(request_limits, RequestLimits):
             raise ValueError(f"request_limits must be a RequestLimits, got {type(request_limits).__name__}")
-        if not isinstance(keep_decoded, bool):
-            raise ValueError(f"keep_decoded must be True or False, got {keep_decoded!r}")
-        if not isinstance(allow_other_model, bool):
-            raise ValueError(f"allow_other_model must be True or False, got {allow_other_model!r}")
+        for name, flag in (("keep_decoded", keep_decoded), ("allow_other_model", allow_other_model)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be True or False, got {flag!r}")
         # reads the model only (a refused route leaves it untouched); packs the weights for "packed"
         routes = Linears(model, linears, batch_hint=step_rows(max_batch))
         self.gate = Gate(
@@ -149,17 +150,13 @@ class Engine(Stepping):
         )
         self.model, self.shapes, self.dtype = self.gate.model, self.gate.shapes, self.gate.dtype
         self.vocab_size = self.gate.vocab_size
-        self.pool = None
-        if pages is not None:
-            if session_dir is not None:
-                raise ValueError("pages keep sessions in memory only: run without session_dir, or without pages")
-            max_sessions = min(max_sessions or max_batch, max_batch)  # each kept row holds staging slots
-            ctx = self.shapes.max_position_embeddings
-            self.pool = paged.build_pool(
-                self.model, self.default_cache, pages, max_batch=max_batch, memory_budget=memory_budget, context=ctx,
-                rows=max_batch + max_sessions, chunk=prefill_chunk,
+        self.pool = self.compiled = None
+        if pages is not None or compile is not False:
+            self.pool, memory_budget, max_sessions, self.compiled = paged.setup(
+                self.model, self.default_cache, pages, compile=compile, session_dir=session_dir,
+                max_sessions=max_sessions, max_batch=max_batch, memory_budget=memory_budget,
+                context=self.shapes.max_position_embeddings, chunk=prefill_chunk,
             )
-            memory_budget = paged.budget(self.pool)
         self.scheduler = Scheduler(memory_budget, max_batch)
         self.prefill_chunk = prefill_chunk
         self.keep_decoded = keep_decoded
@@ -214,12 +211,7 @@ class Engine(Stepping):
             # the empty cache built above (no tokens: a waiting request holds no cache memory) serves on admission
             kept = self._kept_bytes(cache, len(request.prompt), reserved)
             row = Row(request_id=rid, request=request, reserved=reserved + kept, empty=cache, kept=kept)
-            if request.temperature > 0:
-                row.generator = torch.Generator(device=self.model.device)
-                if request.seed is None:
-                    row.generator.seed()
-                else:
-                    row.generator.manual_seed(request.seed)
+            row.generator = generator(request, self.model.device)
             self.results[rid] = Result(rid, prompt_tokens=len(request.prompt), reserved_bytes=reserved)
             self.scheduler.submit(row)
         return rid
@@ -312,6 +304,14 @@ class Engine(Stepping):
     def idle(self) -> bool:
         with self._lock:
             return self.scheduler.idle and not self._events
+
+    def warm_up(self, progress=None) -> list[int]:
+        """With ``compile``: compile every bucket of up to ``max_batch`` rows now (no request waits for one); returns
+        the buckets compiled by this call. progress: :meth:`CompiledStep.warm`'s."""
+        if self.compiled is None:
+            return []
+        with self._lock, torch.inference_mode(), self.linears.routed() as route:
+            return self.compiled.warm(self.pool, self.scheduler.max_batch, route.row_multiple(), progress)
 
     def step(self) -> list[Event]:
         """One scheduling step (module docstring); returns what it produced, in row order."""

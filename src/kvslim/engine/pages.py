@@ -110,6 +110,34 @@ def build_pool(
     return pool_for(model, config, pages=pages, max_rows=rows)
 
 
+def setup(
+    model, config: CacheConfig, pages, *, compile, session_dir, max_sessions, max_batch, memory_budget, context, chunk
+):
+    """An engine's pool and what comes with it: ``(pool, its byte budget, the idle sessions kept at most, the
+    compiled step or None)`` (:func:`build_pool`; ``compile``: True for a new
+    :class:`~kvslim.cache.paged_compiled.CompiledStep`, or one of ``model``'s to share its graphs). ValueError in one
+    line for what pages refuse."""
+    from ..cache.paged_compiled import CompiledStep
+
+    if not isinstance(compile, (bool, CompiledStep)):
+        raise ValueError(f"compile must be True, False or a CompiledStep of the model, got {compile!r}")
+    if isinstance(compile, CompiledStep) and compile.model is not model:
+        raise ValueError("compile: that CompiledStep compiles another model's step: give True, or this model's")
+    if pages is None:
+        raise ValueError("compile compiles the paged step: give pages=N or pages='auto' as well")
+    if session_dir is not None:
+        raise ValueError("pages keep sessions in memory only: run without session_dir, or without pages")
+    compiled = compile if isinstance(compile, CompiledStep) else None
+    if compile is True:
+        compiled = CompiledStep(model)  # ValueError in one line for a model it does not serve, before the pool
+    max_sessions = min(max_sessions or max_batch, max_batch)  # each kept row holds staging slots
+    pool = build_pool(
+        model, config, pages, max_batch=max_batch, memory_budget=memory_budget, context=context,
+        rows=max_batch + max_sessions, chunk=chunk,
+    )
+    return pool, budget(pool), max_sessions, compiled
+
+
 def check_request(request, gate, pool: PagePool, *, scheduler, chunk: int) -> int:
     """A request's checks in a paged engine; returns the bytes it reserves (its pages). Raises the ``gate``'s
     :class:`~kvslim.engine.errors.InputRefusal` (:meth:`Gate.check_input <kvslim.engine.gate.Gate.check_input>`),
@@ -156,4 +184,6 @@ def budget(pool: PagePool) -> int:
     return pool.n_pages * pool.page_bytes()
 
 
-__all__ = ["DEFAULT_CONTEXT", "PooledCache", "budget", "build_pool", "check_request", "memory", "pages_for"]
+__all__ = [
+    "DEFAULT_CONTEXT", "PooledCache", "budget", "build_pool", "check_request", "memory", "pages_for", "setup",
+]

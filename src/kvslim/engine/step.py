@@ -11,6 +11,13 @@ budget never cuts a chunk), and every row's logits are bit for bit those of the 
 (:mod:`kvslim.cache.ragged`, "Packed, not padded" and "Filler rows"), so greedy output equals the request run
 alone. A step with no prompt chunk is :func:`kvslim.generate.forward_rows`.
 
+With pages and ``compile=True`` a step is two forwards when it carries a prompt chunk: the chunks eagerly, then the
+decoding rows through the compiled paged step (:mod:`kvslim.cache.paged_compiled`), whose fused loops round
+differently from the eager ops. A decode token is then always the compiled step's and a prompt always the eager
+step's, whatever shares the step, so greedy output still equals the request run alone through the same engine
+(not through one without ``compile``: the logits differ by ~1e-5). The second forward reads the weights once
+more, on the steps a prompt joins only.
+
 :class:`Stepping` is the step half of :class:`~kvslim.engine.engine.Engine` (the forward and each row's share
 of it); :func:`finite` and :func:`sample` turn a row's logits into its token. Nothing here admits, ends or
 keeps a row: the engine does (``_fail``, ``_emit``).
@@ -33,6 +40,7 @@ def forward(
     errors: dict,
     row_multiple: int = gen.ROW_MULTIPLE,
     pool=None,
+    compiled=None,
 ) -> tuple[list[int], torch.Tensor]:
     """The step's one forward: the next chunk (at most ``chunk`` tokens) of each row in ``prefilled``, then the
     pending token of each row in ``rows``. Returns (where each prompt row's chunk ends, logits (P + R, V) of each
@@ -40,12 +48,19 @@ def forward(
     row_multiple: filler rows pad the step to a multiple of it (:meth:`Linears.row_multiple
     <kvslim.engine.linears.Linears.row_multiple>`: 1 where every product rounds a row alike at any row count).
     pool: the engine's :class:`~kvslim.cache.pagepool.PagePool` when its rows live in pages
-    (:func:`kvslim.cache.paged_adapter.forward_pages`: a failure fails the whole forward, no row is dropped)."""
+    (:func:`kvslim.cache.paged_adapter.forward_pages`: a failure fails the whole forward, no row is dropped).
+    compiled: the engine's :class:`~kvslim.cache.paged_compiled.CompiledStep` (with ``pool``): the decoding rows step
+    through it, and the prompt chunks eagerly in a forward of their own before it (module docstring)."""
     ends = [min(r.fed + chunk, len(r.request.prompt)) for r in prefilled]
     if pool is not None:
         feeds = [(r.request.prompt[r.fed : end], r.cache.row) for r, end in zip(prefilled, ends, strict=True)]
-        feeds += [([r.pending], r.cache.row) for r in rows]
-        return ends, forward_pages(model, pool, feeds, row_multiple=row_multiple)
+        decode = [([r.pending], r.cache.row) for r in rows]
+        if compiled is None:
+            return ends, forward_pages(model, pool, feeds + decode, row_multiple=row_multiple)
+        parts = [forward_pages(model, pool, feeds, row_multiple=row_multiple)] if feeds else []
+        if decode:
+            parts.append(forward_pages(model, pool, decode, row_multiple=row_multiple, compiled=compiled))
+        return ends, torch.cat(parts)
     if not prefilled:
         return ends, gen.forward_rows(
             model, [r.pending for r in rows], [r.cache for r in rows], row_multiple=row_multiple, errors=errors
@@ -60,6 +75,19 @@ def finite(logits: torch.Tensor) -> torch.Tensor:
     token the model rules out)."""
     bad = torch.isnan(logits).any(dim=-1) | torch.isposinf(logits).any(dim=-1)
     return ~bad & torch.isfinite(logits).any(dim=-1)
+
+
+def generator(request, device) -> torch.Generator | None:
+    """A request's sampling generator: None when it samples greedily, else seeded by its ``seed`` (at random
+    without one)."""
+    if request.temperature <= 0:
+        return None
+    g = torch.Generator(device=device)
+    if request.seed is None:
+        g.seed()
+    else:
+        g.manual_seed(request.seed)
+    return g
 
 
 def sample(row: Row, logits: torch.Tensor, is_finite: bool | None = None):
@@ -83,7 +111,8 @@ def sample(row: Row, logits: torch.Tensor, is_finite: bool | None = None):
 
 class Stepping:
     """The step half of :class:`~kvslim.engine.engine.Engine`: its one forward and each row's share of it. Reads
-    the engine's ``model``, ``linears``, ``scheduler``, ``prefill_chunk``, ``pool``, ``results``, ``prefilled_tokens``; ends rows through its
+    the engine's ``model``, ``linears``, ``scheduler``, ``prefill_chunk``, ``pool``, ``compiled``, ``results``,
+    ``prefilled_tokens``; ends rows through its
     ``_fail`` and hands tokens to its ``_emit``."""
 
     def _forward(self, prefilled: list[Row], rows: list[Row], events: list) -> None:
@@ -97,7 +126,8 @@ class Stepping:
         try:
             with self.linears.routed() as route:  # the model's linear layers through the engine's route
                 ends, logits = forward(
-                    self.model, prefilled, rows, self.prefill_chunk, errors, route.row_multiple(), self.pool
+                    self.model, prefilled, rows, self.prefill_chunk, errors, route.row_multiple(), self.pool,
+                    self.compiled,
                 )
             ok = finite(logits).tolist()  # one sync for the step
         except Exception as e:  # noqa: BLE001 - the forward failed as a whole: its rows end, the engine goes on

@@ -49,6 +49,7 @@ def build_app(
     allow_other_model: bool = False,
     linears: str = "auto",
     pages: int | str | None = None,
+    compile: bool = False,
 ):
     """The ASGI app serving ``(model, tokenizer)``: a :class:`~kvslim.engine.Engine` (cache, memory_budget,
     max_batch=max_concurrency, prefill_chunk, session_dir, max_queue, max_prompt_tokens — None: the model's
@@ -60,7 +61,9 @@ def build_app(
     request body, bytes. allow_other_model: take a ``mean_center`` bias file calibrated for another model (the
     engine reads and checks it once, here). linears: the engine's route for the model's linear layers
     (:mod:`kvslim.engine.linears`). pages: every request's cache in one pool of pages (:mod:`kvslim.engine.pages`;
-    None: a cache of its own each). The runner is ``app.state.runner``."""
+    None: a cache of its own each). compile: with ``pages``, decode steps through the compiled paged step
+    (:mod:`kvslim.cache.paged_compiled`; call the engine's ``warm_up()`` before serving to compile every bucket
+    first). The runner is ``app.state.runner``."""
     from .app import create_app
     from .runner import Runner
     from .security import is_loopback_host
@@ -83,6 +86,7 @@ def build_app(
         allow_other_model=allow_other_model,
         linears=linears,
         pages=pages,
+        compile=compile,
     )
     app = create_app(
         runner,
