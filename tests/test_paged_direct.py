@@ -95,7 +95,7 @@ def test_the_direct_step_renews_the_workers_spin_three_times_a_layer(monkeypatch
     the same with it off."""
     model = kvslim.enable(tiny_model("llama"))
     calls = []
-    monkeypatch.setattr(paged_direct, "_renewer", lambda: lambda: calls.append(1))
+    monkeypatch.setattr(paged_direct, "_renewer", lambda on: (lambda: calls.append(1)) if on else (lambda: None))
     with_renew = _run(model, "int4", True)
     steps = len(with_renew)
     assert len(calls) == 3 * model.config.num_hidden_layers * steps, (len(calls), steps)

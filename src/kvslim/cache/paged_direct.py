@@ -166,7 +166,7 @@ def step(model, pool, plan, input_ids: torch.Tensor, keep: torch.Tensor) -> torc
     n = h.shape[0]
     # Three stretches of Python a layer (a residual sum and RMSNorm twice, RoPE and the pool's tables) outlast the
     # workers' 50 us spin at one row: restarting it inside each keeps the workers awake for the next call.
-    renew = _renewer() if RENEW else _no_renew
+    renew = _renewer(RENEW)
     for layer in decoder.layers:
         attn, mlp = layer.self_attn, layer.mlp
         renew()
@@ -187,11 +187,8 @@ def step(model, pool, plan, input_ids: torch.Tensor, keep: torch.Tensor) -> torc
     return model.lm_head.forward(h[keep])  # (K, V)
 
 
-def _renewer():
-    from ..kernels.clib import pool_renewer
+def _renewer(on: bool):
+    """:func:`kvslim.kernels.clib.pool_renewer`'s function, or its no-op where ``on`` is False."""
+    from ..kernels.clib import no_renew, pool_renewer
 
-    return pool_renewer()
-
-
-def _no_renew() -> None:
-    return None
+    return pool_renewer() if on else no_renew

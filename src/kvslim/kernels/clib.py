@@ -421,7 +421,8 @@ def pool_sleeps() -> int | None:
     return lib.kv_pool_sleeps() if lib is not None and hasattr(lib, "kv_pool_sleeps") else None
 
 
-def _no_renew() -> None:
+def no_renew() -> None:
+    """:func:`pool_renewer`'s function where there is nothing to renew."""
     return None
 
 
@@ -430,7 +431,7 @@ def pool_renewer():
     for a caller about to run more Python than the spin before its next call. A no-op where the kernels are
     unavailable. No result depends on it."""
     lib = library()
-    return lib.kv_pool_renew if lib is not None and hasattr(lib, "kv_pool_renew") else _no_renew
+    return lib.kv_pool_renew if lib is not None and hasattr(lib, "kv_pool_renew") else no_renew
 
 
 def library() -> ctypes.CDLL | None:
