@@ -65,51 +65,57 @@ def test_compiled_engine_greedy_equals_each_request_alone(model, step, spec, mon
     assert engine.pool.free_pages == 64 and engine.pool.rows_alive == 0
 
 
+def _logprobs(engine: Engine, first: Request, later: Request | None = None, after: int = 3) -> list[float]:
+    """``first``'s logprob for each of its tokens, stepping ``engine`` until it is idle; ``later`` is submitted once
+    ``first`` has ``after`` tokens (its prompt's chunks then ride in ``first``'s decode steps)."""
+    rid = engine.submit(first)
+    got: list[float] = []
+    while not engine.idle:
+        for event in engine.step():
+            if event.request_id == rid and event.token is not None:
+                got.append(event.logprob)
+        if later is not None and len(got) >= after:
+            engine.submit(later)
+            later = None
+    return got
+
+
 def test_a_joining_prompt_changes_no_decoding_rows_bits(model, step):
-    """Two decoding rows' logits in a step that a prompt chunk joins are the same bits as their twins' in a step
-    without it: the chunk runs in a forward of its own, the decode rows through the compiled graph either way."""
-    from kvslim.cache.paged_adapter import forward_pages
-    from kvslim.engine import step as engine_step
-    from kvslim.engine.pages import PooledCache
-    from kvslim.engine.scheduler import Row
+    """A decoding request's logprobs are the same bits whether or not a prompt's chunks join its steps: the chunks
+    run in a forward of their own, the decoding row through the compiled graph either way (an engine that ran a mixed
+    step eagerly fails this)."""
+    g = torch.Generator().manual_seed(11)
+    first = Request(torch.randint(3, 128, (40,), generator=g).tolist(), max_new_tokens=12, logprobs=0)
+    later = Request(torch.randint(3, 128, (100,), generator=g).tolist(), max_new_tokens=4)
 
-    engine = Engine(model, cache="int4", max_batch=4, prefill_chunk=32, pages=64, compile=step)
-    pool = engine.pool
+    def engine():
+        return Engine(model, cache="int4", max_batch=2, prefill_chunk=32, pages=64, compile=step)
 
-    def decoding(rows):
-        out = []
-        for i, (row, token) in enumerate(zip(rows, (7, 9), strict=True)):
-            r = Row(request_id=f"r{i}", request=Request([1], max_new_tokens=4), reserved=0)
-            r.cache, r.pending = PooledCache(pool, row), token
-            out.append(r)
-        return out
-
-    with torch.inference_mode():
-        a, b = pool.new_row(), pool.new_row()
-        forward_pages(model, pool, [(list(range(3, 60)), a)])
-        forward_pages(model, pool, [(list(range(5, 40)), b)])
-        twins = [pool.copy_row(a), pool.copy_row(b)]
-        joiner = Row(request_id="p", request=Request(list(range(10, 50)), max_new_tokens=4), reserved=0)
-        joiner.cache = PooledCache(pool, pool.new_row())
-        ends, mixed = engine_step.forward(model, [joiner], decoding([a, b]), 32, {}, 1, pool, step)
-        _, plain = engine_step.forward(model, [], decoding(twins), 32, {}, 1, pool, step)
-    assert ends == [32] and mixed.shape[0] == 3
-    assert torch.equal(mixed[1:], plain)
+    alone = _logprobs(engine(), first)
+    joined = engine()
+    together = _logprobs(joined, first, later)
+    assert len(alone) == 12 and together == alone
+    assert joined.prefilled_tokens == 140 and joined.pool.rows_alive == 0
 
 
 def test_warm_up_compiles_every_bucket_and_leaves_the_pool_as_it_was(model):
     """warm_up() compiles the buckets of 1 to max_batch rows on filler rows only: no page taken, no row; requests
     afterwards compile nothing more."""
+    from torch._dynamo.utils import counters
+
     engine = Engine(model, cache="int4", max_batch=5, prefill_chunk=32, pages=48, compile=True)
     free = engine.pool.free_pages
     done = engine.warm_up()
-    want = sorted({engine.compiled.rows_for(n, engine.linears.row_multiple()) for n in range(1, 6)})
+    with engine.linears.routed() as route:
+        want = sorted({engine.compiled.rows_for(n, route.row_multiple()) for n in range(1, 6)})
     assert done == want and sorted(engine.compiled.buckets) == want
     assert engine.pool.free_pages == free and engine.pool.rows_alive == 0
     assert engine.warm_up() == []  # nothing left to compile
-    before = engine.compiled.compile_s
+    before, graphs = engine.compiled.compile_s, counters["stats"]["unique_graphs"]
     engine.run(_requests(5, seed=3))
     assert sorted(engine.compiled.buckets) == want and engine.compiled.compile_s == before
+    # no bucket compiled again (a guard that failed would)
+    assert counters["stats"]["unique_graphs"] == graphs
     assert Engine(model, cache="int4", pages=8).warm_up() == []  # no compile: nothing to warm
 
 
@@ -121,6 +127,12 @@ def test_what_the_compiled_engine_cannot_serve_is_refused_in_one_line(model, ste
     other = kvslim.enable(tiny_model("llama"))
     with pytest.raises(ValueError, match="compiles another model's step"):
         Engine(other, cache="int4", pages=8, compile=step)
+    torch_products = paged_compiled.CompiledStep(other)
+    torch_products.own_products = False  # as where kvslim's linear kernel does not run
+    with pytest.raises(
+        ValueError, match="compile: kvslim's linear kernel does not run here.*rows decoding beside it"
+    ):
+        Engine(other, cache="int4", pages=8, compile=torch_products)
     hooked = kvslim.enable(tiny_model("llama"))
     handle = hooked.model.layers[0].mlp.register_forward_hook(lambda *a: None)
     try:

@@ -1005,10 +1005,12 @@ def test_a_compiled_paged_server_warms_up_then_serves_without_compiling(model):
     streaming clients then get what each gets alone, on the runner's thread, and nothing compiles again."""
     app = build_app(model, char_tokenizer(), model_name=NAME, cache="int4", memory_budget=None, pages=200,
                     prefill_chunk=64, max_concurrency=3, compile=True)
+    from torch._dynamo.utils import counters
+
     engine = app.state.runner.engine
     warm = engine.warm_up()
     assert warm and sorted(engine.compiled.buckets) == warm
-    compile_s = engine.compiled.compile_s
+    compile_s, graphs = engine.compiled.compile_s, counters["stats"]["unique_graphs"]
     srv = Server(app)
     try:
         prompts = [f"compiled {i}: " + "xy" * (5 * i) for i in range(4)]
@@ -1029,4 +1031,5 @@ def test_a_compiled_paged_server_warms_up_then_serves_without_compiling(model):
     finally:
         srv.stop()
     assert sorted(engine.compiled.buckets) == warm and engine.compiled.compile_s == compile_s
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled again on the runner's thread
     assert engine.pool.rows_alive == 0 and engine.pool.free_pages == engine.pool.n_pages

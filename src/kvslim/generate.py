@@ -441,18 +441,25 @@ def generate(
     return Generation(events, stats)
 
 
+def sampling_generator(temperature: float, seed: int | None, device) -> torch.Generator | None:
+    """The generator a sampled stream draws from: None when it decodes greedily (``temperature`` 0), else seeded by
+    ``seed`` (at random without one)."""
+    if temperature <= 0:
+        return None
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
 def _run(
     model, input_ids, cache, stats, max_new_tokens, temperature, top_p, seed, eos, attention_mask, chunk_size, linears
 ) -> Iterator[TokenEvent]:
     device = input_ids.device
     B, T = input_ids.shape
-    generator = None
-    if temperature > 0:
-        generator = torch.Generator(device=device)
-        if seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(seed)
+    generator = sampling_generator(temperature, seed, device)
     eos_ids = torch.tensor(eos, dtype=torch.long, device=device) if eos else None
     mask_buf = pads = None
     if attention_mask is not None:

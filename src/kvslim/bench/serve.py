@@ -218,7 +218,9 @@ def run_serve(
     server = Server(kvslim_command(), server_flags(model_flags, room, threads=threads, omp_wait=omp_wait,
                                                          prefill_chunk=prefill_chunk), None,
                     log_path)
-    took = server.start()
+    # a --compile child compiles a graph a bucket of rows (1, 2, 4, ... up to room) before it answers: ~20-40 s each
+    buckets = (room - 1).bit_length() + 1
+    took = server.start(300.0 + (60.0 * buckets if "--compile" in model_flags else 0.0))
     log(f"kvslim serve answered /health in {took:.1f} s (log: {log_path})")
     rows: list[ConcurrencyRow] = []
     try:

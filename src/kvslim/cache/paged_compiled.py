@@ -131,8 +131,8 @@ def bucket(rows: int, multiple: int = 1) -> int:
 
 
 class CompiledStep:
-    """One model's compiled decode step, a graph per bucket of rows (module docstring). Not thread-safe: one step at a
-    time (as an engine steps)."""
+    """One model's compiled decode step, a graph per bucket of rows (module docstring). One step at a time: engines
+    that share it on several threads take turns (a lock)."""
 
     #: compiled shapes a CompiledStep may hold (dynamo's recompile limit for its graphs)
     MAX_BUCKETS = 16
@@ -150,6 +150,7 @@ class CompiledStep:
         self.own_products = _kernel_linear.ready(next(model.parameters()).dtype)
         self.buckets: set[int] = set()
         self.compile_s = 0.0
+        self._lock = threading.Lock()  # one step at a time: the handle's entry in _steps is one step's
         fn = lambda ids, pos: _forward(model, family[0], self.handle, ids, pos)  # noqa: E731
         # a code object of its own: dynamo keeps its graphs, guards and recompile limit per code object, so each
         # CompiledStep has its own (another model's step never evicts or counts against this one's)
@@ -161,6 +162,27 @@ class CompiledStep:
         """The bucket a step of ``rows`` decode rows runs at: the route's row ``multiple`` (filler rows for a product
         that rounds a row by the row count) applies only where torch's linear runs the products here."""
         return bucket(rows, 1 if self.own_products else multiple)
+
+    def row_invariant(self) -> str | None:
+        """Why a row's logits could depend on how many rows share its step here, or None where they cannot: every
+        product of the graph runs kvslim's linear kernel (a row's bits its own at any row count). Where torch's
+        ``linear`` runs one (the kernel not built, or a weight it does not take), its rounding may change with the
+        bucket, and an engine refuses ``compile``."""
+        if not self.own_products:
+            return "kvslim's linear kernel does not run here (it needs AVX2 and FMA, and AVX512-BF16 for bfloat16)"
+        decoder = self.model.model
+        for i, layer in enumerate(decoder.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                if not _kernel_linear.Prepared.of(getattr(attn, name).weight, getattr(attn, name).bias):
+                    return f"kvslim's linear kernel does not take layer {i}'s {name} weight"
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                if not _kernel_linear.Prepared.of(getattr(mlp, name).weight, getattr(mlp, name).bias):
+                    return f"kvslim's linear kernel does not take layer {i}'s {name} weight"
+        head = self.model.lm_head
+        if not _kernel_linear.Prepared.of(head.weight, head.bias):
+            return "kvslim's linear kernel does not take the head's weight"
+        return None
 
     @property
     def compiles(self) -> int:
@@ -177,6 +199,11 @@ class CompiledStep:
         done: list[int] = []
         if not todo:
             return done
+        if len(self.buckets) + len(todo) > self.MAX_BUCKETS:
+            raise ValueError(
+                f"kvslim: the compiled paged step holds {self.MAX_BUCKETS} row counts; steps of up to {rows} rows "
+                f"need {len(self.buckets) + len(todo)}"
+            )
         row = pool.new_row()
         try:
             for n in todo:
@@ -196,19 +223,20 @@ class CompiledStep:
         """(N, V) logits of every token of the step (``input_ids`` (N,), N a bucket; one token a row) laid out by
         ``plan`` in ``pool``; the first call at a bucket compiles it."""
         n = int(input_ids.shape[0])
-        new = n not in self.buckets
-        if new and len(self.buckets) >= self.MAX_BUCKETS:
-            raise RuntimeError(f"kvslim: the compiled paged step holds {self.MAX_BUCKETS} row counts already")
-        _steps[self.handle] = (pool, plan)
-        t0 = time.perf_counter()
-        try:
-            with torch._dynamo.config.patch(
-                recompile_limit=self.MAX_BUCKETS, fail_on_recompile_limit_hit=True
-            ):
-                out = self._fn(input_ids, plan.positions)
-        finally:
-            del _steps[self.handle]
-        if new:
-            self.buckets.add(n)
-            self.compile_s += time.perf_counter() - t0
+        with self._lock:
+            new = n not in self.buckets
+            if new and len(self.buckets) >= self.MAX_BUCKETS:
+                raise RuntimeError(f"kvslim: the compiled paged step holds {self.MAX_BUCKETS} row counts already")
+            _steps[self.handle] = (pool, plan)
+            t0 = time.perf_counter()
+            try:
+                with torch._dynamo.config.patch(
+                    recompile_limit=self.MAX_BUCKETS, fail_on_recompile_limit_hit=True
+                ):
+                    out = self._fn(input_ids, plan.positions)
+            finally:
+                del _steps[self.handle]
+            if new:
+                self.buckets.add(n)
+                self.compile_s += time.perf_counter() - t0
         return out

@@ -105,10 +105,12 @@ def _serve(args, model, configs, paged: list[str], settings: dict, prompt, log, 
     joins: list = []  # a prompt of --join tokens joins each spec's streams (kvslim.bench.join)
     join = args.join and tokens(model, args.join, args.seed + 1)[0].tolist()
     runs = [(flags, list(configs), "")]
+    from ..bench.concurrency_pages import COMPILED, SUFFIX
+
     for name in paged:
-        suffix = name[name.index("+pages"):]  # "+pages" or "+pages+compiled"
+        suffix = name[name.index(SUFFIX):]  # "+pages" or "+pages+compiled"
         spec = name[: -len(suffix)]
-        compiled = ["--compile"] if suffix.endswith("+compiled") else []
+        compiled = ["--compile"] if suffix.endswith(COMPILED) else []
         runs.append((flags + cache_flags(parse_spec(spec)) + ["--pages", "auto", *compiled], [spec], suffix))
     rows, logs = [], []
     for run_flags, specs, suffix in runs:

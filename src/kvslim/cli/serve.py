@@ -188,8 +188,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compile", action="store_true",
         help="with --pages: decode steps through the compiled paged step (torch.compile, one graph per bucket of "
-        "rows: 1, 2, 4, ... up to --max-concurrency), every bucket compiled at start-up (~20 s each for the "
-        "embedded model; docs/compile.md); prompt chunks run eagerly",
+        "rows: 1, 2, 4, ... up to --max-concurrency), every bucket compiled at start-up (20-40 s each for the "
+        "embedded model; docs/compile.md); prompt chunks run eagerly, and --linears routes only their products",
     )
     parser.add_argument(
         "--no-warm-up", dest="warm_up", action="store_false",
@@ -302,6 +302,8 @@ def run(args: argparse.Namespace) -> int:
         compile=args.compile,
     )
     engine = app.state.runner.engine
+    if args.compile and args.warm_up:
+        _warm_up(engine)
     if engine.pool is not None:
         budget = engine.scheduler.memory_budget
         why = f"{engine.pool.n_pages} pages a layer of {engine.pool.page_bytes()} bytes ({why})"
@@ -313,8 +315,6 @@ def run(args: argparse.Namespace) -> int:
         f"{_hours(args.session_ttl)} idle, in {args.session_dir or 'memory only'}; "
         f"{'API key required' if key else 'no API key'})"
     )
-    if args.compile and args.warm_up:
-        _warm_up(engine)
     heap = apply_gc_flag(args.gc_freeze)  # the model loaded and the engine built: the startup heap is what it is
     say(f"kvslim: {threads.banner(threads.describe(getattr(args, 'thread_policy', None)))}; "
         f"{app.state.runner.engine.linears}; {heap}")
@@ -328,10 +328,19 @@ def _warm_up(engine) -> None:
 
     start = time.perf_counter()
 
-    def progress(rows: int, i: int, count: int) -> None:
-        say(f"kvslim: compiling the paged step for {rows} row(s) ({i + 1} of {count}; {time.perf_counter() - start:.0f} s so far)")
+    at = [0]
 
-    done = engine.warm_up(progress)
+    def progress(rows: int, i: int, count: int) -> None:
+        at[0] = rows
+        say(f"kvslim: compiling the paged step for {rows} row(s) ({i + 1} of {count}; "
+            f"{time.perf_counter() - start:.0f} s so far)")
+
+    try:
+        done = engine.warm_up(progress)
+    except Exception as e:  # noqa: BLE001 - Inductor's compile (a C++ compiler missing, ...): one line, not a trace
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise UserError(f"--compile: compiling the paged step for {at[0]} row(s) failed: {first} (run without "
+                        "--compile)") from None
     say(f"kvslim: compiled paged step: {len(done)} graph(s) (rows {done}) in {time.perf_counter() - start:.1f} s")
 
 

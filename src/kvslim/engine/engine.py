@@ -306,8 +306,8 @@ class Engine(Stepping):
             return self.scheduler.idle and not self._events
 
     def warm_up(self, progress=None) -> list[int]:
-        """With ``compile``: compile every bucket of up to ``max_batch`` rows now (no request waits for one); returns
-        the buckets compiled by this call. progress: :meth:`CompiledStep.warm`'s."""
+        """With ``compile``: compile every bucket of up to ``max_batch`` rows now, holding the engine's lock (minutes);
+        returns the buckets compiled by this call. progress: :meth:`CompiledStep.warm`'s."""
         if self.compiled is None:
             return []
         with self._lock, torch.inference_mode(), self.linears.routed() as route:

@@ -130,6 +130,8 @@ def setup(
     compiled = compile if isinstance(compile, CompiledStep) else None
     if compile is True:
         compiled = CompiledStep(model)  # ValueError in one line for a model it does not serve, before the pool
+    if compiled is not None and (why := compiled.row_invariant()) is not None:
+        raise ValueError(f"compile: {why}, so a row's tokens would depend on the rows decoding beside it")
     max_sessions = min(max_sessions or max_batch, max_batch)  # each kept row holds staging slots
     pool = build_pool(
         model, config, pages, max_batch=max_batch, memory_budget=memory_budget, context=context,

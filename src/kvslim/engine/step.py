@@ -11,12 +11,13 @@ budget never cuts a chunk), and every row's logits are bit for bit those of the 
 (:mod:`kvslim.cache.ragged`, "Packed, not padded" and "Filler rows"), so greedy output equals the request run
 alone. A step with no prompt chunk is :func:`kvslim.generate.forward_rows`.
 
-With pages and ``compile=True`` a step is two forwards when it carries a prompt chunk: the chunks eagerly, then the
-decoding rows through the compiled paged step (:mod:`kvslim.cache.paged_compiled`), whose fused loops round
-differently from the eager ops. A decode token is then always the compiled step's and a prompt always the eager
-step's, whatever shares the step, so greedy output still equals the request run alone through the same engine
-(not through one without ``compile``: the logits differ by ~1e-5). The second forward reads the weights once
-more, on the steps a prompt joins only.
+With pages and ``compile=True`` a step is two forwards when it carries both a prompt chunk and decoding rows: the
+chunks eagerly (their rows done with: fed, first token sampled), then the decoding rows through the compiled paged
+step (:mod:`kvslim.cache.paged_compiled`), whose fused loops round differently from the eager ops. A decode token is
+then always the compiled step's and a prompt chunk always the eager step's, whatever shares the step, so greedy
+output still equals the request run alone through the same engine (not through one without ``compile``: the
+logits differ by ~1e-5). The second forward reads the weights once more, on the steps a prompt joins only, and a
+failure in either forward ends only its own rows.
 
 :class:`Stepping` is the step half of :class:`~kvslim.engine.engine.Engine` (the forward and each row's share
 of it); :func:`finite` and :func:`sample` turn a row's logits into its token. Nothing here admits, ends or
@@ -49,18 +50,15 @@ def forward(
     <kvslim.engine.linears.Linears.row_multiple>`: 1 where every product rounds a row alike at any row count).
     pool: the engine's :class:`~kvslim.cache.pagepool.PagePool` when its rows live in pages
     (:func:`kvslim.cache.paged_adapter.forward_pages`: a failure fails the whole forward, no row is dropped).
-    compiled: the engine's :class:`~kvslim.cache.paged_compiled.CompiledStep` (with ``pool``): the decoding rows step
-    through it, and the prompt chunks eagerly in a forward of their own before it (module docstring)."""
+    compiled: the engine's :class:`~kvslim.cache.paged_compiled.CompiledStep` (with ``pool``), which runs a forward
+    of decoding rows only; a forward with a prompt chunk runs eagerly (:meth:`Stepping._forward` splits a step that
+    has both, module docstring)."""
     ends = [min(r.fed + chunk, len(r.request.prompt)) for r in prefilled]
     if pool is not None:
         feeds = [(r.request.prompt[r.fed : end], r.cache.row) for r, end in zip(prefilled, ends, strict=True)]
-        decode = [([r.pending], r.cache.row) for r in rows]
-        if compiled is None:
-            return ends, forward_pages(model, pool, feeds + decode, row_multiple=row_multiple)
-        parts = [forward_pages(model, pool, feeds, row_multiple=row_multiple)] if feeds else []
-        if decode:
-            parts.append(forward_pages(model, pool, decode, row_multiple=row_multiple, compiled=compiled))
-        return ends, torch.cat(parts)
+        feeds += [([r.pending], r.cache.row) for r in rows]
+        compiled = None if prefilled else compiled  # (a prompt's chunks always eagerly, even of one token)
+        return ends, forward_pages(model, pool, feeds, row_multiple=row_multiple, compiled=compiled)
     if not prefilled:
         return ends, gen.forward_rows(
             model, [r.pending for r in rows], [r.cache for r in rows], row_multiple=row_multiple, errors=errors
@@ -78,16 +76,8 @@ def finite(logits: torch.Tensor) -> torch.Tensor:
 
 
 def generator(request, device) -> torch.Generator | None:
-    """A request's sampling generator: None when it samples greedily, else seeded by its ``seed`` (at random
-    without one)."""
-    if request.temperature <= 0:
-        return None
-    g = torch.Generator(device=device)
-    if request.seed is None:
-        g.seed()
-    else:
-        g.manual_seed(request.seed)
-    return g
+    """A request's sampling generator (:func:`kvslim.generate.sampling_generator`)."""
+    return gen.sampling_generator(request.temperature, request.seed, device)
 
 
 def sample(row: Row, logits: torch.Tensor, is_finite: bool | None = None):
@@ -116,8 +106,19 @@ class Stepping:
     ``_fail`` and hands tokens to its ``_emit``."""
 
     def _forward(self, prefilled: list[Row], rows: list[Row], events: list) -> None:
-        """ONE forward for the step (module docstring). A row whose part of it fails (its K/V refused, its
-        attention raising) is dropped from it and ends alone; a forward that fails as a whole ends every row."""
+        """ONE forward for the step (module docstring), or with ``compiled`` two when the step has both prompt chunks
+        and decoding rows: the chunks eagerly, each prompt row done with before the decoding rows' compiled forward,
+        so a failure (or an interrupt) in either leaves the other's rows as a forward of their own would."""
+        if self.compiled is not None and prefilled and rows:
+            self._forward_rows(prefilled, [], events)
+            self._forward_rows([], rows, events)
+        else:
+            self._forward_rows(prefilled, rows, events)
+
+    def _forward_rows(self, prefilled: list[Row], rows: list[Row], events: list) -> None:
+        """One forward of ``prefilled``'s chunks and ``rows``' tokens, and each row's share of it. A row whose part of
+        it fails (its K/V refused, its attention raising) is dropped from it and ends alone; a forward that fails as a
+        whole ends every row of it."""
         everyone = prefilled + rows
         phases = ["prefill"] * len(prefilled) + ["the decode step"] * len(rows)
         errors: dict = {}
