@@ -965,19 +965,15 @@ def paged(model):
     srv.stop()
 
 
-def test_a_paged_server_serves_concurrent_clients_and_sessions(paged):
-    """Through a real port: concurrent clients get what each gets alone; a session continues on its row of the
-    pool; a request naming other cache settings gets a 400 naming why; every page is back at the end."""
-    engine = paged.runner.engine
-    client = paged.client()
-    prompts = [f"paged prompt {i}: " + "ab" * (7 * i) for i in range(5)]
-    alone = [client.completions.create(model=NAME, prompt=p, max_tokens=12, temperature=0).choices[0].text
-             for p in prompts]
+def _streams_get_what_each_gets_alone(srv, prompts: list[str], max_tokens: int) -> None:
+    """Each prompt asked alone, then all at once from as many threads, streaming: the same texts."""
+    alone = [srv.client().completions.create(model=NAME, prompt=p, max_tokens=max_tokens, temperature=0)
+             .choices[0].text for p in prompts]
     got: dict[int, str] = {}
 
     def work(i: int) -> None:
-        got[i] = "".join(p.choices[0].text for p in paged.client().completions.create(
-            model=NAME, prompt=prompts[i], max_tokens=12, temperature=0, stream=True))
+        got[i] = "".join(p.choices[0].text for p in srv.client().completions.create(
+            model=NAME, prompt=prompts[i], max_tokens=max_tokens, temperature=0, stream=True))
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
     for t in threads:
@@ -985,6 +981,14 @@ def test_a_paged_server_serves_concurrent_clients_and_sessions(paged):
     for t in threads:
         t.join(120)
     assert [got.get(i) for i in range(len(prompts))] == alone
+
+
+def test_a_paged_server_serves_concurrent_clients_and_sessions(paged):
+    """Through a real port: concurrent clients get what each gets alone; a session continues on its row of the
+    pool; a request naming other cache settings gets a 400 naming why; every page is back at the end."""
+    engine = paged.runner.engine
+    client = paged.client()
+    _streams_get_what_each_gets_alone(paged, [f"paged prompt {i}: " + "ab" * (7 * i) for i in range(5)], 12)
     first = "User: hi\nBot:"
     a = client.completions.create(model=NAME, prompt=first, max_tokens=6, temperature=0, extra_body={"session": "p"})
     second = first + a.choices[0].text + "\nUser: more\nBot:"
@@ -1013,21 +1017,7 @@ def test_a_compiled_paged_server_warms_up_then_serves_without_compiling(model):
     compile_s, graphs = engine.compiled.compile_s, counters["stats"]["unique_graphs"]
     srv = Server(app)
     try:
-        prompts = [f"compiled {i}: " + "xy" * (5 * i) for i in range(4)]
-        alone = [srv.client().completions.create(model=NAME, prompt=p, max_tokens=10, temperature=0).choices[0].text
-                 for p in prompts]
-        got: dict[int, str] = {}
-
-        def work(i: int) -> None:
-            got[i] = "".join(p.choices[0].text for p in srv.client().completions.create(
-                model=NAME, prompt=prompts[i], max_tokens=10, temperature=0, stream=True))
-
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert [got.get(i) for i in range(len(prompts))] == alone
+        _streams_get_what_each_gets_alone(srv, [f"compiled {i}: " + "xy" * (5 * i) for i in range(4)], 10)
     finally:
         srv.stop()
     assert sorted(engine.compiled.buckets) == warm and engine.compiled.compile_s == compile_s
