@@ -25,6 +25,16 @@ def model():
     return kvslim.enable(tiny_model("llama"))
 
 
+@pytest.fixture(scope="module")
+def route(model):
+    """The route the engine takes for the linear layers (``auto``: one whose products round a row alike at any row
+    count), so that a row's bits across steps of different sizes do not hang on this CPU's BLAS (MKL rounds a row by
+    the row count on some AVX-512 Xeons, even at the filler rows' multiples of 4: conftest's BLAS_ROWS_INVARIANT)."""
+    from kvslim.engine.linears import Linears
+
+    return Linears(model, "auto", batch_hint=32)
+
+
 def _ids(n: int, seed: int) -> list[int]:
     return torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -68,12 +78,13 @@ def _alone(model, spec: str, prompt: list[int], tokens: list[int]) -> list[torch
         ("q4_0,sink=40,window=100,residual=0,positions=original", (150, 97)),
     ],
 )
-def test_each_row_is_bit_for_bit_the_row_alone(model, spec, lengths):
+def test_each_row_is_bit_for_bit_the_row_alone(model, route, spec, lengths):
     """Three rows: two decoding (one with a staged partial page, one at a page boundary) and one joining with prompt
-    chunks in the same steps, plus filler rows: each row's logits equal its run in a pool of its own."""
+    chunks in the same steps, plus filler rows: each row's logits equal its run in a pool of its own (the linear
+    layers on the engine's route)."""
     a_prompt, b_prompt, c_prompt = _ids(lengths[0], 1), _ids(lengths[1], 2), _ids(50, 3)
     toks = {k: _ids(12, 10 + i) for i, k in enumerate("abc")}
-    with torch.inference_mode():
+    with torch.inference_mode(), route.routed():
         pool = pool_for(model, spec, pages=40, max_rows=3)
         a, b, c = pool.new_row(), pool.new_row(), pool.new_row()
         forward_pages(model, pool, [(a_prompt, a)])
