@@ -170,18 +170,15 @@ class CompiledStep:
         bucket, and an engine refuses ``compile``."""
         if not self.own_products:
             return "kvslim's linear kernel does not run here (it needs AVX2 and FMA, and AVX512-BF16 for bfloat16)"
-        decoder = self.model.model
-        for i, layer in enumerate(decoder.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                if not _kernel_linear.Prepared.of(getattr(attn, name).weight, getattr(attn, name).bias):
-                    return f"kvslim's linear kernel does not take layer {i}'s {name} weight"
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                if not _kernel_linear.Prepared.of(getattr(mlp, name).weight, getattr(mlp, name).bias):
-                    return f"kvslim's linear kernel does not take layer {i}'s {name} weight"
-        head = self.model.lm_head
-        if not _kernel_linear.Prepared.of(head.weight, head.bias):
-            return "kvslim's linear kernel does not take the head's weight"
+        linears = []
+        for i, layer in enumerate(self.model.model.layers):
+            for part, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                                (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):  # fmt: skip
+                linears += [(f"layer {i}'s {name}", getattr(part, name)) for name in names]
+        linears.append(("the head's", self.model.lm_head))
+        for what, module in linears:
+            if not _kernel_linear.Prepared.of(module.weight, module.bias):
+                return f"kvslim's linear kernel does not take {what} weight"
         return None
 
     @property
