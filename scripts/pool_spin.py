@@ -8,7 +8,8 @@ Prefills ``--length`` seeded random tokens of the embedded model into a :class:`
 ``auto`` picks, as the engine steps): each round sets every spin of ``--spins`` in turn
 (:func:`kvslim.kernels.clib.pool_spin_us`; the order reversed every other round), runs one untimed step and
 ``--steps`` timed ones; ``--renew both`` times each spin with the direct step's renewals of the spin
-(:data:`kvslim.cache.paged_direct.RENEW`) off and on (``on``, the default, and ``off``: one of them). Prints
+(:data:`kvslim.cache.paged_direct.RENEW`; the compiled step's too) off and on (``on``, the default, and ``off``: one
+of them); ``--compile`` steps through the compiled paged step (:class:`kvslim.cache.paged_compiled.CompiledStep`). Prints
 each one's median, quartiles and extremes, how often a worker went to sleep a step
 (:func:`kvslim.kernels.clib.pool_sleeps`), and how many times a worker found itself descheduled mid-spin (:func:`kvslim.kernels.clib.pool_preempted`: the workers then take the short spin for a
 second). ``--load busy:N`` runs N Python busy loops beside it, ``--load torch`` a torch process multiplying
@@ -52,6 +53,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--load", default="none", help="none, busy:N or torch")
     p.add_argument("--renew", choices=("on", "off", "both"), default="on")
+    p.add_argument("--compile", action="store_true", help="step through the compiled paged step")
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
@@ -75,6 +77,11 @@ def main() -> None:
     ids = torch.randint(0, model.config.vocab_size, (args.length,), generator=g).tolist()
     renews = {"on": (True,), "off": (False,), "both": (False, True)}[args.renew]
     modes = [(us, r) for us in args.spins for r in renews]
+    compiled = None
+    if args.compile:
+        from kvslim.cache.paged_compiled import CompiledStep
+
+        compiled = CompiledStep(model)
     times: dict[tuple, list[float]] = {m: [] for m in modes}
     sleeps = dict.fromkeys(modes, 0)
     with torch.inference_mode():
@@ -91,7 +98,8 @@ def main() -> None:
             tokens = torch.randint(0, 1000, (args.rows,), generator=g).tolist()
             with route.routed() as r:
                 forward_pages(
-                    model, pool, [([t], row) for t, row in zip(tokens, rows)], row_multiple=r.row_multiple()
+                    model, pool, [([t], row) for t, row in zip(tokens, rows)], row_multiple=r.row_multiple(),
+                    compiled=compiled,
                 )
 
         procs = _load(args.load)

@@ -74,6 +74,27 @@ def test_a_rows_logits_are_the_same_bits_alone_and_in_a_bucket():
     assert step.buckets == {1, 4}
 
 
+def test_the_compiled_step_renews_the_workers_spin_once_a_layer(monkeypatch):
+    """Before each layer's page attention (the pool's Python there can outlast the spin), as the direct step does;
+    off with :data:`kvslim.cache.paged_direct.RENEW`, and the logits the same bits either way."""
+    from kvslim.cache import paged_direct
+
+    model = kvslim.enable(tiny_model("llama"))
+    step = paged_compiled.CompiledStep(model)
+    calls = []
+    monkeypatch.setattr(paged_direct, "_renewer", lambda on: (lambda: calls.append(1)) if on else (lambda: None))
+    _decode(model, "int4", step, steps=0)  # the prompts alone: the eager direct step's renewals
+    prompts = len(calls)
+    calls.clear()
+    with_renew, _ = _decode(model, "int4", step, steps=3)
+    assert len(calls) - prompts == model.config.num_hidden_layers * 3
+    monkeypatch.setattr(paged_direct, "RENEW", False)
+    calls.clear()
+    without, _ = _decode(model, "int4", step, steps=3)
+    assert not calls and step.compiles == 1
+    assert all(torch.equal(a, b) for a, b in zip(with_renew, without, strict=True))
+
+
 def test_prompt_chunks_and_unserved_models_step_eagerly():
     """A step with a prompt chunk runs the eager step (nothing compiled); a model the direct step does not serve (a
     hook) is refused at construction in one line, and a CompiledStep handed to forward_pages then steps eagerly."""

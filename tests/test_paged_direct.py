@@ -176,6 +176,33 @@ def test_what_the_direct_step_leaves_to_the_model(direct_on):
     assert "sliding window" in _why(kvslim.enable(family_model("mistral_sliding")))
 
 
+@pytest.mark.parametrize("path", [
+    "input_layernorm", "post_attention_layernorm", "mlp.act_fn", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+])  # fmt: skip
+@pytest.mark.parametrize("kind", ["forward", "forward_pre", "full_backward"])
+def test_a_hook_on_any_module_the_step_calls_is_seen(direct_on, path, kind):
+    model = kvslim.enable(tiny_model("llama"))
+    module = model.model.layers[1].get_submodule(path)
+    handle = getattr(module, f"register_{kind}_hook")(lambda *a: None)
+    assert _why(model) == "a module of layer 1 has a hook"
+    handle.remove()
+    assert _why(model) is None
+
+
+def test_a_submodule_shadowed_in_the_instance_dict_is_the_one_checked(direct_on):
+    model = kvslim.enable(tiny_model("llama"))
+    layer = model.model.layers[0]
+    hooked = type(layer.mlp)(model.config).eval()
+    hooked.gate_proj.register_forward_hook(lambda *a: None)
+    object.__setattr__(layer, "mlp", hooked)  # in __dict__, ahead of _modules: what `layer.mlp` now returns
+    try:
+        assert _why(model) == "a module of layer 0 has a hook"
+    finally:
+        del layer.__dict__["mlp"]
+    assert _why(model) is None
+
+
 @pytest.mark.parametrize("where", ["layer", "q_proj"])
 def test_a_hooked_module_runs_the_models_forward_and_its_hook(direct_on, where):
     model = kvslim.enable(tiny_model("llama"))

@@ -50,7 +50,7 @@ _LIB = torch.library.Library("kvslim", "FRAGMENT")
 _LIB.define("page_attend(Tensor q, Tensor k, Tensor v, int handle, int layer, float scale) -> Tensor")
 _LIB.define("prepared_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 
-#: handle -> (pool, plan) of the step running under it
+#: handle -> (pool, plan, the workers' spin renewer) of the step running under it
 _steps: dict[int, tuple] = {}
 #: (weight address, dtype, shape, bias address) -> its Prepared, or False where kvslim's kernel does not take it
 _prepared: dict[tuple, object] = {}
@@ -59,7 +59,8 @@ _lock = threading.Lock()
 
 
 def _page_attend(q, k, v, handle, layer, scale):
-    pool, plan = _steps[handle]
+    pool, plan, renew = _steps[handle]
+    renew()  # the pool's Python before its kernel call can outlast the workers' spin (paged_direct.RENEW)
     return pool.attend(plan, layer, q, k, v, scale)
 
 
@@ -224,7 +225,7 @@ class CompiledStep:
             new = n not in self.buckets
             if new and len(self.buckets) >= self.MAX_BUCKETS:
                 raise RuntimeError(f"kvslim: the compiled paged step holds {self.MAX_BUCKETS} row counts already")
-            _steps[self.handle] = (pool, plan)
+            _steps[self.handle] = (pool, plan, paged_direct.renewer())
             t0 = time.perf_counter()
             try:
                 with torch._dynamo.config.patch(

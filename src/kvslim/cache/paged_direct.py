@@ -80,19 +80,30 @@ def _family(model):
 def _plain(module, cls) -> bool:
     """``module`` is exactly ``cls`` (no subclass), in eval mode, with no forward of its own and no hook: calling
     its class's forward in its place changes nothing."""
-    return (
-        type(module) is cls and not module.training and "forward" not in module.__dict__ and _hookless(module)
-    )
+    if type(module) is not cls:
+        return False
+    return not module.training and "forward" not in module.__dict__ and _hookless(module)
 
 
 def _hookless(module) -> bool:
-    """No hook on ``module``: ``module.forward(x)`` is what calling it runs (outside a trace)."""
+    """No hook on ``module``: ``module.forward(x)`` is what calling it runs (outside a trace). (Read from the
+    module's ``__dict__``, where ``nn.Module.__init__`` puts the hook dicts: ~400 modules a step, one look each.)"""
+    d = module.__dict__
     return not (
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or module._backward_hooks
-        or getattr(module, "_backward_pre_hooks", None)
+        d.get("_forward_hooks") or d.get("_forward_pre_hooks") or d.get("_backward_hooks")
+        or d.get("_backward_pre_hooks")
     )
+
+
+def _child(module, name: str):
+    """``getattr(module, name)`` for a submodule, without ``nn.Module.__getattr__``'s slow path where it is one of
+    ``module``'s registered children and nothing in its ``__dict__`` shadows it (the same object either way)."""
+    d = module.__dict__
+    if name not in d:
+        child = d["_modules"].get(name)
+        if child is not None:
+            return child
+    return getattr(module, name)
 
 
 def why_not(model) -> str | None:
@@ -133,18 +144,24 @@ def _why_not_in(model, _modeling, top, decoder_cls, layer_cls, attn_cls, mlp_cls
     if len(layers) != config.num_hidden_layers:
         return f"it has {len(layers)} layers and its config runs {config.num_hidden_layers}"
     for i, layer in enumerate(layers):
-        if not (
-            _plain(layer, layer_cls) and _plain(layer.self_attn, attn_cls) and _plain(layer.mlp, mlp_cls)
-        ):
+        if not _plain(layer, layer_cls):
             return f"layer {i}'s modules are not plain {layer_cls.__name__} ones (a subclass, a hook or a forward)"
-        attn, mlp = layer.self_attn, layer.mlp
-        called = (layer.input_layernorm, layer.post_attention_layernorm, mlp.act_fn, mlp.gate_proj, mlp.up_proj,
-                  mlp.down_proj, attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)  # fmt: skip
-        if not all(map(_hookless, called)):
-            return f"a module of layer {i} has a hook"
-        if window(layer.self_attn) is not None:
+        attn, mlp = _child(layer, "self_attn"), _child(layer, "mlp")
+        if not (_plain(attn, attn_cls) and _plain(mlp, mlp_cls)):
+            return f"layer {i}'s modules are not plain {layer_cls.__name__} ones (a subclass, a hook or a forward)"
+        for module, names in ((layer, _LAYER_CALLED), (mlp, _MLP_CALLED), (attn, _ATTN_CALLED)):
+            for name in names:
+                if not _hookless(_child(module, name)):
+                    return f"a module of layer {i} has a hook"
+        if window(attn) is not None:
             return f"layer {i} attends in a sliding window"
     return None
+
+
+#: the modules of a layer :func:`step` calls through their forward, by their parent: the layer, its MLP, its attention
+_LAYER_CALLED = ("input_layernorm", "post_attention_layernorm")
+_MLP_CALLED = ("act_fn", "gate_proj", "up_proj", "down_proj")
+_ATTN_CALLED = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def step(model, pool, plan, input_ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor | None:
@@ -166,7 +183,7 @@ def step(model, pool, plan, input_ids: torch.Tensor, keep: torch.Tensor) -> torc
     n = h.shape[0]
     # Three stretches of Python a layer (a residual sum and RMSNorm twice, RoPE and the pool's tables) outlast the
     # workers' 50 us spin at one row: restarting it inside each keeps the workers awake for the next call.
-    renew = _renewer(RENEW)
+    renew = renewer()
     for layer in decoder.layers:
         attn, mlp = layer.self_attn, layer.mlp
         renew()
@@ -185,6 +202,12 @@ def step(model, pool, plan, input_ids: torch.Tensor, keep: torch.Tensor) -> torc
         h = h + mlp.down_proj.forward(mlp.act_fn.forward(mlp.gate_proj.forward(x)) * mlp.up_proj.forward(x))
     h = decoder.norm.forward(h)  # every token's row, as the model's decoder normalizes them all
     return model.lm_head.forward(h[keep])  # (K, V)
+
+
+def renewer():
+    """The workers' spin renewer a step calls before a long stretch of Python: :func:`kvslim.kernels.clib.pool_renewer`'s
+    function, or a no-op where :data:`RENEW` is off (the compiled step's page attention calls it too)."""
+    return _renewer(RENEW)
 
 
 def _renewer(on: bool):
