@@ -42,6 +42,7 @@ import time
 
 import torch
 
+from ..compiled import dynamo_config
 from ..kernels import linear as _kernel_linear
 from ..kernels import ops as _kernel_ops  # noqa: F401  (defines the kvslim namespace)
 from . import paged_direct
@@ -156,8 +157,13 @@ class CompiledStep:
         # a code object of its own: dynamo keeps its graphs, guards and recompile limit per code object, so each
         # CompiledStep has its own (another model's step never evicts or counts against this one's)
         fn.__code__ = fn.__code__.replace()
-        # loop_threads: Inductor's own loops' threads (1; -1: its OpenMP default; scripts/paged_compiled_ab.py)
-        self._fn = torch.compile(fn, fullgraph=True, dynamic=False, options={"cpp.threads": loop_threads})
+        # loop_threads: Inductor's own loops' threads (1; -1: its OpenMP default; scripts/paged_compiled_ab.py).
+        # size_asserts off: Inductor's wrapper otherwise checks the shape and strides of ~500 tensors a step in
+        # Python (the custom ops' outputs among them: their fake and real shapes are one expression), ~0.5 ms of a
+        # one-row step's ~5 ms outside the kernels (docs/performance.md, "The compiled step's fixed costs")
+        self._fn = torch.compile(
+            fn, fullgraph=True, dynamic=False, options={"cpp.threads": loop_threads, "size_asserts": False}
+        )
 
     def rows_for(self, rows: int, multiple: int) -> int:
         """The bucket a step of ``rows`` decode rows runs at: the route's row ``multiple`` (filler rows for a product
@@ -228,9 +234,7 @@ class CompiledStep:
             _steps[self.handle] = (pool, plan, paged_direct.renewer())
             t0 = time.perf_counter()
             try:
-                with torch._dynamo.config.patch(
-                    recompile_limit=self.MAX_BUCKETS, fail_on_recompile_limit_hit=True
-                ):
+                with dynamo_config(recompile_limit=self.MAX_BUCKETS, fail_on_recompile_limit_hit=True):
                     out = self._fn(input_ids, plan.positions)
             finally:
                 del _steps[self.handle]
