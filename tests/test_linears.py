@@ -366,6 +366,31 @@ def test_what_is_not_routed():
         lin.Linears(torch.nn.Linear(4, 4).half(), "onednn")
 
 
+def test_a_parametrized_linear_is_not_routed_and_the_step_keeps_its_filler_rows():
+    """A parametrized module (torch.nn.utils.parametrize; here its bias, its weight still a plain Parameter) is not
+    routed, and where it is parametrized after the route was made, row_multiple sees a product the route does not
+    run (filler rows again)."""
+    from torch.nn.utils import parametrize
+
+    class Double(torch.nn.Module):
+        def forward(self, b):
+            return 2 * b
+
+    net = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+    parametrize.register_parametrization(net[0], "bias", Double())
+    assert lin.Linears(net, "kvslim").modules == [net[1]]
+    plain = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+    routes = lin.Linears(plain, "kvslim")
+    x = torch.randn(4, 32)
+    with torch.inference_mode(), routes.routed() as r:
+        assert r.row_multiple() == 1
+    parametrize.register_parametrization(plain[0], "bias", Double())
+    with torch.inference_mode(), routes.routed() as r:
+        assert r.row_multiple() == 4
+        want = torch.nn.functional.linear(x, plain[0].weight, 2 * plain[0].parametrizations.bias.original)
+        torch.testing.assert_close(plain[0](x), want)  # the parametrized bias, whoever multiplies
+
+
 @pytest.mark.parametrize("shape", [(576, 576), (576, 192), (576, 1536), (1536, 576), (128, 256)])
 @pytest.mark.parametrize("route", ROUTED)
 def test_a_row_rounds_the_same_for_every_multiple_of_4(shape, route):
