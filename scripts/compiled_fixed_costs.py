@@ -5,8 +5,8 @@
 Prints, for the embedded model (float32, 2 threads):
 
 1. ``paged_compiled.why_not`` (the per-step check that the model is still one the step serves), timed alone;
-2. dynamo's settings around a step's graph call: ``torch._dynamo.config.patch`` against
-   :func:`kvslim.compiled.dynamo_config` (what the step uses), timed alone;
+2. dynamo's settings around a step's graph call (``torch._dynamo.config.patch``), timed alone after a first call
+   (the first imports dynamo: ~1 s);
 3. one row's decode steps of ``--length`` tokens in int4 pages (``forward_pages`` through a
    :class:`~kvslim.cache.paged_compiled.CompiledStep`), interleaved in one process: the step as kvslim builds it
    (Inductor's size asserts off) and a second compiled step with them on, each once with the C kernels' calls
@@ -47,7 +47,6 @@ def main() -> None:
     from kvslim.cache import pagecalls, paged_compiled
     from kvslim.cache.paged_adapter import forward_pages
     from kvslim.cache.pagepool import pool_for
-    from kvslim.compiled import dynamo_config
     from kvslim.kernels import linear as kernel_linear
     from kvslim.models.load import load_model
     from kvslim.threads import load_average
@@ -61,12 +60,7 @@ def main() -> None:
         with torch._dynamo.config.patch(recompile_limit=16, fail_on_recompile_limit_hit=True):
             pass
 
-    def direct():
-        with dynamo_config(recompile_limit=16, fail_on_recompile_limit_hit=True):
-            pass
-
-    print(f"dynamo settings around a call: config.patch {_per_call_us(patched, 500):.1f} us, "
-          f"dynamo_config {_per_call_us(direct, 500):.1f} us")  # fmt: skip
+    print(f"dynamo settings around a call: config.patch {_per_call_us(patched, 500):.1f} us")
 
     steps = {"size asserts off (kvslim)": paged_compiled.CompiledStep(model)}
     compile_ = torch.compile

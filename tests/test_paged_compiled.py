@@ -95,12 +95,9 @@ def test_the_compiled_step_renews_the_workers_spin_once_a_layer(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(with_renew, without, strict=True))
 
 
-def test_the_steps_dynamo_settings_hold_for_its_call_only():
+def test_the_steps_dynamo_settings_hold_for_its_call():
     """A step runs its graph with the bucket limit in force (a recompile past it fails, never falls back to eager)
-    and leaves dynamo's settings as they were, after an error too (kvslim.compiled.dynamo_config, not ``patch``:
-    ~0.6 ms a call)."""
-    from kvslim.compiled import dynamo_config
-
+    and leaves dynamo's settings as they were."""
     config = torch._dynamo.config
     before = (config.recompile_limit, config.fail_on_recompile_limit_hit)
     model = kvslim.enable(tiny_model("llama"))
@@ -110,10 +107,6 @@ def test_the_steps_dynamo_settings_hold_for_its_call_only():
     step._fn = lambda *a: seen.append((config.recompile_limit, config.fail_on_recompile_limit_hit)) or fn(*a)
     _decode(model, "int4", step, steps=1)
     assert seen == [(step.MAX_BUCKETS, True)]
-    assert (config.recompile_limit, config.fail_on_recompile_limit_hit) == before
-    with pytest.raises(KeyError), dynamo_config(recompile_limit=before[0] + 5, fail_on_recompile_limit_hit=True):
-        assert (config.recompile_limit, config.fail_on_recompile_limit_hit) == (before[0] + 5, True)
-        raise KeyError
     assert (config.recompile_limit, config.fail_on_recompile_limit_hit) == before
 
 

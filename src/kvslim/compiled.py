@@ -18,7 +18,6 @@ than one token per row or with an attention mask (padding).
 
 from __future__ import annotations
 
-import contextlib
 import time
 import types
 import warnings
@@ -127,7 +126,7 @@ class CompiledDecode:
             kwargs[name] = kwargs[name].new_empty(kwargs[name].shape).copy_(kwargs[name])
         before = counters["stats"]["unique_graphs"]
         t0 = time.perf_counter()
-        with warnings.catch_warnings(), dynamo_config(recompile_limit=RECOMPILE_LIMIT):
+        with warnings.catch_warnings(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
             # torch's own tracing machinery warns; not the user's concern
             warnings.filterwarnings("ignore", message=".*torch.jit.script_method.*", category=DeprecationWarning)
             out = self.fn(**kwargs)
@@ -192,19 +191,3 @@ def _not_compileable(cache) -> tuple[str, str] | None:
         f"{type(cache).__name__} grows or re-slices its storage",
         "use kvslim.StaticSlimCache (a window, or max_cache_len) or transformers' StaticCache",
     )
-
-
-@contextlib.contextmanager
-def dynamo_config(**values):
-    """``torch._dynamo.config.patch(**values)`` for a call made at every decode step: the settings assigned and put
-    back directly, ~10 us, where ``patch`` takes ~0.6 ms a call in torch 2.13 (docs/performance.md, "The compiled
-    step's fixed costs"). Process-wide while it holds, as ``patch`` is."""
-    config = torch._dynamo.config
-    old = {name: getattr(config, name) for name in values}
-    try:
-        for name, value in values.items():
-            setattr(config, name, value)
-        yield
-    finally:
-        for name, value in old.items():
-            setattr(config, name, value)

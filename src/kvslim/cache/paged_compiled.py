@@ -42,7 +42,6 @@ import time
 
 import torch
 
-from ..compiled import dynamo_config
 from ..kernels import linear as _kernel_linear
 from ..kernels import ops as _kernel_ops  # noqa: F401  (defines the kvslim namespace)
 from . import paged_direct
@@ -234,7 +233,9 @@ class CompiledStep:
             _steps[self.handle] = (pool, plan, paged_direct.renewer())
             t0 = time.perf_counter()
             try:
-                with dynamo_config(recompile_limit=self.MAX_BUCKETS, fail_on_recompile_limit_hit=True):
+                with torch._dynamo.config.patch(
+                    recompile_limit=self.MAX_BUCKETS, fail_on_recompile_limit_hit=True
+                ):
                     out = self._fn(input_ids, plan.positions)
             finally:
                 del _steps[self.handle]
