@@ -90,19 +90,17 @@ def main() -> None:
 
     spent = {"linear": 0.0, "attention": 0.0}
 
-    def timed_product(*args):
-        t = time.perf_counter()
-        try:
-            return product(*args)
-        finally:
-            spent["linear"] += time.perf_counter() - t
+    def timed(name: str, fn):
+        def call(*args):
+            t = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                spent[name] += time.perf_counter() - t
 
-    def timed_run(*args):
-        t = time.perf_counter()
-        try:
-            return run(*args)
-        finally:
-            spent["attention"] += time.perf_counter() - t
+        return call
+
+    timed_product, timed_run = timed("linear", product), timed("attention", run)
 
     def noop(on: bool) -> None:
         kernel_linear._product = (
