@@ -158,8 +158,9 @@ class CompiledStep:
         fn.__code__ = fn.__code__.replace()
         # loop_threads: Inductor's own loops' threads (1; -1: its OpenMP default; scripts/paged_compiled_ab.py).
         # size_asserts off: Inductor's wrapper otherwise checks the shape and strides of ~500 tensors a step in
-        # Python (the custom ops' outputs among them: their fake and real shapes are one expression), ~0.5 ms of a
-        # one-row step's ~5 ms outside the kernels (docs/performance.md, "The compiled step's fixed costs")
+        # Python (the custom ops' outputs among them: their fake and real shapes are one expression), ~0.7 ms a step
+        # by cProfile's count; measured 0.4-0.8 ms, within this host's noise (docs/performance.md, "The compiled
+        # step's fixed costs")
         self._fn = torch.compile(
             fn, fullgraph=True, dynamic=False, options={"cpp.threads": loop_threads, "size_asserts": False}
         )
