@@ -17,8 +17,8 @@ Prints, for the embedded model (float32, 2 threads):
    pool's attention calls (``StepCalls.run``: the K/V written, the attention, their Python) took inside it.
 
 Run with ``PYTHONPATH=<a worktree of an earlier commit>/src`` to time that commit's code the same way (the script
-itself needs only what it times). Measure alone, on a quiet machine (``uptime`` before and after): absolute times move from run to run on a shared
-host; the ratios within a run are what it shows.
+itself needs only what it times). Measure alone, on a quiet machine (``uptime`` before and after): absolute times
+move from run to run on a shared host; the ratios within a run are what it shows.
 """
 
 from __future__ import annotations

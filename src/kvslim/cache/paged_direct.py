@@ -80,9 +80,9 @@ def _family(model):
 def _plain(module, cls) -> bool:
     """``module`` is exactly ``cls`` (no subclass), in eval mode, with no forward of its own and no hook: calling
     its class's forward in its place changes nothing."""
-    if type(module) is not cls:
-        return False
-    return not module.training and "forward" not in module.__dict__ and _hookless(module)
+    return (
+        type(module) is cls and not module.training and "forward" not in module.__dict__ and _hookless(module)
+    )
 
 
 def _hookless(module) -> bool:
@@ -144,10 +144,11 @@ def _why_not_in(model, _modeling, top, decoder_cls, layer_cls, attn_cls, mlp_cls
     if len(layers) != config.num_hidden_layers:
         return f"it has {len(layers)} layers and its config runs {config.num_hidden_layers}"
     for i, layer in enumerate(layers):
-        if not _plain(layer, layer_cls):
-            return f"layer {i}'s modules are not plain {layer_cls.__name__} ones (a subclass, a hook or a forward)"
-        attn, mlp = _child(layer, "self_attn"), _child(layer, "mlp")
-        if not (_plain(attn, attn_cls) and _plain(mlp, mlp_cls)):
+        if not (
+            _plain(layer, layer_cls)
+            and _plain(attn := _child(layer, "self_attn"), attn_cls)
+            and _plain(mlp := _child(layer, "mlp"), mlp_cls)
+        ):
             return f"layer {i}'s modules are not plain {layer_cls.__name__} ones (a subclass, a hook or a forward)"
         for module, names in ((layer, _LAYER_CALLED), (mlp, _MLP_CALLED), (attn, _ATTN_CALLED)):
             for name in names:
