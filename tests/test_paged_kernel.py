@@ -430,7 +430,7 @@ def test_c_writes_leave_a_value_beyond_fp16_to_the_torch_encoder(fmt_v, monkeypa
 
 
 @pytest.mark.parametrize("fmt_k,fmt_v", [("int4", "int4"), ("q4_0", "int2"), ("none", "none")])
-@pytest.mark.parametrize("rotate", [(64, 64), (64, 0), (0, 32)])
+@pytest.mark.parametrize("rotate", [(64, 64), (64, 0), (0, 32), (16, 8)])
 def test_rotation_inside_the_call_equals_the_reference(fmt_k, fmt_v, rotate, loops):
     """``rotate``: each query head rotated into K's Hadamard basis first and each output head back from V's last, in
     the kernel (a transform of the head's row) and in the reference (torch's matmul), decode rows and a prompt

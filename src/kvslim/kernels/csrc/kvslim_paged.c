@@ -549,12 +549,32 @@ static float kvp_vexp(float *w, int ta, int s1, int u0, int u1, int tb, float mx
     return _mm512_reduce_add_ps(s);
 }
 
-/* The fp16 scale and zero of tokens [ta, tc) (each a dword at sz + t * ts: scale, then zero) -> sc[t], z[t]. The
- * dwords are copied one by one, then converted 16 at a time (a gather is slower on Zen 4: microcoded). */
+/* The unaligned dword at p. */
+static inline int32_t kvp_dword(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* The fp16 scale and zero of tokens [ta, tc) (each a dword at sz + t * ts: scale, then zero) -> sc[t], z[t],
+ * converted 16 at a time. Sixteen dwords are put in a register as they are loaded (a gather is slower on Zen 4:
+ * microcoded); a shorter tail is copied to a buffer first. */
 static void kvp_scales(const uint8_t *sz, int64_t ts, int ta, int tc, float *sc, float *z) {
     uint32_t buf[16];
     for (int t = ta; t < tc; t += 16) {
         const int n = tc - t < 16 ? tc - t : 16;
+        if (n == 16) { /* not through the buffer: a vector load of dwords just stored one by one waits for the
+                        * stores (no forwarding) */
+            const uint8_t *s = sz + t * ts;
+            const __m512i d = _mm512_setr_epi32(
+                kvp_dword(s), kvp_dword(s + ts), kvp_dword(s + 2 * ts), kvp_dword(s + 3 * ts), kvp_dword(s + 4 * ts),
+                kvp_dword(s + 5 * ts), kvp_dword(s + 6 * ts), kvp_dword(s + 7 * ts), kvp_dword(s + 8 * ts),
+                kvp_dword(s + 9 * ts), kvp_dword(s + 10 * ts), kvp_dword(s + 11 * ts), kvp_dword(s + 12 * ts),
+                kvp_dword(s + 13 * ts), kvp_dword(s + 14 * ts), kvp_dword(s + 15 * ts));
+            _mm512_storeu_ps(sc + t, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(d)));
+            _mm512_storeu_ps(z + t, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(d, 16))));
+            continue;
+        }
         for (int j = 0; j < n; j++) memcpy(buf + j, sz + (t + j) * ts, 4);
         const __mmask16 in = (__mmask16)((1u << n) - 1);
         const __m512i d = _mm512_maskz_loadu_epi32(in, buf);
@@ -746,8 +766,39 @@ static size_t kvp_scratch(int T, int D, int MG) {
 
 /* x (D values) times the normalized Sylvester Hadamard matrix of order hb, block by block (hb a power of two dividing
  * D): the basis the pages are stored in (kvslim.cache.hadamard; H is symmetric and its own inverse). */
+#if KVP_FAST
+/* One butterfly stage of span h (1, 2, 4 or 8) inside 16 lanes: lane j, h's bit clear, gets x[j] + x[j + h]; lane
+ * j + h gets x[j] - x[j + h]: the scalar loop's two results, the same additions. */
+static inline __m512 kvp_fwht16(__m512 v, int h) {
+    const __m512 p = h == 1   ? _mm512_permute_ps(v, 0xB1)
+                     : h == 2 ? _mm512_permute_ps(v, 0x4E)
+                     : h == 4 ? _mm512_shuffle_f32x4(v, v, 0xB1)
+                              : _mm512_shuffle_f32x4(v, v, 0x4E);
+    const __mmask16 hi = h == 1 ? 0xAAAA : h == 2 ? 0xCCCC : h == 4 ? 0xF0F0 : 0xFF00;
+    return _mm512_mask_sub_ps(_mm512_add_ps(v, p), hi, p, v);
+}
+#endif
+
 static void kvp_fwht(float *restrict x, int D, int hb) {
     const float norm = 1.0f / sqrtf((float)hb);
+#if KVP_FAST
+    if (kvp_fast && hb >= 16) { /* the same butterflies 16 lanes at a time (the same bits: each sum is the scalar's) */
+        for (int b0 = 0; b0 < D; b0 += hb) {
+            float *restrict y = x + b0;
+            for (int j = 0; j < hb; j += 16)
+                _mm512_storeu_ps(y + j, kvp_fwht16(kvp_fwht16(kvp_fwht16(kvp_fwht16(_mm512_loadu_ps(y + j), 1), 2), 4), 8));
+            for (int h = 16; h < hb; h *= 2)
+                for (int i = 0; i < hb; i += 2 * h)
+                    for (int j = i; j < i + h; j += 16) {
+                        const __m512 u = _mm512_loadu_ps(y + j), v = _mm512_loadu_ps(y + j + h);
+                        _mm512_storeu_ps(y + j, _mm512_add_ps(u, v));
+                        _mm512_storeu_ps(y + j + h, _mm512_sub_ps(u, v));
+                    }
+        }
+        for (int d = 0; d < D; d += 16) _mm512_storeu_ps(x + d, _mm512_mul_ps(_mm512_loadu_ps(x + d), _mm512_set1_ps(norm)));
+        return;
+    }
+#endif
     for (int b0 = 0; b0 < D; b0 += hb) {
         float *restrict y = x + b0;
         for (int h = 1; h < hb; h *= 2)
@@ -841,6 +892,8 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, int64_t pa, int64_t
         /* tile tokens [ta, tc) from the page, [tc, tb) from the raw K/V */
         int tc = (int)(cached - t0 < ta ? ta : cached - t0 < tb ? cached - t0 : tb);
         const uint8_t *base = NULL;
+        const char *pf_next = NULL; /* the next page's lines, a third fetched before each stage of this one */
+        int64_t pf_span = 0, pf_done = 0;
         int kfmt = (int)a[H_KFMT], vfmt = (int)a[H_VFMT], staged = 0;
         int64_t koff = a[H_KOFF], voff = a[H_VOFF], ts = a[H_TOKEN_STRIDE];
         if (tc > ta) {
@@ -852,7 +905,9 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, int64_t pa, int64_t
             /* the next page's rows of this head (past the pages a window skips), or its staging slot's, fetched
              * into L2 while this one is read (pages are not adjacent). Into L2, not L1: a page of a head is 36 lines
              * (int4), more than L1 has fill buffers; asked into L1 the step's attention took 82.7 ms against 69.3
-             * (docs/performance.md, "Prefetching into L2") */
+             * (docs/performance.md, "Prefetching into L2"). A third of the lines here, a third before the softmax,
+             * a third before the V sums: all 36 at once stalled the task on its fill buffers (the page's calls
+             * 5-8% faster spread, "Spreading the prefetch") */
             const int64_t pn = p + 1 >= sp && p + 1 < pw ? pw : p + 1;
             if (pn < pb && pn < tlen && pn * T < hi && table[pn] >= 0 && table[pn] < a[H_NPAGES]) {
                 const int64_t ns = stage && table[pn] < a[H_SMAP_LEN] ? smap[table[pn]] : -1;
@@ -861,7 +916,8 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, int64_t pa, int64_t
                                        : (const char *)pool + table[pn] * a[H_PAGE_STRIDE] + (int64_t)h * a[H_HEAD_STRIDE];
                 const int64_t span =
                     (int64_t)T * (ns >= 0 && ns < a[H_SNSLOTS] ? a[H_STOKEN_STRIDE] : a[H_TOKEN_STRIDE]);
-                for (int64_t b = 0; b < span; b += 64) _mm_prefetch(next + b, _MM_HINT_T1);
+                pf_next = next, pf_span = span;
+                for (pf_done = 0; pf_done < span / 3; pf_done += 64) _mm_prefetch(next + pf_done, _MM_HINT_T1);
                 /* a staged page (128 lines of float16 K and V at D 64) two pages ahead as well: one page of lead
                  * was not enough for it (docs/performance.md, "Prefetching into L2") */
                 const int64_t p2 = pn + 1;
@@ -905,6 +961,10 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, int64_t pa, int64_t
         }
         kvp_fill(a, kfmt, koff, base, ts, knew, raw0, t0, k0, tc, tb, D, kt);
         if (tb > k0) kvs_k_tile(qq, D, MG, D, kt + (size_t)k0 * D, tb - k0, S + k0, T);
+#if defined(__F16C__)
+        if (pf_next) /* the middle third of the next page's lines */
+            for (; pf_done < 2 * pf_span / 3; pf_done += 64) _mm_prefetch(pf_next + pf_done, _MM_HINT_T1);
+#endif
         /* the online softmax: per query-head, weights in S, accumulator rescaled */
         int seen = 0;
         for (int m = 0; m < M; m++) {
@@ -962,6 +1022,10 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, int64_t pa, int64_t
                 mx[i] = nm;
             }
         }
+#if defined(__F16C__)
+        if (pf_next) /* and the last third */
+            for (; pf_done < pf_span; pf_done += 64) _mm_prefetch(pf_next + pf_done, _MM_HINT_T1);
+#endif
         if (!seen) continue;
         /* V: acc[i] += sum_t S[i, t] * V[t] */
         const int vk = tc > ta ? kvp_direct(vfmt, MG, D) : -1, va = tc > ta && !staged ? vaff : 0;
