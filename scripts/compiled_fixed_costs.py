@@ -9,7 +9,7 @@ Prints, for the embedded model (float32, 2 threads):
    timed alone;
 2. dynamo's settings around a step's graph call (``torch._dynamo.config.patch``), timed alone after a first call
    (the first imports dynamo: ~1 s);
-3. one row's decode steps of ``--length`` tokens in int4 pages (``forward_pages`` through a
+3. decode steps of ``--rows`` rows (one by default) of ``--length`` tokens in int4 pages (``forward_pages`` through a
    :class:`~kvslim.cache.paged_compiled.CompiledStep`), interleaved in one process: the step as kvslim builds it
    (Inductor's size asserts off) and a second compiled step with them on, each once with the C kernels' calls
    replaced by outputs of the right shape (the ``kernels no-op`` rows: what is left is the step's own Python,
@@ -42,9 +42,12 @@ def _per_call_us(fn, n: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--length", type=int, default=4096)
+    p.add_argument("--rows", type=int, default=1, help="rows a step, each of --length tokens")
     p.add_argument("--steps", type=int, default=60, help="timed steps a mode")
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args()
+    if min(a.length, a.rows, a.steps, a.threads) < 1:
+        p.error("--length, --rows, --steps and --threads must be positive")
     torch.set_num_threads(a.threads)
 
     import kvslim
@@ -114,18 +117,19 @@ def main() -> None:
     times: dict[tuple, list[float]] = {m: [] for m in modes}
     parts: dict[tuple, list[tuple]] = {m: [] for m in modes}
     with torch.inference_mode():
-        pool = pool_for(model, "int4", pages=-(-(a.length + 4 * a.steps + 64) // 32) * (len(modes) + 1),
-                        max_rows=len(modes) + 1)  # fmt: skip
+        pool = pool_for(model, "int4", pages=-(-(a.length + 4 * a.steps + 64) // 32) * (len(modes) * a.rows + 1),
+                        max_rows=len(modes) * a.rows + 1)  # fmt: skip
         src = pool.new_row()
         for s in range(0, a.length, 1024):
             forward_pages(model, pool, [(ids[s : s + 1024], src)])
-        rows = {m: pool.copy_row(src) for m in modes}
+        rows = {m: [pool.copy_row(src) for _ in range(a.rows)] for m in modes}
 
         def step(mode) -> None:
             noop(mode[1])
             try:
-                token = int(torch.randint(0, 1000, (1,), generator=g))
-                forward_pages(model, pool, [([token], rows[mode])], row_multiple=1, compiled=steps[mode[0]])
+                tokens = torch.randint(0, 1000, (a.rows,), generator=g).tolist()
+                feed = [([t], r) for t, r in zip(tokens, rows[mode], strict=True)]
+                forward_pages(model, pool, feed, row_multiple=1, compiled=steps[mode[0]])
             finally:
                 kernel_linear._product, pagecalls.StepCalls.run = product, run
 
@@ -140,7 +144,9 @@ def main() -> None:
                 times[m].append((time.perf_counter() - t) * 1e3)
                 parts[m].append((spent["linear"] * 1e3, spent["attention"] * 1e3))
     after = load_average()
-    print(f"one row x {a.length} tokens, int4 pages, {a.threads} threads; load average {before} -> {after}")
+    print(
+        f"{a.rows} row(s) x {a.length} tokens, int4 pages, {a.threads} threads; load average {before} -> {after}"
+    )
     for m in modes:
         q = statistics.quantiles(times[m], n=4)
         inside = ""

@@ -52,10 +52,12 @@ WRITE_FIELDS = 19
 #: Where the argument tables of ``kvp_rotate``, ``kvp_write`` and ``kvp_attend`` (:func:`rotate_args`,
 #: :func:`store_args`, :func:`attend_args`) hold what one layer of a step changes from the last, the rest being the
 #: step's (:mod:`kvslim.cache.pagecalls` lays them out once a step and sets these): the raw key's and value's
-#: addresses; the pages' address; the query's, the output's, the pages' and the staging pool's addresses.
+#: addresses; the pages' address; the query's, the output's, the pages' and the staging pool's addresses (and the
+#: step's raw K/V, which pagecalls keeps in buffers of its own: a replay of a layer's call sets them).
 ROTATE_KEY, ROTATE_VALUE = 0, 1
 WRITE_PAGES = 10
 HEAD_QUERY, HEAD_OUT, HEAD_PAGES, HEAD_STAGED = 7, 9, 11, 27
+HEAD_KNEW, HEAD_VNEW = 24, 25
 #: C's row decoders of the cast dtypes.
 CAST_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 

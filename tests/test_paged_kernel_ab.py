@@ -1,0 +1,48 @@
+"""scripts/paged_kernel_ab.py: builds of the pool's attention kernel from git revisions, replayed on one real step's
+calls; every build gives the step's own bits, and a revision git does not know fails in one line."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvslim.kernels import cpu
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "paged_kernel_ab.py"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    ok, why = cpu.status()
+    if not ok:
+        pytest.skip(f"C kernels unavailable: {why}")
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("needs git and this repository's history")
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=900, env=env
+    )
+
+
+def test_an_unknown_revision_fails_in_one_line():
+    res = _run("--revs", "no-such-revision-xyz", "HEAD")
+    assert res.returncode != 0
+    assert "Traceback" not in res.stderr
+    assert "git archive no-such-revision-xyz" in res.stderr
+
+
+@pytest.mark.slow
+def test_two_builds_replay_the_step_with_its_bits():
+    res = _run("--rows", "2", "--length", "80", "--revs", "HEAD", "worktree", "--rounds", "2", "--reps", "1")
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = res.stdout.splitlines()
+    builds = [line for line in lines if line.startswith(("0:HEAD", "1:worktree"))]
+    assert len(builds) == 2, res.stdout
+    for line in builds:
+        assert line.rstrip().endswith("True / True"), line  # the first build's bits, and the step's
+    assert "30 calls a step" in res.stdout
