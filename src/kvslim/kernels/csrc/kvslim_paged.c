@@ -764,8 +764,6 @@ static size_t kvp_scratch(int T, int D, int MG) {
            (size_t)MG * T + 4 * (size_t)T + (size_t)MG + 64; /* KVP_FAST: weights x scales, scales, zeros, sums */
 }
 
-/* x (D values) times the normalized Sylvester Hadamard matrix of order hb, block by block (hb a power of two dividing
- * D): the basis the pages are stored in (kvslim.cache.hadamard; H is symmetric and its own inverse). */
 #if KVP_FAST
 /* One butterfly stage of span h (1, 2, 4 or 8) inside 16 lanes: lane j, h's bit clear, gets x[j] + x[j + h]; lane
  * j + h gets x[j] - x[j + h]: the scalar loop's two results, the same additions. */
@@ -779,6 +777,8 @@ static inline __m512 kvp_fwht16(__m512 v, int h) {
 }
 #endif
 
+/* x (D values) times the normalized Sylvester Hadamard matrix of order hb, block by block (hb a power of two dividing
+ * D): the basis the pages are stored in (kvslim.cache.hadamard; H is symmetric and its own inverse). */
 static void kvp_fwht(float *restrict x, int D, int hb) {
     const float norm = 1.0f / sqrtf((float)hb);
 #if KVP_FAST
@@ -786,7 +786,8 @@ static void kvp_fwht(float *restrict x, int D, int hb) {
         for (int b0 = 0; b0 < D; b0 += hb) {
             float *restrict y = x + b0;
             for (int j = 0; j < hb; j += 16)
-                _mm512_storeu_ps(y + j, kvp_fwht16(kvp_fwht16(kvp_fwht16(kvp_fwht16(_mm512_loadu_ps(y + j), 1), 2), 4), 8));
+                _mm512_storeu_ps(y + j, kvp_fwht16(kvp_fwht16(kvp_fwht16(kvp_fwht16(_mm512_loadu_ps(y + j), 1), 2), 4),
+                                                   8));
             for (int h = 16; h < hb; h *= 2)
                 for (int i = 0; i < hb; i += 2 * h)
                     for (int j = i; j < i + h; j += 16) {
@@ -795,7 +796,8 @@ static void kvp_fwht(float *restrict x, int D, int hb) {
                         _mm512_storeu_ps(y + j + h, _mm512_sub_ps(u, v));
                     }
         }
-        for (int d = 0; d < D; d += 16) _mm512_storeu_ps(x + d, _mm512_mul_ps(_mm512_loadu_ps(x + d), _mm512_set1_ps(norm)));
+        for (int d = 0; d < D; d += 16)
+            _mm512_storeu_ps(x + d, _mm512_mul_ps(_mm512_loadu_ps(x + d), _mm512_set1_ps(norm)));
         return;
     }
 #endif
@@ -906,8 +908,8 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, int64_t pa, int64_t
              * into L2 while this one is read (pages are not adjacent). Into L2, not L1: a page of a head is 36 lines
              * (int4), more than L1 has fill buffers; asked into L1 the step's attention took 82.7 ms against 69.3
              * (docs/performance.md, "Prefetching into L2"). A third of the lines here, a third before the softmax,
-             * a third before the V sums: all 36 at once stalled the task on its fill buffers (the page's calls
-             * 5-8% faster spread, "Spreading the prefetch") */
+             * a third before the V sums: all 36 at once stalled the task on its fill buffers (with the other changes
+             * of that commit, the calls 6-12% faster: docs/performance.md, "Spreading the prefetch") */
             const int64_t pn = p + 1 >= sp && p + 1 < pw ? pw : p + 1;
             if (pn < pb && pn < tlen && pn * T < hi && table[pn] >= 0 && table[pn] < a[H_NPAGES]) {
                 const int64_t ns = stage && table[pn] < a[H_SMAP_LEN] ? smap[table[pn]] : -1;
