@@ -668,11 +668,12 @@ static void kvp_k_aff(int bits, int MG, const float *qp, const float *qs, int D,
 }
 
 /* V sums of NM query-heads: acc[m, :] (plane order) += p[m * ps + t] * codes(t) over tokens t in [ta, tc) (c0 + ts *
- * t), p the weights times the token's scale (the zeros are the caller's). 64 channels of acc a block in registers:
- * 64 / per units, each 16 widened once and all per planes taken from them. */
+ * t), then + zs[m] (p the weights times the token's scale, zs[m] the weights times the zeros summed over the page:
+ * added to each channel as it is stored, not read back after a wider store, which a load does not forward from).
+ * 64 channels of acc a block in registers: 64 / per units, each 16 widened once and all per planes taken from them. */
 static inline __attribute__((always_inline)) void kvp_v_aff_n(int bits, int NM, const float *p, int64_t ps,
                                                              const uint8_t *c0, int64_t ts, int ta, int tc, int D,
-                                                             float *acc) {
+                                                             const float *zs, float *acc) {
     const int per = 8 / bits, np = D / per, chunks = 4 / per; /* 16-unit chunks a block (int2: 1, 4 planes) */
     const __m512 tab = kvp_tab(bits);
     for (int ub = 0; ub < np; ub += 16 * chunks) {
@@ -694,20 +695,23 @@ static inline __attribute__((always_inline)) void kvp_v_aff_n(int bits, int NM, 
                 }
             }
         }
-        for (int m = 0; m < NM; m++)
+        for (int m = 0; m < NM; m++) {
+            const __m512 z = _mm512_set1_ps(zs[m]);
             for (int ch = 0; ch < chunks; ch++)
                 for (int i = 0; i < per; i++)
-                    _mm512_storeu_ps(acc + (int64_t)m * D + i * np + ub + 16 * ch, a[m][ch * per + i]);
+                    _mm512_storeu_ps(acc + (int64_t)m * D + i * np + ub + 16 * ch,
+                                     _mm512_add_ps(a[m][ch * per + i], z));
+        }
     }
 }
 
 static void kvp_v_aff(int bits, int MG, const float *p, int64_t ps, const uint8_t *c0, int64_t ts, int ta, int tc,
-                      int D, float *acc) {
+                      int D, const float *zs, float *acc) {
     for (int m = 0; m < MG; m += 3) {
-        const float *pm = p + (int64_t)m * ps;
+        const float *pm = p + (int64_t)m * ps, *zm = zs + m;
         float *am = acc + (int64_t)m * D;
         const int nm = MG - m < 3 ? MG - m : 3;
-#define KVP_V(B, N) kvp_v_aff_n(B, N, pm, ps, c0, ts, ta, tc, D, am)
+#define KVP_V(B, N) kvp_v_aff_n(B, N, pm, ps, c0, ts, ta, tc, D, zm, am)
         switch (bits * 4 + nm) {
         case 33: KVP_V(8, 1); break;
         case 34: KVP_V(8, 2); break;
@@ -816,6 +820,13 @@ static void kvp_fwht(float *restrict x, int D, int hb) {
 
 static void kvp_finish(const kvp_call *c, int r, int h, int q0, int M, const float *sum, const float *acc, int vper);
 
+#if defined(__F16C__)
+/* The lines of p from *done up to byte upto fetched into L2 (*done moves on). */
+static inline void kvp_pf(const char *p, int64_t *done, int64_t upto) {
+    for (; *done < upto; *done += 64) _mm_prefetch(p + *done, _MM_HINT_T1);
+}
+#endif
+
 /* One task: row r, KV head h, queries q0 .. q0 + M - 1 of the row, over its pages [pa, pb) (of those it may see).
  * part NULL: the output rows written; else the running maxima, sums and accumulators left there (MG, MG, MG x D:
  * one split of the row's pages, merged by kvp_merge). Returns 0 or 2 (bad page index).
@@ -894,8 +905,8 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, int64_t pa, int64_t
         /* tile tokens [ta, tc) from the page, [tc, tb) from the raw K/V */
         int tc = (int)(cached - t0 < ta ? ta : cached - t0 < tb ? cached - t0 : tb);
         const uint8_t *base = NULL;
-        const char *pf_next = NULL; /* the next page's lines, a third fetched before each stage of this one */
-        int64_t pf_span = 0, pf_done = 0;
+        const char *pf_next = NULL, *pf2_next = NULL; /* the next page's lines (and a staged page's two ahead), a */
+        int64_t pf_span = 0, pf_done = 0, pf2_span = 0, pf2_done = 0; /* third fetched before each stage of this one */
         int kfmt = (int)a[H_KFMT], vfmt = (int)a[H_VFMT], staged = 0;
         int64_t koff = a[H_KOFF], voff = a[H_VOFF], ts = a[H_TOKEN_STRIDE];
         if (tc > ta) {
@@ -919,16 +930,17 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, int64_t pa, int64_t
                 const int64_t span =
                     (int64_t)T * (ns >= 0 && ns < a[H_SNSLOTS] ? a[H_STOKEN_STRIDE] : a[H_TOKEN_STRIDE]);
                 pf_next = next, pf_span = span;
-                for (pf_done = 0; pf_done < span / 3; pf_done += 64) _mm_prefetch(next + pf_done, _MM_HINT_T1);
+                kvp_pf(next, &pf_done, span / 3);
                 /* a staged page (128 lines of float16 K and V at D 64) two pages ahead as well: one page of lead
-                 * was not enough for it (docs/performance.md, "Prefetching into L2") */
+                 * was not enough for it (docs/performance.md, "Prefetching into L2"); a third at each of the same
+                 * three places (all 128 lines at once stalled the task: "Fewer stalls a page") */
                 const int64_t p2 = pn + 1;
                 if (p2 < pb && p2 < tlen && p2 * T < hi && table[p2] >= 0 && table[p2] < a[H_NPAGES] && stage &&
                     table[p2] < a[H_SMAP_LEN] && smap[table[p2]] >= 0 && smap[table[p2]] < a[H_SNSLOTS]) {
-                    const char *n2 =
+                    pf2_next =
                         (const char *)stage + smap[table[p2]] * a[H_SSLOT_STRIDE] + (int64_t)h * a[H_SHEAD_STRIDE];
-                    for (int64_t b = 0; b < (int64_t)T * a[H_STOKEN_STRIDE]; b += 64)
-                        _mm_prefetch(n2 + b, _MM_HINT_T1);
+                    pf2_span = (int64_t)T * a[H_STOKEN_STRIDE];
+                    kvp_pf(pf2_next, &pf2_done, pf2_span / 3);
                 }
             }
 #endif
@@ -965,7 +977,8 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, int64_t pa, int64_t
         if (tb > k0) kvs_k_tile(qq, D, MG, D, kt + (size_t)k0 * D, tb - k0, S + k0, T);
 #if defined(__F16C__)
         if (pf_next) /* the middle third of the next page's lines */
-            for (; pf_done < 2 * pf_span / 3; pf_done += 64) _mm_prefetch(pf_next + pf_done, _MM_HINT_T1);
+            kvp_pf(pf_next, &pf_done, 2 * pf_span / 3);
+        if (pf2_next) kvp_pf(pf2_next, &pf2_done, 2 * pf2_span / 3);
 #endif
         /* the online softmax: per query-head, weights in S, accumulator rescaled */
         int seen = 0;
@@ -1026,7 +1039,8 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, int64_t pa, int64_t
         }
 #if defined(__F16C__)
         if (pf_next) /* and the last third */
-            for (; pf_done < pf_span; pf_done += 64) _mm_prefetch(pf_next + pf_done, _MM_HINT_T1);
+            kvp_pf(pf_next, &pf_done, pf_span);
+        if (pf2_next) kvp_pf(pf2_next, &pf2_done, pf2_span);
 #endif
         if (!seen) continue;
         /* V: acc[i] += sum_t S[i, t] * V[t] */
@@ -1048,11 +1062,7 @@ static int kvp_task(const kvp_call *c, int r, int h, int q0, int64_t pa, int64_t
                 }
                 zsum[i] = _mm512_reduce_add_ps(zs);
             }
-            kvp_v_aff(va, MG, ws, T, base + voff, ts, ta, tc, D, acc);
-            for (int i = 0; i < MG; i++) {
-                float *ac = acc + (size_t)i * D;
-                for (int d = 0; d < D; d++) ac[d] += zsum[i];
-            }
+            kvp_v_aff(va, MG, ws, T, base + voff, ts, ta, tc, D, zsum, acc);
         } else
 #endif
         if (va) kvs_v_affine(va, MG, S, T, base + voff, ts, ta, tc, D, acc);
