@@ -67,6 +67,9 @@ class ConcurrencyRow:
     ttft_p50_ms: float | None = None
     ttft_p90_ms: float | None = None
     ttft_p99_ms: float | None = None
+    # with --peer-rounds N: each round's median step (ms; None for a round that failed), this row its median round's
+    # (kvslim.bench.rounds); None for a row measured once
+    rounds_ms: list | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -289,17 +292,23 @@ def run_concurrency(
     continuous_batching: bool = True,
     log: Callable[[str], None] | None = None,
     linears: Linears | str = "auto",
+    built: dict | None = None,
 ) -> list[ConcurrencyRow]:
     """:func:`measure_concurrency` at every length and concurrency (``linears``: the kvslim rows' route, a name or a
-    built :class:`~kvslim.engine.linears.Linears`)."""
+    built :class:`~kvslim.engine.linears.Linears`). built: length -> :func:`prefilled`'s caches, kept across calls
+    (filled here where a length is missing; a later call with the same dict prefills nothing)."""
     rows = []
     route = linears if isinstance(linears, Linears) else Linears(model, linears, batch_hint=step_rows(max(concurrencies)))
+    kept = {} if built is None else built
     for length in lengths:
-        built = prefilled(model, modes, length, seed=seed, log=log, rows=max(concurrencies), extra=warmup + steps)
+        if length not in kept:
+            kept[length] = prefilled(model, modes, length, seed=seed, log=log, rows=max(concurrencies),
+                                     extra=warmup + steps)  # fmt: skip
+        built_here = kept[length]
         for c in concurrencies:
             rows += measure_concurrency(
                 model, modes, length, c, steps, warmup=warmup, seed=seed,
-                continuous_batching=continuous_batching, log=log, built=built, linears=route,
+                continuous_batching=continuous_batching, log=log, built=built_here, linears=route,
             )
     return rows
 

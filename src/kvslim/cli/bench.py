@@ -100,6 +100,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "`make vllm`; none named: both); a peer that is missing is reported, not an error",
     )
     parser.add_argument(
+        "--peer-rounds",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --concurrency --peers: measure kvslim's rows and the peers in turn N times (kvslim's caches "
+        "prefilled once), each row its median round, and print the peer's step over kvslim's in each round "
+        "(default: 1)",
+    )
+    parser.add_argument(
         "--append-lengths",
         type=_int_list("--append-lengths"),
         default=[1024, 8192],
@@ -230,6 +239,11 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--pages applies to --concurrency's engine rows; add --concurrency C,...")
     if args.serve and args.concurrency is None:
         raise UserError("--serve measures many streams through the server: give --concurrency too (e.g. 1,16)")
+    if args.peer_rounds < 1:
+        raise UserError(f"--peer-rounds must be an integer >= 1, got {args.peer_rounds}")
+    if args.peer_rounds > 1 and (args.concurrency is None or args.peers is None):
+        raise UserError(f"--peer-rounds {args.peer_rounds} alternates --concurrency's rows with its serving peers: "
+                        f"give --concurrency C,... and --peers too")
     wrong = [p for p in args.peers or () if p not in (CONCURRENCY_PEERS if args.concurrency else SINGLE_PEERS)]
     if wrong:
         kind, legal = (("--concurrency", CONCURRENCY_PEERS) if args.concurrency

@@ -23,6 +23,7 @@ def run_concurrency(args, model, configs, settings, policy) -> int:
 
     from ..bench.concurrency import link_ratios, render_concurrency, run_concurrency, tokens
     from ..bench.modes import build_modes
+    from ..bench.rounds import merge_rounds, render_round_ratios, round_ratios
     from ..bench.suite import _logger
     from ..engine.linears import Linears, step_rows
     from ..kernels.clib import bf16_instructions
@@ -41,11 +42,32 @@ def run_concurrency(args, model, configs, settings, policy) -> int:
     args.linears = args.linears or "auto"
     route = Linears(model, args.linears, batch_hint=step_rows(max(args.concurrency)))
     log(f"{route}; {apply_gc_flag(args.gc_freeze)}")  # the heap frozen after the engine's startup, as serve does
-    with GcPauses() as pauses:
-        rows = run_concurrency(model, modes, settings["lengths"], args.concurrency, settings["steps"],
-                               warmup=settings["warmup"], seed=args.seed, log=log, linears=route,
-                               continuous_batching=not args.no_continuous_batching)
-    extra["gc"] = {"freeze": args.gc_freeze, **pauses.to_dict()}
+    def prompt(length: int) -> list[int]:
+        return tokens(model, length, args.seed)[0].tolist()
+
+    # kvslim's rows, and with --peers the peers after them: N rounds in turn with --peer-rounds N (kvslim.bench.rounds)
+    n = args.peer_rounds if args.peers is not None else 1
+    ours, theirs, built = [], [], {}
+    for i in range(n):
+        if n > 1:
+            log(f"round {i + 1}/{n} of kvslim's rows and the peers")
+        with GcPauses() as pauses:
+            ours.append(run_concurrency(model, modes, settings["lengths"], args.concurrency, settings["steps"],
+                                        warmup=settings["warmup"], seed=args.seed, log=log, linears=route,
+                                        continuous_batching=not args.no_continuous_batching and i == 0, built=built))
+        if i == 0:
+            extra["gc"] = {"freeze": args.gc_freeze, **pauses.to_dict()}
+        if args.peers is not None:
+            from ..bench.concurrency_peers import run_peers
+
+            found, extra["peers"] = run_peers(
+                args.peers or list(CONCURRENCY_PEERS), model, list(configs), prompt, settings["lengths"],
+                args.concurrency, settings["steps"], warmup=settings["warmup"], threads=policy["torch_threads"],
+                log=log,
+            )
+            theirs.append(found)
+    built.clear()
+    rows = merge_rounds(ours)
     if args.compile:
         from ..bench.concurrency_pages import compiled_step
 
@@ -53,25 +75,18 @@ def run_concurrency(args, model, configs, settings, policy) -> int:
         extra["compiled_pages"] = {"buckets": sorted(step.buckets), "compile_s": step.compile_s}
         log(f"compiled paged step: {step.compiles} graph(s) (rows {sorted(step.buckets)}) in {step.compile_s:.1f} s")
 
-    def prompt(length: int) -> list[int]:
-        return tokens(model, length, args.seed)[0].tolist()
-
     if args.serve:
         paged_names = [m.name for m in modes if m.kind == "pages"]
         rows += _serve(args, model, configs, paged_names, settings, prompt, log, extra)
     if args.peers is not None:
-        from ..bench.concurrency_peers import run_peers
-
-        found, extra["peers"] = run_peers(
-            args.peers or list(CONCURRENCY_PEERS), model, list(configs), prompt, settings["lengths"],
-            args.concurrency, settings["steps"], warmup=settings["warmup"], threads=policy["torch_threads"],
-            log=log,
-        )
-        rows += found
+        rows += merge_rounds(theirs)
         for line in extra["peers"].values():
             print(line)
     link_ratios(rows)
     print(render_concurrency(rows))
+    if n > 1:
+        extra["peer_rounds"] = round_ratios(ours, theirs)
+        print(render_round_ratios(extra["peer_rounds"], n))
     if args.json:
         write_json(
             args.json,
@@ -79,6 +94,7 @@ def run_concurrency(args, model, configs, settings, policy) -> int:
                 "concurrency": [r.to_dict() for r in rows],
                 "settings": {"lengths": settings["lengths"], "concurrency": args.concurrency, "steps": settings["steps"],
                              "threads": args.threads, "configs": list(configs), "serve": args.serve, "pages": args.pages,
+                             "peer_rounds": n,
                              "dtype": args.dtype, "cpu_bf16": bf16_instructions(), "linears": args.linears,
                              "linears_route": route.route, "linears_reason": route.reason},
                 "thread_policy": with_load_after(policy),
