@@ -1,7 +1,9 @@
-"""The pool's attention kernel of two or more source revisions, timed on one real decode step's calls in one process.
+"""The pool's attention kernel (or the linear kernel) of two or more source revisions, timed on one real decode
+step's calls in one process.
 
     OMP_WAIT_POLICY=PASSIVE python scripts/paged_kernel_ab.py --rows 16 --length 4096 --config int4 \\
         --revs 54f1dc7 HEAD HEAD
+    OMP_WAIT_POLICY=PASSIVE python scripts/paged_kernel_ab.py --products --rows 16 --revs HEAD~1 HEAD HEAD~1
 
 Each ``--revs`` entry is a git revision of this repository (``worktree``: the working tree's sources). Its
 ``src/kvslim/kernels/csrc`` is built with the compiler and flags of the library kvslim loaded (the same as
@@ -18,6 +20,12 @@ step. Only the attention calls are timed.
 Prints per build the median and fastest ms a step (30 calls), its per-round time against the first build's (median
 and quartiles: the ratio to read), and whether its outputs are the first build's bit for bit and the step's own. Give
 one revision twice for an A/A control: on a shared host the rounds move by 5-10%. Measure alone, on a quiet machine.
+
+``--products``: the linear kernel instead (``kv_linear``). Each round runs one pass of the embedded model's products
+in a step's order (every weight the engine routes to kvslim's kernel, 211, with its bias) at ``--rows`` rows of
+seeded random input through every build in turn; the pass is timed whole (~0.5 GB of weights, more than the L3
+holds, so each weight comes from memory as in a step), and its outputs are compared with the first build's and with
+the library kvslim loaded (:func:`kvslim.kernels.linear.linear`) bit for bit.
 """
 
 from __future__ import annotations
@@ -71,6 +79,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--reps", type=int, default=3, help="replays of the step's calls a round, timed together")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--products", action="store_true", help="time the linear kernel on the model's products instead"
+    )
     a = p.parse_args()
     if min(a.rows, a.length, a.rounds, a.reps, a.threads) < 1:
         p.error("--rows, --length, --rounds, --reps and --threads must be positive")
@@ -103,6 +114,9 @@ def main() -> None:
             raise SystemExit(f"{name}: kvp_attend ABI {lib.kvp_abi_version()}, this tree's is {paged.ABI}")
 
     before = load_average()
+    if a.products:
+        _products(a, libs, load_model(None)[0], before)
+        return
     model = kvslim.enable(load_model(None)[0])
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (a.length,), generator=g).tolist()
@@ -170,13 +184,63 @@ def main() -> None:
         f"{first} / the step"
     )
     for name, _ in libs:
-        ratios = statistics.quantiles([b / a_ for a_, b in zip(times[first], times[name], strict=True)], n=4)
         same = all(torch.equal(o, p) for (_, o), (_, p) in zip(outs[first], outs[name], strict=True))
         step = all(torch.equal(o, c[4]) for (_, o), c in zip(outs[name], calls, strict=True))
-        print(
-            f"{name:24s} {statistics.median(times[name]):10.3f} {min(times[name]):8.3f} {ratios[1]:6.3f} "
-            f"{ratios[0]:6.3f} {ratios[2]:6.3f}  {same} / {step}"
-        )
+        _line(name, times, first, same, step)
+
+
+def _line(name: str, times: dict, first: str, same: bool, step: bool) -> None:
+    ratios = statistics.quantiles([b / a_ for a_, b in zip(times[first], times[name], strict=True)], n=4)
+    print(
+        f"{name:24s} {statistics.median(times[name]):10.3f} {min(times[name]):8.3f} {ratios[1]:6.3f} "
+        f"{ratios[0]:6.3f} {ratios[2]:6.3f}  {same} / {step}"
+    )
+
+
+def _products(a, libs: list, model, before) -> None:
+    """``--products``: a pass of the model's products through every build in turn (module docstring)."""
+    from kvslim.engine.linears import _routable
+    from kvslim.kernels import linear as klin
+    from kvslim.threads import load_average
+
+    mods = [m for m in model.modules() if _routable(m, (torch.float32,))]
+    if not mods:
+        raise SystemExit("the model has no float32 products kvslim's linear kernel takes")
+    g = torch.Generator().manual_seed(0)
+    xs = {i: torch.randn(a.rows, i, generator=g) for i in sorted({m.weight.shape[1] for m in mods})}
+    with torch.inference_mode():
+        ref = [klin.linear(xs[m.weight.shape[1]], m.weight, m.bias) for m in mods]
+    calls = []
+    for m in mods:
+        w, (o, i) = m.weight, m.weight.shape
+        calls.append((xs[i], w, m.bias, o, i))
+    outs = {name: [torch.empty(a.rows, o) for _, _, _, o, _ in calls] for name, _ in libs}
+    args = {name: [array.array("q", [x.data_ptr(), a.rows, i, x.stride(0), w.data_ptr(), o, w.stride(0),
+                                     0 if b is None else b.data_ptr(), y.data_ptr(), y.stride(0), a.threads])
+                   for (x, w, b, o, i), y in zip(calls, outs[name], strict=True)] for name, _ in libs}  # fmt: skip
+    times: dict[str, list[float]] = {name: [] for name, _ in libs}
+    for r in range(a.rounds):
+        for name, lib in libs if r % 2 == 0 else libs[::-1]:
+            start = time.perf_counter()
+            for _ in range(a.reps):
+                for t in args[name]:
+                    if lib.kv_linear(t.buffer_info()[0]):
+                        raise SystemExit(f"{name}: kv_linear refused a product")
+            times[name].append((time.perf_counter() - start) / a.reps * 1e3)
+    after = load_average()
+    first = libs[0][0]
+    print(
+        f"{a.rows} rows, a pass of the model's {len(calls)} products, {a.threads} threads, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}; load average {before} -> {after}"
+    )
+    print(
+        f"{'build':24s} {'median ms':>10s} {'fastest':>8s} {'ratio':>6s} {'q1':>6s} {'q3':>6s}  same bits as "
+        f"{first} / the library's"
+    )
+    for name, _ in libs:
+        same = all(torch.equal(o, p) for o, p in zip(outs[first], outs[name], strict=True))
+        mine = all(torch.equal(o, p) for o, p in zip(outs[name], ref, strict=True))
+        _line(name, times, first, same, mine)
 
 
 if __name__ == "__main__":

@@ -46,3 +46,15 @@ def test_two_builds_replay_the_step_with_its_bits():
     for line in builds:
         assert line.rstrip().endswith("True / True"), line  # the first build's bits, and the step's
     assert "30 calls a step" in res.stdout
+
+
+@pytest.mark.slow
+def test_two_builds_of_the_linear_kernel_give_the_librarys_bits():
+    res = _run("--products", "--rows", "3", "--revs", "HEAD", "worktree", "--rounds", "2", "--reps", "1")
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = res.stdout.splitlines()
+    builds = [line for line in lines if line.startswith(("0:HEAD", "1:worktree"))]
+    assert len(builds) == 2, res.stdout
+    for line in builds:
+        assert line.rstrip().endswith("True / True"), line  # the first build's bits, and the loaded library's
+    assert "a pass of the model's 211 products" in res.stdout
