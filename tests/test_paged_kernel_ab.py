@@ -1,5 +1,6 @@
 """scripts/paged_kernel_ab.py: builds of the pool's attention kernel from git revisions, replayed on one real step's
-calls; every build gives the step's own bits, and a revision git does not know fails in one line."""
+calls, and (--products) of the linear kernel on the model's products; every build gives the step's own bits (the
+loaded library's), and a revision git does not know fails in one line."""
 
 from __future__ import annotations
 
@@ -36,25 +37,23 @@ def test_an_unknown_revision_fails_in_one_line():
     assert "git archive no-such-revision-xyz" in res.stderr
 
 
-@pytest.mark.slow
-def test_two_builds_replay_the_step_with_its_bits():
-    res = _run("--rows", "2", "--length", "80", "--revs", "HEAD", "worktree", "--rounds", "2", "--reps", "1")
+def _two_builds(*argv: str) -> str:
+    """The script's stdout for builds of HEAD and the working tree, each of whose lines ends "True / True": the first
+    build's bits, and the step's (the loaded library's, with --products)."""
+    res = _run(*argv, "--revs", "HEAD", "worktree", "--rounds", "2", "--reps", "1")
     assert res.returncode == 0, res.stderr[-2000:]
-    lines = res.stdout.splitlines()
-    builds = [line for line in lines if line.startswith(("0:HEAD", "1:worktree"))]
+    builds = [line for line in res.stdout.splitlines() if line.startswith(("0:HEAD", "1:worktree"))]
     assert len(builds) == 2, res.stdout
     for line in builds:
-        assert line.rstrip().endswith("True / True"), line  # the first build's bits, and the step's
-    assert "30 calls a step" in res.stdout
+        assert line.rstrip().endswith("True / True"), line
+    return res.stdout
+
+
+@pytest.mark.slow
+def test_two_builds_replay_the_step_with_its_bits():
+    assert "30 calls a step" in _two_builds("--rows", "2", "--length", "80")
 
 
 @pytest.mark.slow
 def test_two_builds_of_the_linear_kernel_give_the_librarys_bits():
-    res = _run("--products", "--rows", "3", "--revs", "HEAD", "worktree", "--rounds", "2", "--reps", "1")
-    assert res.returncode == 0, res.stderr[-2000:]
-    lines = res.stdout.splitlines()
-    builds = [line for line in lines if line.startswith(("0:HEAD", "1:worktree"))]
-    assert len(builds) == 2, res.stdout
-    for line in builds:
-        assert line.rstrip().endswith("True / True"), line  # the first build's bits, and the loaded library's
-    assert "a pass of the model's 211 products" in res.stdout
+    assert "a pass of the model's 211 products" in _two_builds("--products", "--rows", "3")
