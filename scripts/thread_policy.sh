@@ -7,11 +7,13 @@
 #   CONC=4 LENGTH=512 STEPS=5 scripts/thread_policy.sh   # a shorter run
 #   SMOKE=1 scripts/thread_policy.sh              # seconds: the tiny settings, to check the script runs
 #   PEERS=openvino WAITS=passive LENGTH=1024 scripts/thread_policy.sh  # and OpenVINO GenAI beside the same load
+#   BENCH_FLAGS="--pages --compile" PEERS=openvino WAITS=passive LENGTH=1024 scripts/thread_policy.sh  # pages rows too
 #
 # Settings (environment): KVSLIM (default: .venv/bin/kvslim), CONFIG (int4), CONC (16), LENGTH (4096),
 # STEPS (10), THREADS (2), BUSY (2), OUT (out/thread-policy), MODEL (--model; default the embedded model), WAITS (the
 # policies to run, default "passive active runtime"), PEERS (serving peers, space-separated as `kvslim bench --peers` takes them, run with the
-# first policy of WAITS: each in its own process, beside the same busy loops, and in the table as rows of their own).
+# first policy of WAITS: each in its own process, beside the same busy loops, and in the table as rows of their own),
+# BENCH_FLAGS (more `kvslim bench` flags, e.g. "--pages --compile": the CONFIG+pages rows get rows of their own).
 # Run it on a machine nobody else is using: the "quiet" column is only quiet if the machine is.
 # The busy loops are this script's children, ended by their PIDs when it exits (also on Ctrl-C).
 set -euo pipefail
@@ -26,6 +28,7 @@ BUSY=${BUSY:-2}
 OUT=${OUT:-out/thread-policy}
 WAITS=${WAITS:-passive active runtime}
 PEERS=${PEERS:-}
+read -r -a BENCH_EXTRA <<< "${BENCH_FLAGS:-}"
 MODEL_FLAGS=()
 [ -n "${MODEL:-}" ] && MODEL_FLAGS=(--model "$MODEL")
 if [ -n "${SMOKE:-}" ]; then CONC=2; LENGTH=32; STEPS=3; fi
@@ -51,7 +54,7 @@ for load in quiet busy; do
         echo "== $load, --omp-wait $wait: $CONC x $LENGTH $CONFIG, $THREADS threads ${peer_flags[*]}" >&2
         "$KVSLIM" bench "${MODEL_FLAGS[@]}" --concurrency "$CONC" --lengths "$LENGTH" --config "$CONFIG" \
             --steps "$STEPS" --warmup 1 --threads "$THREADS" --omp-wait "$wait" --no-continuous-batching \
-            "${peer_flags[@]}" --quiet --json "$OUT/$load-$wait.json" > "$OUT/$load-$wait.txt"
+            "${peer_flags[@]}" "${BENCH_EXTRA[@]}" --quiet --json "$OUT/$load-$wait.json" > "$OUT/$load-$wait.txt"
         peer_flags=()  # the peers run once, with the first policy
     done
     stop_busy
@@ -65,14 +68,17 @@ for load in ("quiet", "busy"):
     for wait in waits:
         with open(os.path.join(out, f"{load}-{wait}.json")) as f:
             d = json.load(f)
-        for r in d["concurrency"]:  # kvslim's row under this policy; a peer's rows under their own names
+        for r in d["concurrency"]:  # kvslim's rows under this policy; a peer's rows under their own names
             if r["mode"] == config:
                 rows[load, wait] = (r, d["thread_policy"])
+            elif r["mode"].startswith(config + "+pages"):  # (BENCH_FLAGS="--pages ...")
+                rows[load, f"{wait} {r['mode'][len(config):]}"] = (r, d["thread_policy"])
             elif r["mode"].split(" ", 1)[0] in ("openvino", "vllm") and r.get("ms_median"):
                 rows[load, r["mode"]] = (r, d["thread_policy"])
 print(f"| --omp-wait (or peer) | quiet ms/step | busy ms/step | busy / quiet | load avg (busy, before -> after) |")
 print("|---|---:|---:|---:|---|")
-names = [*waits, *sorted({k[1] for k in rows if k[1] not in waits})]
+names = [*waits, *sorted({k[1] for k in rows if k[1] not in waits and k[1].split(" ", 1)[0] in waits}),
+         *sorted({k[1] for k in rows if k[1].split(" ", 1)[0] not in waits})]
 for name in names:
     if ("quiet", name) not in rows or ("busy", name) not in rows:
         continue
