@@ -21,6 +21,11 @@ Prints per build the median and fastest ms a step (30 calls), its per-round time
 and quartiles: the ratio to read), and whether its outputs are the first build's bit for bit and the step's own. Give
 one revision twice for an A/A control: on a shared host the rounds move by 5-10%. Measure alone, on a quiet machine.
 
+``--no-product`` leaves out the product before each call (the calls back to back: each layer's history still comes
+from beyond the L3 at 16 rows, since a step's pages are larger than it); ``--warm`` replays the step's first call in
+place of every call (its pages stay in the L3 at 16 rows, in the L2 at one row): with ``--no-product``, the two
+say how much of a call is the trip to memory.
+
 ``--products``: the linear kernel instead (``kv_linear``). Each round runs one pass of the embedded model's products
 in a step's order (every weight the engine routes to kvslim's kernel, 211, with its bias) at ``--rows`` rows of
 seeded random input through every build in turn; the pass is timed whole (~0.5 GB of weights, more than the L3
@@ -79,6 +84,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--reps", type=int, default=3, help="replays of the step's calls a round, timed together")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-product", action="store_true", help="no 14 MB product before each call")
+    p.add_argument("--warm", action="store_true", help="replay the step's first call in place of every call")
     p.add_argument(
         "--products", action="store_true", help="time the linear kernel on the model's products instead"
     )
@@ -165,7 +172,9 @@ def main() -> None:
             spent = 0.0
             for _ in range(a.reps):
                 for n, (t, _) in enumerate(outs[name]):
-                    if lib.kv_linear(products[n % len(products)].buffer_info()[0]):
+                    if a.warm:
+                        t = outs[name][0][0]
+                    if not a.no_product and lib.kv_linear(products[n % len(products)].buffer_info()[0]):
                         raise SystemExit(f"{name}: kv_linear refused the product")
                     start = time.perf_counter()
                     rc = lib.kvp_attend(t.buffer_info()[0])
@@ -176,16 +185,18 @@ def main() -> None:
     after = load_average()
     first = libs[0][0]
     print(
-        f"{a.rows} rows x {a.length} tokens, {a.config}, {len(calls)} calls a step, {a.threads} threads, "
+        f"{a.rows} rows x {a.length} tokens, {a.config}, {len(calls)} calls a step"
+        f"{' (the first, warm)' if a.warm else ''}{', no product between' if a.no_product else ''}, {a.threads} threads, "
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}; load average {before} -> {after}"
     )
     print(
         f"{'build':24s} {'median ms':>10s} {'fastest':>8s} {'ratio':>6s} {'q1':>6s} {'q3':>6s}  same bits as "
         f"{first} / the step"
     )
+    n = 1 if a.warm else len(calls)  # (--warm writes the first call's output only)
     for name, _ in libs:
-        same = all(torch.equal(o, p) for (_, o), (_, p) in zip(outs[first], outs[name], strict=True))
-        step = all(torch.equal(o, c[4]) for (_, o), c in zip(outs[name], calls, strict=True))
+        same = all(torch.equal(o, p) for (_, o), (_, p) in zip(outs[first][:n], outs[name][:n], strict=True))
+        step = all(torch.equal(o, c[4]) for (_, o), c in zip(outs[name][:n], calls[:n], strict=True))
         _line(name, times, first, same, step)
 
 

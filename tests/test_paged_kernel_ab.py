@@ -57,3 +57,9 @@ def test_two_builds_replay_the_step_with_its_bits():
 @pytest.mark.slow
 def test_two_builds_of_the_linear_kernel_give_the_librarys_bits():
     assert "a pass of the model's 211 products" in _two_builds("--products", "--rows", "3")
+
+
+@pytest.mark.slow
+def test_a_warm_replay_without_products_checks_the_first_calls_bits():
+    out = _two_builds("--rows", "2", "--length", "80", "--warm", "--no-product")
+    assert "30 calls a step (the first, warm), no product between" in out
