@@ -189,15 +189,19 @@ def main() -> None:
         f"{' (the first, warm)' if a.warm else ''}{', no product between' if a.no_product else ''}, {a.threads} threads, "
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}; load average {before} -> {after}"
     )
-    print(
-        f"{'build':24s} {'median ms':>10s} {'fastest':>8s} {'ratio':>6s} {'q1':>6s} {'q3':>6s}  same bits as "
-        f"{first} / the step"
-    )
+    _header(first, "the step")
     n = 1 if a.warm else len(calls)  # (--warm writes the first call's output only)
     for name, _ in libs:
         same = all(torch.equal(o, p) for (_, o), (_, p) in zip(outs[first][:n], outs[name][:n], strict=True))
         step = all(torch.equal(o, c[4]) for (_, o), c in zip(outs[name][:n], calls[:n], strict=True))
         _line(name, times, first, same, step)
+
+
+def _header(first: str, reference: str) -> None:
+    print(
+        f"{'build':24s} {'median ms':>10s} {'fastest':>8s} {'ratio':>6s} {'q1':>6s} {'q3':>6s}  same bits as "
+        f"{first} / {reference}"
+    )
 
 
 def _line(name: str, times: dict, first: str, same: bool, step: bool) -> None:
@@ -244,10 +248,7 @@ def _products(a, libs: list, model, before) -> None:
         f"{a.rows} rows, a pass of the model's {len(calls)} products, {a.threads} threads, "
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}; load average {before} -> {after}"
     )
-    print(
-        f"{'build':24s} {'median ms':>10s} {'fastest':>8s} {'ratio':>6s} {'q1':>6s} {'q3':>6s}  same bits as "
-        f"{first} / the library's"
-    )
+    _header(first, "the library's")
     for name, _ in libs:
         same = all(torch.equal(o, p) for o, p in zip(outs[first], outs[name], strict=True))
         mine = all(torch.equal(o, p) for o, p in zip(outs[name], ref, strict=True))

@@ -22,10 +22,10 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import replace
 
-from .concurrency import CONTINUOUS_BATCHING, ConcurrencyRow
-from .modes import DYNAMIC
+from .concurrency import ConcurrencyRow
 
-#: kinds of the rows kvslim's own engine measures (not the plain cache, not transformers' continuous batching)
+#: kinds of the rows kvslim's own engine measures (the plain cache's is ``dynamic``, transformers' continuous
+#: batching's and the peers' ``peer``)
 KVSLIM_KINDS = ("kvslim", "pages")
 
 
@@ -49,7 +49,8 @@ def merge_rounds(rounds: Sequence[Sequence[ConcurrencyRow]]) -> list[Concurrency
             seen.setdefault(_key(row), []).append(row)
     out = []
     for runs in seen.values():
-        if len(runs) == 1:  # (measured in one round only: transformers' continuous batching is run in the first)
+        # (a row measured in one round only: transformers' continuous batching is run in the first)
+        if len(runs) == 1:
             out.append(runs[0] if len(rounds) == 1 else replace(runs[0], ratio_to_dynamic=None))
             continue
         timed = sorted((r for r in runs if _ms(r) is not None), key=lambda r: r.ms_median)
@@ -67,7 +68,7 @@ def round_ratios(kvslim_rounds: Sequence[Sequence[ConcurrencyRow]],
         raise ValueError(f"{len(kvslim_rounds)} rounds of kvslim's rows but {len(peer_rounds)} of the peers'")
     pairs: dict[tuple, list[float]] = {}
     for ours, theirs in zip(kvslim_rounds, peer_rounds, strict=True):
-        mine = [r for r in ours if r.kind in KVSLIM_KINDS and r.mode not in (DYNAMIC, CONTINUOUS_BATCHING)]
+        mine = [r for r in ours if r.kind in KVSLIM_KINDS]
         for p in theirs:
             for k in mine:
                 if (k.length, k.concurrency) != (p.length, p.concurrency):
