@@ -10,10 +10,13 @@ with the same tokens:
 - ``compiled``: :class:`kvslim.cache.paged_compiled.CompiledStep`, Inductor's loops on one thread (the default);
 - ``compiled-omp``: the same with Inductor's loops on its OpenMP default (``loop_threads=-1``);
 - ``compiled-noguards``: ``compiled`` with dynamo's guard checks skipped after the warm-up
-  (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: what the guards cost; unsafe, not what kvslim runs).
+  (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: what the guards cost; unsafe, not what kvslim runs);
+- ``compiled-twin``: a second step built as ``compiled`` is (an A/A control: how far two of the same drift apart).
 
-Prints each mode's quartiles and its median against ``eager``'s, and the largest logit difference from ``eager`` at
-the first step. Measure alone, on a quiet machine (``uptime`` before and after).
+Prints each mode's quartiles, its median against the first mode's, the median of its step-by-step ratios to the
+first mode's (the same round's steps), and the largest logit difference from the first mode at the first step.
+``--modes compiled compiled-twin`` is the A/A control to put beside a change measured this way. Measure alone, on a
+quiet machine (``uptime`` before and after).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import time
 
 import torch
 
-MODES = ("eager", "compiled", "compiled-omp", "compiled-noguards")
+MODES = ("eager", "compiled", "compiled-omp", "compiled-noguards", "compiled-twin")
 
 
 def main() -> None:
@@ -52,6 +55,7 @@ def main() -> None:
     steps = {
         "compiled": CompiledStep(model),
         "compiled-omp": CompiledStep(model, loop_threads=-1),
+        "compiled-twin": CompiledStep(model),
     }
     steps["compiled-noguards"] = steps["compiled"]
     g = torch.Generator().manual_seed(0)
@@ -92,9 +96,10 @@ def main() -> None:
     base = statistics.median(times[a.modes[0]])
     for m in a.modes:
         q = statistics.quantiles(times[m], n=4)
+        paired = statistics.median(t / b for t, b in zip(times[m], times[a.modes[0]], strict=True))
         diff = (out[m] - out[a.modes[0]]).abs().max().item()
-        print(f"{m:>18}: p25 {q[0]:7.2f}  median {q[1]:7.2f}  p75 {q[2]:7.2f} ms   x{q[1] / base:5.2f}   "
-              f"max |logit - {a.modes[0]}| {diff:.2g}")  # fmt: skip
+        print(f"{m:>18}: p25 {q[0]:7.2f}  median {q[1]:7.2f}  p75 {q[2]:7.2f} ms   x{q[1] / base:5.3f}   "
+              f"paired x{paired:5.3f}   max |logit - {a.modes[0]}| {diff:.2g}")  # fmt: skip
 
 
 if __name__ == "__main__":
