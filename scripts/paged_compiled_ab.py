@@ -11,7 +11,8 @@ with the same tokens:
 - ``compiled-omp``: the same with Inductor's loops on its OpenMP default (``loop_threads=-1``);
 - ``compiled-noguards``: ``compiled`` with dynamo's guard checks skipped after the warm-up
   (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: what the guards cost; unsafe, not what kvslim runs);
-- ``compiled-twin``: a second step built as ``compiled`` is (an A/A control: how far two of the same drift apart).
+- ``compiled-twin``: a second step built as ``compiled`` is (an A/A control: how far two of the same drift apart);
+- ``compiled-cpp``: ``compiled`` with Inductor's wrapper generated as C++ (``wrapper="cpp"``).
 
 Prints each mode's quartiles, its median against the first mode's, the median of its step-by-step ratios to the
 first mode's (the same round's steps), and the largest logit difference from the first mode at the first step.
@@ -27,7 +28,7 @@ import time
 
 import torch
 
-MODES = ("eager", "compiled", "compiled-omp", "compiled-noguards", "compiled-twin")
+MODES = ("eager", "compiled", "compiled-omp", "compiled-noguards", "compiled-twin", "compiled-cpp")
 
 
 def main() -> None:
@@ -56,6 +57,7 @@ def main() -> None:
         "compiled": CompiledStep(model),
         "compiled-omp": CompiledStep(model, loop_threads=-1),
         "compiled-twin": CompiledStep(model),
+        "compiled-cpp": CompiledStep(model, wrapper="cpp"),
     }
     steps["compiled-noguards"] = steps["compiled"]
     g = torch.Generator().manual_seed(0)
@@ -98,8 +100,9 @@ def main() -> None:
         q = statistics.quantiles(times[m], n=4)
         paired = statistics.median(t / b for t, b in zip(times[m], times[a.modes[0]], strict=True))
         diff = (out[m] - out[a.modes[0]]).abs().max().item()
+        compile_s = f"   compiled in {steps[m].compile_s:.0f} s" if m in steps else ""
         print(f"{m:>18}: p25 {q[0]:7.2f}  median {q[1]:7.2f}  p75 {q[2]:7.2f} ms   x{q[1] / base:5.3f}   "
-              f"paired x{paired:5.3f}   max |logit - {a.modes[0]}| {diff:.2g}")  # fmt: skip
+              f"paired x{paired:5.3f}   max |logit - {a.modes[0]}| {diff:.2g}{compile_s}")  # fmt: skip
 
 
 if __name__ == "__main__":

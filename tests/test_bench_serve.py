@@ -103,6 +103,8 @@ def model_dir(tmp_path_factory):
         (["--concurrency", "2", "--join", "64"], {}, "--join 64: a prompt length of at least 1 token, with --serve"),
         (["--concurrency", "2", "--serve", "--prefill-chunk", "0"], {}, "--prefill-chunk 0: a chunk of at least 1"),
         (["--pages"], {}, "--pages applies to --concurrency's engine rows"),
+        (["--compile", "cpp"], {}, "--compile cpp: a wrapper applies to the compiled paged step (--concurrency C"),
+        (["--compile", "c++"], {}, "argument --compile: invalid choice: 'c++' (choose from 'python', 'cpp')"),
         ([], {"KVSLIM_POOL_SPIN_US": "-5"}, "KVSLIM_POOL_SPIN_US=-5 must be a whole number of microseconds 0-100000"),
     ],
 )
@@ -120,6 +122,8 @@ def test_bad_flags_are_one_line(model_dir, argv, env, message):
         (["--pages", "64", "--memory-budget", "1GiB"], "--pages N is the pool's size, which is its memory budget"),
         (["--pages", "auto", "--session-dir", "sessions"], "--pages keeps idle sessions in memory only"),
         (["--compile"], "--compile compiles the paged step: give --pages N or --pages auto as well"),
+        (["--compile", "cpp"], "--compile compiles the paged step: give --pages N or --pages auto as well"),
+        (["--pages", "auto", "--compile", "c"], "argument --compile: invalid choice: 'c' (choose from 'python', 'cpp')"),
         (["--no-warm-up"], "--no-warm-up goes with --compile"),
     ],
 )

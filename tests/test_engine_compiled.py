@@ -122,8 +122,10 @@ def test_warm_up_compiles_every_bucket_and_leaves_the_pool_as_it_was(model):
 def test_what_the_compiled_engine_cannot_serve_is_refused_in_one_line(model, step):
     with pytest.raises(ValueError, match="compile compiles the paged step: give pages=N or pages='auto'"):
         Engine(model, cache="int4", compile=True)
-    with pytest.raises(ValueError, match="compile must be True, False or a CompiledStep"):
+    with pytest.raises(ValueError, match="compile must be True, False, a wrapper \\('python', 'cpp'\\) or a CompiledStep"):
         Engine(model, cache="int4", pages=8, compile="yes")
+    assert Engine(model, cache="int4", pages=8, compile="cpp").compiled.wrapper == "cpp"  # (compiles at its first step)
+    assert Engine(model, cache="int4", pages=8, compile=True).compiled.wrapper == "python"
     other = kvslim.enable(tiny_model("llama"))
     with pytest.raises(ValueError, match="compiles another model's step"):
         Engine(other, cache="int4", pages=8, compile=step)

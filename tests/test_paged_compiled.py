@@ -149,7 +149,7 @@ def test_the_concurrency_bench_has_a_compiled_pages_row():
     model = kvslim.enable(tiny_model("llama"))
     modes, _ = build_modes(model, ["int4"])
     paged, _ = pages_modes(modes, compiled=True)
-    assert [(m.name, m.compiled) for m in paged] == [("int4+pages", False), ("int4+pages+compiled", True)]
+    assert [(m.name, m.compiled) for m in paged] == [("int4+pages", False), ("int4+pages+compiled", "python")]
     rows = run_concurrency(model, modes + paged, [40], [1, 3], steps=2, warmup=1, continuous_batching=False)
     got = {(r.mode, r.concurrency): r for r in rows}
     for c in (1, 3):
@@ -174,3 +174,28 @@ def test_torchs_linear_runs_where_kvslims_kernel_does_not(monkeypatch):
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
     assert set(paged_compiled._prepared.values()) == {False}
+
+
+def test_the_cpp_wrapper_steps_the_python_wrappers_bits(monkeypatch):
+    """``wrapper="cpp"``: the same graph called from a C++ wrapper Inductor generates and builds (the loader of such
+    wrappers runs for it, not for the Python wrapper's), so each step's logits are the same bits as the Python
+    wrapper's; a wrapper it does not know is refused in one line."""
+    from torch._inductor import codecache
+
+    model = kvslim.enable(tiny_model("llama"))
+    python = paged_compiled.CompiledStep(model)
+    cpp = paged_compiled.CompiledStep(model, wrapper="cpp")
+    assert (python.wrapper, cpp.wrapper) == ("python", "cpp")
+    loaded = []
+    load = codecache.CppWrapperCodeCache.load_pybinding
+    monkeypatch.setattr(
+        codecache.CppWrapperCodeCache, "load_pybinding", classmethod(lambda c, *a, **k: loaded.append(1) or load(*a, **k))
+    )
+    with torch._inductor.config.patch(force_disable_caches=True):  # (a cached graph would skip the loader)
+        want, want_tokens = _decode(model, "int4", python, steps=3)
+        assert not loaded
+        got, got_tokens = _decode(model, "int4", cpp, steps=3)
+    assert loaded and got_tokens == want_tokens and cpp.buckets == {4}
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    with pytest.raises(ValueError, match="the compiled step's wrapper is one of python, cpp, got 'c'"):
+        paged_compiled.CompiledStep(model, wrapper="c")

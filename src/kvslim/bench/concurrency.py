@@ -110,7 +110,8 @@ def measure_concurrency(
             if mode.kind == "kvslim":
                 rows_of[mode.name] = [copy.deepcopy(base) for _ in range(concurrency)]
             elif mode.kind == "pages":
-                rows_of[mode.name] = PagedRows(*base, concurrency, compiled_step(model) if mode.compiled else None)
+                step = compiled_step(model, mode.compiled) if mode.compiled else None
+                rows_of[mode.name] = PagedRows(*base, concurrency, step)
             else:
                 cache = copy.deepcopy(base)
                 cache.batch_repeat_interleave(concurrency)

@@ -27,14 +27,15 @@ SUFFIX = "+pages"
 COMPILED = "+compiled"
 #: id(model) -> its compiled paged step, one per model, held (with the model it closes over) for the bench's process:
 #: its graphs compile once per bucket of rows across the run's lengths and concurrencies
-_steps: dict[int, CompiledStep] = {}
+_steps: dict[tuple, CompiledStep] = {}
 #: prompt tokens a prefill forward reads
 PREFILL_CHUNK = 1024
 
 
-def pages_modes(modes: Sequence[Mode], compiled: bool = False) -> tuple[list[Mode], dict[str, str]]:
+def pages_modes(modes: Sequence[Mode], compiled: bool | str = False) -> tuple[list[Mode], dict[str, str]]:
     """A ``SPEC+pages`` mode for each kvslim mode pages can store (and, ``compiled``, a ``SPEC+pages+compiled`` one
-    stepped by the compiled paged step), and ``{spec: why not}`` for the others."""
+    stepped by the compiled paged step: True or a wrapper's name, kept as the mode's ``compiled``), and ``{spec: why
+    not}`` for the others."""
     out, notes = [], {}
     for mode in modes:
         if mode.kind != "kvslim" or mode.compiled:
@@ -47,7 +48,8 @@ def pages_modes(modes: Sequence[Mode], compiled: bool = False) -> tuple[list[Mod
             continue
         out.append(Mode(mode.name + SUFFIX, "pages", lambda cfg=cfg: cfg, mode.bits))
         if compiled:
-            out.append(Mode(mode.name + SUFFIX + COMPILED, "pages", lambda cfg=cfg: cfg, mode.bits, compiled=True))
+            wrapper = "python" if compiled is True else compiled
+            out.append(Mode(mode.name + SUFFIX + COMPILED, "pages", lambda cfg=cfg: cfg, mode.bits, compiled=wrapper))
     return out, notes
 
 
@@ -64,11 +66,14 @@ def prefill_pages(model, mode: Mode, ids: torch.Tensor, *, rows: int, tokens: in
     return pool, row
 
 
-def compiled_step(model) -> CompiledStep:
-    """``model``'s compiled paged step (one a model; ValueError in one line where it cannot be compiled)."""
-    if id(model) not in _steps:
-        _steps[id(model)] = CompiledStep(model)
-    return _steps[id(model)]
+def compiled_step(model, wrapper: bool | str = "python") -> CompiledStep:
+    """``model``'s compiled paged step with ``wrapper`` (True: ``"python"``; one a model and wrapper; ValueError in
+    one line where it cannot be compiled)."""
+    wrapper = "python" if wrapper is True else wrapper
+    key = (id(model), wrapper)
+    if key not in _steps:
+        _steps[key] = CompiledStep(model, wrapper=wrapper)
+    return _steps[key]
 
 
 class PagedRows:

@@ -34,7 +34,8 @@ class Mode:
         fp16; a peer's ``nbits``), None for ``dynamic``, ``none`` and kvslim modes whose K and V
         formats differ; used only to pair kvslim modes with peers of the same width.
     window: the StreamingLLM window (None: unbounded).
-    compiled: the mode's cache has a fixed shape and its decode steps run compiled (``bench --compile``).
+    compiled: the mode's cache has a fixed shape and its decode steps run compiled (``bench --compile``); a
+        ``pages`` mode's, the compiled paged step's wrapper (``"python"`` or ``"cpp"``) where it runs through it.
     """
 
     name: str
@@ -42,7 +43,7 @@ class Mode:
     make: Callable[[], object] = field(repr=False, compare=False)
     bits: int | None = None
     window: int | None = None
-    compiled: bool = False  # run through the compiled decode step (kvslim.compiled): a fixed-shape cache
+    compiled: bool | str = False  # run through a compiled decode step (kvslim.compiled; pages: its wrapper)
 
 
 def peer_availability() -> dict[str, str | None]:

@@ -22,6 +22,13 @@ Inductor fuses the rest (a norm, RoPE, SiLU times the up product, the residual s
 single-threaded (``cpp.threads`` 1: at a decode step's few rows a parallel region costs more than it saves, and the
 kernels' workers own the cores). What that removes is the eager step's ~5,000 Python calls and ~600 small torch ops.
 
+The wrapper: the code Inductor generates to call those loops and the ops, each step. ``wrapper="python"`` (the
+default) is Python: ~6 ms of a one-row step on the embedded model went to it, torch's dispatch and the step's own
+Python with the kernels' calls made no-ops. ``wrapper="cpp"`` is Inductor's ``cpp_wrapper``: the same graph called
+from C++ (the two custom ops still reach their Python through torch's dispatcher), the same bits, a one-row step
+4-7% faster on the embedded model, and each bucket's first compile ~2x as long (~100 s against ~35-50 s cold;
+Inductor's on-disk cache makes a later process' compile of the same graph a few seconds either way; docs/compile.md).
+
 Not bit for bit the eager step: Inductor's fused norms and RoPE round in their own order (the logits within ~1e-5 of
 the eager step's on the embedded model; tests/test_paged_compiled.py checks a tiny model's greedy tokens and
 logits against the eager step's, and a row's logits the same bits in a bucket of 1 and of 4). It serves the models
@@ -52,6 +59,9 @@ _LIB.define("prepared_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 
 #: handle -> (pool, plan, the workers' spin renewer) of the step running under it
 _steps: dict[int, tuple] = {}
+#: what calls a graph's kernels and ops each step (:class:`CompiledStep`'s ``wrapper``): Inductor's generated Python,
+#: or its generated C++ (Inductor's ``cpp_wrapper``)
+WRAPPERS = ("python", "cpp")
 #: (weight address, dtype, shape, bias address) -> its Prepared, or False where kvslim's kernel does not take it
 _prepared: dict[tuple, object] = {}
 _handles = itertools.count(1)
@@ -138,7 +148,9 @@ class CompiledStep:
     #: compiled shapes a CompiledStep may hold (dynamo's recompile limit for its graphs)
     MAX_BUCKETS = 16
 
-    def __init__(self, model, *, loop_threads: int = 1):
+    def __init__(self, model, *, loop_threads: int = 1, wrapper: str = "python"):
+        if wrapper not in WRAPPERS:
+            raise ValueError(f"kvslim: the compiled step's wrapper is one of {', '.join(WRAPPERS)}, got {wrapper!r}")
         with torch.no_grad():  # (autograd's state is a step's, checked at each step)
             reason = why_not(model)
         if reason is not None:
@@ -147,6 +159,8 @@ class CompiledStep:
         with _lock:
             self.handle = next(_handles)
         self.model = model
+        #: the code that calls the graph's kernels: Inductor's Python wrapper, or its C++ one (module docstring)
+        self.wrapper = wrapper
         #: whether kvslim's linear kernel runs the products (a row's bits its own at any row count)
         self.own_products = _kernel_linear.ready(next(model.parameters()).dtype)
         self.buckets: set[int] = set()
@@ -160,9 +174,10 @@ class CompiledStep:
         # size_asserts off: Inductor's wrapper otherwise checks the shape and strides of ~500 tensors a step in
         # Python (the custom ops' outputs among them: their fake and real shapes are one expression), ~0.7 ms a step
         # by cProfile's count; measured 0.4-0.8 ms, within this host's noise (docs/performance.md, "The compiled
-        # step's fixed costs")
+        # step's fixed costs"). cpp_wrapper: the wrapper generated as C++ (module docstring)
         self._fn = torch.compile(
-            fn, fullgraph=True, dynamic=False, options={"cpp.threads": loop_threads, "size_asserts": False}
+            fn, fullgraph=True, dynamic=False,
+            options={"cpp.threads": loop_threads, "size_asserts": False, "cpp_wrapper": wrapper == "cpp"},
         )
 
     def rows_for(self, rows: int, multiple: int) -> int:

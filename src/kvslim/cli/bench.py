@@ -11,6 +11,7 @@ import os
 import sys
 
 from .. import threads
+from ..cache.paged_compiled import WRAPPERS
 from ..heap import add_gc_flag, apply_gc_flag
 from .bench_concurrency import CONCURRENCY_PEERS, run_concurrency, with_load_after
 from .common import (
@@ -188,10 +189,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--compile",
-        action="store_true",
+        nargs="?", const=True, default=False, choices=WRAPPERS, metavar="WRAPPER",
         help="also bench compiled decode steps side by side: transformers' StaticCache + torch.compile "
         "('tf-static') and each --config as a StaticSlimCache ('SPEC+compiled'); needs --attn kvslim or auto. With "
-        "--concurrency --pages: each pages row also through the compiled paged step ('SPEC+pages+compiled')",
+        "--concurrency --pages: each pages row also through the compiled paged step ('SPEC+pages+compiled'), its "
+        "graphs called from Inductor's Python wrapper (--compile, --compile python) or its C++ one (--compile cpp: "
+        "faster a step, longer to compile once; docs/compile.md)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
@@ -229,6 +232,9 @@ def run(args: argparse.Namespace) -> int:
     prefill = None if args.prefill_lengths == "all" else args.prefill_lengths
     if args.compile and args.concurrency is not None and not args.pages:
         raise UserError("--compile with --concurrency needs --pages (the compiled ragged step runs on pages)")
+    if args.compile not in (True, False) and args.concurrency is None:
+        raise UserError(f"--compile {args.compile}: a wrapper applies to the compiled paged step (--concurrency C "
+                        "--pages); give --compile alone here")
     if args.join is not None and (not args.serve or args.join < 1):
         raise UserError(f"--join {args.join}: a prompt length of at least 1 token, with --serve")
     if args.linears is not None and not args.concurrency:

@@ -71,8 +71,8 @@ def run_concurrency(args, model, configs, settings, policy) -> int:
     if args.compile:
         from ..bench.concurrency_pages import compiled_step
 
-        step = compiled_step(model)
-        extra["compiled_pages"] = {"buckets": sorted(step.buckets), "compile_s": step.compile_s}
+        step = compiled_step(model, args.compile)
+        extra["compiled_pages"] = {"buckets": sorted(step.buckets), "compile_s": step.compile_s, "wrapper": step.wrapper}
         log(f"compiled paged step: {step.compiles} graph(s) (rows {sorted(step.buckets)}) in {step.compile_s:.1f} s")
 
     if args.serve:
@@ -126,7 +126,7 @@ def _serve(args, model, configs, paged: list[str], settings: dict, prompt, log, 
     for name in paged:
         suffix = name[name.index(SUFFIX):]  # "+pages" or "+pages+compiled"
         spec = name[: -len(suffix)]
-        compiled = ["--compile"] if suffix.endswith(COMPILED) else []
+        compiled = ["--compile", "python" if args.compile is True else args.compile] if suffix.endswith(COMPILED) else []
         runs.append((flags + cache_flags(parse_spec(spec)) + ["--pages", "auto", *compiled], [spec], suffix))
     rows, logs = [], []
     for run_flags, specs, suffix in runs:

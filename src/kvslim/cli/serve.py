@@ -12,6 +12,7 @@ import os
 import re
 
 from .. import threads
+from ..cache.paged_compiled import WRAPPERS
 from ..heap import add_gc_flag, apply_gc_flag
 from .common import (
     LINEAR_ROUTES,
@@ -186,10 +187,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "sessions in memory only (default: a cache of its own per request)",
     )
     parser.add_argument(
-        "--compile", action="store_true",
+        "--compile", nargs="?", const=True, default=False, choices=WRAPPERS, metavar="WRAPPER",
         help="with --pages: decode steps through the compiled paged step (torch.compile, one graph per bucket of "
-        "rows: 1, 2, 4, ... up to --max-concurrency), every bucket compiled at start-up (20-40 s each for the "
-        "embedded model; docs/compile.md); prompt chunks run eagerly, and --linears routes only their products",
+        "rows: 1, 2, 4, ... up to --max-concurrency), every bucket compiled at start-up (35-50 s each for the "
+        "embedded model, a few once Inductor's cache has them; docs/compile.md); prompt chunks run eagerly, and "
+        "--linears routes only their products. WRAPPER: what calls the graph's kernels, Inductor's generated python "
+        "(the default) or cpp (a step a few percent faster, ~100 s a bucket to compile the first time)",
     )
     parser.add_argument(
         "--no-warm-up", dest="warm_up", action="store_false",

@@ -115,12 +115,15 @@ def setup(
 ):
     """An engine's pool and what comes with it: ``(pool, its byte budget, the idle sessions kept at most, the
     compiled step or None)`` (:func:`build_pool`; ``compile``: True for a new
-    :class:`~kvslim.cache.paged_compiled.CompiledStep`, or one of ``model``'s to share its graphs). ValueError in one
-    line for what pages refuse."""
-    from ..cache.paged_compiled import CompiledStep
+    :class:`~kvslim.cache.paged_compiled.CompiledStep`, a wrapper's name for a new one with that wrapper ("python",
+    True's; "cpp"), or one of ``model``'s to share its graphs). ValueError in one line for what pages refuse."""
+    from ..cache.paged_compiled import WRAPPERS, CompiledStep
 
-    if not isinstance(compile, (bool, CompiledStep)):
-        raise ValueError(f"compile must be True, False or a CompiledStep of the model, got {compile!r}")
+    if not (isinstance(compile, (bool, CompiledStep)) or compile in WRAPPERS):
+        raise ValueError(
+            f"compile must be True, False, a wrapper ({', '.join(map(repr, WRAPPERS))}) or a CompiledStep of the "
+            f"model, got {compile!r}"
+        )
     if isinstance(compile, CompiledStep) and compile.model is not model:
         raise ValueError("compile: that CompiledStep compiles another model's step: give True, or this model's")
     if pages is None:
@@ -128,8 +131,8 @@ def setup(
     if session_dir is not None:
         raise ValueError("pages keep sessions in memory only: run without session_dir, or without pages")
     compiled = compile if isinstance(compile, CompiledStep) else None
-    if compile is True:
-        compiled = CompiledStep(model)  # ValueError in one line for a model it does not serve, before the pool
+    if compile is True or compile in WRAPPERS:  # ValueError in one line for a model it does not serve, before the pool
+        compiled = CompiledStep(model, wrapper="python" if compile is True else compile)
     if compiled is not None and (why := compiled.row_invariant()) is not None:
         raise ValueError(f"compile: {why}, so a row's tokens would depend on the rows decoding beside it")
     max_sessions = min(max_sessions or max_batch, max_batch)  # each kept row holds staging slots

@@ -49,7 +49,7 @@ def build_app(
     allow_other_model: bool = False,
     linears: str = "auto",
     pages: int | str | None = None,
-    compile: bool = False,
+    compile: bool | str = False,
 ):
     """The ASGI app serving ``(model, tokenizer)``: a :class:`~kvslim.engine.Engine` (cache, memory_budget,
     max_batch=max_concurrency, prefill_chunk, session_dir, max_queue, max_prompt_tokens — None: the model's
@@ -62,7 +62,7 @@ def build_app(
     engine reads and checks it once, here). linears: the engine's route for the model's linear layers
     (:mod:`kvslim.engine.linears`). pages: every request's cache in one pool of pages (:mod:`kvslim.engine.pages`;
     None: a cache of its own each). compile: with ``pages``, decode steps through the compiled paged step
-    (:mod:`kvslim.cache.paged_compiled`; call the engine's ``warm_up()`` before serving to compile every bucket
+    (:mod:`kvslim.cache.paged_compiled`; True or ``"python"``, or ``"cpp"`` for Inductor's C++ wrapper; call the engine's ``warm_up()`` before serving to compile every bucket
     first). The runner is ``app.state.runner``."""
     from .app import create_app
     from .runner import Runner
