@@ -26,7 +26,7 @@ The wrapper: the code Inductor generates to call those loops and the ops, each s
 default) is Python: ~6 ms of a one-row step on the embedded model went to it, torch's dispatch and the step's own
 Python with the kernels' calls made no-ops. ``wrapper="cpp"`` is Inductor's ``cpp_wrapper``: the same graph called
 from C++ (the two custom ops still reach their Python through torch's dispatcher), the same bits, a one-row step
-4-7% faster on the embedded model, and each bucket's first compile ~2x as long (~100 s against ~35-50 s cold;
+4-6% faster on the embedded model, and each bucket's first compile ~2x as long (80-105 s against 30-55 s cold;
 Inductor's on-disk cache makes a later process' compile of the same graph a few seconds either way; docs/compile.md).
 
 Not bit for bit the eager step: Inductor's fused norms and RoPE round in their own order (the logits within ~1e-5 of

@@ -189,10 +189,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compile", nargs="?", const=True, default=False, choices=WRAPPERS, metavar="WRAPPER",
         help="with --pages: decode steps through the compiled paged step (torch.compile, one graph per bucket of "
-        "rows: 1, 2, 4, ... up to --max-concurrency), every bucket compiled at start-up (35-50 s each for the "
+        "rows: 1, 2, 4, ... up to --max-concurrency), every bucket compiled at start-up (30-55 s each for the "
         "embedded model, a few once Inductor's cache has them; docs/compile.md); prompt chunks run eagerly, and "
         "--linears routes only their products. WRAPPER: what calls the graph's kernels, Inductor's generated python "
-        "(the default) or cpp (a step a few percent faster, ~100 s a bucket to compile the first time)",
+        "(the default) or cpp (a step a few percent faster, 80-105 s a bucket to compile the first time)",
     )
     parser.add_argument(
         "--no-warm-up", dest="warm_up", action="store_false",
