@@ -98,10 +98,9 @@ class Engine(Stepping):
     bits); outside a step, and on other threads, torch's own. pages: None (each row in a SlimCache of its own), or
     every row in one pool of ``pages`` pages a layer (an int, or ``"auto"``: what ``memory_budget`` holds, at most
     ``max_batch`` rows at the model's context), a step two kernel calls a layer (:mod:`kvslim.engine.pages`: one
-    format, admission by pages, sessions kept in memory). compile: True, ``"python"`` (the same), ``"cpp"`` (Inductor's
-    wrapper in C++: a few percent faster a step, a longer first compile), or a model's ``CompiledStep`` to share:
-    with ``pages``, decode steps through the compiled paged step (:mod:`kvslim.cache.paged_compiled`; prompt chunks
-    eagerly: :mod:`kvslim.engine.step`); each bucket of rows compiles on its first step, or all at :meth:`warm_up`.
+    format, admission by pages, sessions kept in memory). compile: True (``"python"``), ``"cpp"`` or a model's
+    ``CompiledStep`` to share: with ``pages``, decode steps through the compiled paged step (wrappers: docs/compile.md;
+    prompt chunks eagerly: :mod:`kvslim.engine.step`); each bucket compiles on its first step, or all at :meth:`warm_up`.
     """
 
     def __init__(
