@@ -133,16 +133,20 @@ def test_serve_rejects_bad_pages_flags(model_dir, argv, message):
     assert len(out.stderr.strip().splitlines()) == 1
 
 
-def test_serve_says_in_one_line_when_the_warm_up_compile_fails(model_dir, tmp_path):
+@pytest.mark.parametrize(
+    "flags, way_out",
+    [(["--compile"], "(run without --compile)"), (["--compile", "cpp"], "(run with --compile python, or without --compile)")],
+)
+def test_serve_says_in_one_line_when_the_warm_up_compile_fails(model_dir, tmp_path, flags, way_out):
     """A compile that fails at warm-up (here Inductor finds no working C++ compiler: CXX=/bin/false, and a cache of
     its own, so no kernel compiled before is loaded instead) stops the start before the port opens: exit 2, one
     error line naming the row count and the way out, no traceback."""
     env = {"CXX": "/bin/false", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    out = _cli("serve", "--model", str(model_dir), "--pages", "auto", "--compile", "--port", "9", env=env, timeout=240)
+    out = _cli("serve", "--model", str(model_dir), "--pages", "auto", *flags, "--port", "9", env=env, timeout=240)
     assert out.returncode == 2, out.stderr[-3000:]
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("kvslim: error: --compile: compiling the paged step for 1 row(s) failed: "), last
-    assert last.endswith("(run without --compile)") and "C++ compiler" in last, last
+    assert last.endswith(way_out) and "C++ compiler" in last, last
     assert "Traceback" not in out.stderr and "serving" not in out.stderr, out.stderr[-3000:]
 
 
