@@ -1004,6 +1004,27 @@ def test_a_paged_server_serves_concurrent_clients_and_sessions(paged):
     assert engine.pool.rows_alive == 0 and engine.pool.free_pages == engine.pool.n_pages
 
 
+def test_a_cpp_wrapper_server_gives_the_python_wrappers_text(model):
+    """``kvslim serve --pages ... --compile cpp``: the engine's step is built with Inductor's C++ wrapper and warmed
+    up with it, and each request's greedy text through a real port is the Python wrapper's server's."""
+    texts = {}
+    for wrapper in ("python", "cpp"):
+        app = build_app(model, char_tokenizer(), model_name=NAME, cache="int4", memory_budget=None, pages=100,
+                        prefill_chunk=64, max_concurrency=1, compile=wrapper)  # fmt: skip
+        engine = app.state.runner.engine
+        assert engine.compiled.wrapper == wrapper and engine.warm_up() == [1]
+        srv = Server(app)
+        try:
+            texts[wrapper] = [
+                srv.client().completions.create(model=NAME, prompt=p, max_tokens=8, temperature=0).choices[0].text
+                for p in ("cpp wrapper: ", "ab" * 9)
+            ]
+        finally:
+            srv.stop()
+        assert engine.compiled.buckets == {1} and engine.pool.rows_alive == 0
+    assert texts["cpp"] == texts["python"]
+
+
 def test_a_compiled_paged_server_warms_up_then_serves_without_compiling(model):
     """``kvslim serve --pages ... --compile``: the warm-up compiles every bucket before the port opens; concurrent
     streaming clients then get what each gets alone, on the runner's thread, and nothing compiles again."""
