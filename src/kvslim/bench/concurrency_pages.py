@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from ..cache.paged_adapter import forward_pages
-from ..cache.paged_compiled import CompiledStep
+from ..cache.paged_compiled import CompiledStep, wrapper_of
 from ..cache.pagepool import PagePool, check_config, pool_for
 from ..config import parse_spec
 from ..engine.pages import pages_for
@@ -48,7 +48,7 @@ def pages_modes(modes: Sequence[Mode], compiled: bool | str = False) -> tuple[li
             continue
         out.append(Mode(mode.name + SUFFIX, "pages", lambda cfg=cfg: cfg, mode.bits))
         if compiled:
-            wrapper = "python" if compiled is True else compiled
+            wrapper = wrapper_of(compiled)
             out.append(Mode(mode.name + SUFFIX + COMPILED, "pages", lambda cfg=cfg: cfg, mode.bits, compiled=wrapper))
     return out, notes
 
@@ -69,10 +69,9 @@ def prefill_pages(model, mode: Mode, ids: torch.Tensor, *, rows: int, tokens: in
 def compiled_step(model, wrapper: bool | str = "python") -> CompiledStep:
     """``model``'s compiled paged step with ``wrapper`` (True: ``"python"``; one a model and wrapper; ValueError in
     one line where it cannot be compiled)."""
-    wrapper = "python" if wrapper is True else wrapper
-    key = (id(model), wrapper)
+    key = (id(model), wrapper_of(wrapper))
     if key not in _steps:
-        _steps[key] = CompiledStep(model, wrapper=wrapper)
+        _steps[key] = CompiledStep(model, wrapper=key[1])
     return _steps[key]
 
 

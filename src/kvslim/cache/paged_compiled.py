@@ -62,6 +62,14 @@ _steps: dict[int, tuple] = {}
 #: what calls a graph's kernels and ops each step (:class:`CompiledStep`'s ``wrapper``): Inductor's generated Python,
 #: or its generated C++ (Inductor's ``cpp_wrapper``)
 WRAPPERS = ("python", "cpp")
+
+
+def wrapper_of(compile: bool | str) -> str:
+    """The wrapper a ``compile`` setting names: True (a compiled step, the default wrapper) is ``"python"``; a
+    wrapper's name is itself."""
+    return "python" if compile is True else compile
+
+
 #: (weight address, dtype, shape, bias address) -> its Prepared, or False where kvslim's kernel does not take it
 _prepared: dict[tuple, object] = {}
 _handles = itertools.count(1)

@@ -122,11 +122,12 @@ def _serve(args, model, configs, paged: list[str], settings: dict, prompt, log, 
     join = args.join and tokens(model, args.join, args.seed + 1)[0].tolist()
     runs = [(flags, list(configs), "")]
     from ..bench.concurrency_pages import COMPILED, SUFFIX
+    from ..cache.paged_compiled import wrapper_of
 
     for name in paged:
         suffix = name[name.index(SUFFIX):]  # "+pages" or "+pages+compiled"
         spec = name[: -len(suffix)]
-        compiled = ["--compile", "python" if args.compile is True else args.compile] if suffix.endswith(COMPILED) else []
+        compiled = ["--compile", wrapper_of(args.compile)] if suffix.endswith(COMPILED) else []
         runs.append((flags + cache_flags(parse_spec(spec)) + ["--pages", "auto", *compiled], [spec], suffix))
     rows, logs = [], []
     for run_flags, specs, suffix in runs:

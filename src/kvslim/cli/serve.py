@@ -342,7 +342,9 @@ def _warm_up(engine) -> None:
         done = engine.warm_up(progress)
     except Exception as e:  # noqa: BLE001 - Inductor's compile (a C++ compiler missing, ...): one line, not a trace
         first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        instead = "with --compile python, or without --compile" if engine.compiled.wrapper == "cpp" else "without --compile"
+        instead = "without --compile"
+        if engine.compiled.wrapper == "cpp":
+            instead = "with --compile python, or " + instead
         raise UserError(f"--compile: compiling the paged step for {at[0]} row(s) failed: {first} (run "
                         f"{instead})") from None
     say(f"kvslim: compiled paged step: {len(done)} graph(s) (rows {done}) in {time.perf_counter() - start:.1f} s")

@@ -117,7 +117,7 @@ def setup(
     compiled step or None)`` (:func:`build_pool`; ``compile``: True for a new
     :class:`~kvslim.cache.paged_compiled.CompiledStep`, a wrapper's name for a new one with that wrapper ("python",
     True's; "cpp"), or one of ``model``'s to share its graphs). ValueError in one line for what pages refuse."""
-    from ..cache.paged_compiled import WRAPPERS, CompiledStep
+    from ..cache.paged_compiled import WRAPPERS, CompiledStep, wrapper_of
 
     if not (isinstance(compile, (bool, CompiledStep)) or compile in WRAPPERS):
         raise ValueError(
@@ -132,7 +132,7 @@ def setup(
         raise ValueError("pages keep sessions in memory only: run without session_dir, or without pages")
     compiled = compile if isinstance(compile, CompiledStep) else None
     if compile is True or compile in WRAPPERS:  # ValueError in one line for a model it does not serve, before the pool
-        compiled = CompiledStep(model, wrapper="python" if compile is True else compile)
+        compiled = CompiledStep(model, wrapper=wrapper_of(compile))
     if compiled is not None and (why := compiled.row_invariant()) is not None:
         raise ValueError(f"compile: {why}, so a row's tokens would depend on the rows decoding beside it")
     max_sessions = min(max_sessions or max_batch, max_batch)  # each kept row holds staging slots

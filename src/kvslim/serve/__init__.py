@@ -62,8 +62,8 @@ def build_app(
     engine reads and checks it once, here). linears: the engine's route for the model's linear layers
     (:mod:`kvslim.engine.linears`). pages: every request's cache in one pool of pages (:mod:`kvslim.engine.pages`;
     None: a cache of its own each). compile: with ``pages``, decode steps through the compiled paged step
-    (:mod:`kvslim.cache.paged_compiled`; True or ``"python"``, or ``"cpp"`` for Inductor's C++ wrapper; call the engine's ``warm_up()`` before serving to compile every bucket
-    first). The runner is ``app.state.runner``."""
+    (:mod:`kvslim.cache.paged_compiled`; True or ``"python"``, or ``"cpp"`` for Inductor's C++ wrapper; call the
+    engine's ``warm_up()`` before serving to compile every bucket first). The runner is ``app.state.runner``."""
     from .app import create_app
     from .runner import Runner
     from .security import is_loopback_host
