@@ -12,7 +12,9 @@ with the same tokens:
 - ``compiled-noguards``: ``compiled`` with dynamo's guard checks skipped after the warm-up
   (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: what the guards cost; unsafe, not what kvslim runs);
 - ``compiled-twin``: a second step built as ``compiled`` is (an A/A control: how far two of the same drift apart);
-- ``compiled-cpp``: ``compiled`` with Inductor's wrapper generated as C++ (``wrapper="cpp"``).
+- ``compiled-cpp``: ``compiled`` with Inductor's wrapper generated as C++ (``wrapper="cpp"``);
+- ``compiled-pyops``, ``compiled-cpp-pyops``: ``compiled`` and ``compiled-cpp`` with the products as the Python op
+  (``cpp_ops=False``) where the others have kvslim's C++ op (:mod:`kvslim.kernels.cppops`, where it builds).
 
 Prints each mode's quartiles, its median against the first mode's, the median of its step-by-step ratios to the
 first mode's (the same round's steps), and the largest logit difference from the first mode at the first step.
@@ -28,7 +30,10 @@ import time
 
 import torch
 
-MODES = ("eager", "compiled", "compiled-omp", "compiled-noguards", "compiled-twin", "compiled-cpp")
+MODES = (
+    "eager", "compiled", "compiled-omp", "compiled-noguards", "compiled-twin", "compiled-cpp", "compiled-pyops",
+    "compiled-cpp-pyops",
+)  # fmt: skip
 
 
 def main() -> None:
@@ -58,6 +63,8 @@ def main() -> None:
         "compiled-omp": CompiledStep(model, loop_threads=-1),
         "compiled-twin": CompiledStep(model),
         "compiled-cpp": CompiledStep(model, wrapper="cpp"),
+        "compiled-pyops": CompiledStep(model, cpp_ops=False),
+        "compiled-cpp-pyops": CompiledStep(model, wrapper="cpp", cpp_ops=False),
     }
     steps["compiled-noguards"] = steps["compiled"]
     g = torch.Generator().manual_seed(0)

@@ -48,6 +48,7 @@ def test_sdist_and_wheel_carry_the_package_the_kernel_source_and_the_entry_point
     names = zipfile.ZipFile(wheel).namelist()
     assert "kvslim/__init__.py" in names and "kvslim/compat.py" in names
     assert any(n.startswith("kvslim/kernels/csrc/") and n.endswith(".c") for n in names), names
+    assert "kvslim/kernels/csrc/kvslim_ops.cpp" in names  # the C++ ops' source (kvslim.kernels.cppops)
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "kvslim = kvslim.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
     assert not any(n.startswith(("tests/", "src/")) for n in names)

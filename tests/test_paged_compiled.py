@@ -75,12 +75,13 @@ def test_a_rows_logits_are_the_same_bits_alone_and_in_a_bucket():
 
 
 def test_the_compiled_step_renews_the_workers_spin_once_a_layer(monkeypatch):
-    """Before each layer's page attention (the pool's Python there can outlast the spin), as the direct step does;
-    off with :data:`kvslim.cache.paged_direct.RENEW`, and the logits the same bits either way."""
+    """Before each layer's page attention through the Python ops (the pool's Python there can outlast the spin), as
+    the direct step does; off with :data:`kvslim.cache.paged_direct.RENEW`, and the logits the same bits either way.
+    (The C++ ops renew it at a step's first layer only: the later layers run no Python.)"""
     from kvslim.cache import paged_direct
 
     model = kvslim.enable(tiny_model("llama"))
-    step = paged_compiled.CompiledStep(model)
+    step = paged_compiled.CompiledStep(model, cpp_ops=False)
     calls = []
     monkeypatch.setattr(paged_direct, "_renewer", lambda on: (lambda: calls.append(1)) if on else (lambda: None))
     _decode(model, "int4", step, steps=0)  # the prompts alone: the eager direct step's renewals
@@ -163,11 +164,11 @@ def test_torchs_linear_runs_where_kvslims_kernel_does_not(monkeypatch):
     linear, every step (the route's row multiple then applies to the bucket), with the eager step's greedy tokens."""
     from kvslim.kernels import linear
 
-    monkeypatch.setattr(linear.Prepared, "of", classmethod(lambda cls, w, b: None))
+    monkeypatch.setattr(linear, "ready", lambda dtype=torch.float32: False)
     monkeypatch.setattr(paged_compiled, "_prepared", {})
     model = kvslim.enable(tiny_model("llama"))
     step = paged_compiled.CompiledStep(model)
-    step.own_products = False
+    assert not step.own_products and not step.cpp_ops  # (the C++ op would run torch's linear too: not needed)
     want, want_tokens = _decode(model, "int4", None, multiple=4)
     got, got_tokens = _decode(model, "int4", step, multiple=4)
     assert got_tokens == want_tokens and step.buckets == {4}
@@ -199,3 +200,95 @@ def test_the_cpp_wrapper_steps_the_python_wrappers_bits(monkeypatch):
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     with pytest.raises(ValueError, match="the compiled step's wrapper is one of python, cpp, got 'c'"):
         paged_compiled.CompiledStep(model, wrapper="c")
+
+
+def test_the_cpp_ops_step_the_python_ops_bits(monkeypatch):
+    """Where kvslim's C++ ops build, the graph's products are ``kvslim_cpp::linear`` (the Python op never runs for the
+    model's weights) and its attention ``kvslim_cpp::page_attend`` (the pool's Python at a step's first layer only),
+    with the Python ops' bits at every step, through both wrappers; ``cpp_ops=True`` where they are off is refused in
+    one line."""
+    from kvslim.cache.pagepool import PagePool
+    from kvslim.kernels import cppops
+
+    if not cppops.ready():
+        pytest.skip(f"no C++ ops here: {cppops.status()[1]}")
+    model = kvslim.enable(tiny_model("llama", num_hidden_layers=3))
+    monkeypatch.setattr(paged_compiled, "_prepared", {})
+    seen = []
+    attend = PagePool.attend
+    monkeypatch.setattr(PagePool, "attend", lambda self, plan, layer, *a: seen.append(layer) or attend(self, plan, layer, *a))
+    python = paged_compiled.CompiledStep(model, cpp_ops=False)
+    _decode(model, "int4", python, steps=0)  # the prompts (eager)
+    prompts = len(seen)
+    want, want_tokens = _decode(model, "int4", python, steps=3)
+    assert len(seen) - 2 * prompts == 3 * 3
+    weights = {p.data_ptr() for p in model.parameters()}
+    assert weights & {key[0] for key in paged_compiled._prepared}  # the Python op ran for them
+    paged_compiled._prepared.clear()
+    for wrapper in paged_compiled.WRAPPERS:
+        step = paged_compiled.CompiledStep(model, wrapper=wrapper)
+        assert step.cpp_ops
+        seen.clear()
+        got, got_tokens = _decode(model, "int4", step, steps=3)
+        assert len(seen) - prompts == 3  # a step's first layer
+        assert got_tokens == want_tokens and all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert not weights & {key[0] for key in paged_compiled._prepared}
+    monkeypatch.setenv(cppops.ENV, "0")
+    assert not paged_compiled.CompiledStep(model).cpp_ops
+    with pytest.raises(ValueError, match=r"the compiled step's C\+\+ ops are unavailable: \$KVSLIM_CPP_OPS"):
+        paged_compiled.CompiledStep(model, cpp_ops=True)
+    with pytest.raises(ValueError, match="cpp_ops is None"):
+        paged_compiled.CompiledStep(model, cpp_ops="yes")
+
+
+def test_the_cpp_attention_gives_a_layer_its_tables_do_not_serve_to_the_python_op(monkeypatch):
+    """``kvslim_cpp::page_attend``: a step's first layer goes to the Python op (which lays out the step's tables and
+    hands them over), a later layer of the same forms runs in C++, one of other strides or another scale goes to the
+    Python op; the same bits as the Python op's every time."""
+    from kvslim.cache.pagepool import PagePool
+    from kvslim.kernels import cppops
+
+    if not cppops.ready():
+        pytest.skip(f"no C++ ops here: {cppops.status()[1]}")
+    model = kvslim.enable(tiny_model("llama", num_hidden_layers=3))
+    c = model.config
+    hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.hidden_size // c.num_attention_heads
+    seen = []
+    attend = PagePool.attend
+    monkeypatch.setattr(PagePool, "attend", lambda self, plan, layer, *a: seen.append(layer) or attend(self, plan, layer, *a))
+    g = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(1, hq, d, generator=g), torch.randn(1, hkv, d, generator=g), torch.randn(1, hkv, d, generator=g)
+    strided = torch.zeros(1, hq, d + 8)
+    strided[..., :d] = q
+    strided = strided[..., :d]  # the same values, other strides
+    with torch.inference_mode():
+        pool = pool_for(model, "int4", pages=16, max_rows=2)
+        row = pool.new_row()
+        forward_pages(model, pool, [(_ids(40, 1), row)])
+
+        def step(op, layers, keys=(k, k, k)):
+            seen.clear()
+            plan = pool.plan([row], [1])
+            paged_compiled._steps[99] = (pool, plan, lambda: None, True)
+            try:
+                return [op(x, kk, v, 99, i, s) for i, ((x, s), kk) in enumerate(zip(layers, keys, strict=False))], list(seen)
+            finally:
+                del paged_compiled._steps[99]
+                cppops.end(99)
+                pool.abandon(plan)
+
+        layers = [(q, 0.125), (q, 0.125), (q, 0.125)]
+        want, _ = step(torch.ops.kvslim.page_attend, layers)
+        for variant, python_layers in (
+            (layers, [0]),
+            ([(q, 0.125), (strided, 0.125), (q, 0.125)], [0, 1]),
+            ([(q, 0.125), (q, 0.125), (q, 0.25)], [0, 2]),
+        ):
+            got, ran = step(torch.ops.kvslim_cpp.page_attend, variant)
+            assert ran == python_layers
+            assert all(torch.equal(a, b) for a, b in zip(got[:2], want[:2], strict=True))
+        assert not torch.equal(got[2], want[2])  # (another scale: the check above can fail)
+        assert pool.stage_dtype == torch.float16
+        with pytest.raises(ValueError, match="a key value is not finite in float16"):  # the Python op's own error
+            step(torch.ops.kvslim_cpp.page_attend, layers, (k, k * 1e5))  # past float16's range at the second layer
+        assert seen == [0, 1]

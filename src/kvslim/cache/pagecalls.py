@@ -26,11 +26,13 @@ This module knows nothing about transformers, scheduling or page formats (the bu
 from __future__ import annotations
 
 import array
+import ctypes
+import struct
 
 import torch
 
 from ..vllm import attend as paged
-from .pagespec import check_staged
+from .pagespec import HALF_LIMIT, check_staged
 
 #: a plan's ``calls`` where its step has none (checked once, at its first layer)
 NONE = False
@@ -54,7 +56,7 @@ class StepCalls:
 
     __slots__ = (
         "pool", "plan", "lib", "forms", "scale", "rotate", "amax", "keys", "values", "write", "stage",
-        "head", "keep",
+        "head", "keep", "native_fields",
     )  # fmt: skip
 
     @classmethod
@@ -109,7 +111,44 @@ class StepCalls:
         self.head = _table(head)
         keep.append(held)
         self.keep = keep
+        self.native_fields = None
         return self
+
+    def native(self) -> array.array | None:
+        """The step's fields for ``kvslim_cpp::page_attend`` (``csrc/kvslim_ops.cpp``, its ``Field`` order: the
+        tables' addresses, the staging check, every layer's pages, the first layer's forms, where each layer's
+        addresses go and the C functions), laid out once a step; None where a layer's forms are not float32 CPU
+        tensors of three dimensions. Where the step stages in float16 for a model of another dtype, C++ passes a
+        layer whose largest ``|value|`` is under float16's limit (every staged value fits: what :func:`check_staged`
+        finds then) and gives any other to :meth:`run`, which checks the staged tokens themselves."""
+        if self.native_fields is not None:
+            return self.native_fields
+        pool, plan = self.pool, self.plan
+        check = pool.stage_dtype == torch.float16 and pool.dtype != torch.float16 and plan.staged_any
+        forms = []
+        for _, dtype, device, shape, stride in self.forms:
+            if dtype != torch.float32 or device != "cpu" or len(shape) != 3:
+                return None
+            forms += [*shape, *stride]
+        pages = array.array("q", [p.data_ptr() for p in pool.pages])
+        staged = array.array("q", [p.data_ptr() for p in pool.staged]) if self.stage is not None else None
+        bits = lambda x: struct.unpack("<q", struct.pack("<d", x))[0]  # noqa: E731
+        fn = lambda name: ctypes.cast(getattr(self.lib, name), ctypes.c_void_p).value  # noqa: E731
+        fields = array.array(
+            "q",
+            [
+                self.rotate[1], self.write[1], self.stage[1] if self.stage is not None else 0, self.head[1],
+                self.amax.data_ptr(), int(check), bits(HALF_LIMIT), bits(self.scale),
+                len(pool.pages), pages.buffer_info()[0], staged.buffer_info()[0] if staged is not None else 0,
+                *forms,
+                paged.ROTATE_KEY, paged.ROTATE_VALUE, paged.WRITE_PAGES,
+                paged.HEAD_QUERY, paged.HEAD_OUT, paged.HEAD_PAGES, paged.HEAD_STAGED,
+                fn("kvp_rotate"), fn("kvp_write"), fn("kvp_attend"),
+            ],
+        )  # fmt: skip
+        self.keep += [pages, staged]
+        self.native_fields = fields
+        return fields
 
     def run(self, layer: int, query, key, value, scale: float) -> torch.Tensor | None:
         """Layer ``layer``'s four calls: (N, H_q, D) float32, or None (nothing written) where the layer's tensors

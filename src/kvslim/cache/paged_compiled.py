@@ -18,6 +18,11 @@ opaque custom ops in the graph:
 - ``torch.ops.kvslim.prepared_linear(x, weight, bias)``: kvslim's linear kernel (:class:`kvslim.kernels.linear.Prepared`,
   a row's bits its own at any row count), or torch's ``linear`` where that kernel does not take the weight.
 
+Where kvslim's C++ ops build (:mod:`kvslim.kernels.cppops`; ``cpp_ops``), the graph holds their twins instead,
+``kvslim_cpp::linear`` and ``kvslim_cpp::page_attend``: the same C calls on the same arguments, the same bits, with no
+Python between torch's dispatcher and the C kernels (the attention's Python runs at a step's first layer only, where
+it lays out the step's tables).
+
 Inductor fuses the rest (a norm, RoPE, SiLU times the up product, the residual sums) into a few C++ loops a layer,
 single-threaded (``cpp.threads`` 1: at a decode step's few rows a parallel region costs more than it saves, and the
 kernels' workers own the cores). What that removes is the eager step's ~5,000 Python calls and ~600 small torch ops.
@@ -49,6 +54,7 @@ import time
 
 import torch
 
+from ..kernels import cppops
 from ..kernels import linear as _kernel_linear
 from ..kernels import ops as _kernel_ops  # noqa: F401  (defines the kvslim namespace)
 from . import paged_direct
@@ -77,9 +83,14 @@ _lock = threading.Lock()
 
 
 def _page_attend(q, k, v, handle, layer, scale):
-    pool, plan, renew = _steps[handle]
+    pool, plan, renew, native = _steps[handle]
     renew()  # the pool's Python before its kernel call can outlast the workers' spin (paged_direct.RENEW)
-    return pool.attend(plan, layer, q, k, v, scale)
+    out = pool.attend(plan, layer, q, k, v, scale)
+    if native and plan.calls:  # the step's tables, laid out by this layer: the later layers' calls in C++
+        fields = plan.calls.native()
+        if fields is not None:
+            cppops.step(handle, fields)
+    return out
 
 
 def _prepared_linear(x, weight, bias):
@@ -105,12 +116,28 @@ def _(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-def _linear(module, x):
+def _python_linear(module, x):
     return torch.ops.kvslim.prepared_linear(x, module.weight, module.bias)
 
 
-def _forward(model, modeling, handle: int, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """:func:`paged_direct.step <kvslim.cache.paged_direct.step>`'s calls, every row kept, on the ops above: (N, V)."""
+def _cpp_linear(module, x):
+    return torch.ops.kvslim_cpp.linear(x, module.weight, module.bias)
+
+
+def _python_attend(*args):
+    return torch.ops.kvslim.page_attend(*args)
+
+
+def _cpp_attend(*args):
+    return torch.ops.kvslim_cpp.page_attend(*args)
+
+
+def _forward(
+    model, modeling, handle: int, input_ids: torch.Tensor, positions: torch.Tensor, cpp: bool = False
+) -> torch.Tensor:
+    """:func:`paged_direct.step <kvslim.cache.paged_direct.step>`'s calls, every row kept, on the ops above (the C++
+    ones where ``cpp``): (N, V)."""
+    product, attend = (_cpp_linear, _cpp_attend) if cpp else (_python_linear, _python_attend)
     decoder = model.model
     hidden = decoder.embed_tokens(input_ids[None])  # (1, N, hidden)
     cos, sin = decoder.rotary_emb(hidden, position_ids=positions)
@@ -121,15 +148,15 @@ def _forward(model, modeling, handle: int, input_ids: torch.Tensor, positions: t
         attn, mlp = layer.self_attn, layer.mlp
         x = layer.input_layernorm(h)
         d = attn.head_dim
-        q = _linear(attn.q_proj, x).view(n, -1, d)
-        k = _linear(attn.k_proj, x).view(n, -1, d)
-        v = _linear(attn.v_proj, x).view(n, -1, d)
+        q = product(attn.q_proj, x).view(n, -1, d)
+        k = product(attn.k_proj, x).view(n, -1, d)
+        v = product(attn.v_proj, x).view(n, -1, d)
         q, k = modeling.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
-        out = torch.ops.kvslim.page_attend(q, k, v, handle, attn.layer_idx, attn.scaling).to(q.dtype)
-        h = h + _linear(attn.o_proj, out.reshape(n, -1))
+        out = attend(q, k, v, handle, attn.layer_idx, attn.scaling).to(q.dtype)
+        h = h + product(attn.o_proj, out.reshape(n, -1))
         x = layer.post_attention_layernorm(h)
-        h = h + _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
-    return _linear(model.lm_head, decoder.norm(h))
+        h = h + product(mlp.down_proj, mlp.act_fn(product(mlp.gate_proj, x)) * product(mlp.up_proj, x))
+    return product(model.lm_head, decoder.norm(h))
 
 
 def why_not(model) -> str | None:
@@ -156,9 +183,11 @@ class CompiledStep:
     #: compiled shapes a CompiledStep may hold (dynamo's recompile limit for its graphs)
     MAX_BUCKETS = 16
 
-    def __init__(self, model, *, loop_threads: int = 1, wrapper: str = "python"):
+    def __init__(self, model, *, loop_threads: int = 1, wrapper: str = "python", cpp_ops: bool | None = None):
         if wrapper not in WRAPPERS:
             raise ValueError(f"kvslim: the compiled step's wrapper is one of {', '.join(WRAPPERS)}, got {wrapper!r}")
+        if cpp_ops not in (None, True, False):
+            raise ValueError(f"kvslim: cpp_ops is None (where they build), True or False, got {cpp_ops!r}")
         with torch.no_grad():  # (autograd's state is a step's, checked at each step)
             reason = why_not(model)
         if reason is not None:
@@ -171,10 +200,19 @@ class CompiledStep:
         self.wrapper = wrapper
         #: whether kvslim's linear kernel runs the products (a row's bits its own at any row count)
         self.own_products = _kernel_linear.ready(next(model.parameters()).dtype)
+        #: whether the graph's products are the C++ op (``kvslim_cpp::linear``), else the Python one: the same C
+        #: kernel, the same bits; the C++ op spares each call a trip into Python (:mod:`kvslim.kernels.cppops`)
+        self.cpp_ops = bool(cpp_ops is not False and self.own_products and cppops.ready())
+        if cpp_ops and not self.cpp_ops:
+            why = cppops.status()[1] if not cppops.ready() else "kvslim's linear kernel does not run here"
+            raise ValueError(f"kvslim: the compiled step's C++ ops are unavailable: {why}")
+        if self.cpp_ops:
+            cppops.bind()
         self.buckets: set[int] = set()
         self.compile_s = 0.0
         self._lock = threading.Lock()  # one step at a time: the handle's entry in _steps is one step's
-        fn = lambda ids, pos: _forward(model, family[0], self.handle, ids, pos)  # noqa: E731
+        cpp = self.cpp_ops
+        fn = lambda ids, pos: _forward(model, family[0], self.handle, ids, pos, cpp)  # noqa: E731
         # a code object of its own: dynamo keeps its graphs, guards and recompile limit per code object, so each
         # CompiledStep has its own (another model's step never evicts or counts against this one's)
         fn.__code__ = fn.__code__.replace()
@@ -254,7 +292,7 @@ class CompiledStep:
             new = n not in self.buckets
             if new and len(self.buckets) >= self.MAX_BUCKETS:
                 raise RuntimeError(f"kvslim: the compiled paged step holds {self.MAX_BUCKETS} row counts already")
-            _steps[self.handle] = (pool, plan, paged_direct.renewer())
+            _steps[self.handle] = (pool, plan, paged_direct.renewer(), self.cpp_ops)
             t0 = time.perf_counter()
             try:
                 with torch._dynamo.config.patch(
@@ -263,6 +301,8 @@ class CompiledStep:
                     out = self._fn(input_ids, plan.positions)
             finally:
                 del _steps[self.handle]
+                if self.cpp_ops:
+                    cppops.end(self.handle)
             if new:
                 self.buckets.add(n)
                 self.compile_s += time.perf_counter() - t0
