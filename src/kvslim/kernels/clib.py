@@ -75,12 +75,13 @@ _I = ctypes.c_int
 # --------------------------------------------------------------------------- build and load
 
 
-def find_compiler() -> list[str] | None:
-    """The C compiler command: $CC (may carry flags) or the first of cc, gcc, clang on PATH."""
-    cc = os.environ.get("CC")
+def find_compiler(env: str = "CC", names: tuple[str, ...] = ("cc", "gcc", "clang")) -> list[str] | None:
+    """The C compiler command: $CC (may carry flags) or the first of cc, gcc, clang on PATH (another ``env`` and
+    ``names``: the C++ one, :mod:`.cppops`)."""
+    cc = os.environ.get(env)
     if cc:
         return shlex.split(cc)
-    for name in ("cc", "gcc", "clang"):
+    for name in names:
         path = shutil.which(name)
         if path:
             return [path]

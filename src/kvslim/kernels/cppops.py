@@ -33,7 +33,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
-import shlex
 import shutil
 import subprocess
 import tempfile
@@ -61,14 +60,7 @@ _state: dict = {}  # "ok", "reason", "lib" (ctypes) once tried
 
 def find_compiler() -> list[str] | None:
     """The C++ compiler command: $CXX (may carry flags) or the first of c++, g++, clang++ on PATH."""
-    cxx = os.environ.get("CXX")
-    if cxx:
-        return shlex.split(cxx)
-    for name in ("c++", "g++", "clang++"):
-        path = shutil.which(name)
-        if path:
-            return [path]
-    return None
+    return clib.find_compiler("CXX", ("c++", "g++", "clang++"))
 
 
 def _torch_dirs() -> tuple[Path, Path]:
