@@ -13,8 +13,9 @@ with the same tokens:
   (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: what the guards cost; unsafe, not what kvslim runs);
 - ``compiled-twin``: a second step built as ``compiled`` is (an A/A control: how far two of the same drift apart);
 - ``compiled-cpp``: ``compiled`` with Inductor's wrapper generated as C++ (``wrapper="cpp"``);
-- ``compiled-pyops``, ``compiled-cpp-pyops``: ``compiled`` and ``compiled-cpp`` with the products as the Python op
-  (``cpp_ops=False``) where the others have kvslim's C++ op (:mod:`kvslim.kernels.cppops`, where it builds).
+- ``compiled-pyops``, ``compiled-cpp-pyops``: ``compiled`` and ``compiled-cpp`` with the products and the page
+  attention as the Python ops (``cpp_ops=False``) where the others have kvslim's C++ ops
+  (:mod:`kvslim.kernels.cppops`, where they build).
 
 Prints each mode's quartiles, its median against the first mode's, the median of its step-by-step ratios to the
 first mode's (the same round's steps), and the largest logit difference from the first mode at the first step.

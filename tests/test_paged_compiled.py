@@ -241,24 +241,26 @@ def test_the_cpp_ops_step_the_python_ops_bits(monkeypatch):
         paged_compiled.CompiledStep(model, cpp_ops="yes")
 
 
-def test_the_cpp_attention_gives_a_layer_its_tables_do_not_serve_to_the_python_op(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpp_attention_gives_a_layer_its_tables_do_not_serve_to_the_python_op(monkeypatch, dtype):
     """``kvslim_cpp::page_attend``: a step's first layer goes to the Python op (which lays out the step's tables and
-    hands them over), a later layer of the same forms runs in C++, one of other strides or another scale goes to the
-    Python op; the same bits as the Python op's every time."""
+    hands them over), a later layer of the same forms runs in C++ (a bfloat16 model's widened to float32 first, as
+    the Python op widens them), one of other strides or another scale goes to the Python op; the same bits as the
+    Python op's at every layer of the same scale, the layers after a refused one included."""
     from kvslim.cache.pagepool import PagePool
     from kvslim.kernels import cppops
 
     if not cppops.ready():
         pytest.skip(f"no C++ ops here: {cppops.status()[1]}")
-    model = kvslim.enable(tiny_model("llama", num_hidden_layers=3))
+    model = kvslim.enable(tiny_model("llama", dtype=dtype, num_hidden_layers=3))
     c = model.config
     hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.hidden_size // c.num_attention_heads
     seen = []
     attend = PagePool.attend
     monkeypatch.setattr(PagePool, "attend", lambda self, plan, layer, *a: seen.append(layer) or attend(self, plan, layer, *a))
     g = torch.Generator().manual_seed(5)
-    q, k, v = torch.randn(1, hq, d, generator=g), torch.randn(1, hkv, d, generator=g), torch.randn(1, hkv, d, generator=g)
-    strided = torch.zeros(1, hq, d + 8)
+    q, k, v = (torch.randn(1, h, d, generator=g).to(dtype) for h in (hq, hkv, hkv))
+    strided = torch.zeros(1, hq, d + 8, dtype=dtype)
     strided[..., :d] = q
     strided = strided[..., :d]  # the same values, other strides
     with torch.inference_mode():
@@ -273,22 +275,25 @@ def test_the_cpp_attention_gives_a_layer_its_tables_do_not_serve_to_the_python_o
             try:
                 return [op(x, kk, v, 99, i, s) for i, ((x, s), kk) in enumerate(zip(layers, keys, strict=False))], list(seen)
             finally:
-                del paged_compiled._steps[99]
                 cppops.end(99)
+                del paged_compiled._steps[99]
                 pool.abandon(plan)
 
         layers = [(q, 0.125), (q, 0.125), (q, 0.125)]
         want, _ = step(torch.ops.kvslim.page_attend, layers)
+        assert all(w.dtype == torch.float32 for w in want)
         for variant, python_layers in (
             (layers, [0]),
-            ([(q, 0.125), (strided, 0.125), (q, 0.125)], [0, 1]),
+            # (widened, the strided query is a dense float32 one: the tables serve it, in Python as in C++)
+            ([(q, 0.125), (strided, 0.125), (q, 0.125)], [0, 1] if dtype == torch.float32 else [0]),
             ([(q, 0.125), (q, 0.125), (q, 0.25)], [0, 2]),
         ):
             got, ran = step(torch.ops.kvslim_cpp.page_attend, variant)
             assert ran == python_layers
-            assert all(torch.equal(a, b) for a, b in zip(got[:2], want[:2], strict=True))
-        assert not torch.equal(got[2], want[2])  # (another scale: the check above can fail)
-        assert pool.stage_dtype == torch.float16
-        with pytest.raises(ValueError, match="a key value is not finite in float16"):  # the Python op's own error
-            step(torch.ops.kvslim_cpp.page_attend, layers, (k, k * 1e5))  # past float16's range at the second layer
-        assert seen == [0, 1]
+            for (_, scale), a, b in zip(variant, got, want, strict=True):
+                assert torch.equal(a, b) == (scale == 0.125)  # (another scale: the check can fail)
+        if dtype == torch.float32:  # (a bfloat16 model stages in bfloat16)
+            assert pool.stage_dtype == torch.float16
+            with pytest.raises(ValueError, match="a key value is not finite in float16"):  # the Python op's own error
+                step(torch.ops.kvslim_cpp.page_attend, layers, (k, k * 1e5))  # past float16's range at layer 1
+            assert seen == [0, 1]

@@ -86,8 +86,9 @@ def _page_attend(q, k, v, handle, layer, scale):
     pool, plan, renew, native = _steps[handle]
     renew()  # the pool's Python before its kernel call can outlast the workers' spin (paged_direct.RENEW)
     out = pool.attend(plan, layer, q, k, v, scale)
-    if native and plan.calls:  # the step's tables, laid out by this layer: the later layers' calls in C++
-        fields = plan.calls.native()
+    calls = plan.calls
+    if native and calls and calls.native_fields is None:  # the step's tables, laid out by this layer: the later
+        fields = calls.native()  # layers' calls in C++ (handed over once a step)
         if fields is not None:
             cppops.step(handle, fields)
     return out
@@ -300,9 +301,9 @@ class CompiledStep:
                 ):
                     out = self._fn(input_ids, plan.positions)
             finally:
-                del _steps[self.handle]
-                if self.cpp_ops:
+                if self.cpp_ops:  # (first: the C++ op must never read a step whose tables are gone)
                     cppops.end(self.handle)
+                del _steps[self.handle]
             if new:
                 self.buckets.add(n)
                 self.compile_s += time.perf_counter() - t0

@@ -121,7 +121,7 @@ bool fits(const at::Tensor &x, const int64_t *form) {
 
 int64_t address(const at::Tensor &x) { return reinterpret_cast<int64_t>(x.data_ptr()); }
 
-// StepCalls.run's four calls for one layer; false (the Python op then runs the layer) wherever it would not make them.
+// StepCalls.run's four calls for one layer (q, k, v float32: a half model's widened); false (the Python op then runs the layer) wherever it would not make them.
 bool attend_fast(const Step &s, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, int64_t layer,
                  double scale, at::Tensor &out) {
   if (scale != as_double(s[F_SCALE]) || layer < 0 || layer >= s[F_LAYERS] || !fits(q, &s[F_FORMS]) ||
@@ -170,7 +170,15 @@ at::Tensor page_attend(const at::Tensor &q, const at::Tensor &k, const at::Tenso
     }
   }
   at::Tensor out;
-  if (have && attend_fast(s, q, k, v, layer, scale, out)) return out;
+  if (have) {
+    const at::ScalarType t = q.scalar_type();
+    if ((t == at::kBFloat16 || t == at::kHalf) && k.scalar_type() == t && v.scalar_type() == t) {
+      // pagecalls.attend widens a bfloat16 or float16 layer's tensors to float32 (exactly) first: the same here
+      if (attend_fast(s, q.to(at::kFloat), k.to(at::kFloat), v.to(at::kFloat), layer, scale, out)) return out;
+    } else if (attend_fast(s, q, k, v, layer, scale, out)) {
+      return out;
+    }
+  }
   static const auto python = c10::Dispatcher::singleton()
                                  .findSchemaOrThrow("kvslim::page_attend", "")
                                  .typed<at::Tensor(const at::Tensor &, const at::Tensor &, const at::Tensor &, int64_t,
