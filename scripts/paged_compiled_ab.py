@@ -18,7 +18,9 @@ with the same tokens:
   (:mod:`kvslim.kernels.cppops`, where they build).
 
 Prints each mode's quartiles, its median against the first mode's, the median of its step-by-step ratios to the
-first mode's (the same round's steps), and the largest logit difference from the first mode at the first step.
+first mode's (the same round's steps), how many times a step the kernels' workers went to sleep after their spin
+(:func:`kvslim.kernels.clib.pool_sleeps`: each is a later call that waits for a wake-up), and the largest logit
+difference from the first mode at the first step.
 ``--modes compiled compiled-twin`` is the A/A control to put beside a change measured this way. Measure alone, on a
 quiet machine (``uptime`` before and after).
 """
@@ -54,6 +56,7 @@ def main() -> None:
     from kvslim.cache.paged_compiled import CompiledStep
     from kvslim.cache.pagepool import pool_for
     from kvslim.engine.linears import Linears, step_rows
+    from kvslim.kernels.clib import pool_sleeps
     from kvslim.models.load import load_model
     from kvslim.threads import load_average
 
@@ -95,12 +98,15 @@ def main() -> None:
         for m in a.modes:
             run(m, first)
         times: dict[str, list[float]] = {m: [] for m in a.modes}
+        sleeps = dict.fromkeys(a.modes, 0)  # the kernels' workers gone to sleep after their spin, within the steps
         for i in range(a.steps):
             tokens = torch.randint(0, 1000, (a.rows,), generator=g).tolist()
             for m in a.modes if i % 2 == 0 else a.modes[::-1]:
+                s0 = pool_sleeps() or 0
                 t0 = time.perf_counter()
                 run(m, tokens)
                 times[m].append((time.perf_counter() - t0) * 1e3)
+                sleeps[m] += (pool_sleeps() or 0) - s0
         after = load_average()
     print(f"{a.rows} rows x {a.length} tokens, {a.config}, {a.dtype}, {a.threads} threads; load {before} -> {after}")
     base = statistics.median(times[a.modes[0]])
@@ -110,7 +116,8 @@ def main() -> None:
         diff = (out[m] - out[a.modes[0]]).abs().max().item()
         compile_s = f"   compiled in {steps[m].compile_s:.0f} s" if m in steps else ""
         print(f"{m:>18}: p25 {q[0]:7.2f}  median {q[1]:7.2f}  p75 {q[2]:7.2f} ms   x{q[1] / base:5.3f}   "
-              f"paired x{paired:5.3f}   max |logit - {a.modes[0]}| {diff:.2g}{compile_s}")  # fmt: skip
+              f"paired x{paired:5.3f}   sleeps/step {sleeps[m] / a.steps:5.1f}   "
+              f"max |logit - {a.modes[0]}| {diff:.2g}{compile_s}")  # fmt: skip
 
 
 if __name__ == "__main__":
