@@ -1,5 +1,5 @@
 // kvslim's torch custom ops in C++ (kvslim/kernels/cppops.py builds and loads this file): the compiled paged step's
-// products without Python between torch's dispatcher and the C kernel.
+// products and page attention without Python between torch's dispatcher and the C kernels.
 //
 //   torch.ops.kvslim_cpp.linear(x, weight, bias) -> Tensor
 //   torch.ops.kvslim_cpp.page_attend(q, k, v, handle, layer, scale) -> Tensor
@@ -19,8 +19,8 @@
 // before) and takes its own fallback or raises its own error.
 //
 // A step's 211 products called from Inductor's generated C++ (cpp_wrapper) reach the C kernel through the dispatcher
-// alone; a Python implementation costs each call a trip into the interpreter (docs/performance.md, "The products as a
-// C++ op").
+// alone; a Python implementation costs each call a trip into the interpreter (docs/performance.md, "The compiled
+// step's ops in C++").
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
