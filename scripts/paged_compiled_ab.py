@@ -15,7 +15,11 @@ with the same tokens:
 - ``compiled-cpp``: ``compiled`` with Inductor's wrapper generated as C++ (``wrapper="cpp"``);
 - ``compiled-pyops``, ``compiled-cpp-pyops``: ``compiled`` and ``compiled-cpp`` with the products and the page
   attention as the Python ops (``cpp_ops=False``) where the others have kvslim's C++ ops
-  (:mod:`kvslim.kernels.cppops`, where they build).
+  (:mod:`kvslim.kernels.cppops`, where they build);
+- ``compiled-fixed``: ``compiled`` (the same step) with the kernels' calls split in fixed shares, every worker
+  waited for (:func:`kvslim.kernels.clib.pool_balance` off: the rule before) where the others balance them.
+
+``--busy N`` runs N pure-Python busy loops beside the steps (a machine shared with other work; issue 30 item 6).
 
 Prints each mode's quartiles, its median against the first mode's, the median of its step-by-step ratios to the
 first mode's (the same round's steps), how many times a step the kernels' workers went to sleep after their spin
@@ -29,13 +33,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
 
 MODES = (
     "eager", "compiled", "compiled-omp", "compiled-noguards", "compiled-twin", "compiled-cpp", "compiled-pyops",
-    "compiled-cpp-pyops",
+    "compiled-cpp-pyops", "compiled-fixed",
 )  # fmt: skip
 
 
@@ -48,6 +54,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--busy", type=int, default=0, help="busy loops beside the steps (processes)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
 
@@ -56,7 +63,7 @@ def main() -> None:
     from kvslim.cache.paged_compiled import CompiledStep
     from kvslim.cache.pagepool import pool_for
     from kvslim.engine.linears import Linears, step_rows
-    from kvslim.kernels.clib import pool_sleeps
+    from kvslim.kernels.clib import pool_balance, pool_sleeps
     from kvslim.models.load import load_model
     from kvslim.threads import load_average
 
@@ -70,7 +77,7 @@ def main() -> None:
         "compiled-pyops": CompiledStep(model, cpp_ops=False),
         "compiled-cpp-pyops": CompiledStep(model, wrapper="cpp", cpp_ops=False),
     }
-    steps["compiled-noguards"] = steps["compiled"]
+    steps["compiled-noguards"] = steps["compiled-fixed"] = steps["compiled"]
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (a.length,), generator=g).tolist()
     sets = len(a.modes)
@@ -83,6 +90,7 @@ def main() -> None:
         rows = {m: [pool.copy_row(src) for _ in range(a.rows)] for m in a.modes}
 
         def run(mode: str, tokens: list[int]) -> torch.Tensor:
+            pool_balance(mode != "compiled-fixed")
             feeds = [([t], r) for t, r in zip(tokens, rows[mode], strict=True)]
             if mode == "eager":
                 with route.routed():
@@ -92,6 +100,7 @@ def main() -> None:
                     return forward_pages(model, pool, feeds, row_multiple=1, compiled=steps[mode])
             return forward_pages(model, pool, feeds, row_multiple=1, compiled=steps.get(mode))
 
+        busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.busy)]
         before = load_average()
         first = torch.randint(0, 1000, (a.rows,), generator=g).tolist()
         out = {m: run(m, first) for m in a.modes}  # compiles
@@ -108,7 +117,12 @@ def main() -> None:
                 times[m].append((time.perf_counter() - t0) * 1e3)
                 sleeps[m] += (pool_sleeps() or 0) - s0
         after = load_average()
-    print(f"{a.rows} rows x {a.length} tokens, {a.config}, {a.dtype}, {a.threads} threads; load {before} -> {after}")
+        for b in busy:
+            b.kill()
+            b.wait()
+    pool_balance(True)
+    print(f"{a.rows} rows x {a.length} tokens, {a.config}, {a.dtype}, {a.threads} threads, {a.busy} busy loops; "
+          f"load {before} -> {after}")  # fmt: skip
     base = statistics.median(times[a.modes[0]])
     for m in a.modes:
         q = statistics.quantiles(times[m], n=4)

@@ -149,22 +149,33 @@ def test_a_renewed_spin_keeps_the_worker_awake():
     assert plain >= 9 and renewed <= 3, out.stdout
 
 
+def _one_cpu_child(seed: int) -> tuple[int, str]:
+    """A CPU of this process' and the start of a child's code that runs on it alone, with two threads, a product's
+    x (4, 1000) and w (2000, 1000) drawn from seed, and ``clib`` and ``lin`` imported (skips where there is no
+    sched_setaffinity)."""
+    import os
+
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no sched_setaffinity here")
+    cpu = min(os.sched_getaffinity(0))
+    return cpu, (
+        "import os, torch\n"
+        f"os.sched_setaffinity(0, {{{cpu}}})\n"
+        "torch.set_num_threads(2)\n"
+        "from kvslim.kernels import clib, linear as lin\n"
+        f"g = torch.Generator().manual_seed({seed})\n"
+        "w, x = torch.randn(2000, 1000, generator=g), torch.randn(4, 1000, generator=g)\n"
+    )
+
+
 def test_a_worker_descheduled_in_its_spin_shortens_the_spin():
     """A spin longer than the default, on one CPU shared with a busy loop: a worker is descheduled while it spins,
     sees the gap, and the workers take the short spin (kv_pool_preempted counts it). The products keep their bits."""
     import os
     import sys
 
-    if not hasattr(os, "sched_setaffinity"):
-        pytest.skip("no sched_setaffinity here")
-    cpu = min(os.sched_getaffinity(0))
-    code = (
-        "import os, torch\n"
-        f"os.sched_setaffinity(0, {{{cpu}}})\n"
-        "torch.set_num_threads(2)\n"
-        "from kvslim.kernels import clib, linear as lin\n"
-        "g = torch.Generator().manual_seed(5)\n"
-        "w, x = torch.randn(2000, 1000, generator=g), torch.randn(4, 1000, generator=g)\n"
+    cpu, prelude = _one_cpu_child(5)
+    code = prelude + (
         "ref = lin.linear(x, w)\n"
         "assert clib.pool_spin_us() == 100000, clib.pool_spin_us()\n"
         "import time\n"
@@ -185,6 +196,33 @@ def test_a_worker_descheduled_in_its_spin_shortens_the_spin():
         busy.wait()
     assert out.returncode == 0, out.stderr[-2000:]
     assert int(out.stdout.split()[-1]) >= 1, out.stdout
+
+
+def test_a_worker_that_has_not_joined_does_not_hold_up_a_call():
+    """Two threads on one CPU: the caller's part takes every chunk before the worker gets the CPU in most calls.
+    With fixed shares (kv_pool_balance off) every call waits for the worker to join and run its share; with the
+    default balance the caller closes such a call alone (kv_pool_joins counts fewer joins than calls). The products'
+    bits are the same under both rules."""
+    import os
+    import sys
+
+    code = _one_cpu_child(6)[1] + (
+        "assert clib.pool_balance(False) is False\n"
+        "ref = lin.linear(x, w)\n"
+        "counts = []\n"
+        "for on, calls in ((False, 40), (True, 200)):\n"
+        "    clib.pool_balance(on)\n"
+        "    j = clib.pool_joins()\n"
+        "    for _ in range(calls):\n"
+        "        assert torch.equal(lin.linear(x, w), ref)\n"
+        "    counts.append(clib.pool_joins() - j)\n"
+        "print(*counts)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "KVSLIM_POOL_SPIN_US"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    fixed, balanced = map(int, out.stdout.split())
+    assert fixed == 40 and balanced < 200, out.stdout
 
 
 def test_inputs_that_are_not_contiguous_and_the_errors():

@@ -283,15 +283,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     if hasattr(lib, "kv_encode_affine"):  # csrc/kvslim_encode.c (absent from a baseline build of older sources)
         lib.kv_encode_affine.argtypes = [ctypes.c_void_p]
         lib.kv_encode_affine.restype = _I
-    if hasattr(lib, "kv_pool_spin"):  # csrc/kvslim_linear.c's workers (likewise)
-        lib.kv_pool_spin.argtypes = [ctypes.c_int64]
-        lib.kv_pool_spin.restype = ctypes.c_int64
-        lib.kv_pool_preempted.argtypes = []
-        lib.kv_pool_preempted.restype = ctypes.c_int64
-        lib.kv_pool_sleeps.argtypes = []
-        lib.kv_pool_sleeps.restype = ctypes.c_int64
-        lib.kv_pool_renew.argtypes = []
-        lib.kv_pool_renew.restype = None
+    for name, args, res in (  # csrc/kvslim_linear.c's workers (likewise)
+        ("kv_pool_spin", [ctypes.c_int64], ctypes.c_int64), ("kv_pool_preempted", [], ctypes.c_int64),
+        ("kv_pool_sleeps", [], ctypes.c_int64), ("kv_pool_renew", [], None), ("kv_pool_balance", [ctypes.c_int], _I),
+        ("kv_pool_joins", [], ctypes.c_int64),
+    ):  # fmt: skip
+        if hasattr(lib, name):
+            getattr(lib, name).argtypes, getattr(lib, name).restype = args, res
     for name in ("kv_linear", "kv_linear_bf16"):  # csrc/kvslim_linear.c (likewise)
         if hasattr(lib, name):
             getattr(lib, name).argtypes = [ctypes.c_void_p]
@@ -407,19 +405,39 @@ def pool_spin_us(us: int | None = None) -> int | None:
     return lib.kv_pool_spin(-1) // 1000
 
 
+def pool_balance(on: bool | None = None) -> bool | None:
+    """Whether a call's work goes to whichever of the C kernels' threads are running (True, the default: a worker that
+    has not joined a call by the time the caller took its last chunk is not waited for) or in fixed shares to every
+    thread, each waited for (False: the rule before, to measure the two in one process). Set where ``on`` is given;
+    None where the kernels are unavailable. No result depends on it."""
+    lib = library()
+    if lib is None or not hasattr(lib, "kv_pool_balance"):
+        return None
+    return bool(lib.kv_pool_balance(-1 if on is None else int(bool(on))))
+
+
+def _pool_count(name: str) -> int | None:
+    lib = library()
+    return getattr(lib, name)() if lib is not None and hasattr(lib, name) else None
+
+
+def pool_joins() -> int | None:
+    """How many times one of the workers joined a call since the process started (None where the kernels are
+    unavailable): with :func:`pool_balance` on, a call its caller finished alone is not joined."""
+    return _pool_count("kv_pool_joins")
+
+
 def pool_preempted() -> int | None:
     """How many times one of the workers found itself descheduled in its spin since the process started: each time
     the workers spin only 50 us for the next second (csrc/kvslim_linear.c, LIN_SPIN_SHARED_NS). None where the
     kernels are unavailable."""
-    lib = library()
-    return lib.kv_pool_preempted() if lib is not None and hasattr(lib, "kv_pool_preempted") else None
+    return _pool_count("kv_pool_preempted")
 
 
 def pool_sleeps() -> int | None:
     """How many times one of the workers went to sleep after its spin since the process started (None where the
     kernels are unavailable): each is a call that will wait for a wake-up."""
-    lib = library()
-    return lib.kv_pool_sleeps() if lib is not None and hasattr(lib, "kv_pool_sleeps") else None
+    return _pool_count("kv_pool_sleeps")
 
 
 def no_renew() -> None:

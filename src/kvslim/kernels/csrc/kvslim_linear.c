@@ -23,11 +23,14 @@
  * once, long enough to span the gap between a layer's products. A decode step at one row found the workers asleep
  * at ~75 of its ~270 calls, after 50-200 us of Python; a longer spin wins a few percent on a quiet machine and
  * loses more beside other work, so a caller that knows a call is coming restarts the spin instead (kv_pool_renew:
- * the direct paged step, three times a layer; docs/performance.md, "How long the workers spin"). Outputs are split
- * between the threads in blocks; a call made while another holds the workers (two Python threads at once) runs on
- * its own thread alone. Both give the same bits (above). A fork's child starts its own workers. kvslim_paged.c's
- * attention runs its tasks on the same workers (kv_pool_run, at the end of this file), so a step's products and
- * attention calls keep the same threads awake.
+ * the direct paged step, three times a layer; docs/performance.md, "How long the workers spin"). The threads take a
+ * call's output blocks a chunk at a time from a shared counter, and the caller does not wait for a worker that has
+ * not joined the call by the time the caller's own part has taken the last chunk: on a machine shared with other
+ * work, a worker descheduled or still waking holds a call up by at most its chunk (kv_pool_balance; docs/
+ * performance.md, "Work to whichever thread runs"). A call made while another holds the workers (two Python threads
+ * at once) runs on its own thread alone. All give the same bits (above). A fork's child starts its own workers.
+ * kvslim_paged.c's attention runs its tasks on the same workers (kv_pool_run, at the end of this file), so a step's
+ * products and attention calls keep the same threads awake.
  *
  * bfloat16 (kv_linear_bf16). x, W, b and y in bfloat16, on a CPU with AVX512-BF16 (Zen 4, Cooper Lake and
  * later): each lane's partial sum takes two products a step with VDPBF16PS (the pairs i, i + 1 of 32 elements), in
@@ -75,6 +78,13 @@
 #define LIN_PREEMPTED_NS 300000
 #define LIN_SHARED_HOLD_NS 1000000000
 #define LIN_MAX_WORKERS 63
+/* A call's join word (lin_pool.join): the call's number in the bits above 8, closed, and the workers that joined. */
+#define LIN_GEN_MASK ((UINT64_C(1) << 56) - 1)
+#define LIN_CLOSED UINT64_C(0x80)
+#define LIN_JOINED UINT64_C(0x7f)
+/* A product's output blocks are taken about this many chunks a thread (a chunk at a time from a shared counter): a
+ * thread descheduled mid-call holds up at most its chunk, and a few hundred atomic adds a step cost nothing. */
+#define LIN_CLAIMS 8
 
 typedef struct {
     const void *x, *w, *b; /* float32, or bfloat16 (uint16_t) where bf */
@@ -278,10 +288,11 @@ static struct {
     int started;               /* workers running in this process */
     pid_t pid;                 /* the process that started them */
     _Atomic uint64_t gen;      /* calls posted */
-    _Atomic int pending;       /* workers not yet done with the current call */
-    kv_job_fn fn;              /* the current call: fn(arg, id, nt) on each of its nt threads */
+    _Atomic uint64_t join;     /* the current call: its number (gen) above bit 8, LIN_CLOSED, the workers joined */
+    _Atomic int done;          /* joined workers done with the current call */
+    kv_job_fn fn;              /* the current call: fn(arg, id, nt) on each thread that joins it (id 0: the caller) */
     void *arg;
-    int nt;
+    _Atomic int nt;            /* the most threads the current call takes, the caller's included */
     unsigned csr;              /* the caller's MXCSR (denormals, rounding): every thread of a call rounds alike */
 } lin_pool = {.call = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
 
@@ -322,6 +333,18 @@ int64_t kv_pool_spin(int64_t ns) {
  * process started. */
 int64_t kv_pool_preempted(void) { return atomic_load_explicit(&lin_preempted, memory_order_relaxed); }
 
+/* Whether a call's work goes to the threads that are running (1, the default: a job takes its work from a shared
+ * counter and the caller does not wait for a worker that has not joined) or in fixed shares to every thread, each
+ * waited for (0: the rule before, kept to measure the two in one process). Set where on >= 0; returns the rule in
+ * force. Any rule gives the same bits: it only decides who computes what. */
+static _Atomic int lin_balance = 1;
+static _Atomic int64_t lin_joins = 0; /* how many times a worker joined a call (kv_pool_joins) */
+int64_t kv_pool_joins(void) { return atomic_load_explicit(&lin_joins, memory_order_relaxed); }
+int kv_pool_balance(int on) {
+    if (on >= 0) atomic_store_explicit(&lin_balance, on ? 1 : 0, memory_order_relaxed);
+    return atomic_load_explicit(&lin_balance, memory_order_relaxed);
+}
+
 static void *lin_worker(void *p) {
     const lin_worker_arg w = *(lin_worker_arg *)p;
     free(p);
@@ -355,10 +378,25 @@ static void *lin_worker(void *p) {
             g = atomic_load_explicit(&lin_pool.gen, memory_order_acquire);
         }
         seen = g;
-        const int nt = lin_pool.nt;
+        /* Join call g while it is open and short of its threads; a call already closed (its caller took the rest of
+         * its work) or already followed by the next is left alone, its arguments maybe gone. */
+        uint64_t s = atomic_load_explicit(&lin_pool.join, memory_order_acquire);
+        int id = 0;
+        while (s >> 8 == (g & LIN_GEN_MASK) && !(s & LIN_CLOSED)) {
+            const int nt = atomic_load_explicit(&lin_pool.nt, memory_order_relaxed); /* (checked by the exchange) */
+            if ((int)(s & LIN_JOINED) + 1 >= nt) break;
+            if (atomic_compare_exchange_weak_explicit(&lin_pool.join, &s, s + 1, memory_order_acq_rel,
+                                                      memory_order_acquire)) {
+                id = (int)(s & LIN_JOINED) + 1;
+                break;
+            }
+        }
+        if (!id) continue;
+        atomic_fetch_add_explicit(&lin_joins, 1, memory_order_relaxed);
+        /* joined: the caller waits for this worker, so the call's fn and arg stay valid until done counts it */
         if (_mm_getcsr() != lin_pool.csr) _mm_setcsr(lin_pool.csr);
-        if (w.id < nt) lin_pool.fn(lin_pool.arg, w.id, nt);
-        atomic_fetch_sub_explicit(&lin_pool.pending, 1, memory_order_acq_rel);
+        lin_pool.fn(lin_pool.arg, id, atomic_load_explicit(&lin_pool.nt, memory_order_relaxed));
+        atomic_fetch_add_explicit(&lin_pool.done, 1, memory_order_release);
     }
     return 0;
 }
@@ -382,7 +420,8 @@ static int lin_workers(int want) {
         pthread_cond_init(&lin_pool.cv, 0); /* (no waiter here: the parent's workers are not in this process) */
         lin_pool.started = 0;
         lin_pool.pid = getpid();
-        atomic_store(&lin_pool.pending, 0);
+        atomic_store(&lin_pool.join, LIN_CLOSED);
+        atomic_store(&lin_pool.done, 0);
     }
     if (want > LIN_MAX_WORKERS + 1) want = LIN_MAX_WORKERS + 1;
     if (lin_pool.started + 1 < want) {
@@ -410,23 +449,34 @@ static int lin_workers(int want) {
     return lin_pool.started + 1 < want ? lin_pool.started + 1 : want;
 }
 
-/* fn on up to nt threads (the caller and nt - 1 workers; the caller alone where another call holds the workers or
- * none start); returns the threads it ran on. */
-static int lin_pool_run(kv_job_fn fn, void *arg, int nt) {
+/* fn on up to nt threads: the caller and the workers that join before it closes the call (the caller alone where
+ * another call holds the workers or none start); returns the most threads it could have run on. With balance
+ * (kv_pool_balance) the caller closes the call when its own fn returns, which a job that takes its work from a
+ * shared counter does only when no work is left, and waits for the workers that joined to finish theirs; a worker
+ * that wakes late (asleep, or descheduled by another process on a shared machine) no longer holds the call up.
+ * Without balance the caller waits until nt - 1 workers have joined (each thread its fixed share: the rule before). */
+static int lin_pool_run(kv_job_fn fn, void *arg, int nt, int balance) {
     if (nt > 1 && pthread_mutex_trylock(&lin_pool.call) == 0) {
         nt = lin_workers(nt);
         if (nt > 1) {
             lin_pool.fn = fn;
             lin_pool.arg = arg;
-            lin_pool.nt = nt;
             lin_pool.csr = _mm_getcsr();
-            atomic_store_explicit(&lin_pool.pending, lin_pool.started, memory_order_relaxed);
+            atomic_store_explicit(&lin_pool.nt, nt, memory_order_relaxed);
+            atomic_store_explicit(&lin_pool.done, 0, memory_order_relaxed);
+            const uint64_t g = atomic_load_explicit(&lin_pool.gen, memory_order_relaxed) + 1;
+            atomic_store_explicit(&lin_pool.join, (g & LIN_GEN_MASK) << 8, memory_order_release);
             pthread_mutex_lock(&lin_pool.mu);
-            atomic_fetch_add_explicit(&lin_pool.gen, 1, memory_order_release);
+            atomic_store_explicit(&lin_pool.gen, g, memory_order_release);
             pthread_cond_broadcast(&lin_pool.cv);
             pthread_mutex_unlock(&lin_pool.mu);
             fn(arg, 0, nt);
-            while (atomic_load_explicit(&lin_pool.pending, memory_order_acquire) > 0) _mm_pause();
+            if (!balance)
+                while ((atomic_load_explicit(&lin_pool.join, memory_order_acquire) & LIN_JOINED) + 1 < (uint64_t)nt)
+                    _mm_pause();
+            const int joined =
+                (int)(atomic_fetch_or_explicit(&lin_pool.join, LIN_CLOSED, memory_order_acq_rel) & LIN_JOINED);
+            while (atomic_load_explicit(&lin_pool.done, memory_order_acquire) < joined) _mm_pause();
             pthread_mutex_unlock(&lin_pool.call);
             return nt;
         }
@@ -438,18 +488,30 @@ static int lin_pool_run(kv_job_fn fn, void *arg, int nt) {
 
 typedef struct {
     const lin_args *a;
-    int64_t nob;
+    int64_t nob, chunk;
+    _Atomic int64_t next; /* the next output block to take (balance) */
+    int fixed;            /* each thread its fixed share (no balance) */
 } lin_job;
 
-/* a thread's share of a product's output blocks */
+/* A thread's output blocks: chunks taken from the shared counter until none is left, or its fixed share. */
 static void lin_job_run(void *p, int id, int nt) {
-    const lin_job *j = p;
-    lin_range(j->a, j->nob * id / nt, j->nob * (id + 1) / nt);
+    lin_job *j = p;
+    if (j->fixed) {
+        lin_range(j->a, j->nob * id / nt, j->nob * (id + 1) / nt);
+        return;
+    }
+    for (;;) {
+        const int64_t b = atomic_fetch_add_explicit(&j->next, j->chunk, memory_order_relaxed);
+        if (b >= j->nob) break;
+        lin_range(j->a, b, b + j->chunk < j->nob ? b + j->chunk : j->nob);
+    }
 }
 
 static void lin_run(const lin_args *a, int64_t nob, int nt) {
-    lin_job j = {a, nob};
-    lin_pool_run(lin_job_run, &j, nt);
+    const int balance = atomic_load_explicit(&lin_balance, memory_order_relaxed);
+    int64_t chunk = nob / ((int64_t)LIN_CLAIMS * nt);
+    lin_job j = {a, nob, chunk < 1 ? 1 : chunk, 0, !balance};
+    lin_pool_run(lin_job_run, &j, nt, balance);
 }
 #endif
 
@@ -487,10 +549,12 @@ int kv_linear_bf16(const int64_t *args) {
 
 /* fn(arg, id, nt) on up to nt threads of this file's workers (kvslim_paged.c's attention uses them too: the same
  * bounded spin between calls, no OpenMP region to wake); the caller alone in a build without AVX2. Returns the
- * threads it ran on; fn must give the same results whatever that number. */
+ * most threads it could have run on: fn must take its work from a counter it shares with the other threads (any
+ * number of them may join, the caller's own call does all that is left) and give the same results whoever runs
+ * what. */
 int kv_pool_run(kv_job_fn fn, void *arg, int nt) {
 #ifdef LIN_LANES
-    return lin_pool_run(fn, arg, nt);
+    return lin_pool_run(fn, arg, nt, atomic_load_explicit(&lin_balance, memory_order_relaxed));
 #else
     (void)nt;
     fn(arg, 0, 1);
