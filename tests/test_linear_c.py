@@ -277,6 +277,14 @@ def _call(lib, x, w, b, threads=2):
     return y
 
 
+def test_the_c_call_takes_a_product_of_no_outputs_or_no_rows():
+    """kv_linear itself (kvslim.kernels.linear never calls it so) returns 0 and writes nothing for a product with no
+    outputs or no rows, on one thread or two."""
+    for threads in (1, 2):
+        assert _call(clib.library(), torch.randn(3, 64), torch.randn(0, 64), None, threads).shape == (3, 0)
+        assert _call(clib.library(), torch.randn(0, 64), torch.randn(5, 64), None, threads).shape == (0, 5)
+
+
 def test_the_avx2_build_keeps_the_same_contract(tmp_path):
     """The 8-lane build (an AVX2 machine's): torch's product to rounding, and a row's bits its own."""
     lib = _avx2_build(tmp_path)

@@ -26,9 +26,10 @@
  * the direct paged step, three times a layer; docs/performance.md, "How long the workers spin"). The threads take a
  * call's output blocks a chunk at a time from a shared counter, and the caller does not wait for a worker that has
  * not joined the call by the time the caller's own part has taken the last chunk: on a machine shared with other
- * work, a worker descheduled or still waking holds a call up by at most its chunk (kv_pool_balance; docs/
- * performance.md, "Work to whichever thread runs"). A call made while another holds the workers (two Python threads
- * at once) runs on its own thread alone. All give the same bits (above). A fork's child starts its own workers.
+ * work, a worker still asleep or waking does not hold a call up (one descheduled after it joined still does, while
+ * it is off its CPU; kv_pool_balance; docs/performance.md, "Work to whichever thread runs"). A call made while
+ * another holds the workers (two Python threads at once) runs on its own thread alone. All give the same bits
+ * (above). A fork's child starts its own workers.
  * kvslim_paged.c's attention runs its tasks on the same workers (kv_pool_run, at the end of this file), so a step's
  * products and attention calls keep the same threads awake.
  *
@@ -46,6 +47,7 @@
  */
 #define _GNU_SOURCE
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -82,9 +84,10 @@
 #define LIN_GEN_MASK ((UINT64_C(1) << 56) - 1)
 #define LIN_CLOSED UINT64_C(0x80)
 #define LIN_JOINED UINT64_C(0x7f)
-/* A product's output blocks are taken about this many chunks a thread (a chunk at a time from a shared counter): a
- * thread descheduled mid-call holds up at most its chunk, and a few hundred atomic adds a step cost nothing. */
+/* A product's output blocks are taken about this many chunks a thread (a chunk at a time from a shared counter): the
+ * threads that run share the work whatever their number, and a few hundred atomic adds a step cost nothing. */
 #define LIN_CLAIMS 8
+#define LIN_WAIT_PAUSES 400
 
 typedef struct {
     const void *x, *w, *b; /* float32, or bfloat16 (uint16_t) where bf */
@@ -303,7 +306,6 @@ static int64_t lin_now_ns(void) {
 }
 
 typedef struct {
-    int id;
     uint64_t seen;
 } lin_worker_arg;
 
@@ -435,7 +437,6 @@ static int lin_workers(int want) {
             lin_worker_arg *arg = malloc(sizeof *arg);
             pthread_t t;
             if (!arg) break;
-            arg->id = lin_pool.started + 1;
             arg->seen = atomic_load(&lin_pool.gen);
             if (pthread_create(&t, &attr, lin_worker, arg) != 0) {
                 free(arg);
@@ -447,6 +448,16 @@ static int lin_workers(int want) {
         pthread_sigmask(SIG_SETMASK, &old, 0);
     }
     return lin_pool.started + 1 < want ? lin_pool.started + 1 : want;
+}
+
+/* A caller's i-th turn waiting for its workers: a pause, then, past LIN_WAIT_PAUSES turns (~20 us), the CPU given up
+ * where it may yield (with balance: a worker it waits for may want the CPU, on a machine shared with other work or
+ * with fewer CPUs than threads; without, the caller spins as it did before). */
+static inline void lin_wait_turn(int i, int may_yield) {
+    if (i < LIN_WAIT_PAUSES || !may_yield)
+        _mm_pause();
+    else
+        sched_yield();
 }
 
 /* fn on up to nt threads: the caller and the workers that join before it closes the call (the caller alone where
@@ -471,12 +482,14 @@ static int lin_pool_run(kv_job_fn fn, void *arg, int nt, int balance) {
             pthread_cond_broadcast(&lin_pool.cv);
             pthread_mutex_unlock(&lin_pool.mu);
             fn(arg, 0, nt);
-            if (!balance)
-                while ((atomic_load_explicit(&lin_pool.join, memory_order_acquire) & LIN_JOINED) + 1 < (uint64_t)nt)
-                    _mm_pause();
+            if (!balance) /* every worker joins: each thread runs its fixed share */
+                for (int i = 0; (atomic_load_explicit(&lin_pool.join, memory_order_acquire) & LIN_JOINED) + 1 <
+                                (uint64_t)nt;
+                     i++)
+                    lin_wait_turn(i, 0);
             const int joined =
                 (int)(atomic_fetch_or_explicit(&lin_pool.join, LIN_CLOSED, memory_order_acq_rel) & LIN_JOINED);
-            while (atomic_load_explicit(&lin_pool.done, memory_order_acquire) < joined) _mm_pause();
+            for (int i = 0; atomic_load_explicit(&lin_pool.done, memory_order_acquire) < joined; i++) lin_wait_turn(i, balance);
             pthread_mutex_unlock(&lin_pool.call);
             return nt;
         }
@@ -510,7 +523,8 @@ static void lin_job_run(void *p, int id, int nt) {
 static void lin_run(const lin_args *a, int64_t nob, int nt) {
     const int balance = atomic_load_explicit(&lin_balance, memory_order_relaxed);
     int64_t chunk = nob / ((int64_t)LIN_CLAIMS * nt);
-    lin_job j = {a, nob, chunk < 1 ? 1 : chunk, 0, !balance};
+    lin_job j = {.a = a, .nob = nob, .chunk = chunk < 1 ? 1 : chunk, .fixed = !balance};
+    atomic_init(&j.next, 0);
     lin_pool_run(lin_job_run, &j, nt, balance);
 }
 #endif
@@ -524,6 +538,7 @@ static int lin_call(const int64_t *args, int bf) {
         .b = (const void *)(intptr_t)args[7], .y = (void *)(intptr_t)args[8], .ys = args[9], .bf = bf,
     };
     const int64_t nob = (a.O + LIN_OT - 1) / LIN_OT;
+    if (nob <= 0 || a.R <= 0) return 0; /* no outputs */
     int64_t nt = args[10];
     if (nt < 1 || a.R * a.O * a.I < LIN_MIN_PARALLEL) nt = 1;
     if (nt > nob) nt = nob;
