@@ -489,7 +489,8 @@ static int lin_pool_run(kv_job_fn fn, void *arg, int nt, int balance) {
                     lin_wait_turn(i, 0);
             const int joined =
                 (int)(atomic_fetch_or_explicit(&lin_pool.join, LIN_CLOSED, memory_order_acq_rel) & LIN_JOINED);
-            for (int i = 0; atomic_load_explicit(&lin_pool.done, memory_order_acquire) < joined; i++) lin_wait_turn(i, balance);
+            for (int i = 0; atomic_load_explicit(&lin_pool.done, memory_order_acquire) < joined; i++)
+                lin_wait_turn(i, balance);
             pthread_mutex_unlock(&lin_pool.call);
             return nt;
         }
