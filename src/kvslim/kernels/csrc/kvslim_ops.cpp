@@ -121,7 +121,8 @@ bool fits(const at::Tensor &x, const int64_t *form) {
 
 int64_t address(const at::Tensor &x) { return reinterpret_cast<int64_t>(x.data_ptr()); }
 
-// StepCalls.run's four calls for one layer (q, k, v float32: a half model's widened); false (the Python op then runs the layer) wherever it would not make them.
+// StepCalls.run's four calls for one layer (q, k, v float32: a half model's widened); false (the Python op then
+// runs the layer) wherever it would not make them.
 bool attend_fast(const Step &s, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, int64_t layer,
                  double scale, at::Tensor &out) {
   if (scale != as_double(s[F_SCALE]) || layer < 0 || layer >= s[F_LAYERS] || !fits(q, &s[F_FORMS]) ||
